@@ -1,0 +1,6 @@
+"""ddp_ft: QLoRA fine-tuning on one or many GPUs through BucketedDDP, a bucketed, overlapped DDP."""
+
+from .ddp import BucketedDDP, CommStats
+
+__version__ = "0.1.0"
+__all__ = ["BucketedDDP", "CommStats", "__version__"]

@@ -1,0 +1,132 @@
+"""Communication hooks for BucketedDDP, with torch DDP's shape: ``hook(state, bucket) -> Future[Tensor]``.
+
+``state`` is the process group (or None for the default group), ``bucket`` a :class:`GradBucket`
+offering the methods torch's ``dist.GradBucket`` offers (``buffer()``, ``index()``, ``is_last()``,
+``gradients()``, ``parameters()``, ``set_buffer()``), so hooks written for torch DDP, such as
+``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, work unchanged. The
+future's value is the averaged flat gradient; BucketedDDP copies it into the bucket if it is another
+tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+
+CommHook = Callable[[object, "GradBucket"], torch.futures.Future]
+
+
+class GradBucket:
+    """One bucket as a comm hook sees it: a flat gradient buffer and the parameters it holds.
+
+    Args:
+        index (int): launch-order index.
+        buffer (torch.Tensor): the flat gradient buffer.
+        parameters (list[torch.Tensor]): the parameters laid out in the buffer, in buffer order.
+        views (list[torch.Tensor]): each parameter's gradient as a view into ``buffer``.
+        is_last (bool): whether this is the last bucket launched in a backward.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        buffer: torch.Tensor,
+        parameters: list[torch.Tensor],
+        views: list[torch.Tensor],
+        is_last: bool,
+    ) -> None:
+        self._index = index
+        self._buffer = buffer
+        self._parameters = parameters
+        self._views = views
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+
+def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average the bucket across ranks (the default).
+
+    NCCL averages natively (``ReduceOp.AVG``). gloo has no AVG: a 32/64-bit buffer is summed, then
+    divided (the more accurate order); a 16-bit buffer is divided first so the sum cannot overflow.
+    """
+    group = _group(process_group)
+    world_size = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    if dist.get_backend(group) == "nccl":
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    if buffer.element_size() <= 2:
+        buffer.div_(world_size)
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(world_size))
+
+
+def _compress_hook(dtype: torch.dtype) -> CommHook:
+    def hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+        group = _group(process_group)
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        work = dist.all_reduce(compressed, group=group, async_op=True)
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            return buffer.copy_(fut.value()[0])
+
+        return work.get_future().then(decompress)
+
+    hook.wire_dtype = dtype
+    return hook
+
+
+bf16_compress_hook = _compress_hook(torch.bfloat16)
+bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
+bf16_compress_hook.__doc__ = "Average in bfloat16: half the bytes on the wire, bf16 precision (8 bits of mantissa)."
+
+fp16_compress_hook = _compress_hook(torch.float16)
+fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
+fp16_compress_hook.__doc__ = "Average in float16: half the bytes on the wire; divides before the sum against overflow."
+
+COMM_HOOKS: dict[str, CommHook] = {
+    "allreduce": allreduce_hook,
+    "bf16": bf16_compress_hook,
+    "fp16": fp16_compress_hook,
+}
+"""Built-in hooks by the name settings use (``comm_hook: bf16``)."""
+
+
+def wire_dtype(hook: CommHook, buffer_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a hook sends, for byte counting: its ``wire_dtype`` if it declares one, torch's own
+    compress hooks recognised, else the buffer's dtype."""
+    declared = getattr(hook, "wire_dtype", None)
+    if declared is not None:
+        return declared
+    if hook is torch_hooks.bf16_compress_hook:
+        return torch.bfloat16
+    if hook is torch_hooks.fp16_compress_hook:
+        return torch.float16
+    return buffer_dtype

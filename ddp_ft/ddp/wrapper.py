@@ -1,0 +1,491 @@
+"""BucketedDDP: data-parallel training with fixed gradient buckets whose all-reduces overlap backward."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from .buckets import ParamSpec, compute_bucket_assignment, describe_layout, first_layout_difference
+from .comm_hooks import CommHook, GradBucket, allreduce_hook, wire_dtype
+from .stats import CommStats, Measurement, elapsed_ms, start_timer, stop_timer
+
+logger = logging.getLogger(__name__)
+
+_REENTRANT_HINT = (
+    "If the model uses gradient checkpointing, enable it non-reentrant: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
+)
+
+
+class _Bucket:
+    """Runtime state of one bucket: its flat buffer, the gradient views into it, and readiness."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int], last: bool):
+        self.buffer = buffer
+        self.params = params
+        self.views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
+        self.grad_bucket = GradBucket(index, buffer, params, self.views, last)
+        self.pending = len(params)
+        self.future: torch.futures.Future | None = None
+
+
+class _BackwardStart(torch.autograd.Function):
+    """Identity on the wrapper's outputs whose backward runs first in the outermost backward pass.
+
+    Its backward queues BucketedDDP's finalizer on the autograd engine, so the final wait for the
+    all-reduces runs when the whole (outermost) backward is done, also when reentrant checkpointing runs
+    nested backward passes whose own end would be too early.
+    """
+
+    @staticmethod
+    def forward(ctx, on_backward_start, *tensors):
+        ctx.on_backward_start = on_backward_start
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.on_backward_start()
+        return (None, *grads)
+
+
+class BucketedDDP(nn.Module):
+    """Data parallelism with fixed gradient buckets whose all-reduces overlap the rest of backward.
+
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` where the knobs mean the same thing,
+    written for parameter-efficient fine-tuning: only trainable parameters are bucketed, broadcast and
+    reduced; a frozen (e.g. 4-bit) base is left alone and only checksummed.
+
+    Guarantees:
+        * Layout. Trainable parameters are split into buckets in reverse registration order (the order
+          backward produces gradients), by dtype and device: a pure function of the parameter list
+          (:func:`compute_bucket_assignment`), fixed for the life of the wrapper. At construction every
+          rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and checksums
+          of the frozen parameters; any difference raises on every rank naming the first differing
+          parameter, instead of a hang or a silent mis-reduction.
+        * Start state. Trainable parameters and buffers are broadcast from rank 0.
+        * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
+          is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
+          next forward re-attaches zeroed views.
+        * Equality. When ``loss.backward()`` returns, every gradient is the average over ranks, as with
+          torch DDP: no ``finish()`` call is needed, so HF Trainer and Accelerate work unchanged.
+
+    One synced backward, in phases:
+        1. ``forward`` arms the iteration and routes the outputs through ``_BackwardStart``.
+        2. Backward starts: the finalizer is queued on the autograd engine.
+        3. Each trainable parameter's post-accumulate-grad hook marks it ready. When a bucket's last
+           parameter is ready, it and every ready bucket after it are launched, strictly in index order
+           on every rank, as async all-reduces through the comm hook, while backward keeps computing.
+        4. The engine runs the finalizer after the last node: it launches what the unused-parameter
+           policy allows, waits for all futures (this wait is the exposed communication), and copies
+           results back where the hook returned a new tensor or grads are not bucket views.
+
+    Inside :meth:`no_sync` nothing is communicated: gradients accumulate locally (into the bucket
+    buffers when they are views) and the next synced backward reduces everything accumulated. As in
+    torch DDP, whether a backward syncs is decided by the forward that produced its graph.
+
+    Args:
+        module (nn.Module): the model; its trainable parameters are the ones with ``requires_grad``.
+        bucket_cap_mb (float): bucket size cap in MiB. Default: 25.
+        first_bucket_cap_mb (float): cap of the first bucket, kept small so communication starts early in
+            backward. Default: 1.
+        gradient_as_bucket_view (bool): make ``param.grad`` a view into the bucket buffer. Default: True.
+        find_unused_parameters (bool): if False, a trainable parameter without a gradient in a synced
+            backward is an error naming it; if True it is reduced as zero (plus whatever it accumulated
+            under ``no_sync``). Default: False.
+        broadcast_buffers (bool): broadcast the module's buffers from rank 0 before each synced forward.
+            Default: True.
+        process_group (ProcessGroup | None): group to reduce over. Default: the default group.
+
+    Raises:
+        RuntimeError: if no process group is initialised, or the layout or frozen weights differ across
+            ranks.
+        ValueError: if the module has no trainable parameters or a cap is not positive.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "BucketedDDP needs an initialised process group: call ddp_ft.distributed.init_distributed() "
+                "(or torch.distributed.init_process_group) under torchrun / accelerate launch first."
+            )
+        self.module = module
+        self.process_group = process_group
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("BucketedDDP: the module has no trainable parameters (none has requires_grad=True).")
+        self._names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        specs = [ParamSpec.of(name, p) for name, p in named]
+        self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
+        self._verify_across_ranks(specs)
+        self._broadcast_from_rank0([*self._params, *module.buffers()])
+
+        self._buckets: list[_Bucket] = []
+        self._slot: list[tuple[int, int]] = [(-1, -1)] * len(self._params)  # param index -> (bucket, position)
+        for b in self._layout:
+            params = [self._params[i] for i in b.param_indices]
+            buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            self._buckets.append(_Bucket(b.index, buffer, params, list(b.offsets), b.index == len(self._layout) - 1))
+            for pos, i in enumerate(b.param_indices):
+                self._slot[i] = (b.index, pos)
+        if gradient_as_bucket_view:
+            self._attach_grad_views()
+
+        self._comm_hook: CommHook = allreduce_hook
+        self._comm_state: object = process_group
+        self._hook_registered = False
+        self._device = self._buckets[0].buffer.device
+        # Counters of the latest backward and since the last pop; exposed waits are kept as measurements
+        # (CUDA events are read only when someone asks) and summed into the stats on read.
+        self._last_stats, self._last_waits = CommStats(), []
+        self._pending_stats, self._pending_waits = CommStats(), []
+
+        # Per-iteration state, reset by forward (see _prepare_for_backward).
+        self._armed = False
+        self._sync = False
+        self._finalizer_queued = False
+        self._ready = [False] * len(self._params)
+        self._next_launch = 0
+        self._any_backward = False
+
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            for i, p in enumerate(self._params)
+        ]
+        self._register_state_dict_hook(_strip_module_prefix)
+        self._register_load_state_dict_pre_hook(_add_module_prefix)
+        if self.rank == 0:
+            sizes = [f"{b.numel * self._buckets[b.index].buffer.element_size() / 2**20:.2f}" for b in self._layout]
+            logger.info(
+                "BucketedDDP: %d trainable tensors (%d elements) in %d buckets [MiB: %s], world size %d",
+                len(self._params), sum(p.numel() for p in self._params), len(self._layout), ", ".join(sizes),
+                self.world_size,
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ public API
+
+    def forward(self, *inputs, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self._prepare_for_backward(sync=self.require_backward_grad_sync)
+            if self.require_backward_grad_sync and self.broadcast_buffers:
+                self._broadcast_buffers()
+        output = self.module(*inputs, **kwargs)
+        if grad_enabled and self.require_backward_grad_sync:
+            output = self._route_through_backward_start(output)
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication for backward passes of forwards run inside this context.
+
+        Gradients accumulate locally; the first synced backward after it averages everything accumulated.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Replace the default averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
+
+        The future's value must be the averaged flat gradient of ``bucket.buffer()`` (the same tensor,
+        or another of its size, which is then copied back). Register once, before the first backward.
+
+        Args:
+            state (object): passed to the hook; for the built-in and torch's hooks, the process group or None.
+            hook (Callable): see :mod:`ddp_ft.ddp.comm_hooks` for ``allreduce_hook``, ``bf16_compress_hook``
+                and ``fp16_compress_hook``; torch's ``default_hooks`` work too.
+
+        Raises:
+            RuntimeError: if a hook is already registered or a backward already ran.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if self._hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once (a comm hook is already registered).")
+        if self._any_backward:
+            raise RuntimeError("register_comm_hook must be called before the first backward.")
+        self._comm_hook, self._comm_state, self._hook_registered = hook, state, True
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Elements per bucket, in launch order."""
+        return [b.numel for b in self._layout]
+
+    @property
+    def bucket_param_names(self) -> list[list[str]]:
+        """Names of the parameters in each bucket, in launch order and buffer order."""
+        return [[self._names[i] for i in b.param_indices] for b in self._layout]
+
+    def last_comm_stats(self) -> CommStats:
+        """Communication of the most recent backward (zero calls if it ran under ``no_sync``)."""
+        return _with_waits(self._last_stats, self._last_waits)
+
+    def pop_comm_stats(self) -> CommStats:
+        """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""
+        stats = _with_waits(self._pending_stats, self._pending_waits)
+        self._pending_stats, self._pending_waits = CommStats(), []
+        return stats
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def _verify_across_ranks(self, specs: list[ParamSpec]) -> None:
+        """All ranks must reduce the same parameters in the same buckets and hold the same frozen base."""
+        frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad and p.device.type != "meta"]
+        local = {
+            "layout": describe_layout(specs, self._layout),
+            "frozen": [(n, _byte_checksum(p)) for n, p in frozen],
+        }
+        gathered: list[dict | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, local, group=self.process_group)
+        reference = gathered[0]
+        for rank, other in enumerate(gathered[1:], start=1):
+            diff = first_layout_difference(reference["layout"], other["layout"], other_rank=rank)
+            if diff is not None:
+                raise RuntimeError(
+                    f"BucketedDDP: trainable parameters or buckets differ across ranks: {diff}. Every rank must "
+                    "build the same model with the same trainable parameters (same LoRA settings and target "
+                    "modules, same dtype) and the same bucket_cap_mb / first_bucket_cap_mb."
+                )
+            if reference["frozen"] != other["frozen"]:
+                for (name_ref, sum_ref), (name, checksum) in zip(reference["frozen"], other["frozen"], strict=False):
+                    if (name_ref, sum_ref) != (name, checksum):
+                        raise RuntimeError(
+                            f"BucketedDDP: frozen parameter {name_ref!r} differs between rank 0 and rank {rank} "
+                            f"(byte checksum {sum_ref} vs {checksum} for {name!r}). Frozen weights are not broadcast; "
+                            "load the same base checkpoint on every rank (and seed any random initialisation)."
+                        )
+                raise RuntimeError(
+                    f"BucketedDDP: rank 0 has {len(reference['frozen'])} frozen parameters, rank {rank} "
+                    f"{len(other['frozen'])}. Every rank must load the same base model."
+                )
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in groups.values():
+                flat = _flatten_dense_tensors([t.detach() for t in group])
+                dist.broadcast(flat, src=src, group=self.process_group)
+                for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                    t.copy_(synced)
+
+    def _broadcast_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if buffers:
+            self._broadcast_from_rank0(buffers)
+
+    def _attach_grad_views(self) -> None:
+        """Make every ``param.grad`` its bucket view, zeroed where the gradient was None."""
+        with torch.no_grad():
+            for bucket in self._buckets:
+                for p, view in zip(bucket.params, bucket.views, strict=True):
+                    grad = p.grad
+                    if grad is None:
+                        view.zero_()
+                        p.grad = view
+                    elif grad.data_ptr() != view.data_ptr():
+                        view.copy_(grad)
+                        p.grad = view
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _prepare_for_backward(self, sync: bool) -> None:
+        if self._armed and self._sync and self._next_launch > 0:
+            # A previous synced backward failed half-way: drain its collectives so ranks stay aligned.
+            self._wait_launched()
+        self._armed = True
+        self._sync = sync
+        self._finalizer_queued = False
+        self._ready = [False] * len(self._params)
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.params)
+            bucket.future = None
+        self._last_stats, self._last_waits = CommStats(backwards=1, synced_backwards=int(sync)), []
+        self._pending_stats.backwards += 1
+        self._pending_stats.synced_backwards += int(sync)
+        if self.gradient_as_bucket_view:
+            self._attach_grad_views()
+
+    def _route_through_backward_start(self, output):
+        leaves, spec = pytree.tree_flatten(output)
+        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return output
+        routed = _BackwardStart.apply(self._queue_finalizer, *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, routed, strict=True):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _queue_finalizer(self) -> None:
+        if self._armed and self._sync and not self._finalizer_queued:
+            self._finalizer_queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+
+    def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: runs once ``param.grad`` holds this backward's gradient."""
+        self._any_backward = True
+        if not self._armed:
+            raise RuntimeError(
+                f"BucketedDDP: parameter {self._names[index]!r} got a gradient from a backward that did not "
+                "follow a forward through the wrapper: call the BucketedDDP model (not .module), once per "
+                "backward; for gradient accumulation run the micro-steps inside no_sync()."
+            )
+        if not self._sync:
+            return
+        if self._ready[index]:
+            raise RuntimeError(
+                f"BucketedDDP: parameter {self._names[index]!r} received its gradient twice in one backward, "
+                "after its bucket may already have been reduced; reducing it would double-count or miss part "
+                "of the gradient. A parameter reused across reentrant checkpointed segments, or two backward "
+                f"passes through one forward, do this. {_REENTRANT_HINT}"
+            )
+        if not self._finalizer_queued:  # backward did not start at the wrapper's outputs
+            self._queue_finalizer()
+        self._ready[index] = True
+        bucket_index, position = self._slot[index]
+        bucket = self._buckets[bucket_index]
+        view = bucket.views[position]
+        grad = param.grad
+        if grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        """Launch every consecutive ready bucket from the next unlaunched one: index order on all ranks."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            bucket = self._buckets[self._next_launch]
+            bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
+            nbytes = bucket.buffer.numel() * wire_dtype(self._comm_hook, bucket.buffer.dtype).itemsize
+            for stats in (self._last_stats, self._pending_stats):
+                stats.allreduce_calls += 1
+                stats.allreduce_bytes += nbytes
+            self._next_launch += 1
+
+    def _finalize_backward(self) -> None:
+        """Queued on the autograd engine: runs once the whole backward is done."""
+        if not (self._armed and self._sync):
+            return
+        token = start_timer(self._device)
+        if self._next_launch < len(self._buckets):
+            unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
+            if not self.find_unused_parameters:
+                self._wait_launched()
+                self._armed = False
+                shown = ", ".join(repr(n) for n in unready[:5]) + (" ..." if len(unready) > 5 else "")
+                raise RuntimeError(
+                    f"BucketedDDP: {len(unready)} trainable parameter(s) received no gradient in this backward: "
+                    f"{shown}. Freeze parameters that are not used (requires_grad=False) or pass "
+                    f"find_unused_parameters=True to reduce them as zero. {_REENTRANT_HINT}"
+                )
+            self._reduce_unused(unready)
+        for bucket in self._buckets:
+            result = bucket.future.wait()
+            if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(result.view_as(bucket.buffer))
+        wait = stop_timer(self._device, token)
+        self._last_waits.append(wait)
+        self._pending_waits.append(wait)
+        if not self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for bucket in self._buckets:
+                    for p, view in zip(bucket.params, bucket.views, strict=True):
+                        if p.grad is None:
+                            p.grad = view.clone()
+                        else:
+                            p.grad.copy_(view)
+        self._armed = False
+
+    def _reduce_unused(self, unready: list[str]) -> None:
+        """find_unused_parameters=True: contribute what unused parameters hold locally (zero if nothing)."""
+        with torch.no_grad():
+            for index, ready in enumerate(self._ready):
+                if ready:
+                    continue
+                bucket_index, position = self._slot[index]
+                bucket = self._buckets[bucket_index]
+                view, grad = bucket.views[position], self._params[index].grad
+                if grad is None:
+                    view.zero_()
+                elif grad.data_ptr() != view.data_ptr():
+                    view.copy_(grad)
+                self._ready[index] = True
+                bucket.pending -= 1
+        self._launch_ready_buckets()
+
+    def _wait_launched(self) -> None:
+        for bucket in self._buckets[: self._next_launch]:
+            if bucket.future is not None:
+                bucket.future.wait()
+                bucket.future = None
+        self._next_launch = 0
+
+
+
+def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
+    return CommStats(**{**vars(stats), "exposed_comm_ms": sum(elapsed_ms(w) for w in waits)})
+
+
+def _byte_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, int]:
+    """Exact checksum of a tensor's bytes: (sum, sum of squares), in chunks to bound temporary memory."""
+    data = t.detach().reshape(-1).contiguous().view(torch.uint8)
+    total = squares = 0
+    for part in data.split(chunk):
+        wide = part.to(torch.int32)
+        total += int(wide.sum(dtype=torch.int64))
+        squares += int((wide * wide).sum(dtype=torch.int64))
+    return total, squares
+
+
+def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """The wrapper's state_dict is the wrapped module's: no ``module.`` prefix in saved keys."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _add_module_prefix(state_dict: dict, prefix: str, *args) -> None:
+    """Accept the unprefixed keys :func:`_strip_module_prefix` writes (and prefixed ones)."""
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)

@@ -1,0 +1,180 @@
+"""The QLoRA model: 4-bit NF4 base on this rank's device, LoRA adapters, non-reentrant checkpointing.
+
+Also builds the embedded default, a tiny Qwen3-architecture model with random weights, saved to disk
+and loaded back through the same ``from_pretrained`` path a hub model takes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class ModelSettings:
+    """Which base model to load and how."""
+
+    name_or_path: str = field(
+        default="Qwen/Qwen3-4B", metadata={"help": "Hub id or local folder of the base model (config + weights)."}
+    )
+    load_in_4bit: bool = field(default=True, metadata={"help": "Quantise the base to bitsandbytes NF4 (QLoRA)."})
+    double_quant: bool = field(default=True, metadata={"help": "NF4 double quantisation of the scales."})
+    compute_dtype: str = field(
+        default="bfloat16", metadata={"help": "Compute dtype of the 4-bit layers: bfloat16, float16 or float32."}
+    )
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
+    use_reentrant: bool = field(
+        default=False,
+        metadata={"help": "Reentrant checkpointing breaks DDP gradient hooks; keep False unless you know why."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in _DTYPES:
+            raise ValueError(f"ModelSettings.compute_dtype={self.compute_dtype!r}: choose one of {sorted(_DTYPES)}.")
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (peft ``LoraConfig``)."""
+
+    r: int = field(default=16, metadata={"help": "LoRA rank."})
+    alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    target_modules: str | list[str] = field(
+        default="all-linear", metadata={"help": "Modules to adapt: 'all-linear' or a list of module names."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"LoraSettings.r={self.r}: must be a positive integer.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSettings.dropout={self.dropout}: must be in [0, 1).")
+
+
+def tiny_qwen3_config(vocab_size: int, **overrides):
+    """A Qwen3-architecture config of a few million parameters: fast on a CPU, same code paths as Qwen3-4B."""
+    from transformers import Qwen3Config
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def build_tiny_qwen3(path: str | Path, vocab_size: int, seed: int = 0, **overrides) -> Path:
+    """Write a randomly initialised tiny Qwen3 model to ``path`` (config.json + safetensors), once.
+
+    Deterministic in ``seed``, so every rank (or a rank building it on its own) gets identical weights.
+
+    Returns:
+        Path: the folder, loadable with ``from_pretrained``.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(tiny_qwen3_config(vocab_size, **overrides))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def check_device_map(device_map: object, world_size: int) -> None:
+    """Refuse device maps that split one model across devices under data parallelism.
+
+    ``device_map="auto"`` (or any map naming several devices) turns each rank's model into a pipeline
+    over all GPUs: with DDP the ranks then fight over the same devices, hang or train on garbage.
+
+    Raises:
+        ValueError: naming the map and the fix, ``device_map={"": local_rank}``.
+    """
+    if world_size <= 1:
+        return
+    devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
+    if isinstance(device_map, str) or len(devices) != 1 or (isinstance(device_map, dict) and "" not in device_map):
+        raise ValueError(
+            f"device_map={device_map!r} under data parallelism (world size {world_size}) would split each "
+            "rank's model across devices. Use device_map={'': local_rank} so each rank holds a whole copy on "
+            "its own device."
+        )
+
+
+def load_qlora_model(
+    model: ModelSettings, lora: LoraSettings, device_map: dict[str, object], world_size: int = 1
+) -> torch.nn.Module:
+    """Load the base model (4-bit NF4 unless disabled) on this rank's device and add LoRA adapters.
+
+    Steps: ``from_pretrained`` with a BitsAndBytesConfig and ``device_map``; peft's
+    ``prepare_model_for_kbit_training`` (casts norms to fp32, enables input gradients, gradient
+    checkpointing non-reentrant unless configured otherwise); ``get_peft_model``.
+
+    Args:
+        model (ModelSettings): which base model and how to load it.
+        lora (LoraSettings): adapter settings.
+        device_map (dict): ``{"": local_rank}`` (or ``{"": "cpu"}``); anything splitting the model is refused.
+        world_size (int): for the device-map check.
+
+    Returns:
+        torch.nn.Module: a peft model whose trainable parameters are the LoRA weights.
+    """
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    check_device_map(device_map, world_size)
+    kwargs: dict = {"device_map": device_map, "dtype": model.torch_compute_dtype}
+    if model.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=model.double_quant,
+            bnb_4bit_compute_dtype=model.torch_compute_dtype,
+        )
+    base = AutoModelForCausalLM.from_pretrained(model.name_or_path, **kwargs)
+    base.config.use_cache = False
+    checkpointing = {"use_reentrant": model.use_reentrant}
+    if model.load_in_4bit:
+        base = prepare_model_for_kbit_training(
+            base, use_gradient_checkpointing=model.gradient_checkpointing, gradient_checkpointing_kwargs=checkpointing
+        )
+    elif model.gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        base.enable_input_require_grads()
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(base, config)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    logger.info("loaded %s (4-bit=%s), %d trainable LoRA parameters", model.name_or_path, model.load_in_4bit, trainable)
+    return peft_model

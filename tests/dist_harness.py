@@ -1,0 +1,86 @@
+"""Run a function on N real processes (gloo, CPU), as torch's and accelerate's multi-process tests do.
+
+Each test gets a fresh rendezvous file (no fixed port), a timeout, and on the first failing rank all
+ranks are killed and that rank's traceback is raised in the test.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, *args, world_size: int = 2, timeout: float = 240.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with a gloo group.
+
+    ``fn`` must be importable (module level). Returns each rank's return value, in rank order.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: the first failing rank's exception and traceback.
+        TimeoutError: if the ranks do not finish within ``timeout`` seconds (all are killed).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, init_file, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout:.0f} s")
+        except mp.ProcessExitedException as crash:
+            # A rank that dies in a collective because a peer raised is not the story: show the raiser.
+            time.sleep(1.0)
+            raised = sorted(Path(tmp).glob("rank*.err"))
+            if raised:
+                report = "\n".join(f"--- {p.stem} raised:\n{p.read_text()}" for p in raised)
+                raise RuntimeError(f"{fn.__name__} failed on {len(raised)} rank(s):\n{report}") from crash
+            raise
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def gather_tensors(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Every rank's copy of ``tensors`` (one flat list per rank), for cross-rank comparisons."""
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    shapes = [t.shape for t in tensors]
+    result = []
+    for f in out:
+        parts, offset = [], 0
+        for s in shapes:
+            n = int(torch.Size(s).numel())
+            parts.append(f[offset : offset + n].view(s))
+            offset += n
+        result.append(parts)
+    return result

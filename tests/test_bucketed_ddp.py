@@ -1,0 +1,284 @@
+"""BucketedDDP against torch DDP and a single process on the global batch: 2 real gloo processes."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.testing import assert_close
+
+from ddp_ft.ddp import BucketedDDP, bf16_compress_hook, fp16_compress_hook
+
+from .dist_harness import gather_tensors, run_distributed
+from .models import Net, local_slice, make_batch
+
+pytestmark = pytest.mark.distributed
+
+MB = 1024 * 1024
+CAPS = {
+    "one_param_per_bucket": (1e-9, 1e-9),
+    "a_few_buckets": (5000 / MB, 1000 / MB),
+    "one_bucket": (25.0, 25.0),
+}
+
+
+def assert_same_on_all_ranks(tensors):
+    copies = gather_tensors(tensors)
+    for rank_copy in copies[1:]:
+        for a, b in zip(copies[0], rank_copy, strict=True):
+            assert torch.equal(a, b), "parameters differ across ranks"
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def _against_references(rank, world_size, cap, first_cap, grad_view, steps=3):
+    torch.manual_seed(0)
+    reference = Net()
+    ours = BucketedDDP(
+        copy.deepcopy(reference), bucket_cap_mb=cap, first_bucket_cap_mb=first_cap, gradient_as_bucket_view=grad_view
+    )
+    theirs = TorchDDP(copy.deepcopy(reference))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs, reference)]
+    local = local_slice(rank, world_size)
+    n_trainable = sum(p.requires_grad for p in reference.parameters())
+    buckets = len(ours.bucket_sizes)
+    for step in range(steps):
+        x, y = make_batch(step)
+        for model in (ours, theirs):
+            torch.nn.functional.mse_loss(model(x[local]), y[local]).backward()
+        torch.nn.functional.mse_loss(reference(x), y).backward()  # one process, global batch
+
+        assert ours.last_comm_stats().allreduce_calls == buckets
+        for g_ours, g_torch, g_ref in zip(_grads(ours.module), _grads(theirs.module), _grads(reference), strict=True):
+            assert_close(g_ours, g_torch, rtol=1e-5, atol=1e-6)
+            assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+        if grad_view:
+            buffers = [b.buffer for b in ours._buckets]
+            for p in ours.module.parameters():
+                if p.requires_grad:
+                    assert any(
+                        buf.data_ptr() <= p.grad.data_ptr() < buf.data_ptr() + buf.numel() * buf.element_size()
+                        for buf in buffers
+                    ), "grad is not a view into its bucket"
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert_same_on_all_ranks(_params(ours.module))
+        for p_ours, p_ref in zip(_params(ours.module), _params(reference), strict=True):
+            assert_close(p_ours, p_ref, rtol=1e-5, atol=1e-6)
+    return {"buckets": buckets, "n_trainable": n_trainable}
+
+
+@pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
+@pytest.mark.parametrize("caps", CAPS.values(), ids=CAPS.keys())
+def test_gradients_equal_torch_ddp_and_single_process_over_steps(caps, grad_view):
+    results = run_distributed(_against_references, *caps, grad_view)
+    n_buckets, n_trainable = results[0]["buckets"], results[0]["n_trainable"]
+    if caps == CAPS["one_param_per_bucket"]:
+        assert n_buckets == n_trainable
+    elif caps == CAPS["one_bucket"]:
+        assert n_buckets == 1
+    else:
+        assert 1 < n_buckets < n_trainable
+
+
+def _no_sync_accumulation(rank, world_size, grad_view, micro_steps=3):
+    torch.manual_seed(0)
+    reference = Net()
+    ours = BucketedDDP(copy.deepcopy(reference), bucket_cap_mb=5000 / MB, first_bucket_cap_mb=1000 / MB,
+                       gradient_as_bucket_view=grad_view)  # fmt: skip
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, reference)]
+    local = local_slice(rank, world_size)
+    buckets = len(ours.bucket_sizes)
+    calls_per_backward = []
+    for step in range(2):
+        for micro in range(micro_steps):
+            x, y = make_batch(10 * step + micro)
+            last = micro == micro_steps - 1
+            if last:
+                torch.nn.functional.mse_loss(ours(x[local]), y[local]).backward()
+            else:
+                with ours.no_sync():
+                    torch.nn.functional.mse_loss(ours(x[local]), y[local]).backward()
+                copies = gather_tensors(_grads(ours.module))
+                assert any(not torch.equal(a, b) for a, b in zip(copies[0], copies[1], strict=True)), (
+                    "gradients agree across ranks inside no_sync: something communicated"
+                )
+            calls_per_backward.append(ours.last_comm_stats().allreduce_calls)
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+        step_stats = ours.pop_comm_stats()
+        assert step_stats.allreduce_calls == buckets and step_stats.backwards == micro_steps
+        assert_same_on_all_ranks(_grads(ours.module))
+        for g_ours, g_ref in zip(_grads(ours.module), _grads(reference), strict=True):
+            assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return calls_per_backward, buckets
+
+
+@pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
+def test_no_sync_communicates_nothing_and_synced_step_reduces_the_accumulation(grad_view):
+    calls, buckets = run_distributed(_no_sync_accumulation, grad_view)[0]
+    assert calls == [0, 0, buckets, 0, 0, buckets]
+
+
+def _unused_parameter(rank, world_size, find_unused):
+    torch.manual_seed(0)
+    model = BucketedDDP(Net(unused_branch=True), find_unused_parameters=find_unused)
+    x, y = make_batch(0)
+    local = local_slice(rank, world_size)
+    try:
+        torch.nn.functional.mse_loss(model(x[local]), y[local]).backward()
+    except RuntimeError as error:
+        return str(error)
+    grads = {n: p.grad for n, p in model.module.named_parameters() if p.requires_grad}
+    assert torch.count_nonzero(grads["unused.weight"]) == 0 and torch.count_nonzero(grads["unused.bias"]) == 0
+    assert_same_on_all_ranks(list(grads.values()))
+    # training continues: the next backward uses the branch and it is reduced as usual
+    model.module.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(model(x[local], use_unused=True), y[local]).backward()
+    assert torch.count_nonzero(model.module.unused.weight.grad) > 0
+    return None
+
+
+def test_unused_parameter_is_an_error_naming_it_on_every_rank():
+    for message in run_distributed(_unused_parameter, False):
+        assert message is not None and "'unused.weight'" in message and "find_unused_parameters=True" in message
+
+
+def test_unused_parameter_is_reduced_as_zero_with_find_unused_parameters():
+    assert run_distributed(_unused_parameter, True) == [None, None]
+
+
+def _used_on_one_rank_only(rank, world_size):
+    torch.manual_seed(0)
+    reference = Net(unused_branch=True)
+    ours = BucketedDDP(copy.deepcopy(reference), find_unused_parameters=True)
+    theirs = TorchDDP(copy.deepcopy(reference), find_unused_parameters=True)
+    x, y = make_batch(0)
+    local = local_slice(rank, world_size)
+    for model in (ours, theirs):
+        torch.nn.functional.mse_loss(model(x[local], use_unused=rank == 0), y[local]).backward()
+    for (name, p_ours), p_torch in zip(ours.module.named_parameters(), theirs.module.parameters(), strict=True):
+        if p_ours.requires_grad:
+            assert_close(p_ours.grad, p_torch.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_parameter_used_on_one_rank_only_matches_torch_ddp():
+    run_distributed(_used_on_one_rank_only)
+
+
+def _mismatch(rank, world_size, kind):
+    torch.manual_seed(0)
+    model = Net(hidden=32 if rank == 0 or kind != "shape" else 48)
+    if kind == "extra_trainable" and rank == 1:
+        model.frozen.requires_grad_(True)
+    if kind == "frozen_weights" and rank == 1:
+        with torch.no_grad():
+            model.frozen.weight.add_(1.0)
+    cap = 1e-9 if kind == "bucket_cap" and rank == 1 else 25.0
+    try:
+        BucketedDDP(model, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        ("shape", "'embed.weight'"),
+        ("extra_trainable", "'frozen.weight'"),
+        ("frozen_weights", "'frozen.weight'"),
+        ("bucket_cap", "bucket 0"),
+    ],
+)
+def test_mismatched_models_raise_on_every_rank_naming_the_difference(kind, expected):
+    messages = run_distributed(_mismatch, kind, timeout=60)
+    for message in messages:
+        assert message is not None and expected in message, message
+
+
+def _compressed(rank, world_size, hook_name):
+    hooks = {
+        "bf16": (bf16_compress_hook, None, 1e-2),
+        "fp16": (fp16_compress_hook, None, 2e-3),
+        "torch_allreduce": (torch_hooks.allreduce_hook, None, 1e-6),
+        "torch_bf16": (torch_hooks.bf16_compress_hook, None, 1e-2),
+    }
+    hook, state, tol = hooks[hook_name]
+    torch.manual_seed(0)
+    reference = Net()
+    ours = BucketedDDP(copy.deepcopy(reference), bucket_cap_mb=5000 / MB, first_bucket_cap_mb=1000 / MB)
+    ours.register_comm_hook(state, hook)
+    local = local_slice(rank, world_size)
+    for step in range(2):
+        x, y = make_batch(step)
+        torch.nn.functional.mse_loss(ours(x[local]), y[local]).backward()
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        assert_same_on_all_ranks(_grads(ours.module))
+        for g_ours, g_ref in zip(_grads(ours.module), _grads(reference), strict=True):
+            assert_close(g_ours, g_ref, rtol=tol, atol=tol * g_ref.abs().max().item())
+        stats = ours.last_comm_stats()
+        for m in (ours.module, reference):
+            m.zero_grad(set_to_none=True)
+    return stats.allreduce_bytes, sum(b * 4 for b in ours.bucket_sizes)
+
+
+@pytest.mark.parametrize("hook_name", ["bf16", "fp16", "torch_allreduce", "torch_bf16"])
+def test_comm_hooks_stay_within_their_precision_of_the_reference(hook_name):
+    wire_bytes, fp32_bytes = run_distributed(_compressed, hook_name)[0]
+    assert wire_bytes == (fp32_bytes if hook_name == "torch_allreduce" else fp32_bytes // 2)
+
+
+def _state_dict_and_errors(rank, world_size):
+    torch.manual_seed(0)
+    inner = Net()
+    model = BucketedDDP(inner)
+    assert model.module is inner
+    keys = list(model.state_dict())
+    assert keys == list(inner.state_dict()) and not any(k.startswith("module.") for k in keys)
+    saved = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    model.load_state_dict(saved)
+    for k, v in inner.state_dict().items():
+        assert torch.equal(v, saved[k])
+    with pytest.raises(RuntimeError, match="only be called once"):
+        model.register_comm_hook(None, torch_hooks.allreduce_hook)
+        model.register_comm_hook(None, torch_hooks.allreduce_hook)
+    # a backward through .module skips the wrapper: a clear error, not a silent unsynced step
+    model2 = BucketedDDP(Net())
+    x, y = make_batch(0)
+    with pytest.raises(RuntimeError, match="did not follow a forward through the wrapper"):
+        torch.nn.functional.mse_loss(model2.module(x), y).backward()
+
+
+def test_state_dict_has_no_module_prefix_and_misuse_is_reported():
+    run_distributed(_state_dict_and_errors)
+
+
+def _start_from_rank0(rank, world_size):
+    torch.manual_seed(0)  # same frozen weights; trainable weights and the buffer made to differ by rank
+    model = Net()
+    with torch.no_grad():
+        model.embed.weight.add_(rank)
+        model.scale.fill_(float(rank + 1))
+    ddp = BucketedDDP(model)
+    assert_same_on_all_ranks([p for p in model.parameters() if p.requires_grad] + [model.scale])
+    assert model.scale[0].item() == 1.0
+    model.scale.fill_(float(rank + 5))
+    ddp(torch.zeros(2, 16))  # a synced forward re-broadcasts buffers from rank 0
+    assert model.scale[0].item() == 5.0
+    assert dist.get_world_size() == world_size
+
+
+def test_trainable_parameters_and_buffers_start_from_rank_0():
+    run_distributed(_start_from_rank0)
