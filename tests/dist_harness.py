@@ -28,6 +28,7 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: st
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while a peer still has a collective in flight
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise

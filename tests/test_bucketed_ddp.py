@@ -282,3 +282,33 @@ def _start_from_rank0(rank, world_size):
 
 def test_trainable_parameters_and_buffers_start_from_rank_0():
     run_distributed(_start_from_rank0)
+
+
+class _SharedAcrossCheckpoints(torch.nn.Module):
+    """One layer applied in two reentrant checkpointed segments: its gradient arrives in two pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, x, use_reentrant=True)
+        h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        return self.head(h)
+
+
+def _gradient_in_two_pieces(rank, world_size):
+    torch.manual_seed(0)
+    model = BucketedDDP(_SharedAcrossCheckpoints(), bucket_cap_mb=1e-9, first_bucket_cap_mb=1e-9)
+    x, y = make_batch(0)
+    local = local_slice(rank, world_size)
+    with pytest.raises(RuntimeError, match="twice in one backward") as error:
+        torch.nn.functional.mse_loss(model(x[local].requires_grad_()), y[local]).backward()
+    assert "use_reentrant" in str(error.value) and "'shared." in str(error.value)
+
+
+def test_gradient_arriving_twice_under_reentrant_checkpointing_is_an_error_not_a_double_count():
+    run_distributed(_gradient_in_two_pieces)

@@ -326,7 +326,7 @@ class BucketedDDP(nn.Module):
 
     def _prepare_for_backward(self, sync: bool) -> None:
         if self._armed and self._sync and self._next_launch > 0:
-            # A previous synced backward failed half-way: drain its collectives so ranks stay aligned.
+            # The previous synced backward stopped half-way (an exception elsewhere in it): drain its collectives.
             self._wait_launched()
         self._armed = True
         self._sync = sync
@@ -369,6 +369,7 @@ class BucketedDDP(nn.Module):
         if not self._sync:
             return
         if self._ready[index]:
+            self._abort_iteration()
             raise RuntimeError(
                 f"BucketedDDP: parameter {self._names[index]!r} received its gradient twice in one backward, "
                 "after its bucket may already have been reduced; reducing it would double-count or miss part "
@@ -410,8 +411,7 @@ class BucketedDDP(nn.Module):
         if self._next_launch < len(self._buckets):
             unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
             if not self.find_unused_parameters:
-                self._wait_launched()
-                self._armed = False
+                self._abort_iteration()
                 shown = ", ".join(repr(n) for n in unready[:5]) + (" ..." if len(unready) > 5 else "")
                 raise RuntimeError(
                     f"BucketedDDP: {len(unready)} trainable parameter(s) received no gradient in this backward: "
@@ -453,13 +453,18 @@ class BucketedDDP(nn.Module):
                 bucket.pending -= 1
         self._launch_ready_buckets()
 
+    def _abort_iteration(self) -> None:
+        """Before raising mid-backward: finish the collectives already launched (every rank launched the same
+        ones, in the same order) so no rank is left with work in flight, and disarm."""
+        self._wait_launched()
+        self._armed = False
+
     def _wait_launched(self) -> None:
         for bucket in self._buckets[: self._next_launch]:
             if bucket.future is not None:
                 bucket.future.wait()
                 bucket.future = None
         self._next_launch = 0
-
 
 
 def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
