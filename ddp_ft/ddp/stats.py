@@ -17,6 +17,8 @@ class CommStats:
         allreduce_bytes (int): bytes handed to the collective (after compression, if any).
         exposed_comm_ms (float): milliseconds backward spent waiting for communication after the last
             gradient was ready: the part of communication that did not overlap with compute.
+        comm_window_ms (float): milliseconds from the first all-reduce launch to the last completion, per
+            synced backward, summed (measured on CPU/gloo; 0 on CUDA, where completion is not host-visible).
         synced_backwards (int): backward passes that communicated.
         backwards (int): all backward passes, no_sync ones included.
     """
@@ -24,14 +26,25 @@ class CommStats:
     allreduce_calls: int = 0
     allreduce_bytes: int = 0
     exposed_comm_ms: float = 0.0
+    comm_window_ms: float = 0.0
     synced_backwards: int = 0
     backwards: int = 0
+
+    @property
+    def overlap(self) -> float | None:
+        """Fraction of the communication window hidden behind backward compute, or None if not measured."""
+        if self.comm_window_ms <= 0:
+            return None
+        return max(0.0, 1.0 - self.exposed_comm_ms / self.comm_window_ms)
 
     def __add__(self, other: CommStats) -> CommStats:
         return CommStats(**{k: getattr(self, k) + getattr(other, k) for k in asdict(self)})
 
     def as_dict(self, prefix: str = "comm/") -> dict[str, float]:
-        return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+        values = {f"{prefix}{k}": v for k, v in asdict(self).items()}
+        if self.overlap is not None:
+            values[f"{prefix}overlap"] = self.overlap
+        return values
 
 
 Measurement = float | tuple  # milliseconds (CPU) or a pair of recorded CUDA events, read lazily

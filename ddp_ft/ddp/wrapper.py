@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -33,6 +34,7 @@ class _Bucket:
         self.buffer = buffer
         self.params = params
         self.views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
+        self.view_ptrs = [v.data_ptr() for v in self.views]
         self.grad_bucket = GradBucket(index, buffer, params, self.views, last)
         self.pending = len(params)
         self.future: torch.futures.Future | None = None
@@ -145,7 +147,8 @@ class BucketedDDP(nn.Module):
         specs = [ParamSpec.of(name, p) for name, p in named]
         self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
         self._verify_across_ranks(specs)
-        self._broadcast_from_rank0([*self._params, *module.buffers()])
+        self._module_buffers = list(module.buffers())  # fixed at construction, as torch DDP's modules_buffers
+        self._broadcast_from_rank0([*self._params, *self._module_buffers])
 
         self._buckets: list[_Bucket] = []
         self._slot: list[tuple[int, int]] = [(-1, -1)] * len(self._params)  # param index -> (bucket, position)
@@ -174,6 +177,7 @@ class BucketedDDP(nn.Module):
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         self._any_backward = False
+        self._window_start = self._window_end = 0.0
 
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
@@ -305,20 +309,27 @@ class BucketedDDP(nn.Module):
                     t.copy_(synced)
 
     def _broadcast_buffers(self) -> None:
-        buffers = list(self.module.buffers())
-        if buffers:
-            self._broadcast_from_rank0(buffers)
+        if self._module_buffers:
+            self._broadcast_from_rank0(self._module_buffers)
 
     def _attach_grad_views(self) -> None:
-        """Make every ``param.grad`` its bucket view, zeroed where the gradient was None."""
+        """Make every ``param.grad`` its bucket view, zeroed where the gradient was None.
+
+        Runs every forward: after ``zero_grad(set_to_none=True)`` a whole bucket is zeroed in one op.
+        """
         with torch.no_grad():
             for bucket in self._buckets:
-                for p, view in zip(bucket.params, bucket.views, strict=True):
-                    grad = p.grad
+                grads = [p.grad for p in bucket.params]
+                if all(g is None for g in grads):
+                    bucket.buffer.zero_()
+                    for p, view in zip(bucket.params, bucket.views, strict=True):
+                        p.grad = view
+                    continue
+                for p, grad, view, ptr in zip(bucket.params, grads, bucket.views, bucket.view_ptrs, strict=True):
                     if grad is None:
                         view.zero_()
                         p.grad = view
-                    elif grad.data_ptr() != view.data_ptr():
+                    elif grad.data_ptr() != ptr:
                         view.copy_(grad)
                         p.grad = view
 
@@ -381,9 +392,9 @@ class BucketedDDP(nn.Module):
         self._ready[index] = True
         bucket_index, position = self._slot[index]
         bucket = self._buckets[bucket_index]
-        view = bucket.views[position]
         grad = param.grad
-        if grad.data_ptr() != view.data_ptr():
+        if grad.data_ptr() != bucket.view_ptrs[position]:
+            view = bucket.views[position]
             with torch.no_grad():
                 view.copy_(grad)
             if self.gradient_as_bucket_view:
@@ -396,12 +407,21 @@ class BucketedDDP(nn.Module):
         """Launch every consecutive ready bucket from the next unlaunched one: index order on all ranks."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
+            future = self._comm_hook(self._comm_state, bucket.grad_bucket)
+            if self._device.type == "cpu":  # stamp completion (runs on gloo's thread) for the comm window
+                if self._next_launch == 0:
+                    self._window_start = time.perf_counter()
+                future = future.then(self._stamp_completion)
+            bucket.future = future
             nbytes = bucket.buffer.numel() * wire_dtype(self._comm_hook, bucket.buffer.dtype).itemsize
             for stats in (self._last_stats, self._pending_stats):
                 stats.allreduce_calls += 1
                 stats.allreduce_bytes += nbytes
             self._next_launch += 1
+
+    def _stamp_completion(self, future: torch.futures.Future) -> object:
+        self._window_end = time.perf_counter()
+        return future.value()
 
     def _finalize_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward is done."""
@@ -426,6 +446,10 @@ class BucketedDDP(nn.Module):
         wait = stop_timer(self._device, token)
         self._last_waits.append(wait)
         self._pending_waits.append(wait)
+        if self._device.type == "cpu":
+            window_ms = (self._window_end - self._window_start) * 1e3
+            self._last_stats.comm_window_ms += window_ms
+            self._pending_stats.comm_window_ms += window_ms
         if not self.gradient_as_bucket_view:
             with torch.no_grad():
                 for bucket in self._buckets:

@@ -1,0 +1,187 @@
+"""Throughput of one process without DDP vs torch DDP vs BucketedDDP on the tiny Qwen3 QLoRA model.
+
+    torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
+
+Each rank is pinned to one CPU thread, the CPU analogue of one GPU per rank; the single-process baseline
+runs on rank 0 alone with the same one thread while rank 1 waits. Modes are repeated and interleaved
+(their order rotates every repeat) so drift on the machine hits all of them alike; the median repeat is
+reported. Every optimizer step accumulates ``--grad-accum`` micro-batches per rank, under ``no_sync``
+for all but the last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ddp_ft.ddp import BucketedDDP
+from ddp_ft.distributed import destroy_distributed, init_distributed
+from ddp_ft.model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
+
+MODES = ("single", "torch_ddp", "bucketed_ddp")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
+    p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step per rank")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per mode per repeat")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved repeats of every mode")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of both DDPs")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    p.add_argument("--out", type=Path, default=Path("bench_results/bench_ddp.json"), help="JSON result file")
+    return p.parse_args()
+
+
+def run_steps(model, optimizer, batches, steps: int, grad_accum: int, distributed: bool) -> float:
+    """Run ``steps`` optimizer steps; return the wall seconds (of the slowest rank when distributed)."""
+    if distributed:
+        dist.barrier()
+    start = time.perf_counter()
+    for step in range(steps):
+        for micro in range(grad_accum):
+            ids = batches[(step * grad_accum + micro) % len(batches)]
+            accumulate_only = distributed and micro < grad_accum - 1
+            with model.no_sync() if accumulate_only else nullcontext():
+                model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    elapsed = torch.tensor(time.perf_counter() - start)
+    if distributed:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def main() -> None:
+    args = parse_args()
+    info = init_distributed()
+    torch.set_num_threads(args.threads)
+    try:
+        if info.world_size != 2:
+            raise SystemExit("run with: torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py")
+        model_dir = Path(tempfile.gettempdir()) / f"ddp_ft-bench-tiny-qwen3-v{args.vocab_size}"
+        if info.is_main_process:
+            build_tiny_qwen3(model_dir, vocab_size=args.vocab_size, seed=0)
+        dist.barrier()
+
+        def build():
+            torch.manual_seed(0)
+            settings = ModelSettings(name_or_path=str(model_dir))
+            return load_qlora_model(settings, LoraSettings(), {"": "cpu"}, info.world_size).train()
+
+        models = {
+            "single": build(),
+            "torch_ddp": TorchDDP(build(), bucket_cap_mb=args.bucket_cap_mb),
+            "bucketed_ddp": BucketedDDP(build(), bucket_cap_mb=args.bucket_cap_mb),
+        }
+        optimizers = {
+            k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()
+        }
+        g = torch.Generator().manual_seed(info.rank)
+        batches = [torch.randint(0, args.vocab_size, (args.micro_batch, args.seq_len), generator=g) for _ in range(8)]
+        tokens_per_rank_step = args.micro_batch * args.seq_len * args.grad_accum
+
+        def measure(mode: str, steps: int) -> float | None:
+            model, optimizer = models[mode], optimizers[mode]
+            if mode == "single":
+                seconds = None
+                if info.is_main_process:
+                    seconds = run_steps(model, optimizer, batches, steps, args.grad_accum, distributed=False)
+                dist.barrier()
+                return seconds
+            return run_steps(model, optimizer, batches, steps, args.grad_accum, distributed=True)
+
+        for mode in MODES:  # warm-up: first-iteration allocations, torch DDP's bucket rebuild
+            measure(mode, 1)
+        models["bucketed_ddp"].pop_comm_stats()
+
+        samples: dict[str, list[float]] = {m: [] for m in MODES}
+        for repeat in range(args.repeats):
+            order = MODES[repeat % 3 :] + MODES[: repeat % 3]
+            for mode in order:
+                seconds = measure(mode, args.steps)
+                if seconds is not None:
+                    world = 1 if mode == "single" else info.world_size
+                    samples[mode].append(world * tokens_per_rank_step * args.steps / seconds)
+
+        comm = models["bucketed_ddp"].pop_comm_stats()
+        if info.is_main_process:
+            report(args, samples, comm, models, tokens_per_rank_step)
+    finally:
+        destroy_distributed()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def report(args, samples, comm, models, tokens_per_rank_step) -> None:
+    optimizer_steps = args.repeats * args.steps
+    median = {m: statistics.median(v) for m, v in samples.items()}
+    torch_ddp_data = models["torch_ddp"]._get_ddp_logging_data()
+    result = {
+        "hardware": f"{cpu_name()}, 2 ranks x {args.threads} thread(s), gloo",
+        "torch": torch.__version__,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "tokens_per_s": median,
+        "tokens_per_s_all_repeats": samples,
+        "step_time_s": {m: (1 if m == "single" else 2) * tokens_per_rank_step / median[m] for m in MODES},
+        "bucketed_over_torch_ddp": median["bucketed_ddp"] / median["torch_ddp"],
+        # each repeat runs both DDPs back to back: the median of per-repeat ratios cancels slow drift
+        "bucketed_over_torch_ddp_paired_median": statistics.median(
+            b / t for b, t in zip(samples["bucketed_ddp"], samples["torch_ddp"], strict=True)
+        ),
+        "scaling_efficiency": {
+            "bucketed_ddp": median["bucketed_ddp"] / (2 * median["single"]),
+            "torch_ddp": median["torch_ddp"] / (2 * median["single"]),
+        },
+        "bucketed_ddp_per_optimizer_step": {
+            "allreduce_calls": comm.allreduce_calls / optimizer_steps,
+            "allreduce_bytes": comm.allreduce_bytes / optimizer_steps,
+            "exposed_comm_ms": comm.exposed_comm_ms / optimizer_steps,
+            "comm_window_ms": comm.comm_window_ms / optimizer_steps,
+            "overlap": comm.overlap,
+            "buckets": len(models["bucketed_ddp"].bucket_sizes),
+        },
+        "torch_ddp_buckets": torch_ddp_data.get("num_buckets_reduced", None),
+    }
+    rows = [f"| {'mode':<13} | {'tokens/s':>9} | {'step s':>7} | {'min..max tokens/s':>19} |", "|" + "---|" * 4]
+    for m in MODES:
+        lo, hi = min(samples[m]), max(samples[m])
+        rows.append(f"| {m:<13} | {median[m]:>9.0f} | {result['step_time_s'][m]:>7.3f} | {lo:>8.0f}..{hi:<9.0f} |")
+    per_step = result["bucketed_ddp_per_optimizer_step"]
+    print("\n".join(rows))
+    print(
+        f"BucketedDDP / torch DDP: {result['bucketed_over_torch_ddp']:.3f} "
+        f"(paired per repeat: {result['bucketed_over_torch_ddp_paired_median']:.3f})   "
+        f"scaling efficiency: BucketedDDP {result['scaling_efficiency']['bucketed_ddp']:.1%}, "
+        f"torch DDP {result['scaling_efficiency']['torch_ddp']:.1%}\n"
+        f"BucketedDDP per optimizer step: {per_step['allreduce_calls']:.0f} all-reduce calls, "
+        f"{per_step['allreduce_bytes'] / 2**20:.2f} MiB, communication window {per_step['comm_window_ms']:.2f} ms "
+        f"of which exposed {per_step['exposed_comm_ms']:.2f} ms (overlap {comm.overlap or 0:.0%})"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
