@@ -4,8 +4,9 @@
 
 Each rank is pinned to one CPU thread, the CPU analogue of one GPU per rank; the single-process baseline
 runs on rank 0 alone with the same one thread while rank 1 waits. Modes are repeated and interleaved
-(their order rotates every repeat) so drift on the machine hits all of them alike; the median repeat is
-reported. Every optimizer step accumulates ``--grad-accum`` micro-batches per rank, under ``no_sync``
+(their order rotates every repeat) so drift on the machine hits all of them alike; medians are reported, and
+the BucketedDDP / torch DDP ratio also as the median of per-repeat (paired) ratios with a bootstrap 95%
+interval. Every optimizer step accumulates ``--grad-accum`` micro-batches per rank, under ``no_sync``
 for all but the last.
 """
 
@@ -36,8 +37,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step per rank")
-    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per mode per repeat")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved repeats of every mode")
+    p.add_argument("--steps", type=int, default=1, help="timed optimizer steps per mode per repeat")
+    p.add_argument("--repeats", type=int, default=24, help="interleaved repeats of every mode")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of both DDPs")
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
@@ -123,6 +124,15 @@ def main() -> None:
         destroy_distributed()
 
 
+def bootstrap_median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median (seeded: the same samples give the same interval)."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.tensor(values, dtype=torch.float64)
+    picks = torch.randint(0, len(values), (resamples, len(values)), generator=g)
+    medians = data[picks].median(dim=1).values.sort().values
+    return medians[int(0.025 * resamples)].item(), medians[int(0.975 * resamples) - 1].item()
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -136,6 +146,7 @@ def cpu_name() -> str:
 def report(args, samples, comm, models, tokens_per_rank_step) -> None:
     optimizer_steps = args.repeats * args.steps
     median = {m: statistics.median(v) for m, v in samples.items()}
+    paired = [b / t for b, t in zip(samples["bucketed_ddp"], samples["torch_ddp"], strict=True)]
     torch_ddp_data = models["torch_ddp"]._get_ddp_logging_data()
     result = {
         "hardware": f"{cpu_name()}, 2 ranks x {args.threads} thread(s), gloo",
@@ -146,9 +157,8 @@ def report(args, samples, comm, models, tokens_per_rank_step) -> None:
         "step_time_s": {m: (1 if m == "single" else 2) * tokens_per_rank_step / median[m] for m in MODES},
         "bucketed_over_torch_ddp": median["bucketed_ddp"] / median["torch_ddp"],
         # each repeat runs both DDPs back to back: the median of per-repeat ratios cancels slow drift
-        "bucketed_over_torch_ddp_paired_median": statistics.median(
-            b / t for b, t in zip(samples["bucketed_ddp"], samples["torch_ddp"], strict=True)
-        ),
+        "bucketed_over_torch_ddp_paired_median": statistics.median(paired),
+        "bucketed_over_torch_ddp_paired_ci95": bootstrap_median_ci(paired),
         "scaling_efficiency": {
             "bucketed_ddp": median["bucketed_ddp"] / (2 * median["single"]),
             "torch_ddp": median["torch_ddp"] / (2 * median["single"]),
@@ -171,7 +181,8 @@ def report(args, samples, comm, models, tokens_per_rank_step) -> None:
     print("\n".join(rows))
     print(
         f"BucketedDDP / torch DDP: {result['bucketed_over_torch_ddp']:.3f} "
-        f"(paired per repeat: {result['bucketed_over_torch_ddp_paired_median']:.3f})   "
+        f"(paired per repeat: {result['bucketed_over_torch_ddp_paired_median']:.3f}, "
+        f"95% CI {result['bucketed_over_torch_ddp_paired_ci95'][0]:.3f}..{result['bucketed_over_torch_ddp_paired_ci95'][1]:.3f})   "
         f"scaling efficiency: BucketedDDP {result['scaling_efficiency']['bucketed_ddp']:.1%}, "
         f"torch DDP {result['scaling_efficiency']['torch_ddp']:.1%}\n"
         f"BucketedDDP per optimizer step: {per_step['allreduce_calls']:.0f} all-reduce calls, "
