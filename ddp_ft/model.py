@@ -7,6 +7,8 @@ and loaded back through the same ``from_pretrained`` path a hub model takes.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_MODEL = "embedded:tiny-qwen3"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -21,8 +24,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 class ModelSettings:
     """Which base model to load and how."""
 
-    name_or_path: str = field(
-        default="Qwen/Qwen3-4B", metadata={"help": "Hub id or local folder of the base model (config + weights)."}
+    model_name_or_path: str = field(
+        default="Qwen/Qwen3-4B",
+        metadata={"help": f"Hub id or local folder of the base model, or {EMBEDDED_MODEL!r} (tiny Qwen3, built locally)."},
     )
     load_in_4bit: bool = field(default=True, metadata={"help": "Quantise the base to bitsandbytes NF4 (QLoRA)."})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantisation of the scales."})
@@ -56,18 +60,25 @@ class ModelSettings:
 class LoraSettings:
     """LoRA adapter settings (peft ``LoraConfig``)."""
 
-    r: int = field(default=16, metadata={"help": "LoRA rank."})
-    alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
-    dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
-    target_modules: str | list[str] = field(
-        default="all-linear", metadata={"help": "Modules to adapt: 'all-linear' or a list of module names."}
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "Modules to adapt: 'all-linear' or comma-separated module names (q_proj,v_proj)."},
     )
 
     def __post_init__(self) -> None:
-        if self.r <= 0:
-            raise ValueError(f"LoraSettings.r={self.r}: must be a positive integer.")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoraSettings.dropout={self.dropout}: must be in [0, 1).")
+        if self.lora_r <= 0:
+            raise ValueError(f"lora_r={self.lora_r}: must be a positive integer.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout}: must be in [0, 1).")
+
+    @property
+    def target_modules(self) -> str | list[str]:
+        if self.lora_target_modules == "all-linear":
+            return "all-linear"
+        return [m.strip() for m in self.lora_target_modules.split(",") if m.strip()]
 
 
 def tiny_qwen3_config(vocab_size: int, **overrides):
@@ -109,9 +120,14 @@ def build_tiny_qwen3(path: str | Path, vocab_size: int, seed: int = 0, **overrid
         model = Qwen3ForCausalLM(tiny_qwen3_config(vocab_size, **overrides))
     finally:
         torch.random.set_rng_state(generator_state)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process (e.g. a second node's local rank 0) finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "config.json").exists():
+            raise
     return path
 
 
@@ -165,7 +181,7 @@ def load_qlora_model(
             bnb_4bit_use_double_quant=model.double_quant,
             bnb_4bit_compute_dtype=model.torch_compute_dtype,
         )
-    base = AutoModelForCausalLM.from_pretrained(model.name_or_path, **kwargs)
+    base = AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)
     base.config.use_cache = False
     checkpointing = {"use_reentrant": model.use_reentrant}
     if model.load_in_4bit:
@@ -176,13 +192,13 @@ def load_qlora_model(
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         base.enable_input_require_grads()
     config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
+        r=lora.lora_r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(base, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    logger.info("loaded %s (4-bit=%s), %d trainable LoRA parameters", model.name_or_path, model.load_in_4bit, trainable)
+    logger.info("loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable)
     return peft_model

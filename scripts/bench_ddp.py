@@ -79,7 +79,7 @@ def main() -> None:
 
         def build():
             torch.manual_seed(0)
-            settings = ModelSettings(name_or_path=str(model_dir))
+            settings = ModelSettings(model_name_or_path=str(model_dir))
             return load_qlora_model(settings, LoraSettings(), {"": "cpu"}, info.world_size).train()
 
         models = {

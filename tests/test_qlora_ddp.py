@@ -27,8 +27,8 @@ GLOBAL_BATCH_TOL = {"float32": (1e-3, 1e-4), "bfloat16": (2e-2, 1e-2)}
 
 def _build(path, world_size, use_reentrant, compute_dtype="bfloat16"):
     torch.manual_seed(0)
-    settings = ModelSettings(name_or_path=path, use_reentrant=use_reentrant, compute_dtype=compute_dtype)
-    model = load_qlora_model(settings, LoraSettings(dropout=0.0), {"": "cpu"}, world_size)
+    settings = ModelSettings(model_name_or_path=path, use_reentrant=use_reentrant, compute_dtype=compute_dtype)
+    model = load_qlora_model(settings, LoraSettings(lora_dropout=0.0), {"": "cpu"}, world_size)
     with torch.no_grad():  # LoRA B starts at zero, which would leave every lora_A gradient zero
         for name, p in model.named_parameters():
             if "lora_B" in name:
