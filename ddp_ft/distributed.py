@@ -98,3 +98,12 @@ def setup_logging(info: DistInfo, level: int = logging.INFO) -> None:
         datefmt="%H:%M:%S",
         force=True,
     )
+    if not info.is_main_process:  # progress bars are rank 0's
+        try:
+            import datasets
+            import transformers
+
+            datasets.disable_progress_bars()
+            transformers.utils.logging.disable_progress_bar()
+        except ImportError:
+            pass

@@ -26,7 +26,9 @@ class ModelSettings:
 
     model_name_or_path: str = field(
         default="Qwen/Qwen3-4B",
-        metadata={"help": f"Hub id or local folder of the base model, or {EMBEDDED_MODEL!r} (tiny Qwen3, built locally)."},
+        metadata={
+            "help": f"Hub id or local folder of the base model, or {EMBEDDED_MODEL!r} (tiny Qwen3, built locally)."
+        },
     )
     load_in_4bit: bool = field(default=True, metadata={"help": "Quantise the base to bitsandbytes NF4 (QLoRA)."})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantisation of the scales."})
@@ -170,18 +172,9 @@ def load_qlora_model(
         torch.nn.Module: a peft model whose trainable parameters are the LoRA weights.
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     check_device_map(device_map, world_size)
-    kwargs: dict = {"device_map": device_map, "dtype": model.torch_compute_dtype}
-    if model.load_in_4bit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=model.double_quant,
-            bnb_4bit_compute_dtype=model.torch_compute_dtype,
-        )
-    base = AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)
+    base = _load_base(model, device_map)
     base.config.use_cache = False
     checkpointing = {"use_reentrant": model.use_reentrant}
     if model.load_in_4bit:
@@ -200,5 +193,29 @@ def load_qlora_model(
     )
     peft_model = get_peft_model(base, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    logger.info("loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable)
+    logger.info(
+        "loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable
+    )
     return peft_model
+
+
+def load_trained_adapter(model: ModelSettings, adapter_path: str, device_map: dict[str, object]) -> torch.nn.Module:
+    """Load the base model as for training and put a saved LoRA adapter on it, for evaluation or inference."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(_load_base(model, device_map), adapter_path).eval()
+
+
+def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.Module:
+    """``from_pretrained`` with NF4 double-quantised 4-bit weights (unless disabled) on ``device_map``."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict = {"device_map": device_map, "dtype": model.torch_compute_dtype}
+    if model.load_in_4bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=model.double_quant,
+            bnb_4bit_compute_dtype=model.torch_compute_dtype,
+        )
+    return AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)

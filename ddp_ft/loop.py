@@ -1,0 +1,274 @@
+"""The plain PyTorch training loop, every mechanism in sight.
+
+One optimizer step = ``accumulation`` micro-batches per rank. All but the last run under ``no_sync()``
+(no communication); the last one's backward averages everything over the ranks while it runs. The loss
+of a step is normalised by the number of answer tokens in the whole effective batch (all micro-batches,
+all ranks), so one process with accumulation 2k and two with k compute the same gradient, whatever the
+padding or the answer lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from .checkpoint import TrainState, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .config import RunSettings, gradient_accumulation_steps
+from .data import EpochLoader, load_raw_splits, make_collator, tokenize_dataset
+from .ddp import COMM_HOOKS, BucketedDDP
+from .distributed import DistInfo
+from .metrics import JsonlLogger, NullLogger, ThroughputMeter
+from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
+from .tokenizer import build_tiny_tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports (on every rank; paths are rank 0's)."""
+
+    steps: int
+    first_loss: float | None
+    last_loss: float | None
+    eval_loss: float | None
+    output_dir: str
+    checkpoint: str | None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DDP_FT_CACHE", Path.home() / ".cache" / "ddp_ft"))
+
+
+def resolve_model_and_tokenizer(model_name_or_path: str, info: DistInfo) -> tuple[str, str]:
+    """Hub ids and folders pass through; the embedded default is built here once (local rank 0 builds,
+    the others wait), then loaded through ``from_pretrained`` like any hub model."""
+    if model_name_or_path != EMBEDDED_MODEL:
+        return model_name_or_path, model_name_or_path
+    tokenizer_dir = cache_dir() / "tiny-tokenizer"
+    if info.local_rank == 0:
+        build_tiny_tokenizer(tokenizer_dir)
+    _barrier(info)
+    vocab_size = len(load_tokenizer(str(tokenizer_dir)))
+    model_dir = cache_dir() / f"tiny-qwen3-v{vocab_size}"
+    if info.local_rank == 0:
+        build_tiny_qwen3(model_dir, vocab_size=vocab_size, seed=0)
+    _barrier(info)
+    return str(model_dir), str(tokenizer_dir)
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.is_distributed:
+        dist.barrier()
+
+
+def _count_tokens(group: list[dict], device: torch.device) -> torch.Tensor:
+    """[answer tokens that carry loss, non-padding input tokens] of a list of micro-batches."""
+    labels = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
+    inputs = sum(int(b["attention_mask"].sum()) for b in group)
+    return torch.tensor([labels, inputs], dtype=torch.float64, device=device)
+
+
+def _sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.is_distributed:
+        dist.all_reduce(t)
+    return t
+
+
+def forward_backward(model: torch.nn.Module, group: list[dict], info: DistInfo) -> tuple[float, torch.Tensor]:
+    """Accumulate the gradient of one optimizer step over ``group`` (this rank's micro-batches).
+
+    Every micro-batch's loss is its summed token loss over the answer tokens of the *global* effective
+    batch, times the world size (DDP averages over ranks), so the accumulated gradient equals one process's
+    on the whole batch. ``no_sync()`` wraps every micro-batch but the last.
+
+    Returns:
+        tuple[float, torch.Tensor]: the step's global token-mean loss, and [answer tokens, input tokens]
+        summed over ranks.
+    """
+    counts = _sum_over_ranks(_count_tokens(group, info.device), info)
+    answer_tokens = counts[0].clamp(min=1).to(torch.float32)
+    local_loss = torch.zeros((), dtype=torch.float64, device=info.device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
+    for i, batch in enumerate(group):
+        batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+        last = i == len(group) - 1
+        with model.no_sync() if (info.is_distributed and not last) else nullcontext(), autocast:
+            loss = model(**batch, num_items_in_batch=answer_tokens).loss
+            (loss * info.world_size).backward()
+        local_loss += loss.detach().double()
+    return _sum_over_ranks(local_loss, info).item(), counts
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo) -> float:
+    """Token-mean loss over ``dataset``, each rank on ``rank::world_size`` (no padding duplicates).
+
+    ``model`` is the unwrapped model: evaluation communicates only the two sums at the end.
+    """
+    was_training = model.training
+    model.eval()
+    indices = list(range(info.rank, len(dataset), info.world_size))
+    totals = torch.zeros(2, dtype=torch.float64, device=info.device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
+    for start in range(0, len(indices), micro_batch):
+        batch = collate_fn([dataset[i] for i in indices[start : start + micro_batch]])
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        with autocast:
+            totals[0] += model(**batch, num_items_in_batch=1).loss.double()  # summed token loss
+        totals[1] += tokens
+    _sum_over_ranks(totals, info)
+    model.train(was_training)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _seed(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(settings: RunSettings, info: DistInfo) -> TrainResult:
+    """Run the fine-tune described by ``settings`` on this rank; every check fails before training starts."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    t = settings.train
+    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
+    device_map = {"": info.local_rank if info.device.type == "cuda" else "cpu"}
+    check_device_map(device_map, info.world_size)
+    output_dir = Path(t.output_dir)
+    resume_from = resolve_checkpoint(t.resume, output_dir) if t.resume else None
+
+    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
+    tokenizer = load_tokenizer(tokenizer_path)
+    splits = load_raw_splits(settings.data)
+    train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
+    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
+    collate = make_collator(tokenizer)
+    loader = EpochLoader(train_set, collate, t.micro_batch, info.rank, info.world_size, seed=t.seed)
+    steps_per_epoch = len(loader) // accumulation
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"the training set has {len(train_set)} samples, fewer than one effective batch "
+            f"(effective_batch={t.effective_batch}): lower --effective-batch or use more data."
+        )
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+
+    _seed(t.seed)
+    model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": model_path})
+    model = load_qlora_model(model_settings, settings.lora, device_map, info.world_size)
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {embeddings}: "
+            "use the tokenizer that belongs to --model-name-or-path."
+        )
+    wrapped = model
+    if info.is_distributed:
+        d = settings.ddp
+        wrapped = BucketedDDP(
+            model, bucket_cap_mb=d.bucket_cap_mb, first_bucket_cap_mb=d.first_bucket_cap_mb,
+            gradient_as_bucket_view=d.gradient_as_bucket_view, find_unused_parameters=d.find_unused_parameters,
+            broadcast_buffers=d.broadcast_buffers,
+        )  # fmt: skip
+        if d.comm_hook != "allreduce":
+            wrapped.register_comm_hook(None, COMM_HOOKS[d.comm_hook])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, math.ceil(t.warmup_ratio * total_steps), total_steps, min_lr=t.min_learning_rate
+    )
+    state = TrainState()
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, info)
+        logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, state.global_step, state.epoch,
+                    state.batch_in_epoch)  # fmt: skip
+
+    # Which samples each rank starts on: proof in the log that shards follow the global rank.
+    loader.sampler.set_epoch(state.epoch)
+    first_indices = [int(i) for i in list(loader.sampler)[: t.micro_batch]]
+    all_first = [first_indices] * info.world_size
+    if info.is_distributed:
+        dist.all_gather_object(all_first, first_indices)
+
+    sink = JsonlLogger(output_dir / "metrics.jsonl") if info.is_main_process else NullLogger()
+    run_name = t.run_name or f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
+    sink.log({"type": "config", "run_name": run_name, "world_size": info.world_size, "micro_batch": t.micro_batch,
+              "accumulation": accumulation, "effective_batch": t.effective_batch, "total_steps": total_steps,
+              "bucket_cap_mb": settings.ddp.bucket_cap_mb, "comm_hook": settings.ddp.comm_hook,
+              "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(report),
+              "resumed_from_step": state.global_step, "preset": settings.preset, "first_batch_indices": all_first,
+              "tokens_counted": "non-padding input tokens (attention mask)"})  # fmt: skip
+    logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", run_name,
+                total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, report)  # fmt: skip
+
+    meter = ThroughputMeter(info.world_size, info.device)
+    progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=run_name)
+    first_loss = last_loss = eval_loss = None
+    checkpoint = None
+    model.train()
+    try:
+        while state.global_step < total_steps:
+            batches = loader.epoch(state.epoch, start_batch=state.batch_in_epoch)
+            while state.global_step < total_steps:
+                group = list(islice(batches, accumulation))
+                if len(group) < accumulation:  # epoch exhausted (a trailing partial step is dropped)
+                    state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                    break
+                meter.start()
+                loss, counts = forward_backward(wrapped, group, info)
+                if t.max_grad_norm > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
+                else:
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None])
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.global_step += 1
+                state.batch_in_epoch += accumulation
+                state.samples_seen += t.effective_batch
+                record = {"type": "train", "step": state.global_step, "epoch": state.epoch,
+                          "samples_seen": state.samples_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                          **meter.stop(int(counts[1].item()))}  # fmt: skip
+                if isinstance(wrapped, BucketedDDP):
+                    record.update(wrapped.pop_comm_stats().as_dict())
+                sink.log(record)
+                first_loss = loss if first_loss is None else first_loss
+                last_loss = loss
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if t.eval_every and state.global_step % t.eval_every == 0 and state.global_step < total_steps:
+                    eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
+                    sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
+                              "eval_loss": eval_loss})  # fmt: skip
+                if t.save_every and state.global_step % t.save_every == 0 and state.global_step < total_steps:
+                    save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit)
+        eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
+        sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
+                  "eval_loss": eval_loss})  # fmt: skip
+        checkpoint = save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit)
+        logger.info(
+            "done: %d steps, loss %s -> %s, eval loss %.4f", state.global_step, first_loss, last_loss, eval_loss
+        )
+    finally:
+        progress.close()
+        sink.close()
+    return TrainResult(state.global_step, first_loss, last_loss, eval_loss, str(output_dir),
+                       str(checkpoint) if checkpoint else None)  # fmt: skip

@@ -1,0 +1,80 @@
+"""Settings: batch arithmetic, presets, command line, validation errors that name the setting and the fix."""
+
+import pytest
+
+from ddp_ft.config import PRESETS, build_parser, gradient_accumulation_steps, parse_settings, settings_from_preset
+from ddp_ft.model import check_device_map
+
+
+@pytest.mark.parametrize("effective,micro,world,expected", [(16, 1, 1, 16), (16, 1, 2, 8), (16, 2, 2, 4), (8, 2, 4, 1)])
+def test_accumulation_keeps_the_effective_batch_for_every_world_size(effective, micro, world, expected):
+    assert gradient_accumulation_steps(effective, micro, world) == expected
+    assert expected * micro * world == effective
+
+
+def test_impossible_batch_combination_names_the_settings_and_workable_values():
+    with pytest.raises(ValueError) as error:
+        gradient_accumulation_steps(16, 3, 2)
+    message = str(error.value)
+    assert "effective_batch=16" in message and "micro_batch=3" in message and "world_size=2" in message
+    assert "--micro-batch one of [1, 2, 4, 8]" in message
+
+
+def test_preset_values_apply_and_command_line_flags_override_them():
+    settings = parse_settings(
+        ["--preset", "tiny", "--micro-batch", "4", "--lora-r", "8", "--no-gradient-as-bucket-view"]
+    )
+    assert settings.preset == "tiny"
+    assert settings.data.source == PRESETS["tiny"]["source"]
+    assert settings.train.max_steps == PRESETS["tiny"]["max_steps"]
+    assert settings.train.micro_batch == 4 and settings.lora.lora_r == 8
+    assert settings.ddp.gradient_as_bucket_view is False
+
+
+def test_reference_preset_is_the_reference_run():
+    s = settings_from_preset("qwen3-4b-ami")
+    assert s.model.model_name_or_path == "Qwen/Qwen3-4B" and s.data.source == "knkarthick/AMI"
+    assert (s.train.effective_batch, s.train.micro_batch, s.train.epochs) == (16, 1, 3)
+    assert (s.train.learning_rate, s.train.min_learning_rate, s.data.max_seq_len) == (2e-4, 2e-5, 512)
+    assert (s.lora.lora_r, s.lora.lora_alpha, s.lora.lora_dropout, s.lora.lora_target_modules) == (
+        16, 32, 0.05, "all-linear")  # fmt: skip
+    assert s.model.load_in_4bit and not s.model.use_reentrant
+
+
+def test_unknown_preset_is_refused_listing_the_known_ones(capsys):
+    with pytest.raises(SystemExit):
+        parse_settings(["--preset", "qwen-huge"])
+    err = capsys.readouterr().err
+    assert "unknown --preset 'qwen-huge'" in err and "tiny" in err and "qwen3-4b-ami" in err
+
+
+def test_help_documents_every_setting():
+    text = build_parser().format_help()
+    for flag in ["--effective_batch", "--micro_batch", "--max_steps", "--bucket_cap_mb", "--comm_hook", "--lora_r",
+                 "--model_name_or_path", "--source", "--dialogue_column", "--max_seq_len", "--resume", "--preset"]:  # fmt: skip
+        assert flag in text, flag
+    assert "Samples per optimizer step over all ranks" in text
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"max_steps": 0}, "max_steps=0"),
+        ({"micro_batch": 0}, "micro_batch=0"),
+        ({"min_learning_rate": 1.0}, "min_learning_rate=1.0"),
+        ({"comm_hook": "int8"}, "comm_hook='int8'"),
+        ({"lora_dropout": 1.5}, "lora_dropout=1.5"),
+        ({"compute_dtype": "fp8"}, "compute_dtype='fp8'"),
+    ],
+)
+def test_bad_settings_fail_naming_the_field(overrides, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(".", r"\.")):
+        settings_from_preset("tiny", **overrides)
+
+
+@pytest.mark.parametrize("device_map", ["auto", "balanced", {"model.layers.0": 0, "lm_head": 1}])
+def test_model_splitting_device_map_is_refused_under_ddp_with_the_fix(device_map):
+    with pytest.raises(ValueError, match=r"device_map=\{'': local_rank\}"):
+        check_device_map(device_map, world_size=2)
+    check_device_map({"": 0}, world_size=2)
+    check_device_map("auto", world_size=1)  # a single process may shard over its GPUs

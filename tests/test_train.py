@@ -1,0 +1,125 @@
+"""The training loop's guarantees, in process: effective batch across world sizes, errors before training."""
+
+import json
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ddp_ft.config import settings_from_preset
+from ddp_ft.distributed import DistInfo
+from ddp_ft.loop import train
+
+from .dist_harness import run_distributed
+
+MICRO = 2
+
+
+def _setup(world_size, rank, cache):
+    """Tiny model, tokenizer and data as the tiny preset builds them; LoRA dropout off for exact comparison."""
+    import os
+
+    from transformers import DataCollatorForSeq2Seq
+
+    from ddp_ft.data import load_raw_splits, tokenize_dataset
+    from ddp_ft.loop import resolve_model_and_tokenizer
+    from ddp_ft.model import ModelSettings, load_qlora_model
+    from ddp_ft.tokenizer import load_tokenizer
+
+    os.environ["DDP_FT_CACHE"] = cache
+    settings = settings_from_preset("tiny", lora_dropout=0.0)
+    info = DistInfo(rank=rank, local_rank=rank, world_size=world_size)
+    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
+    tokenizer = load_tokenizer(tokenizer_path)
+    data, _ = tokenize_dataset(load_raw_splits(settings.data)["train"], tokenizer, settings.data)
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    torch.manual_seed(0)
+    model = load_qlora_model(ModelSettings(model_name_or_path=model_path), settings.lora, {"": "cpu"}, world_size)
+    with torch.no_grad():  # LoRA B starts at zero; make every LoRA weight receive a gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    return model, data, collate, settings.train.seed
+
+
+def _effective_batch(rank, world_size, cache, k):
+    from itertools import islice
+
+    from ddp_ft.data import EpochLoader
+    from ddp_ft.ddp import BucketedDDP
+    from ddp_ft.loop import forward_backward
+
+    model, data, collate, seed = _setup(world_size, rank, cache)
+    single, _, _, _ = _setup(world_size, rank, cache)
+    # two processes, accumulation k each
+    ddp = BucketedDDP(model)
+    group = list(islice(EpochLoader(data, collate, MICRO, rank, world_size, seed).epoch(0), k))
+    ddp_loss, ddp_counts = forward_backward(ddp, group, DistInfo(rank, rank, world_size))
+    # one process, accumulation 2k, on the same global batch (run on every rank, no communication)
+    group = list(islice(EpochLoader(data, collate, MICRO, 0, 1, seed).epoch(0), world_size * k))
+    single_loss, single_counts = forward_backward(single, group, DistInfo())
+    assert torch.equal(ddp_counts, single_counts), "the two runs did not see the same samples"
+    assert ddp_loss == pytest.approx(single_loss, rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), single.parameters(), strict=True):
+        if p.requires_grad:
+            assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item(), msg=name)
+    return ddp_loss
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_with_accumulation_k_equal_one_process_with_2k(tmp_path):
+    losses = run_distributed(_effective_batch, str(tmp_path), 2, timeout=300)
+    assert losses[0] == losses[1]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _train_tiny(tmp_path, monkeypatch, **overrides):
+    monkeypatch.setenv("DDP_FT_CACHE", str(tmp_path / "cache"))
+    settings = settings_from_preset("tiny", output_dir=str(tmp_path / "run"), **overrides)
+    return train(settings, DistInfo())
+
+
+def _assert_nothing_trained(tmp_path):
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_missing_column_fails_before_training_naming_column_and_setting(tmp_path, monkeypatch):
+    source = _write_jsonl(tmp_path / "meetings.jsonl", [{"transcript": "a b c", "summary": "d"}] * 20)
+    with pytest.raises(ValueError) as error:
+        _train_tiny(tmp_path, monkeypatch, source=source)
+    assert "dialogue" in str(error.value) and "dialogue-column" in str(error.value).replace("_", "-")
+    _assert_nothing_trained(tmp_path)
+
+
+def test_empty_dataset_fails_before_training(tmp_path, monkeypatch):
+    source = tmp_path / "empty.jsonl"
+    source.write_text("")
+    with pytest.raises(ValueError, match="empty|no samples|0 samples"):
+        _train_tiny(tmp_path, monkeypatch, source=str(source))
+    _assert_nothing_trained(tmp_path)
+
+
+def test_effective_batch_not_divisible_fails_before_anything_is_loaded(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="effective_batch=7"):
+        _train_tiny(tmp_path, monkeypatch, effective_batch=7, micro_batch=2)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_sequence_length_too_small_for_any_answer_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _train_tiny(tmp_path, monkeypatch, max_seq_len=8)
+    _assert_nothing_trained(tmp_path)
+
+
+def test_fewer_samples_than_one_effective_batch_is_refused(tmp_path, monkeypatch):
+    rows = [{"dialogue": f"meeting {i} talk", "summary": f"summary {i}"} for i in range(6)]
+    source = _write_jsonl(tmp_path / "few.jsonl", rows)
+    with pytest.raises(ValueError, match="effective batch"):
+        _train_tiny(tmp_path, monkeypatch, source=source, eval_fraction=0.2)
+    _assert_nothing_trained(tmp_path)
