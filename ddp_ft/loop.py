@@ -150,7 +150,7 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
 
     t = settings.train
     accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
-    device_map = {"": info.local_rank if info.device.type == "cuda" else "cpu"}
+    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
     check_device_map(device_map, info.world_size)
     output_dir = Path(t.output_dir)
     resume_from = resolve_checkpoint(t.resume, output_dir) if t.resume else None

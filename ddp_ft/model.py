@@ -39,6 +39,13 @@ class ModelSettings:
             "float32 on CPU, where bf16 matmuls run ~9x slower without native bf16 support)."
         },
     )
+    device_map: str = field(
+        default="",
+        metadata={
+            "help": "Leave empty for this rank's device ({'': local_rank}). A single process may use 'auto' to shard "
+            "a model over its GPUs; under DDP that is refused."
+        },
+    )
     gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
     use_reentrant: bool = field(
         default=False,
@@ -183,6 +190,8 @@ def load_qlora_model(
         )
     elif model.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    if model.gradient_checkpointing:
+        # The frozen base's inputs carry no gradient; checkpointed segments need one to reach the adapters.
         base.enable_input_require_grads()
     config = LoraConfig(
         r=lora.lora_r,

@@ -123,3 +123,11 @@ def test_fewer_samples_than_one_effective_batch_is_refused(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="effective batch"):
         _train_tiny(tmp_path, monkeypatch, source=source, eval_fraction=0.2)
     _assert_nothing_trained(tmp_path)
+
+
+def test_device_map_auto_under_ddp_fails_before_anything_is_loaded(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDP_FT_CACHE", str(tmp_path / "cache"))
+    settings = settings_from_preset("tiny", output_dir=str(tmp_path / "run"), device_map="auto")
+    with pytest.raises(ValueError, match=r"device_map='auto'.*device_map=\{'': local_rank\}"):
+        train(settings, DistInfo(rank=0, local_rank=0, world_size=2))
+    assert not (tmp_path / "cache").exists()
