@@ -312,3 +312,21 @@ def _gradient_in_two_pieces(rank, world_size):
 
 def test_gradient_arriving_twice_under_reentrant_checkpointing_is_an_error_not_a_double_count():
     run_distributed(_gradient_in_two_pieces)
+
+
+def _loss_scaled_in_place(rank, world_size):
+    torch.manual_seed(0)
+    reference = Net()
+    ours = BucketedDDP(copy.deepcopy(reference))
+    x, y = make_batch(0)
+    local = local_slice(rank, world_size)
+    out = ours(x[local])
+    out *= 3.0  # the HF Trainer scales its loss in place: the wrapper must leave outputs untouched
+    torch.nn.functional.mse_loss(out, 3.0 * y[local]).backward()
+    torch.nn.functional.mse_loss(3.0 * reference(x), 3.0 * y).backward()
+    for g_ours, g_ref in zip(_grads(ours.module), _grads(reference), strict=True):
+        assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_modified_in_place_still_reduce_correctly():
+    run_distributed(_loss_scaled_in_place)

@@ -40,26 +40,6 @@ class _Bucket:
         self.future: torch.futures.Future | None = None
 
 
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the wrapper's outputs whose backward runs first in the outermost backward pass.
-
-    Its backward queues BucketedDDP's finalizer on the autograd engine, so the final wait for the
-    all-reduces runs when the whole (outermost) backward is done, also when reentrant checkpointing runs
-    nested backward passes whose own end would be too early.
-    """
-
-    @staticmethod
-    def forward(ctx, on_backward_start, *tensors):
-        ctx.on_backward_start = on_backward_start
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.on_backward_start()
-        return (None, *grads)
-
-
 class BucketedDDP(nn.Module):
     """Data parallelism with fixed gradient buckets whose all-reduces overlap the rest of backward.
 
@@ -82,8 +62,11 @@ class BucketedDDP(nn.Module):
           torch DDP: no ``finish()`` call is needed, so HF Trainer and Accelerate work unchanged.
 
     One synced backward, in phases:
-        1. ``forward`` arms the iteration and routes the outputs through ``_BackwardStart``.
-        2. Backward starts: the finalizer is queued on the autograd engine.
+        1. ``forward`` arms the iteration and puts a gradient hook on its outputs (leaving them untouched,
+           so callers may still modify them in place, as the HF Trainer does with the loss).
+        2. Backward reaches an output: the finalizer is queued on the autograd engine, in the outermost
+           backward pass, so it runs when the whole backward is done, also when reentrant checkpointing
+           runs nested backward passes whose own end would be too early.
         3. Each trainable parameter's post-accumulate-grad hook marks it ready. When a bucket's last
            parameter is ready, it and every ready bucket after it are launched, strictly in index order
            on every rank, as async all-reduces through the comm hook, while backward keeps computing.
@@ -203,7 +186,7 @@ class BucketedDDP(nn.Module):
                 self._broadcast_buffers()
         output = self.module(*inputs, **kwargs)
         if grad_enabled and self.require_backward_grad_sync:
-            output = self._route_through_backward_start(output)
+            self._hook_backward_start(output)
         return output
 
     @contextmanager
@@ -353,15 +336,14 @@ class BucketedDDP(nn.Module):
         if self.gradient_as_bucket_view:
             self._attach_grad_views()
 
-    def _route_through_backward_start(self, output):
-        leaves, spec = pytree.tree_flatten(output)
-        positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not positions:
-            return output
-        routed = _BackwardStart.apply(self._queue_finalizer, *(leaves[i] for i in positions))
-        for i, tensor in zip(positions, routed, strict=True):
-            leaves[i] = tensor
-        return pytree.tree_unflatten(leaves, spec)
+    def _hook_backward_start(self, output) -> None:
+        """Queue the finalizer when the outermost backward reaches any output (outputs are not modified)."""
+        for leaf in pytree.tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._queue_finalizer()
 
     def _queue_finalizer(self) -> None:
         if self._armed and self._sync and not self._finalizer_queued:

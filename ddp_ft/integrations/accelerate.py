@@ -1,0 +1,84 @@
+"""An ``Accelerator`` that wraps multi-process models in BucketedDDP instead of torch DDP.
+
+``Accelerator.prepare_model`` wraps every multi-process model with trainable parameters in
+``torch.nn.parallel.DistributedDataParallel``, unconditionally. This subclass lets the parent do everything
+else (device placement checks, mixed-precision forward, compilation) with the DDP step skipped, then wraps
+with BucketedDDP; ``unwrap_model`` (and so ``get_state_dict`` / ``save_model``) sees through the wrapper.
+``accelerator.accumulate()`` / ``no_sync()`` work unchanged: they call the wrapper's ``no_sync``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from ..config import DDPSettings
+from ..ddp import COMM_HOOKS, BucketedDDP
+
+logger = logging.getLogger(__name__)
+
+_DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+
+
+class BucketedAccelerator(Accelerator):
+    """``Accelerator`` with BucketedDDP as the data-parallel wrapper.
+
+    Args:
+        *args: passed to ``Accelerator``.
+        ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
+        **kwargs: passed to ``Accelerator``.
+    """
+
+    def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ddp_settings = ddp_settings or DDPSettings()
+
+    @classmethod
+    def adopt(cls, accelerator: Accelerator, ddp_settings: DDPSettings | None = None) -> BucketedAccelerator:
+        """The same configured accelerator (shared state, plugins, handlers) with BucketedDDP wrapping.
+
+        For code that builds its ``Accelerator`` itself, such as the HF Trainer.
+        """
+        adopted = cls.__new__(cls)
+        adopted.__dict__.update(accelerator.__dict__)
+        adopted.ddp_settings = ddp_settings or DDPSettings()
+        return adopted
+
+    def _wraps_with_bucketed_ddp(self, model: torch.nn.Module, evaluation_mode: bool) -> bool:
+        return (
+            not evaluation_mode
+            and self.distributed_type in _DATA_PARALLEL
+            and self.num_processes > 1
+            and any(p.requires_grad for p in model.parameters())
+        )
+
+    def prepare_model(
+        self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ):
+        if getattr(model, "_is_accelerate_prepared", False) or not self._wraps_with_bucketed_ddp(
+            model, evaluation_mode
+        ):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # Everything Accelerate does for a training model except its DDP wrap (that happens only when
+        # evaluation_mode is False), then ours.
+        model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        s = self.ddp_settings
+        wrapped = BucketedDDP(
+            model, bucket_cap_mb=s.bucket_cap_mb, first_bucket_cap_mb=s.first_bucket_cap_mb,
+            gradient_as_bucket_view=s.gradient_as_bucket_view, find_unused_parameters=s.find_unused_parameters,
+            broadcast_buffers=s.broadcast_buffers,
+        )  # fmt: skip
+        if s.comm_hook != "allreduce":
+            wrapped.register_comm_hook(None, COMM_HOOKS[s.comm_hook])
+        wrapped._is_accelerate_prepared = True
+        self._models[self._models.index(model)] = wrapped
+        logger.info("wrapped the model in BucketedDDP (%d buckets) instead of torch DDP", len(wrapped.bucket_sizes))
+        return wrapped
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        if isinstance(model, BucketedDDP):
+            model = model.module
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)

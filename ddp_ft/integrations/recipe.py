@@ -1,0 +1,93 @@
+"""The Trainer side of the reference recipe: the same model, data and settings as ``scripts/train.py``."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import RunSettings, gradient_accumulation_steps
+from ..data import load_raw_splits, make_collator, tokenize_dataset
+from ..distributed import DistInfo
+from ..loop import resolve_model_and_tokenizer
+from ..model import check_device_map, load_qlora_model
+from ..tokenizer import load_tokenizer
+from .trainer import BucketedTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def wandb_report_to() -> list[str]:
+    """``["wandb"]`` unless wandb is disabled; offline (kept on disk for ``wandb sync``) without an API key."""
+    if os.environ.get("WANDB_MODE") == "disabled":
+        return []
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+    return ["wandb"]
+
+
+def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
+    """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``."""
+    from transformers import TrainingArguments
+
+    t = settings.train
+    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
+    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
+    check_device_map(device_map, info.world_size)
+    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
+    tokenizer = load_tokenizer(tokenizer_path)
+    splits = load_raw_splits(settings.data)
+    train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
+    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
+    logger.info("data: %s", report)
+
+    torch.manual_seed(t.seed)
+    model_settings = type(settings.model)(**{**vars(settings.model), "model_name_or_path": model_path})
+    model = load_qlora_model(model_settings, settings.lora, device_map, info.world_size)
+
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("WANDB_PROJECT", "ddp_ft")
+    os.environ.setdefault("WANDB_RUN_GROUP", settings.preset or "custom")
+    os.environ.setdefault("WANDB_JOB_TYPE", f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}")
+    args = TrainingArguments(
+        output_dir=t.output_dir,
+        run_name=t.run_name or f"{settings.preset or 'custom'}-{os.environ['WANDB_JOB_TYPE']}",
+        per_device_train_batch_size=t.micro_batch,
+        per_device_eval_batch_size=t.micro_batch,
+        gradient_accumulation_steps=accumulation,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr": t.min_learning_rate},
+        warmup_steps=t.warmup_ratio,  # a float < 1 is a ratio in transformers >= 5
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_steps=t.save_every or 10**9,
+        save_total_limit=t.save_total_limit or None,
+        eval_strategy="steps" if t.eval_every else "no",
+        eval_steps=t.eval_every or None,
+        seed=t.seed,
+        bf16=cuda,
+        use_cpu=not cuda,
+        report_to=wandb_report_to() if info.is_main_process else [],
+        remove_unused_columns=False,
+        gradient_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
+        include_num_input_tokens_seen="non_padding",
+        average_tokens_across_devices=True,
+        dataloader_drop_last=True,
+        ddp_backend="nccl" if cuda else "gloo",
+        disable_tqdm=not info.is_main_process,
+    )
+    return BucketedTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        data_collator=make_collator(tokenizer),
+        processing_class=tokenizer,
+        ddp_settings=settings.ddp,
+    )

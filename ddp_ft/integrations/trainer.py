@@ -1,0 +1,155 @@
+"""HF Trainer with BucketedDDP, and a throughput callback.
+
+``BucketedTrainer`` is a drop-in for ``transformers.Trainer`` (and TRL-style subclasses: derive from it the
+same way). The Trainer builds its own ``Accelerator`` and lets it wrap the model; we adopt that accelerator
+as a :class:`BucketedAccelerator` right after it is built, so ``accelerator.prepare`` wraps with BucketedDDP,
+``no_sync`` during accumulation is ours, and every ``unwrap_model`` (saving, checkpoints,
+``resume_from_checkpoint``) sees through the wrapper. (``_wrap_model`` alone would leave Accelerate unaware
+of the wrapper, so unwrapping and the DDP kwargs would still belong to torch DDP.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from ..config import DDPSettings
+from ..ddp import BucketedDDP, CommStats
+from ..metrics import JsonlLogger, peak_memory_gb
+from .accelerate import BucketedAccelerator
+
+
+class ThroughputCallback(TrainerCallback):
+    """Adds throughput, step time, peak memory and BucketedDDP communication stats to every Trainer log.
+
+    Tokens are the Trainer's ``num_input_tokens_seen`` (set ``include_num_input_tokens_seen="non_padding"``, as
+    :class:`BucketedTrainer` does, so padding is not counted), summed over all ranks. Values are averages over
+    the steps since the previous log. Register it before the reporting callbacks (``BucketedTrainer`` does) so
+    wandb and the console see the values.
+
+    Args:
+        wrapped_model (Callable[[], torch.nn.Module]): returns the (possibly wrapped) training model, for
+            communication stats.
+    """
+
+    def __init__(
+        self, wrapped_model: Callable[[], torch.nn.Module] | None = None, ddp_config: dict | None = None
+    ) -> None:
+        self._wrapped_model = wrapped_model
+        self._ddp_config = ddp_config or {}
+        self._reset()
+        self._step_start = None
+        self._sink: JsonlLogger | None = None
+        self._wandb_config: dict | None = None
+
+    def _reset(self) -> None:
+        self._seconds = 0.0
+        self._tokens = 0
+        self._steps = 0
+        self._comm = CommStats()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._reset()
+        if not state.is_world_process_zero:
+            return
+        world_size = max(1, args.world_size)
+        config = {
+            "run_name": args.run_name, "world_size": world_size, "micro_batch": args.per_device_train_batch_size,
+            "accumulation": args.gradient_accumulation_steps,
+            "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
+            "total_steps": state.max_steps, "tokens_counted": "non-padding input tokens (attention mask)",
+            **self._ddp_config,
+        }  # fmt: skip
+        self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
+        self._sink.log({"type": "config", **config})
+        self._wandb_config = config
+
+    def _setup_wandb(self) -> None:
+        """Once the reporting callback has started the wandb run (rank 0), before it logs anything of ours."""
+        if self._wandb_config is None:
+            return
+        try:
+            import wandb
+        except ImportError:
+            return
+        if wandb.run is not None:
+            # Curves of different world sizes overlay when plotted against samples seen, not steps.
+            wandb.define_metric("train/samples_seen")
+            wandb.define_metric("train/*", step_metric="train/samples_seen")
+            wandb.define_metric("eval/*", step_metric="train/samples_seen")
+            wandb.config.update(self._wandb_config, allow_val_change=True)
+            self._wandb_config = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_start = time.perf_counter()
+        self._tokens_at_step = state.num_input_tokens_seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_start is None:
+            return
+        self._seconds += time.perf_counter() - self._step_start
+        self._tokens += state.num_input_tokens_seen - self._tokens_at_step
+        self._steps += 1
+        model = self._wrapped_model() if self._wrapped_model else None
+        if isinstance(model, BucketedDDP):
+            self._comm = self._comm + model.pop_comm_stats()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._setup_wandb()
+        if logs is not None and "eval_loss" in logs and self._sink is not None:
+            self._sink.log({"type": "eval", "step": state.global_step, "samples_seen": self._samples(args, state),
+                            "eval_loss": logs["eval_loss"]})  # fmt: skip
+        if logs is None or self._steps == 0 or "loss" not in logs:
+            return
+        world_size = max(1, args.world_size)
+        device = args.device if isinstance(args.device, torch.device) else torch.device(args.device)
+        memory_name, memory = peak_memory_gb(device)
+        logs.update({
+            "step_time_s": self._seconds / self._steps,
+            "tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,
+            "tokens_per_s_per_device": self._tokens / self._seconds / world_size if self._seconds else 0.0,
+            memory_name: memory,
+            "samples_seen": self._samples(args, state),
+        })  # fmt: skip
+        if self._comm.synced_backwards:
+            per_step = {k: v / self._steps for k, v in self._comm.as_dict().items() if k != "comm/overlap"}
+            if self._comm.overlap is not None:
+                per_step["comm/overlap"] = self._comm.overlap
+            logs.update(per_step)
+        self._reset()
+        if self._sink is not None:
+            self._sink.log({"type": "train", "step": state.global_step, "loss": logs["loss"],
+                            "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
+                            **{k: v for k, v in logs.items() if k not in ("loss", "learning_rate", "grad_norm")}})  # fmt: skip
+
+    @staticmethod
+    def _samples(args, state) -> int:
+        world_size = max(1, args.world_size)
+        return state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+
+
+class BucketedTrainer(Trainer):
+    """``transformers.Trainer`` that trains multi-process runs with BucketedDDP.
+
+    Args:
+        *args: passed to ``Trainer``.
+        ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
+        **kwargs: passed to ``Trainer``.
+    """
+
+    def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
+        self.ddp_settings = ddp_settings or DDPSettings()
+        super().__init__(*args, **kwargs)
+        if self.args.include_num_input_tokens_seen == "no":
+            self.args.include_num_input_tokens_seen = "non_padding"
+        # First in line, so the reporting callbacks (wandb, console) log what it adds.
+        ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
+        self.callback_handler.callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator = BucketedAccelerator.adopt(self.accelerator, self.ddp_settings)
