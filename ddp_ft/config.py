@@ -59,6 +59,14 @@ class TrainSettings:
         default="", metadata={"help": "Resume from a checkpoint folder, or 'latest' for the newest in output_dir."}
     )
     run_name: str = field(default="", metadata={"help": "Run name in logs (default: derived from the world size)."})
+    report_to: str = field(
+        default="wandb",
+        metadata={"help": "wandb (offline without WANDB_API_KEY, kept for `wandb sync`) or none. Rank 0 only."},
+    )
+    wandb_project: str = field(default="ddp_ft", metadata={"help": "wandb project shared by the runs to compare."})
+    wandb_group: str = field(
+        default="", metadata={"help": "wandb group: one experiment's single and DDP runs (default: the preset)."}
+    )
 
     def __post_init__(self) -> None:
         for name in ("effective_batch", "micro_batch", "epochs"):
@@ -68,6 +76,8 @@ class TrainSettings:
             raise ValueError(f"max_steps={self.max_steps}: must be a positive number of steps, or -1 for all epochs.")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1).")
+        if self.report_to not in ("wandb", "none"):
+            raise ValueError(f"report_to={self.report_to!r}: choose wandb or none.")
         if self.min_learning_rate > self.learning_rate:
             raise ValueError(
                 f"min_learning_rate={self.min_learning_rate} is above learning_rate={self.learning_rate}: lower it."

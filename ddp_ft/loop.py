@@ -26,7 +26,7 @@ from .config import RunSettings, gradient_accumulation_steps
 from .data import EpochLoader, load_raw_splits, make_collator, tokenize_dataset
 from .ddp import COMM_HOOKS, BucketedDDP
 from .distributed import DistInfo
-from .metrics import JsonlLogger, NullLogger, ThroughputMeter
+from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
@@ -207,14 +207,22 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     if info.is_distributed:
         dist.all_gather_object(all_first, first_indices)
 
-    sink = JsonlLogger(output_dir / "metrics.jsonl") if info.is_main_process else NullLogger()
-    run_name = t.run_name or f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
-    sink.log({"type": "config", "run_name": run_name, "world_size": info.world_size, "micro_batch": t.micro_batch,
+    job_type = f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
+    run_name = t.run_name or job_type
+    config = {"run_name": run_name, "world_size": info.world_size, "micro_batch": t.micro_batch,
               "accumulation": accumulation, "effective_batch": t.effective_batch, "total_steps": total_steps,
               "bucket_cap_mb": settings.ddp.bucket_cap_mb, "comm_hook": settings.ddp.comm_hook,
               "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(report),
               "resumed_from_step": state.global_step, "preset": settings.preset, "first_batch_indices": all_first,
-              "tokens_counted": "non-padding input tokens (attention mask)"})  # fmt: skip
+              "tokens_counted": "non-padding input tokens (attention mask)"}  # fmt: skip
+    sink = NullLogger()
+    if info.is_main_process:
+        sink = JsonlLogger(output_dir / "metrics.jsonl")
+        if t.report_to == "wandb":
+            group = t.wandb_group or settings.preset or "custom"
+            sink = MultiLogger(sink, WandbLogger(t.wandb_project, group, job_type, f"{group}-{run_name}", config,
+                                                 output_dir))  # fmt: skip
+    sink.log({"type": "config", **config})
     logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", run_name,
                 total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, report)  # fmt: skip
 

@@ -89,3 +89,77 @@ class NullLogger:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def wandb_mode() -> str:
+    """online with an API key, else offline (the run stays on disk for ``wandb sync``); WANDB_MODE wins."""
+    import os
+
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+class WandbLogger:
+    """Rank 0's wandb run for the plain loop, laid out like the Trainer's so the runs compare in one place.
+
+    Train records go under ``train/`` and eval under ``eval/``, both plotted against ``train/samples_seen``
+    (``define_metric``) so curves of different world sizes overlay. ``wandb.log`` hands records to wandb's
+    background service: training does not wait on the network. A wandb failure is logged and logging stops;
+    it never stops training.
+
+    Args:
+        project (str): wandb project.
+        group (str): the experiment (its single and DDP runs share it).
+        job_type (str): e.g. ``single-1`` or ``ddp-2``.
+        name (str): run name.
+        config (dict): recorded run settings (world size, batch arithmetic, bucket cap, comm hook, ...).
+        output_dir (str | Path): where the offline run is kept (``<output_dir>/wandb``) unless WANDB_DIR is set.
+    """
+
+    def __init__(self, project: str, group: str, job_type: str, name: str, config: dict, output_dir: str | Path):
+        import os
+
+        import wandb
+
+        self._wandb = wandb
+        self._run = wandb.init(project=project, group=group, job_type=job_type, name=name, config=config,
+                               mode=wandb_mode(), dir=os.environ.get("WANDB_DIR", str(output_dir)),
+                               reinit="finish_previous")  # fmt: skip
+        self._run.define_metric("train/samples_seen")
+        self._run.define_metric("train/*", step_metric="train/samples_seen")
+        self._run.define_metric("eval/*", step_metric="train/samples_seen")
+
+    def log(self, record: dict) -> None:
+        if self._run is None:
+            return
+        kind = record.get("type")
+        if kind == "train":
+            payload = {f"train/{k}": v for k, v in record.items() if k != "type" and isinstance(v, int | float)}
+        elif kind == "eval":
+            payload = {"eval/loss": record["eval_loss"], "train/samples_seen": record["samples_seen"]}
+        else:
+            return
+        try:
+            self._run.log(payload)
+        except Exception as error:  # noqa: BLE001 - wandb must never stop training
+            logger.warning("wandb logging failed, continuing without it: %s", error)
+            self._run = None
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+class MultiLogger:
+    """Sends every record to several sinks."""
+
+    def __init__(self, *sinks) -> None:
+        self.sinks = sinks
+
+    def log(self, record: dict) -> None:
+        for sink in self.sinks:
+            sink.log(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

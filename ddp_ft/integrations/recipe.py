@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -11,6 +12,7 @@ from ..config import RunSettings, gradient_accumulation_steps
 from ..data import load_raw_splits, make_collator, tokenize_dataset
 from ..distributed import DistInfo
 from ..loop import resolve_model_and_tokenizer
+from ..metrics import wandb_mode
 from ..model import check_device_map, load_qlora_model
 from ..tokenizer import load_tokenizer
 from .trainer import BucketedTrainer
@@ -18,12 +20,20 @@ from .trainer import BucketedTrainer
 logger = logging.getLogger(__name__)
 
 
-def wandb_report_to() -> list[str]:
-    """``["wandb"]`` unless wandb is disabled; offline (kept on disk for ``wandb sync``) without an API key."""
-    if os.environ.get("WANDB_MODE") == "disabled":
+def wandb_report_to(settings: RunSettings, job_type: str) -> list[str]:
+    """``["wandb"]`` (the Trainer's WandbCallback, configured through its environment variables) or ``[]``.
+
+    Offline, kept on disk for ``wandb sync``, without an API key; same project and group as the plain loop.
+    """
+    t = settings.train
+    if t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
         return []
-    if not os.environ.get("WANDB_API_KEY"):
-        os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ["WANDB_MODE"] = wandb_mode()
+    os.environ.setdefault("WANDB_PROJECT", t.wandb_project)
+    os.environ.setdefault("WANDB_RUN_GROUP", t.wandb_group or settings.preset or "custom")
+    os.environ.setdefault("WANDB_JOB_TYPE", job_type)
+    os.environ.setdefault("WANDB_DIR", t.output_dir)
+    Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
     return ["wandb"]
 
 
@@ -47,12 +57,10 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
     model = load_qlora_model(model_settings, settings.lora, device_map, info.world_size)
 
     cuda = torch.cuda.is_available()
-    os.environ.setdefault("WANDB_PROJECT", "ddp_ft")
-    os.environ.setdefault("WANDB_RUN_GROUP", settings.preset or "custom")
-    os.environ.setdefault("WANDB_JOB_TYPE", f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}")
+    job_type = f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
     args = TrainingArguments(
         output_dir=t.output_dir,
-        run_name=t.run_name or f"{settings.preset or 'custom'}-{os.environ['WANDB_JOB_TYPE']}",
+        run_name=t.run_name or f"{t.wandb_group or settings.preset or 'custom'}-{job_type}",
         per_device_train_batch_size=t.micro_batch,
         per_device_eval_batch_size=t.micro_batch,
         gradient_accumulation_steps=accumulation,
@@ -73,13 +81,13 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         seed=t.seed,
         bf16=cuda,
         use_cpu=not cuda,
-        report_to=wandb_report_to() if info.is_main_process else [],
+        report_to=wandb_report_to(settings, job_type) if info.is_main_process else [],
         remove_unused_columns=False,
         gradient_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
         include_num_input_tokens_seen="non_padding",
         average_tokens_across_devices=True,
         dataloader_drop_last=True,
-        ddp_backend="nccl" if cuda else "gloo",
+        ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
         disable_tqdm=not info.is_main_process,
     )
     return BucketedTrainer(
