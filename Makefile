@@ -21,10 +21,14 @@ lint: install
 	$(PY) -m ruff check ddp_ft scripts tests
 	$(PY) -m ruff format --check ddp_ft scripts tests
 
-# The main job on the embedded default (tiny Qwen3, synthetic AMI-like data): one process, then two.
+# The main job on the embedded default (tiny Qwen3, synthetic AMI-like data) with the HF Trainer + BucketedDDP:
+# one process, then two (gloo), then the comparison (table, PNG, wandb). One thread per process: the CPU
+# analogue of one GPU per process, so the single run is a fair baseline.
 demo: install
-	$(PY) scripts/train.py --preset tiny --output-dir runs/tiny-single
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/train.py --preset tiny --output-dir runs/tiny-ddp
+	rm -rf runs/demo
+	WANDB_DIR=runs/demo OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/single --wandb-group demo
+	WANDB_DIR=runs/demo OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml recipes/qwen_ami.py --output-dir runs/demo/ddp --wandb-group demo
+	WANDB_DIR=runs/demo $(PY) scripts/compare.py runs/demo/single runs/demo/ddp --out runs/demo/comparison --wandb-project ddp_ft --wandb-group demo
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
