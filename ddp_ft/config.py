@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from .data import DataSettings
-from .ddp.comm_hooks import COMM_HOOKS
+from .ddp import COMM_HOOKS, BucketedDDP
 from .model import EMBEDDED_MODEL, LoraSettings, ModelSettings
 
 
@@ -32,6 +34,17 @@ class DDPSettings:
             raise ValueError(f"comm_hook={self.comm_hook!r}: choose one of {', '.join(COMM_HOOKS)}.")
         if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be > 0.")
+
+    def wrap(self, module: torch.nn.Module) -> BucketedDDP:
+        """``module`` in a BucketedDDP configured by these settings (comm hook registered)."""
+        wrapped = BucketedDDP(
+            module, bucket_cap_mb=self.bucket_cap_mb, first_bucket_cap_mb=self.first_bucket_cap_mb,
+            gradient_as_bucket_view=self.gradient_as_bucket_view, find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
+        )  # fmt: skip
+        if self.comm_hook != "allreduce":
+            wrapped.register_comm_hook(None, COMM_HOOKS[self.comm_hook])
+        return wrapped
 
 
 @dataclass

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from .checkpoint import TrainState, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .config import RunSettings, gradient_accumulation_steps
 from .data import EpochLoader, load_raw_splits, make_collator, tokenize_dataset
-from .ddp import COMM_HOOKS, BucketedDDP
+from .ddp import BucketedDDP
 from .distributed import DistInfo
 from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
@@ -134,6 +134,59 @@ def evaluate(model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+@dataclass
+class RunParts:
+    """What both entry points (this loop, the Trainer recipe) build before the model."""
+
+    accumulation: int
+    device_map: dict | str
+    model_path: str
+    tokenizer: object
+    train_set: object
+    eval_set: object
+    collate: object
+    report: object
+
+
+def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
+    """Check the settings against the world size, then build tokenizer and data; every check before the model.
+
+    Raises:
+        ValueError: impossible batch arithmetic, a model-splitting device map under DDP, bad data, or fewer
+            training samples than one effective batch, each naming the setting to change.
+    """
+    t = settings.train
+    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
+    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
+    check_device_map(device_map, info.world_size)
+    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
+    tokenizer = load_tokenizer(tokenizer_path)
+    splits = load_raw_splits(settings.data)
+    train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
+    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
+    if len(train_set) < t.effective_batch:
+        raise ValueError(
+            f"the training set has {len(train_set)} samples, fewer than one effective batch "
+            f"(effective_batch={t.effective_batch}): lower --effective-batch or use more data."
+        )
+    return RunParts(accumulation, device_map, model_path, tokenizer, train_set, eval_set, make_collator(tokenizer),
+                    report)  # fmt: skip
+
+
+def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
+    """The QLoRA model on this rank's device, seeded by ``settings.train.seed``, checked against the tokenizer."""
+    _seed(settings.train.seed)
+    model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": parts.model_path})
+    model = load_qlora_model(model_settings, settings.lora, parts.device_map, info.world_size)
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(parts.tokenizer) > embeddings:
+        raise ValueError(
+            f"the tokenizer has {len(parts.tokenizer)} tokens but the model's embedding only {embeddings}: "
+            "use the tokenizer that belongs to --model-name-or-path."
+        )
+    return model
+
+
 def _seed(seed: int) -> None:
     import random
 
@@ -149,46 +202,15 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     t = settings.train
-    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
-    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
-    check_device_map(device_map, info.world_size)
     output_dir = Path(t.output_dir)
     resume_from = resolve_checkpoint(t.resume, output_dir) if t.resume else None
-
-    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
-    tokenizer = load_tokenizer(tokenizer_path)
-    splits = load_raw_splits(settings.data)
-    train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
-    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
-    collate = make_collator(tokenizer)
+    parts = prepare_run(settings, info)
+    accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
     loader = EpochLoader(train_set, collate, t.micro_batch, info.rank, info.world_size, seed=t.seed)
-    steps_per_epoch = len(loader) // accumulation
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"the training set has {len(train_set)} samples, fewer than one effective batch "
-            f"(effective_batch={t.effective_batch}): lower --effective-batch or use more data."
-        )
-    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * steps_per_epoch
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * (len(loader) // accumulation)
 
-    _seed(t.seed)
-    model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": model_path})
-    model = load_qlora_model(model_settings, settings.lora, device_map, info.world_size)
-    embeddings = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > embeddings:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {embeddings}: "
-            "use the tokenizer that belongs to --model-name-or-path."
-        )
-    wrapped = model
-    if info.is_distributed:
-        d = settings.ddp
-        wrapped = BucketedDDP(
-            model, bucket_cap_mb=d.bucket_cap_mb, first_bucket_cap_mb=d.first_bucket_cap_mb,
-            gradient_as_bucket_view=d.gradient_as_bucket_view, find_unused_parameters=d.find_unused_parameters,
-            broadcast_buffers=d.broadcast_buffers,
-        )  # fmt: skip
-        if d.comm_hook != "allreduce":
-            wrapped.register_comm_hook(None, COMM_HOOKS[d.comm_hook])
+    model = build_model(settings, info, parts)
+    wrapped = settings.ddp.wrap(model) if info.is_distributed else model
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -212,7 +234,7 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     config = {"run_name": run_name, "world_size": info.world_size, "micro_batch": t.micro_batch,
               "accumulation": accumulation, "effective_batch": t.effective_batch, "total_steps": total_steps,
               "bucket_cap_mb": settings.ddp.bucket_cap_mb, "comm_hook": settings.ddp.comm_hook,
-              "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(report),
+              "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(parts.report),
               "resumed_from_step": state.global_step, "preset": settings.preset, "first_batch_indices": all_first,
               "tokens_counted": "non-padding input tokens (attention mask)"}  # fmt: skip
     sink = NullLogger()
@@ -224,7 +246,7 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
                                                  output_dir))  # fmt: skip
     sink.log({"type": "config", **config})
     logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", run_name,
-                total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, report)  # fmt: skip
+                total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, parts.report)  # fmt: skip
 
     meter = ThroughputMeter(info.world_size, info.device)
     progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=run_name)

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("preset %s (%s), %d process(es)", settings.preset, why if chosen else "from --preset", info.world_size)
     try:
         trainer = build_trainer(settings, info)
-        trainer.train(resume_from_checkpoint=settings.train.resume or None)
+        resume = settings.train.resume
+        trainer.train(resume_from_checkpoint=True if resume == "latest" else (resume or None))
         metrics = trainer.evaluate()
         trainer.save_model(f"{settings.train.output_dir}/final")  # the unwrapped adapter, on rank 0
         trainer.save_state()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,20 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / "comparison.json").read_text())
     assert report
+
+
+def test_trainer_resume_from_checkpoint_continues_the_loss_curve(tmp_path):
+    recipe = ROOT / "recipes" / "qwen_ami.py"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(full), "--max-steps", "4",
+                "--save-every", "2", "--save-total-limit", "0", "--report-to", "none")  # fmt: skip
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    run = _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(resumed), "--max-steps", "4",
+                      "--resume", "latest", "--report-to", "none")  # fmt: skip
+    assert "wrapped the model in BucketedDDP" in run.stderr
+    expected = {r["step"]: r["loss"] for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"}
+    continued = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics.jsonl") if r["type"] == "train"}
+    assert sorted(continued) == [3, 4]
+    for step, loss in continued.items():
+        assert loss == pytest.approx(expected[step], rel=1e-4), (step, loss, expected[step])

@@ -16,7 +16,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ..config import DDPSettings
-from ..ddp import COMM_HOOKS, BucketedDDP
+from ..ddp import BucketedDDP
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,7 @@ class BucketedAccelerator(Accelerator):
         # Everything Accelerate does for a training model except its DDP wrap (that happens only when
         # evaluation_mode is False), then ours.
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-        s = self.ddp_settings
-        wrapped = BucketedDDP(
-            model, bucket_cap_mb=s.bucket_cap_mb, first_bucket_cap_mb=s.first_bucket_cap_mb,
-            gradient_as_bucket_view=s.gradient_as_bucket_view, find_unused_parameters=s.find_unused_parameters,
-            broadcast_buffers=s.broadcast_buffers,
-        )  # fmt: skip
-        if s.comm_hook != "allreduce":
-            wrapped.register_comm_hook(None, COMM_HOOKS[s.comm_hook])
+        wrapped = self.ddp_settings.wrap(model)
         wrapped._is_accelerate_prepared = True
         self._models[self._models.index(model)] = wrapped
         logger.info("wrapped the model in BucketedDDP (%d buckets) instead of torch DDP", len(wrapped.bucket_sizes))

@@ -8,13 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunSettings, gradient_accumulation_steps
-from ..data import load_raw_splits, make_collator, tokenize_dataset
+from ..config import RunSettings
 from ..distributed import DistInfo
-from ..loop import resolve_model_and_tokenizer
+from ..loop import build_model, prepare_run
 from ..metrics import wandb_mode
-from ..model import check_device_map, load_qlora_model
-from ..tokenizer import load_tokenizer
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -42,19 +39,9 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
     from transformers import TrainingArguments
 
     t = settings.train
-    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
-    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
-    check_device_map(device_map, info.world_size)
-    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
-    tokenizer = load_tokenizer(tokenizer_path)
-    splits = load_raw_splits(settings.data)
-    train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
-    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
-    logger.info("data: %s", report)
-
-    torch.manual_seed(t.seed)
-    model_settings = type(settings.model)(**{**vars(settings.model), "model_name_or_path": model_path})
-    model = load_qlora_model(model_settings, settings.lora, device_map, info.world_size)
+    parts = prepare_run(settings, info)
+    logger.info("data: %s", parts.report)
+    model = build_model(settings, info, parts)
 
     cuda = torch.cuda.is_available()
     job_type = f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
@@ -63,7 +50,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         run_name=t.run_name or f"{t.wandb_group or settings.preset or 'custom'}-{job_type}",
         per_device_train_batch_size=t.micro_batch,
         per_device_eval_batch_size=t.micro_batch,
-        gradient_accumulation_steps=accumulation,
+        gradient_accumulation_steps=parts.accumulation,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps,
         learning_rate=t.learning_rate,
@@ -93,9 +80,9 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
     return BucketedTrainer(
         model=model,
         args=args,
-        train_dataset=train_set,
-        eval_dataset=eval_set,
-        data_collator=make_collator(tokenizer),
-        processing_class=tokenizer,
+        train_dataset=parts.train_set,
+        eval_dataset=parts.eval_set,
+        data_collator=parts.collate,
+        processing_class=parts.tokenizer,
         ddp_settings=settings.ddp,
     )

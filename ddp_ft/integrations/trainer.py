@@ -10,7 +10,6 @@ of the wrapper, so unwrapping and the DDP kwargs would still belong to torch DDP
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..config import DDPSettings
 from ..ddp import BucketedDDP, CommStats
-from ..metrics import JsonlLogger, peak_memory_gb
+from ..metrics import JsonlLogger, ThroughputMeter
 from .accelerate import BucketedAccelerator
 
 
@@ -42,7 +41,8 @@ class ThroughputCallback(TrainerCallback):
         self._wrapped_model = wrapped_model
         self._ddp_config = ddp_config or {}
         self._reset()
-        self._step_start = None
+        self._meter: ThroughputMeter | None = None
+        self._memory: dict[str, float] = {}
         self._sink: JsonlLogger | None = None
         self._wandb_config: dict | None = None
 
@@ -85,14 +85,18 @@ class ThroughputCallback(TrainerCallback):
             self._wandb_config = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._step_start = time.perf_counter()
+        if self._meter is None:
+            self._meter = ThroughputMeter(max(1, args.world_size), torch.device(args.device))
+        self._meter.start()
         self._tokens_at_step = state.num_input_tokens_seen
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self._step_start is None:
+        if self._meter is None:
             return
-        self._seconds += time.perf_counter() - self._step_start
-        self._tokens += state.num_input_tokens_seen - self._tokens_at_step
+        step = self._meter.stop(state.num_input_tokens_seen - self._tokens_at_step)
+        self._seconds += step["step_time_s"]
+        self._tokens += step["tokens"]
+        self._memory = {k: v for k, v in step.items() if k.startswith("peak_")}
         self._steps += 1
         model = self._wrapped_model() if self._wrapped_model else None
         if isinstance(model, BucketedDDP):
@@ -106,13 +110,11 @@ class ThroughputCallback(TrainerCallback):
         if logs is None or self._steps == 0 or "loss" not in logs:
             return
         world_size = max(1, args.world_size)
-        device = args.device if isinstance(args.device, torch.device) else torch.device(args.device)
-        memory_name, memory = peak_memory_gb(device)
         logs.update({
             "step_time_s": self._seconds / self._steps,
             "tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,
             "tokens_per_s_per_device": self._tokens / self._seconds / world_size if self._seconds else 0.0,
-            memory_name: memory,
+            **self._memory,
             "samples_seen": self._samples(args, state),
         })  # fmt: skip
         if self._comm.synced_backwards:
