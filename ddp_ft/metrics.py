@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -91,11 +93,19 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def wandb_mode() -> str:
-    """online with an API key, else offline (the run stays on disk for ``wandb sync``); WANDB_MODE wins."""
-    import os
+def resolve_wandb_mode(environ: Mapping[str, str] | None = None) -> str:
+    """wandb mode that cannot block: ``offline`` unless an API key is set, an explicit WANDB_MODE respected.
 
-    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    ``WANDB_MODE=offline``/``dryrun``/``disabled`` always wins; without ``WANDB_API_KEY`` the run is
+    offline (an online init without credentials would prompt for a login); with a key, WANDB_MODE or online.
+    """
+    environ = os.environ if environ is None else environ
+    mode = environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("offline", "dryrun", "disabled"):
+        return "offline" if mode == "dryrun" else mode
+    if not environ.get("WANDB_API_KEY"):
+        return "offline"
+    return mode or "online"
 
 
 class WandbLogger:
@@ -116,13 +126,11 @@ class WandbLogger:
     """
 
     def __init__(self, project: str, group: str, job_type: str, name: str, config: dict, output_dir: str | Path):
-        import os
-
         import wandb
 
         self._wandb = wandb
         self._run = wandb.init(project=project, group=group, job_type=job_type, name=name, config=config,
-                               mode=wandb_mode(), dir=os.environ.get("WANDB_DIR", str(output_dir)),
+                               mode=resolve_wandb_mode(), dir=os.environ.get("WANDB_DIR", str(output_dir)),
                                reinit="finish_previous")  # fmt: skip
         self._run.define_metric("train/samples_seen")
         self._run.define_metric("train/*", step_metric="train/samples_seen")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ddp_ft.metrics import read_jsonl
+from ddp_ft.metrics import read_jsonl, resolve_wandb_mode
 
 logger = logging.getLogger(__name__)
 
@@ -391,12 +391,45 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     return path
 
 
+WANDB_PREFIX = "wandb:"
+
+
+def records_from_wandb(run_path: str, api: object | None = None) -> list[dict]:
+    """A wandb run (``entity/project/run_id``) as ``metrics.jsonl`` records, for runs logged online.
+
+    Uses the keys both ddp_ft paths log: ``train/*`` (against ``train/samples_seen``) and ``eval/loss``;
+    the run config gives world size and batch arithmetic.
+
+    Args:
+        run_path (str): ``entity/project/run_id``.
+        api (object | None): a ``wandb.Api()`` (or a stand-in with ``run(path)``). Default: a new ``wandb.Api()``.
+    """
+    if api is None:
+        import wandb
+
+        api = wandb.Api()
+    run = api.run(run_path)
+    records: list[dict] = [{"type": "config", "run_name": run.name, **dict(run.config)}]
+    for row in run.scan_history():
+        samples = row.get("train/samples_seen")
+        if row.get("train/loss") is not None:
+            train = {k.removeprefix("train/"): v for k, v in row.items() if k.startswith("train/") and v is not None}
+            records.append({"type": "train", "step": train.get("step", row.get("_step")), **train})
+        if row.get("eval/loss") is not None:
+            records.append({"type": "eval", "step": row.get("_step"), "samples_seen": samples,
+                            "eval_loss": row["eval/loss"]})  # fmt: skip
+    return records
+
+
 def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list[dict]]:
-    """Read ``run_dir/metrics.jsonl``; return its summary and records.
+    """Read ``run_dir/metrics.jsonl`` (or the wandb run ``wandb:entity/project/run_id``); return summary and records.
 
     Raises:
         FileNotFoundError: if ``run_dir`` holds no ``metrics.jsonl``.
     """
+    if str(run_dir).startswith(WANDB_PREFIX):
+        records = records_from_wandb(str(run_dir)[len(WANDB_PREFIX) :])
+        return summarize_run(records, skip_first), records
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass the output_dir of a training run")
@@ -432,20 +465,6 @@ def write_report(baseline_dir: str | Path, other_dir: str | Path, out_dir: str |
     Path(files["json"]).write_text(json.dumps(report, indent=2))
     logger.info("wrote %s", ", ".join(files.values()))
     return report
-
-
-def resolve_wandb_mode(environ: Mapping[str, str]) -> str:
-    """wandb mode that cannot block: ``offline`` unless an API key is set, an explicit WANDB_MODE respected.
-
-    ``WANDB_MODE=offline``/``dryrun``/``disabled`` always wins; without ``WANDB_API_KEY`` the run is
-    offline (an online init without credentials would prompt for a login); with a key, WANDB_MODE or online.
-    """
-    mode = environ.get("WANDB_MODE", "").strip().lower()
-    if mode in ("offline", "dryrun", "disabled"):
-        return "offline" if mode == "dryrun" else mode
-    if not environ.get("WANDB_API_KEY"):
-        return "offline"
-    return mode or "online"
 
 
 def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group: str) -> None:

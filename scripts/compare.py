@@ -19,8 +19,10 @@ from ddp_ft.report import log_report_to_wandb, write_report
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("baseline_dir", type=Path, help="output_dir of the 1-device run (holds metrics.jsonl)")
-    p.add_argument("other_dir", type=Path, help="output_dir of the DDP run (holds metrics.jsonl)")
+    p.add_argument(
+        "baseline_dir", help="output_dir of the 1-device run (holds metrics.jsonl), or wandb:entity/project/id"
+    )
+    p.add_argument("other_dir", help="output_dir of the DDP run (holds metrics.jsonl), or wandb:entity/project/id")
     p.add_argument("--out", type=Path, required=True, help="folder for comparison.md/.png/.json")
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the medians")
     p.add_argument("--wandb-project", default=None, help="log the comparison to this wandb project")

@@ -420,7 +420,7 @@ class BucketedDDP(nn.Module):
                     f"{shown}. Freeze parameters that are not used (requires_grad=False) or pass "
                     f"find_unused_parameters=True to reduce them as zero. {_REENTRANT_HINT}"
                 )
-            self._reduce_unused(unready)
+            self._reduce_unused()
         for bucket in self._buckets:
             result = bucket.future.wait()
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
@@ -442,7 +442,7 @@ class BucketedDDP(nn.Module):
                             p.grad.copy_(view)
         self._armed = False
 
-    def _reduce_unused(self, unready: list[str]) -> None:
+    def _reduce_unused(self) -> None:
         """find_unused_parameters=True: contribute what unused parameters hold locally (zero if nothing)."""
         with torch.no_grad():
             for index, ready in enumerate(self._ready):

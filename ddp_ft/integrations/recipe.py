@@ -11,7 +11,7 @@ import torch
 from ..config import RunSettings
 from ..distributed import DistInfo
 from ..loop import build_model, prepare_run
-from ..metrics import wandb_mode
+from ..metrics import resolve_wandb_mode
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def wandb_report_to(settings: RunSettings, job_type: str) -> list[str]:
     t = settings.train
     if t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
         return []
-    os.environ["WANDB_MODE"] = wandb_mode()
+    os.environ["WANDB_MODE"] = resolve_wandb_mode()
     os.environ.setdefault("WANDB_PROJECT", t.wandb_project)
     os.environ.setdefault("WANDB_RUN_GROUP", t.wandb_group or settings.preset or "custom")
     os.environ.setdefault("WANDB_JOB_TYPE", job_type)
