@@ -30,9 +30,13 @@ class ThroughputCallback(TrainerCallback):
     the steps since the previous log. Register it before the reporting callbacks (``BucketedTrainer`` does) so
     wandb and the console see the values.
 
+    On rank 0 it also writes ``<output_dir>/metrics.jsonl`` in the plain loop's format (so ``scripts/compare.py``
+    reads either), and points wandb's ``train/*`` and ``eval/*`` at ``train/samples_seen``.
+
     Args:
-        wrapped_model (Callable[[], torch.nn.Module]): returns the (possibly wrapped) training model, for
-            communication stats.
+        wrapped_model (Callable[[], torch.nn.Module] | None): returns the (possibly wrapped) training model, for
+            communication stats. Default: None (no comm stats).
+        ddp_config (dict | None): BucketedDDP settings recorded in the run config (bucket cap, comm hook).
     """
 
     def __init__(
