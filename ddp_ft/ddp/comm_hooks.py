@@ -70,21 +70,16 @@ def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket across ranks (the default).
 
-    NCCL averages natively (``ReduceOp.AVG``). gloo has no AVG: a 32/64-bit buffer is summed, then
-    divided (the more accurate order); a 16-bit buffer is divided first so the sum cannot overflow.
+    NCCL averages natively (``ReduceOp.AVG``). gloo has no AVG: the buffer is divided by the world size, then
+    summed, as torch DDP's reducer does; dividing first keeps 16-bit sums from overflowing. No Python runs on
+    the communication thread: the future is the collective's own (its value is ``[buffer]``).
     """
     group = _group(process_group)
-    world_size = dist.get_world_size(group)
     buffer = bucket.buffer()
     if dist.get_backend(group) == "nccl":
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    if buffer.element_size() <= 2:
-        buffer.div_(world_size)
-        work = dist.all_reduce(buffer, group=group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0].div_(world_size))
+        return dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
 
 def _compress_hook(dtype: torch.dtype) -> CommHook:

@@ -148,6 +148,8 @@ class BucketedDDP(nn.Module):
         self._comm_state: object = process_group
         self._hook_registered = False
         self._device = self._buckets[0].buffer.device
+        # The window needs a completion stamp from the comm thread; CUDA completion is not host-visible.
+        self._measure_window = self._device.type == "cpu"
         # Counters of the latest backward and since the last pop; exposed waits are kept as measurements
         # (CUDA events are read only when someone asks) and summed into the stats on read.
         self._last_stats, self._last_waits = CommStats(), []
@@ -352,6 +354,8 @@ class BucketedDDP(nn.Module):
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: runs once ``param.grad`` holds this backward's gradient."""
+        if self._armed and not self._sync:  # accumulation micro-step: nothing to do (the common case first)
+            return
         self._any_backward = True
         if not self._armed:
             raise RuntimeError(
@@ -359,8 +363,6 @@ class BucketedDDP(nn.Module):
                 "follow a forward through the wrapper: call the BucketedDDP model (not .module), once per "
                 "backward; for gradient accumulation run the micro-steps inside no_sync()."
             )
-        if not self._sync:
-            return
         if self._ready[index]:
             self._abort_iteration()
             raise RuntimeError(
@@ -390,7 +392,7 @@ class BucketedDDP(nn.Module):
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
             future = self._comm_hook(self._comm_state, bucket.grad_bucket)
-            if self._device.type == "cpu":  # stamp completion (runs on gloo's thread) for the comm window
+            if self._measure_window:  # stamp completion (runs on gloo's thread) for the comm window
                 if self._next_launch == 0:
                     self._window_start = time.perf_counter()
                 future = future.then(self._stamp_completion)
@@ -423,12 +425,14 @@ class BucketedDDP(nn.Module):
             self._reduce_unused()
         for bucket in self._buckets:
             result = bucket.future.wait()
+            if isinstance(result, list | tuple):  # a collective's own future holds its output tensors
+                result = result[0]
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(result.view_as(bucket.buffer))
         wait = stop_timer(self._device, token)
         self._last_waits.append(wait)
         self._pending_waits.append(wait)
-        if self._device.type == "cpu":
+        if self._measure_window:
             window_ms = (self._window_end - self._window_start) * 1e3
             self._last_stats.comm_window_ms += window_ms
             self._pending_stats.comm_window_ms += window_ms
