@@ -366,10 +366,11 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     FigureCanvasAgg(fig)
     loss_ax, bar_ax = fig.subplots(1, 2)
-    for name, curve, color, marker in zip(
-        names, (comparison.baseline_curve, comparison.other_curve), ("tab:blue", "tab:orange"), ("o", "s"), strict=True
+    styles = (("tab:blue", "-", "o"), ("tab:orange", "--", "s"))  # dashed on top: identical curves stay visible
+    for name, curve, (color, line, marker) in zip(
+        names, (comparison.baseline_curve, comparison.other_curve), styles, strict=True
     ):
-        loss_ax.plot(curve.samples_seen, curve.loss, color=color, label=f"{name} train")
+        loss_ax.plot(curve.samples_seen, curve.loss, color=color, linestyle=line, marker=".", label=f"{name} train")
         loss_ax.scatter(curve.eval_samples_seen, curve.eval_loss, color=color, marker=marker, zorder=3,
                         edgecolors="black", label=f"{name} eval")  # fmt: skip
     loss_ax.set(xlabel="samples seen", ylabel="loss", title="Loss vs samples seen")
@@ -384,6 +385,7 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
         bar_ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=2)
     bar_ax.set_xticks(range(len(groups)), [f"tokens/s {g}" for g in groups])
     bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput (speedup {_fmt(comparison.speedup, '.2f')}x)")
+    bar_ax.margins(y=0.12)  # room for the value labels
     bar_ax.legend()
     fig.suptitle(f"{base.run_name} ({base.world_size} device(s)) vs {other.run_name} ({other.world_size} device(s))")
     path = Path(path)
