@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import TrainState, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .config import RunSettings, gradient_accumulation_steps
-from .data import EpochLoader, load_raw_splits, make_collator, tokenize_dataset
+from .data import IGNORE_INDEX, EpochLoader, load_raw_splits, make_collator, tokenize_dataset
 from .ddp import BucketedDDP
 from .distributed import DistInfo
 from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
@@ -32,7 +32,6 @@ from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
 
 
 @dataclass
