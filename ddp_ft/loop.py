@@ -33,7 +33,6 @@ from .tokenizer import build_tiny_tokenizer, load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class TrainResult:
     """What a finished run reports (on every rank; paths are rank 0's)."""
