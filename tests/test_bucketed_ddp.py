@@ -1,5 +1,6 @@
 """BucketedDDP against torch DDP and a single process on the global batch: 2 real gloo processes."""
 
+import contextlib
 import copy
 
 import pytest
@@ -282,6 +283,41 @@ def _start_from_rank0(rank, world_size):
 
 def test_trainable_parameters_and_buffers_start_from_rank_0():
     run_distributed(_start_from_rank0)
+
+
+def _buffer_schedule(rank, world_size):
+    torch.manual_seed(0)
+    reference = Net()
+    wrapped = {"ours": BucketedDDP(copy.deepcopy(reference)), "torch": TorchDDP(copy.deepcopy(reference))}
+    seen = {}
+    for name, model in wrapped.items():
+        values = []
+        tick = 0
+        for accumulation in (3, 1, 2, 1):  # micro-steps per optimizer step, all but the last under no_sync
+            for micro in range(accumulation):
+                tick += 1
+                model.module.scale.fill_(100.0 * tick + rank)  # a rank-local value before every forward
+                x, y = make_batch(tick)
+                with model.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                values.append(model.module.scale[0].item())  # 100*tick: broadcast from rank 0; +rank: local
+        seen[name] = values
+    assert seen["ours"] == seen["torch"]
+    if rank == 1:  # rank 0 sees its own values either way
+        # torch broadcasts exactly at the first forward after a synced one (and the first forward ever)
+        broadcast_at = [i for i, v in enumerate(seen["torch"]) if v == 100.0 * (i + 1)]
+        assert broadcast_at == [0, 3, 4, 6], seen["torch"]
+
+    # A no-grad forward never communicates (evaluation on uneven shards cannot hang), even right after a step.
+    ours = wrapped["ours"]
+    ours.module.scale.fill_(7.0 + rank)
+    with torch.no_grad():
+        ours(torch.zeros(2, 16))
+    assert ours.module.scale[0].item() == 7.0 + rank
+
+
+def test_buffers_are_broadcast_on_torch_ddps_schedule_and_never_in_no_grad_forwards():
+    run_distributed(_buffer_schedule)
 
 
 class _SharedAcrossCheckpoints(torch.nn.Module):

@@ -87,8 +87,10 @@ class BucketedDDP(nn.Module):
         find_unused_parameters (bool): if False, a trainable parameter without a gradient in a synced
             backward is an error naming it; if True it is reduced as zero (plus whatever it accumulated
             under ``no_sync``). Default: False.
-        broadcast_buffers (bool): broadcast the module's buffers from rank 0 before each synced forward.
-            Default: True.
+        broadcast_buffers (bool): broadcast the module's buffers from rank 0 at the first forward after a
+            synced one (and the first forward), i.e. once per optimizer step at its first micro-step, where the
+            ranks have just met in the all-reduce: torch DDP's schedule. A no-grad forward never communicates
+            (torch DDP's may), so evaluation on uneven shards cannot hang. Default: True.
         process_group (ProcessGroup | None): group to reduce over. Default: the default group.
 
     Raises:
@@ -163,6 +165,10 @@ class BucketedDDP(nn.Module):
         self._next_launch = 0
         self._any_backward = False
         self._window_start = self._window_end = 0.0
+        # Buffers are broadcast by the first forward after a synced one (see broadcast_buffers). Broadcasting
+        # before the synced micro-step instead adds a second meeting point per step, after the ranks have
+        # drifted apart over the no_sync micro-steps.
+        self._buffers_need_sync = True
 
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
@@ -184,8 +190,9 @@ class BucketedDDP(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._prepare_for_backward(sync=self.require_backward_grad_sync)
-            if self.require_backward_grad_sync and self.broadcast_buffers:
+            if self._buffers_need_sync and self.broadcast_buffers:
                 self._broadcast_buffers()
+            self._buffers_need_sync = self.require_backward_grad_sync
         output = self.module(*inputs, **kwargs)
         if grad_enabled and self.require_backward_grad_sync:
             self._hook_backward_start(output)
