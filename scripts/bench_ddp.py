@@ -38,15 +38,63 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step per rank")
     p.add_argument("--steps", type=int, default=1, help="timed optimizer steps per mode per repeat")
-    p.add_argument("--repeats", type=int, default=24, help="interleaved repeats of every mode")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of both DDPs")
+    p.add_argument("--repeats", type=int, default=48, help="interleaved repeats of every mode")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="bucket cap of both DDPs, first bucket included (default: both DDPs' defaults, 1 MiB first, then 25 MiB)",
+    )
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_ddp.json"), help="JSON result file")
     return p.parse_args()
 
 
-def run_steps(model, optimizer, batches, steps: int, grad_accum: int, distributed: bool) -> float:
+class ExposedWaitProbe:
+    """Wall time from the last trainable gradient of a backward to ``backward()`` returning.
+
+    In a synced backward that is the communication (and the wait for the slower rank) that the backward could not
+    hide. It is measured from outside, by the same hooks, for torch DDP and BucketedDDP alike, so the one part of a
+    step in which the two differ is compared directly, without the compute that dominates the tokens/s noise.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.last_grad = 0.0
+        self.seconds: list[float] = []
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._stamp)
+
+    def _stamp(self, param: torch.Tensor) -> None:
+        self.last_grad = time.perf_counter()
+
+    def backward(self, loss: torch.Tensor, record: bool) -> None:
+        loss.backward()
+        if record:
+            self.seconds.append(time.perf_counter() - self.last_grad)
+
+
+def caps_of(bucket_cap_mb: float | None) -> dict[str, dict[str, float]]:
+    if bucket_cap_mb is None:
+        return {"torch": {}, "ours": {}}
+    return {
+        "torch": {"bucket_cap_mb": bucket_cap_mb},
+        "ours": {"bucket_cap_mb": bucket_cap_mb, "first_bucket_cap_mb": bucket_cap_mb},
+    }
+
+
+def bucket_bytes(models) -> dict[str, list[int]]:
+    """Bucket sizes in bytes, in launch order: torch DDP's as rebuilt after its first iteration, and ours."""
+    torch_sizes = models["torch_ddp"]._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+    ours = models["bucketed_ddp"]
+    return {
+        "torch_ddp": [int(x) for x in torch_sizes.split(",") if x.strip()],
+        "bucketed_ddp": [n * b.buffer.element_size() for n, b in zip(ours.bucket_sizes, ours._buckets, strict=True)],
+    }
+
+
+def run_steps(model, optimizer, probe, batches, steps: int, grad_accum: int, distributed: bool) -> float:
     """Run ``steps`` optimizer steps; return the wall seconds (of the slowest rank when distributed)."""
     if distributed:
         dist.barrier()
@@ -56,7 +104,7 @@ def run_steps(model, optimizer, batches, steps: int, grad_accum: int, distribute
             ids = batches[(step * grad_accum + micro) % len(batches)]
             accumulate_only = distributed and micro < grad_accum - 1
             with model.no_sync() if accumulate_only else nullcontext():
-                model(input_ids=ids, labels=ids).loss.backward()
+                probe.backward(model(input_ids=ids, labels=ids).loss, record=distributed and not accumulate_only)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     elapsed = torch.tensor(time.perf_counter() - start)
@@ -84,29 +132,39 @@ def main() -> None:
 
         models = {
             "single": build(),
-            "torch_ddp": TorchDDP(build(), bucket_cap_mb=args.bucket_cap_mb),
-            "bucketed_ddp": BucketedDDP(build(), bucket_cap_mb=args.bucket_cap_mb),
+            # torch DDP keeps its 1 MiB first bucket only when bucket_cap_mb is not given; an explicit cap applies
+            # to its first bucket too. Both DDPs get the same layout either way (checked after the warm-up).
+            "torch_ddp": TorchDDP(build(), **caps_of(args.bucket_cap_mb)["torch"]),
+            "bucketed_ddp": BucketedDDP(build(), **caps_of(args.bucket_cap_mb)["ours"]),
         }
         optimizers = {
             k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()
         }
+        probes = {k: ExposedWaitProbe(m) for k, m in models.items()}
         g = torch.Generator().manual_seed(info.rank)
         batches = [torch.randint(0, args.vocab_size, (args.micro_batch, args.seq_len), generator=g) for _ in range(8)]
         tokens_per_rank_step = args.micro_batch * args.seq_len * args.grad_accum
 
         def measure(mode: str, steps: int) -> float | None:
-            model, optimizer = models[mode], optimizers[mode]
+            model, optimizer, probe = models[mode], optimizers[mode], probes[mode]
             if mode == "single":
                 seconds = None
                 if info.is_main_process:
-                    seconds = run_steps(model, optimizer, batches, steps, args.grad_accum, distributed=False)
+                    seconds = run_steps(model, optimizer, probe, batches, steps, args.grad_accum, distributed=False)
                 dist.barrier()
                 return seconds
-            return run_steps(model, optimizer, batches, steps, args.grad_accum, distributed=True)
+            return run_steps(model, optimizer, probe, batches, steps, args.grad_accum, distributed=True)
 
-        for mode in MODES:  # warm-up: first-iteration allocations, torch DDP's bucket rebuild
-            measure(mode, 1)
+        # warm-up: first-iteration allocations; torch DDP rebuilds its buckets in the forward after its first
+        # synced backward, so it needs two optimizer steps
+        for mode in MODES:
+            measure(mode, 2)
         models["bucketed_ddp"].pop_comm_stats()
+        layouts = bucket_bytes(models)
+        if layouts["torch_ddp"] != layouts["bucketed_ddp"]:
+            raise SystemExit(f"the two DDPs have different bucket layouts, the comparison would be unfair: {layouts}")
+        for probe in probes.values():
+            probe.seconds.clear()
 
         samples: dict[str, list[float]] = {m: [] for m in MODES}
         for repeat in range(args.repeats):
@@ -118,8 +176,11 @@ def main() -> None:
                     samples[mode].append(world * tokens_per_rank_step * args.steps / seconds)
 
         comm = models["bucketed_ddp"].pop_comm_stats()
+        waits: list[dict | None] = [None] * info.world_size  # every rank's synced backwards: the faster one waits
+        dist.all_gather_object(waits, {m: probes[m].seconds for m in ("torch_ddp", "bucketed_ddp")})
+        exposed_ms = {m: 1e3 * statistics.mean([s for w in waits for s in w[m]]) for m in ("torch_ddp", "bucketed_ddp")}
         if info.is_main_process:
-            report(args, samples, comm, models, tokens_per_rank_step)
+            report(args, samples, comm, exposed_ms, layouts, tokens_per_rank_step)
     finally:
         destroy_distributed()
 
@@ -143,11 +204,10 @@ def cpu_name() -> str:
     return platform.processor() or "CPU"
 
 
-def report(args, samples, comm, models, tokens_per_rank_step) -> None:
+def report(args, samples, comm, exposed_ms, layouts, tokens_per_rank_step) -> None:
     optimizer_steps = args.repeats * args.steps
     median = {m: statistics.median(v) for m, v in samples.items()}
     paired = [b / t for b, t in zip(samples["bucketed_ddp"], samples["torch_ddp"], strict=True)]
-    torch_ddp_data = models["torch_ddp"]._get_ddp_logging_data()
     result = {
         "hardware": f"{cpu_name()}, 2 ranks x {args.threads} thread(s), gloo",
         "torch": torch.__version__,
@@ -169,9 +229,11 @@ def report(args, samples, comm, models, tokens_per_rank_step) -> None:
             "exposed_comm_ms": comm.exposed_comm_ms / optimizer_steps,
             "comm_window_ms": comm.comm_window_ms / optimizer_steps,
             "overlap": comm.overlap,
-            "buckets": len(models["bucketed_ddp"].bucket_sizes),
+            "buckets": len(layouts["bucketed_ddp"]),
         },
-        "torch_ddp_buckets": torch_ddp_data.get("num_buckets_reduced", None),
+        "bucket_bytes": layouts,  # launch order, identical for both DDPs
+        # mean over both ranks' synced backwards, one per optimizer step
+        "wait_after_last_grad_ms_per_optimizer_step": exposed_ms,
     }
     rows = [f"| {'mode':<13} | {'tokens/s':>9} | {'step s':>7} | {'min..max tokens/s':>19} |", "|" + "---|" * 4]
     for m in MODES:
@@ -185,9 +247,12 @@ def report(args, samples, comm, models, tokens_per_rank_step) -> None:
         f"95% CI {result['bucketed_over_torch_ddp_paired_ci95'][0]:.3f}..{result['bucketed_over_torch_ddp_paired_ci95'][1]:.3f})   "
         f"scaling efficiency: BucketedDDP {result['scaling_efficiency']['bucketed_ddp']:.1%}, "
         f"torch DDP {result['scaling_efficiency']['torch_ddp']:.1%}\n"
+        f"buckets of both DDPs (bytes, launch order): {layouts['bucketed_ddp']}\n"
         f"BucketedDDP per optimizer step: {per_step['allreduce_calls']:.0f} all-reduce calls, "
         f"{per_step['allreduce_bytes'] / 2**20:.2f} MiB, communication window {per_step['comm_window_ms']:.2f} ms "
-        f"of which exposed {per_step['exposed_comm_ms']:.2f} ms (overlap {comm.overlap or 0:.0%})"
+        f"of which exposed {per_step['exposed_comm_ms']:.2f} ms (overlap {comm.overlap or 0:.0%})\n"
+        f"wait after the last gradient per optimizer step, same probe for both, mean of both ranks: "
+        f"BucketedDDP {exposed_ms['bucketed_ddp']:.2f} ms, torch DDP {exposed_ms['torch_ddp']:.2f} ms"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
