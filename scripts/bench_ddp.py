@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-steps per optimizer step per rank")
     p.add_argument("--steps", type=int, default=1, help="timed optimizer steps per mode per repeat")
-    p.add_argument("--repeats", type=int, default=48, help="interleaved repeats of every mode")
+    p.add_argument("--repeats", type=int, default=96, help="interleaved repeats of every mode")
     p.add_argument(
         "--bucket-cap-mb",
         type=float,
@@ -48,6 +48,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_ddp.json"), help="JSON result file")
+    p.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        help="no benchmark: pool the per-repeat ratios of these earlier result files (plain python, no torchrun)",
+    )
     return p.parse_args()
 
 
@@ -115,6 +121,8 @@ def run_steps(model, optimizer, probe, batches, steps: int, grad_accum: int, dis
 
 def main() -> None:
     args = parse_args()
+    if args.pool:
+        return pool(args.pool)
     info = init_distributed()
     torch.set_num_threads(args.threads)
     try:
@@ -192,6 +200,29 @@ def bootstrap_median_ci(values: list[float], resamples: int = 2000) -> tuple[flo
     picks = torch.randint(0, len(values), (resamples, len(values)), generator=g)
     medians = data[picks].median(dim=1).values.sort().values
     return medians[int(0.025 * resamples)].item(), medians[int(0.975 * resamples) - 1].item()
+
+
+def pool(files: list[Path]) -> None:
+    """Paired BucketedDDP / torch DDP ratios of several runs together: a tighter interval than any one run."""
+    paired = []
+    for f in files:
+        result = json.loads(f.read_text())
+        layouts = result.get("bucket_bytes")
+        if not layouts or layouts["torch_ddp"] != layouts["bucketed_ddp"]:
+            raise SystemExit(
+                f"{f}: not a like-for-like run (bucket layouts unchecked or different); rerun the benchmark"
+            )
+        runs = result["tokens_per_s_all_repeats"]
+        paired += [b / t for b, t in zip(runs["bucketed_ddp"], runs["torch_ddp"], strict=True)]
+        print(
+            f"{f}: {len(runs['torch_ddp'])} repeats, paired median {result['bucketed_over_torch_ddp_paired_median']:.3f}"
+        )
+    lo, hi = bootstrap_median_ci(paired)
+    print(
+        f"pooled over {len(paired)} repeats: BucketedDDP / torch DDP paired median {statistics.median(paired):.4f} "
+        f"(95% CI {lo:.4f}..{hi:.4f}), mean {statistics.mean(paired):.4f}, "
+        f"{sum(r >= 1 for r in paired)} of {len(paired)} repeats >= 1"
+    )
 
 
 def cpu_name() -> str:

@@ -87,12 +87,9 @@ def _compress_hook(dtype: torch.dtype) -> CommHook:
         group = _group(process_group)
         buffer = bucket.buffer()
         compressed = buffer.to(dtype).div_(dist.get_world_size(group))
-        work = dist.all_reduce(compressed, group=group, async_op=True)
-
-        def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            return buffer.copy_(fut.value()[0])
-
-        return work.get_future().then(decompress)
+        # The future's value is [compressed]; BucketedDDP copies it back into the buffer (decompressing) after
+        # the wait, so no Python runs on the communication thread.
+        return dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
     hook.wire_dtype = dtype
     return hook

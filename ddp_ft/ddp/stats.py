@@ -17,8 +17,9 @@ class CommStats:
         allreduce_bytes (int): bytes handed to the collective (after compression, if any).
         exposed_comm_ms (float): milliseconds backward spent waiting for communication after the last
             gradient was ready: the part of communication that did not overlap with compute.
-        comm_window_ms (float): milliseconds from the first all-reduce launch to the last completion, per
-            synced backward, summed (measured on CPU/gloo; 0 on CUDA, where completion is not host-visible).
+        comm_window_ms (float): milliseconds from the first all-reduce launch to the end of the final wait
+            (the last completion whenever any communication was exposed), per synced backward, summed.
+            Measured on CPU/gloo; 0 on CUDA, where the host's wait ends before the GPU finished.
         synced_backwards (int): backward passes that communicated.
         backwards (int): all backward passes, no_sync ones included.
     """

@@ -150,7 +150,7 @@ class BucketedDDP(nn.Module):
         self._comm_state: object = process_group
         self._hook_registered = False
         self._device = self._buckets[0].buffer.device
-        # The window needs a completion stamp from the comm thread; CUDA completion is not host-visible.
+        # The window ends when the finalizer's wait returns, which on CUDA is not when the GPU finished.
         self._measure_window = self._device.type == "cpu"
         # Counters of the latest backward and since the last pop; exposed waits are kept as measurements
         # (CUDA events are read only when someone asks) and summed into the stats on read.
@@ -164,7 +164,7 @@ class BucketedDDP(nn.Module):
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         self._any_backward = False
-        self._window_start = self._window_end = 0.0
+        self._window_start = 0.0
         # Buffers are broadcast by the first forward after a synced one (see broadcast_buffers). Broadcasting
         # before the synced micro-step instead adds a second meeting point per step, after the ranks have
         # drifted apart over the no_sync micro-steps.
@@ -398,21 +398,17 @@ class BucketedDDP(nn.Module):
         """Launch every consecutive ready bucket from the next unlaunched one: index order on all ranks."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            future = self._comm_hook(self._comm_state, bucket.grad_bucket)
-            if self._measure_window:  # stamp completion (runs on gloo's thread) for the comm window
-                if self._next_launch == 0:
-                    self._window_start = time.perf_counter()
-                future = future.then(self._stamp_completion)
-            bucket.future = future
+            if self._next_launch == 0:
+                self._window_start = time.perf_counter()
+            # No Python callback (Future.then) on the communication thread: its destructor needs the GIL and,
+            # if it runs there while the interpreter exits, aborts the process ("terminate called without an
+            # active exception"). The window is stamped in the finalizer instead.
+            bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
             nbytes = bucket.buffer.numel() * wire_dtype(self._comm_hook, bucket.buffer.dtype).itemsize
             for stats in (self._last_stats, self._pending_stats):
                 stats.allreduce_calls += 1
                 stats.allreduce_bytes += nbytes
             self._next_launch += 1
-
-    def _stamp_completion(self, future: torch.futures.Future) -> object:
-        self._window_end = time.perf_counter()
-        return future.value()
 
     def _finalize_backward(self) -> None:
         """Queued on the autograd engine: runs once the whole backward is done."""
@@ -440,7 +436,9 @@ class BucketedDDP(nn.Module):
         self._last_waits.append(wait)
         self._pending_waits.append(wait)
         if self._measure_window:
-            window_ms = (self._window_end - self._window_start) * 1e3
+            # From the first launch to the end of the wait: the last completion when any communication was
+            # exposed; when none was, the window also holds the compute after it and the overlap is ~100% anyway.
+            window_ms = (time.perf_counter() - self._window_start) * 1e3
             self._last_stats.comm_window_ms += window_ms
             self._pending_stats.comm_window_ms += window_ms
         if not self.gradient_as_bucket_view:
