@@ -31,3 +31,18 @@ def test_bench_ddp_runs_under_torchrun_and_writes_its_table_and_json(tmp_path):
     assert per_step["allreduce_bytes"] > 0 and per_step["exposed_comm_ms"] >= 0
     expected_ratio = result["tokens_per_s"]["bucketed_ddp"] / result["tokens_per_s"]["torch_ddp"]
     assert result["bucketed_over_torch_ddp"] == pytest.approx(expected_ratio)
+    # like for like: both DDPs reduce the same buckets, and the probe measured both
+    assert result["bucket_bytes"]["torch_ddp"] == result["bucket_bytes"]["bucketed_ddp"]
+    assert sum(result["bucket_bytes"]["bucketed_ddp"]) == per_step["allreduce_bytes"]
+    assert set(result["wait_after_last_grad_ms_per_optimizer_step"]) == {"torch_ddp", "bucketed_ddp"}
+    assert all(v >= 0 for v in result["wait_after_last_grad_ms_per_optimizer_step"].values())
+
+    # --pool reads result files back; a file whose layouts were not checked is refused
+    bench = [sys.executable, str(ROOT / "scripts" / "bench_ddp.py"), "--pool"]
+    pooled = subprocess.run([*bench, str(out), str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert pooled.returncode == 0, pooled.stderr[-4000:]
+    assert "pooled over 2 repeats" in pooled.stdout
+    unchecked = tmp_path / "unchecked.json"
+    unchecked.write_text(json.dumps({k: v for k, v in result.items() if k != "bucket_bytes"}))
+    refused = subprocess.run([*bench, str(unchecked)], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "not a like-for-like run" in refused.stderr
