@@ -61,8 +61,8 @@ class ExposedWaitProbe:
     """Wall time from the last trainable gradient of a backward to ``backward()`` returning.
 
     In a synced backward that is the communication (and the wait for the slower rank) that the backward could not
-    hide. It is measured from outside, by the same hooks, for torch DDP and BucketedDDP alike, so the one part of a
-    step in which the two differ is compared directly, without the compute that dominates the tokens/s noise.
+    hide. It is measured from outside, by the same hooks, for torch DDP and BucketedDDP alike, so the part of a step
+    where communication shows is compared directly, without the compute that dominates the tokens/s noise.
     """
 
     def __init__(self, model: torch.nn.Module):
