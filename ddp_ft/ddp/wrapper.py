@@ -149,6 +149,7 @@ class BucketedDDP(nn.Module):
         self._comm_hook: CommHook = allreduce_hook
         self._comm_state: object = process_group
         self._hook_registered = False
+        self._wire_bytes = self._bytes_on_wire()
         self._device = self._buckets[0].buffer.device
         # The window ends when the finalizer's wait returns, which on CUDA is not when the GPU finished.
         self._measure_window = self._device.type == "cpu"
@@ -232,6 +233,11 @@ class BucketedDDP(nn.Module):
         if self._any_backward:
             raise RuntimeError("register_comm_hook must be called before the first backward.")
         self._comm_hook, self._comm_state, self._hook_registered = hook, state, True
+        self._wire_bytes = self._bytes_on_wire()
+
+    def _bytes_on_wire(self) -> list[int]:
+        """Bytes each bucket hands to the collective under the current hook: fixed once the hook is."""
+        return [b.buffer.numel() * wire_dtype(self._comm_hook, b.buffer.dtype).itemsize for b in self._buckets]
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -404,10 +410,9 @@ class BucketedDDP(nn.Module):
             # if it runs there while the interpreter exits, aborts the process ("terminate called without an
             # active exception"). The window is stamped in the finalizer instead.
             bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
-            nbytes = bucket.buffer.numel() * wire_dtype(self._comm_hook, bucket.buffer.dtype).itemsize
             for stats in (self._last_stats, self._pending_stats):
                 stats.allreduce_calls += 1
-                stats.allreduce_bytes += nbytes
+                stats.allreduce_bytes += self._wire_bytes[self._next_launch]
             self._next_launch += 1
 
     def _finalize_backward(self) -> None:
