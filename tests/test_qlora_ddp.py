@@ -20,9 +20,10 @@ def tiny_qwen3(tmp_path_factory):
     return str(build_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "qwen3", vocab_size=VOCAB, seed=0))
 
 
-# Tolerance against one process on the global batch: bf16 matmuls round differently for a batch of 4
-# than for 2, so bf16 is held to bf16's precision; fp32 compute (same 4-bit base) is held tight.
-GLOBAL_BATCH_TOL = {"float32": (1e-3, 1e-4), "bfloat16": (2e-2, 1e-2)}
+# Tolerance against one process on the global batch (rtol, atol as a fraction of the largest gradient): bf16 matmuls
+# round differently for a batch of 4 than for 2, so bf16 is held to bf16's precision (measured: within 5e-3 of the
+# largest gradient); fp32 compute on the same 4-bit base is held to what it achieves (within 4e-5 after one step).
+GLOBAL_BATCH_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 1e-2)}
 
 
 def _build(path, world_size, use_reentrant, compute_dtype="bfloat16"):
@@ -64,7 +65,7 @@ def _qlora_against_references(rank, world_size, path, compute_dtype, steps=2):
             _trainable_grads(ours.module), _trainable_grads(theirs.module), _trainable_grads(reference), strict=True
         ):
             assert torch.count_nonzero(g_ours) > 0, name
-            assert_close(g_ours, g_torch, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"vs torch DDP, {n}: {m}")
+            assert_close(g_ours, g_torch, rtol=0, atol=0, msg=lambda m, n=name: f"vs torch DDP, {n}: {m}")
             assert_close(g_ours, g_ref, rtol=rtol, atol=atol_fraction * g_ref.abs().max().item(),
                          msg=lambda m, n=name: f"vs global batch, {n}: {m}")  # fmt: skip
         for opt in optimizers:
@@ -86,20 +87,20 @@ def test_qlora_gradients_equal_torch_ddp_and_the_global_batch_with_non_reentrant
 def _reentrant(rank, world_size, path):
     reference = _build(path, world_size, True, "float32")
     ours = BucketedDDP(_build(path, world_size, True, "float32"), bucket_cap_mb=0.05, first_bucket_cap_mb=0.01)
+    rtol, atol_fraction = GLOBAL_BATCH_TOL["float32"]
     ids = _batch(0, world_size)
     local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    try:
-        ours(input_ids=ids[local], labels=ids[local]).loss.backward()
-    except RuntimeError as error:
-        assert "use_reentrant" in str(error), error
-        return "clear error"
+    ours(input_ids=ids[local], labels=ids[local]).loss.backward()
     reference(input_ids=ids, labels=ids).loss.backward()
+    assert ours.last_comm_stats().allreduce_calls == len(ours.bucket_sizes) > 1
     for (name, g_ours), (_, g_ref) in zip(_trainable_grads(ours.module), _trainable_grads(reference), strict=True):
-        assert_close(g_ours, g_ref, rtol=1e-3, atol=1e-4 * g_ref.abs().max().item(), msg=name)
-    return "correct gradients"
+        assert torch.count_nonzero(g_ours) > 0, name
+        assert_close(g_ours, g_ref, rtol=rtol, atol=atol_fraction * g_ref.abs().max().item(), msg=name)
 
 
-def test_reentrant_checkpointing_gives_correct_gradients_or_a_clear_error_never_double_counts(tiny_qwen3):
-    outcomes = run_distributed(_reentrant, tiny_qwen3, timeout=300)
-    assert outcomes[0] == outcomes[1]
-    print("reentrant checkpointing:", outcomes[0])
+def test_reentrant_checkpointing_on_the_qlora_stack_gives_the_global_batch_gradients(tiny_qwen3):
+    """Each decoder layer is one reentrant segment whose parameters are used once, so every gradient arrives once
+    and the finalizer (queued in the outermost backward) averages them all: the global batch's gradients, no error.
+    (A parameter reused across reentrant segments is the other case: an error, never a double count; see
+    test_bucketed_ddp.py's test_gradient_arriving_twice_under_reentrant_checkpointing_is_an_error_not_a_double_count.)"""
+    run_distributed(_reentrant, tiny_qwen3, timeout=300)
