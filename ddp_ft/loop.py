@@ -232,6 +232,7 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     config = {"run_name": run_name, "world_size": info.world_size, "micro_batch": t.micro_batch,
               "accumulation": accumulation, "effective_batch": t.effective_batch, "total_steps": total_steps,
               "bucket_cap_mb": settings.ddp.bucket_cap_mb, "comm_hook": settings.ddp.comm_hook,
+              "buckets": len(wrapped.bucket_sizes) if isinstance(wrapped, BucketedDDP) else 0,
               "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(parts.report),
               "resumed_from_step": state.global_step, "preset": settings.preset, "first_batch_indices": all_first,
               "tokens_counted": "non-padding input tokens (attention mask)"}  # fmt: skip

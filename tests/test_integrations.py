@@ -98,5 +98,5 @@ def test_trainer_resume_from_checkpoint_continues_the_loss_curve(tmp_path):
     expected = {r["step"]: r["loss"] for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"}
     continued = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics.jsonl") if r["type"] == "train"}
     assert sorted(continued) == [3, 4]
-    for step, loss in continued.items():
-        assert loss == pytest.approx(expected[step], rel=1e-4), (step, loss, expected[step])
+    # bit for bit: the Trainer restores adapter, optimizer, scheduler, data position and every rank's RNG state
+    assert continued == {step: expected[step] for step in continued}
