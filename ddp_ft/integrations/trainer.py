@@ -118,6 +118,7 @@ class ThroughputCallback(TrainerCallback):
             "step_time_s": self._seconds / self._steps,
             "tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,
             "tokens_per_s_per_device": self._tokens / self._seconds / world_size if self._seconds else 0.0,
+            "tokens": self._tokens,
             **self._memory,
             "samples_seen": self._samples(args, state),
         })  # fmt: skip
