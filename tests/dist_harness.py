@@ -19,27 +19,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, init_group: bool
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
+    if init_group:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        )
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()  # no rank tears gloo down while a peer still has a collective in flight
+        if init_group:
+            dist.barrier()  # no rank tears gloo down while a peer still has a collective in flight
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        if init_group:
+            dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, *args, world_size: int = 2, timeout: float = 240.0) -> list:
+def run_distributed(fn: Callable, *args, world_size: int = 2, timeout: float = 240.0, init_group: bool = True) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with a gloo group.
 
-    ``fn`` must be importable (module level). Returns each rank's return value, in rank order.
+    ``fn`` must be importable (module level). Returns each rank's return value, in rank order. With
+    ``init_group=False`` the processes start without a process group (``fn`` makes and ends its own).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: the first failing rank's exception and traceback.
@@ -48,7 +54,11 @@ def run_distributed(fn: Callable, *args, world_size: int = 2, timeout: float = 2
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, init_file, tmp, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry,
+            args=(fn, world_size, init_file, tmp, args, init_group),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout
         try:

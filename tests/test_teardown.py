@@ -1,0 +1,70 @@
+"""Both entry points tear the process group down in ``finally`` on every rank: after success, and after a failure
+on one rank or on all of them. Real 2-process gloo groups made by the entry point's own ``init_distributed``."""
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from .dist_harness import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = {"scripts/train.py": "train", "recipes/qwen_ami.py": "build_trainer"}
+
+
+class _FakeTrainer:
+    """What the recipe's main calls on the trainer, doing nothing."""
+
+    def train(self, resume_from_checkpoint=None):
+        pass
+
+    def evaluate(self):
+        return {}
+
+    def save_model(self, path):
+        pass
+
+    def save_state(self):
+        pass
+
+
+def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    spec = importlib.util.spec_from_file_location(f"entry_{rank}", ROOT / entry_point)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = {}
+
+    def work(settings, info):  # stands in for the training: the group is up, then this rank fails or finishes
+        seen["initialized"] = dist.is_initialized() and dist.get_world_size() == world_size
+        if rank in failing_ranks:
+            raise RuntimeError(f"injected failure on rank {rank}")
+        return _FakeTrainer()
+
+    setattr(module, ENTRY_POINTS[entry_point], work)
+    try:
+        module.main(["--preset", "tiny", "--report-to", "none"])
+        outcome = "returned"
+    except RuntimeError as error:
+        assert f"injected failure on rank {rank}" in str(error)
+        outcome = "raised"
+    return seen["initialized"], outcome, dist.is_initialized()
+
+
+@pytest.mark.parametrize("failing_ranks", [(), (1,)], ids=["success", "rank_1_fails"])
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_every_rank_tears_the_process_group_down_whether_training_succeeds_or_fails(entry_point, failing_ranks):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = run_distributed(_main_then_group_state, entry_point, port, failing_ranks, init_group=False, timeout=120)
+    for rank, (was_initialized, outcome, still_initialized) in enumerate(results):
+        assert was_initialized, f"rank {rank} trained without a 2-process group"
+        assert outcome == ("raised" if rank in failing_ranks else "returned"), (rank, outcome)
+        assert not still_initialized, f"rank {rank} left its process group up ({outcome})"
