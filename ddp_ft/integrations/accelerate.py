@@ -10,6 +10,7 @@ with BucketedDDP; ``unwrap_model`` (and so ``get_state_dict`` / ``save_model``) 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from accelerate import Accelerator
@@ -21,6 +22,8 @@ from ..ddp import BucketedDDP
 logger = logging.getLogger(__name__)
 
 _DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+# The BucketedDDP of each module this process wrapped (by id; checked against ``wrapper.module``), kept weakly.
+_WRAPPERS: weakref.WeakValueDictionary[int, BucketedDDP] = weakref.WeakValueDictionary()
 
 
 class BucketedAccelerator(Accelerator):
@@ -58,17 +61,30 @@ class BucketedAccelerator(Accelerator):
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
-        if getattr(model, "_is_accelerate_prepared", False) or not self._wraps_with_bucketed_ddp(
-            model, evaluation_mode
-        ):
+        """Prepare ``model`` as Accelerate does, wrapping a multi-process training model in BucketedDDP.
+
+        Decided by what the model is, not by Accelerate's ``_is_accelerate_prepared`` flag (which the parent sets
+        on the inner model, so a model prepared before, for evaluation or before ``free_memory()``, would come
+        back unwrapped and train as independent processes): a BucketedDDP is returned as it is; an unwrapped
+        training model gets its existing wrapper back (one wrapper per module: a second one's hooks would fight the
+        first's), or a new one.
+        """
+        if isinstance(model, BucketedDDP):
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        if not self._wraps_with_bucketed_ddp(model, evaluation_mode):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        # Everything Accelerate does for a training model except its DDP wrap (that happens only when
-        # evaluation_mode is False), then ours.
+        # Everything Accelerate does for a training model except its DDP wrap (which happens only when
+        # evaluation_mode is False); a no-op for a model it prepared before. Then ours.
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
-        wrapped = self.ddp_settings.wrap(model)
+        wrapped = _WRAPPERS.get(id(model))
+        if wrapped is None or wrapped.module is not model:
+            wrapped = self.ddp_settings.wrap(model)
+            _WRAPPERS[id(model)] = wrapped
+            logger.info("wrapped the model in BucketedDDP (%d buckets) instead of torch DDP", len(wrapped.bucket_sizes))
         wrapped._is_accelerate_prepared = True
-        self._models[self._models.index(model)] = wrapped
-        logger.info("wrapped the model in BucketedDDP (%d buckets) instead of torch DDP", len(wrapped.bucket_sizes))
+        self._models[:] = [m for m in self._models if m is not model and m is not wrapped] + [wrapped]
         return wrapped
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

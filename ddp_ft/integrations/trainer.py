@@ -157,6 +157,22 @@ class BucketedTrainer(Trainer):
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
         self.callback_handler.callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config))
 
+    def training_step(self, model: torch.nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """The Trainer's step, refused for a multi-process run whose model is not BucketedDDP.
+
+        Raises:
+            RuntimeError: world size > 1 and ``model`` is not a BucketedDDP: its gradients would not be averaged,
+                and the ranks would train apart while looking like a DDP run.
+        """
+        if self.args.world_size > 1 and not isinstance(model, BucketedDDP):
+            raise RuntimeError(
+                f"BucketedTrainer: a training step at world size {self.args.world_size} with a model not wrapped in "
+                f"BucketedDDP ({type(model).__name__}): the ranks would train apart. The model reached the step "
+                "unwrapped through some preparation path; prepare it with BucketedAccelerator.prepare (or report "
+                "the path to ddp_ft)."
+            )
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         self.accelerator = BucketedAccelerator.adopt(self.accelerator, self.ddp_settings)

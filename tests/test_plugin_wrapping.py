@@ -1,0 +1,138 @@
+"""The plugin never trains a multi-process run unwrapped: re-preparation, evaluation first, the Trainer's automatic
+batch-size retry, and a guard for whatever else. 2 real gloo processes, Accelerate and the HF Trainer in-process."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_ft.ddp import BucketedDDP
+
+from .dist_harness import gather_tensors, run_distributed
+from .models import Net, local_slice, make_batch
+
+pytestmark = pytest.mark.distributed
+
+
+def _as_accelerate_rank(rank: int, world_size: int) -> None:
+    """What `accelerate launch` sets, so Accelerate sees MULTI_CPU and joins the harness's group."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")  # fmt: skip
+
+
+def _same_on_all_ranks(module: nn.Module) -> bool:
+    copies = gather_tensors([p for p in module.parameters() if p.requires_grad])
+    return all(torch.equal(a, b) for a, b in zip(copies[0], copies[1], strict=True))
+
+
+def _train_steps(accelerator, model, optimizer, rank, world_size, steps=3):
+    for step in range(steps):
+        x, y = make_batch(step)
+        local = local_slice(rank, world_size)
+        loss = torch.nn.functional.mse_loss(model(x[local]), y[local])
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _reprepare(rank, world_size, how):
+    _as_accelerate_rank(rank, world_size)
+    from ddp_ft.integrations import BucketedAccelerator
+
+    accelerator = BucketedAccelerator(cpu=True)
+    torch.manual_seed(0)
+    inner = Net()
+    optimizer = torch.optim.SGD(inner.parameters(), lr=0.1)
+    if how == "evaluation_first":
+        accelerator.prepare_model(inner, evaluation_mode=True)
+    elif how == "after_free_memory":
+        first = accelerator.prepare(inner)
+        _train_steps(accelerator, first, optimizer, rank, world_size, steps=1)
+        accelerator.free_memory()
+    elif how == "twice":
+        first = accelerator.prepare(inner)
+    model, optimizer = accelerator.prepare(inner, optimizer)
+    assert isinstance(model, BucketedDDP), f"{how}: prepare returned a {type(model).__name__}"
+    assert model.module is inner
+    if how in ("after_free_memory", "twice"):
+        assert model is first, "a second wrapper of the same module: its hooks would fight the first one's"
+    _train_steps(accelerator, model, optimizer, rank, world_size)
+    assert _same_on_all_ranks(inner), f"{how}: parameters differ across ranks"
+
+
+@pytest.mark.parametrize("how", ["evaluation_first", "after_free_memory", "twice"])
+def test_preparing_a_model_again_returns_its_bucketed_ddp_wrapper(how):
+    """`prepare` decides by what the model is: an unwrapped training model is wrapped (or its existing wrapper is
+    returned), whatever Accelerate's `_is_accelerate_prepared` flag says."""
+    run_distributed(_reprepare, how, timeout=120)
+
+
+class _Regressor(nn.Module):
+    """The test Net as the Trainer wants it: keyword inputs, a dict with the loss."""
+
+    def __init__(self, out_of_memory_once: bool = False):
+        super().__init__()
+        self.net = Net()
+        self.out_of_memory_once = out_of_memory_once
+
+    def forward(self, x, y):
+        if self.out_of_memory_once:
+            self.out_of_memory_once = False
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB.")
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+
+def _dataset(n=64):
+    g = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(16, generator=g), "y": torch.randn(4, generator=g)} for _ in range(n)]
+
+
+def _trainer_run(rank, world_size, scenario):
+    _as_accelerate_rank(rank, world_size)
+    from transformers import TrainingArguments
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    torch.manual_seed(0)
+    model = _Regressor(out_of_memory_once=scenario == "auto_batch_size_after_oom")
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, use_cpu=True, report_to=[], max_steps=3, per_device_train_batch_size=4,
+            per_device_eval_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.1, logging_steps=1,
+            save_strategy="no", disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
+            auto_find_batch_size=scenario == "auto_batch_size_after_oom", ddp_backend="gloo",
+        )  # fmt: skip
+        trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(16))
+        if scenario == "evaluate_first":
+            trainer.evaluate()
+        if scenario == "unwrapped":  # whatever path skips the wrap: the training step refuses, on every rank
+            from accelerate import Accelerator
+
+            trainer.accelerator.prepare_model = Accelerator.prepare_model.__get__(trainer.accelerator)  # torch DDP
+            with pytest.raises(RuntimeError, match="not wrapped in BucketedDDP") as error:
+                trainer.train()
+            return str(error.value)
+        trainer.train()
+        if scenario == "train_twice":
+            trainer.args.max_steps = 6
+            trainer.train()
+        assert isinstance(trainer.model_wrapped, BucketedDDP), type(trainer.model_wrapped).__name__
+        assert _same_on_all_ranks(model), f"{scenario}: parameters differ across ranks"
+        return trainer.state.global_step
+
+
+@pytest.mark.parametrize("scenario", ["evaluate_first", "auto_batch_size_after_oom", "train_twice"])
+def test_trainer_trains_wrapped_after_evaluation_an_oom_retry_or_a_second_train_call(scenario):
+    """trainer.evaluate() before train(), auto_find_batch_size retrying after an out-of-memory error, and a second
+    train() call all prepare the model again; each must still train with BucketedDDP (parameters equal on every
+    rank), not as independent single processes."""
+    steps = run_distributed(_trainer_run, scenario, timeout=180)
+    assert steps == [6, 6] if scenario == "train_twice" else steps == [3, 3]
+
+
+def test_a_multi_process_training_step_with_an_unwrapped_model_is_an_error():
+    messages = run_distributed(_trainer_run, "unwrapped", timeout=180)
+    for message in messages:
+        assert "not wrapped in BucketedDDP" in message and "world size 2" in message
