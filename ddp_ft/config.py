@@ -28,12 +28,18 @@ class DDPSettings:
     )
     broadcast_buffers: bool = field(default=True, metadata={"help": "Broadcast buffers from rank 0 each synced step."})
     comm_hook: str = field(default="allreduce", metadata={"help": f"Gradient averaging: {', '.join(COMM_HOOKS)}."})
+    ddp_timeout: int = field(
+        default=600,
+        metadata={"help": "Process-group timeout in seconds: a dead or stuck rank fails the others after this long."},
+    )
 
     def __post_init__(self) -> None:
         if self.comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={self.comm_hook!r}: choose one of {', '.join(COMM_HOOKS)}.")
         if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be > 0.")
+        if self.ddp_timeout <= 0:
+            raise ValueError(f"ddp_timeout={self.ddp_timeout}: must be a positive number of seconds.")
 
     def wrap(self, module: torch.nn.Module) -> BucketedDDP:
         """``module`` in a BucketedDDP configured by these settings (comm hook registered)."""

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         chosen = "qwen3-4b-ami" if torch.cuda.is_available() else "tiny"
         argv = ["--preset", chosen, *argv]
     settings = parse_settings(argv)
-    info: DistInfo = init_distributed()
+    info: DistInfo = init_distributed(timeout_s=settings.ddp.ddp_timeout)
     setup_logging(info)
     why = "CUDA available" if torch.cuda.is_available() else "no CUDA: the embedded tiny default"
     logger.info("preset %s (%s), %d process(es)", settings.preset, why if chosen else "from --preset", info.world_size)

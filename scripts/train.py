@@ -20,7 +20,7 @@ logger = logging.getLogger("ddp_ft.train")
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
-    info = init_distributed()
+    info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
     setup_logging(info)
     try:
         result = train(settings, info)

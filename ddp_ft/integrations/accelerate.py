@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 
 from ..config import DDPSettings
 from ..ddp import BucketedDDP
+from .settings import describe_sources, resolve_ddp_settings
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +38,28 @@ class BucketedAccelerator(Accelerator):
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.ddp_settings = ddp_settings or DDPSettings()
+        self._resolve_settings(ddp_settings, None, self.ddp_handler)
 
     @classmethod
-    def adopt(cls, accelerator: Accelerator, ddp_settings: DDPSettings | None = None) -> BucketedAccelerator:
+    def adopt(
+        cls, accelerator: Accelerator, ddp_settings: DDPSettings | None = None, training_args: object | None = None
+    ) -> BucketedAccelerator:
         """The same configured accelerator (shared state, plugins, handlers) with BucketedDDP wrapping.
 
-        For code that builds its ``Accelerator`` itself, such as the HF Trainer.
+        For code that builds its ``Accelerator`` itself, such as the HF Trainer. With ``training_args`` their
+        ``ddp_*`` fields are the source of the DDP settings, not the ``ddp_handler`` the Trainer derived from them
+        (which also carries the Trainer's own find_unused_parameters guess).
         """
         adopted = cls.__new__(cls)
         adopted.__dict__.update(accelerator.__dict__)
-        adopted.ddp_settings = ddp_settings or DDPSettings()
+        handler = None if training_args is not None else accelerator.ddp_handler
+        adopted._resolve_settings(ddp_settings, training_args, handler)
         return adopted
+
+    def _resolve_settings(self, explicit: DDPSettings | None, training_args: object | None, handler: object) -> None:
+        self.ddp_settings, sources = resolve_ddp_settings(explicit, training_args, handler)
+        if self.is_main_process and self.num_processes > 1:
+            logger.info("BucketedDDP settings: %s", describe_sources(self.ddp_settings, sources))
 
     def _wraps_with_bucketed_ddp(self, model: torch.nn.Module, evaluation_mode: bool) -> bool:
         return (

@@ -75,6 +75,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         average_tokens_across_devices=True,
         dataloader_drop_last=True,
         ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
+        ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
     )
     return BucketedTrainer(

@@ -154,6 +154,7 @@ class BucketedTrainer(Trainer):
         if self.args.include_num_input_tokens_seen == "no":
             self.args.include_num_input_tokens_seen = "non_padding"
         # First in line, so the reporting callbacks (wandb, console) log what it adds.
+        self.ddp_settings = self.accelerator.ddp_settings  # resolved with the TrainingArguments' ddp_* fields
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
         self.callback_handler.callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config))
 
@@ -175,4 +176,4 @@ class BucketedTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.accelerator = BucketedAccelerator.adopt(self.accelerator, self.ddp_settings)
+        self.accelerator = BucketedAccelerator.adopt(self.accelerator, self.ddp_settings, self.args)

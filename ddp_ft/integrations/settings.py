@@ -1,0 +1,127 @@
+"""BucketedDDP settings from every place a user can put them: ddp_ft's own, the Trainer's, Accelerate's.
+
+A Trainer user already passes ``TrainingArguments(ddp_bucket_cap_mb=..., ddp_find_unused_parameters=...)``; an
+Accelerate user ``DistributedDataParallelKwargs`` (TRL's configs set these too). Each setting is honoured (mapped
+onto BucketedDDP's knob of the same meaning) or refused with an error naming it, never dropped, and two sources
+that set one knob to different values are an error. Pure functions: tested without a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from ..config import DDPSettings
+
+_TRAINING_ARGUMENTS = {  # TrainingArguments field -> DDPSettings field
+    "ddp_find_unused_parameters": "find_unused_parameters",
+    "ddp_bucket_cap_mb": "bucket_cap_mb",
+    "ddp_broadcast_buffers": "broadcast_buffers",
+    "ddp_static_graph": "static_graph",
+}
+_DDP_KWARGS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view",
+               "static_graph")  # fmt: skip
+_ACCELERATE_COMM_HOOKS = {"no": "allreduce", "fp16": "fp16", "bf16": "bf16"}
+
+STATIC_GRAPH_REFUSED = (
+    "static_graph=True is not supported by BucketedDDP: its bucket layout is already fixed (reverse registration "
+    "order, checked across ranks), and torch's other static-graph promises (unused parameters found once, "
+    "reentrant checkpointing) are not made. Remove it ({source})."
+)
+
+
+def resolve_ddp_settings(
+    explicit: DDPSettings | None = None,
+    training_args: object | None = None,
+    ddp_kwargs: object | None = None,
+) -> tuple[DDPSettings, dict[str, str]]:
+    """The BucketedDDP settings a run asked for, and where each non-default one came from.
+
+    A source sets a knob when it holds a value for it: a ``DDPSettings`` field that differs from its default, a
+    ``TrainingArguments.ddp_*`` that is not None, a ``DistributedDataParallelKwargs`` field that differs from
+    Accelerate's default. Knobs nobody set keep ddp_ft's defaults; in particular ``find_unused_parameters`` stays
+    False where the stock Trainer would turn it on for any model that is not a ``PreTrainedModel`` (a PeftModel
+    included): with all LoRA parameters used that costs a graph walk per step, and a parameter that does go unused
+    is an error naming it, which is better than a silent zero.
+
+    Args:
+        explicit (DDPSettings | None): ddp_ft's own settings (the command line, ``BucketedTrainer(ddp_settings=)``).
+        training_args (TrainingArguments | None): the Trainer's arguments.
+        ddp_kwargs (DistributedDataParallelKwargs | None): the Accelerator's ``ddp_handler``, when the user gave one.
+
+    Returns:
+        tuple[DDPSettings, dict[str, str]]: the settings, and for each knob a source set, that source's name.
+
+    Raises:
+        ValueError: two sources set one knob to different values; ``static_graph=True``; a
+            ``DistributedDataParallelKwargs`` setting BucketedDDP has no equivalent for (``dim``,
+            ``check_reduction``, PowerSGD or a comm wrapper). Each names the setting and where it came from.
+    """
+    candidates: list[tuple[str, str, object]] = []  # (knob, source, value)
+    if explicit is not None:
+        defaults = DDPSettings()
+        for f in fields(DDPSettings):
+            value = getattr(explicit, f.name)
+            if value != getattr(defaults, f.name):
+                candidates.append((f.name, f"ddp_ft DDPSettings.{f.name}", value))
+    if training_args is not None:
+        for arg, knob in _TRAINING_ARGUMENTS.items():
+            value = getattr(training_args, arg, None)
+            if value is not None:
+                candidates.append((knob, f"TrainingArguments.{arg}", value))
+        # The Trainer starts the process group with its own ddp_timeout: ours must be that one.
+        if explicit is not None and explicit.ddp_timeout != DDPSettings().ddp_timeout:
+            if training_args.ddp_timeout != explicit.ddp_timeout:
+                raise ValueError(
+                    f"conflicting process-group timeouts: ddp_ft DDPSettings.ddp_timeout={explicit.ddp_timeout} but "
+                    f"TrainingArguments.ddp_timeout={training_args.ddp_timeout}, which the Trainer starts the group "
+                    "with: set TrainingArguments.ddp_timeout."
+                )
+    if ddp_kwargs is not None:
+        candidates += _from_ddp_kwargs(ddp_kwargs)
+
+    chosen: dict[str, tuple[str, object]] = {}
+    for knob, source, value in candidates:
+        if knob == "static_graph":
+            if value:
+                raise ValueError(STATIC_GRAPH_REFUSED.format(source=f"{source}=True"))
+            continue
+        if knob in chosen and chosen[knob][1] != value:
+            first_source, first_value = chosen[knob]
+            raise ValueError(
+                f"conflicting BucketedDDP settings: {first_source}={first_value!r} but {source}={value!r}. "
+                "Set it in one place (or to the same value in both)."
+            )
+        chosen.setdefault(knob, (source, value))
+    settings = replace(explicit or DDPSettings(), **{knob: value for knob, (_, value) in chosen.items()})
+    return settings, {knob: source for knob, (source, _) in chosen.items()}
+
+
+def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    defaults = DistributedDataParallelKwargs()
+    name = "DistributedDataParallelKwargs"
+    for unsupported in ("dim", "check_reduction", "comm_wrapper", "comm_state_option"):
+        if getattr(kwargs, unsupported) != getattr(defaults, unsupported):
+            raise ValueError(
+                f"{name}.{unsupported}={getattr(kwargs, unsupported)!r} has no BucketedDDP equivalent: remove it "
+                "(BucketedDDP's comm hooks are set with DDPSettings.comm_hook: "
+                f"{', '.join(sorted(set(_ACCELERATE_COMM_HOOKS.values())))})."
+            )
+    found = [(knob, f"{name}.{knob}", getattr(kwargs, knob)) for knob in _DDP_KWARGS
+             if getattr(kwargs, knob) != getattr(defaults, knob)]  # fmt: skip
+    hook = str(getattr(kwargs.comm_hook, "value", kwargs.comm_hook)).lower()
+    if hook != str(getattr(defaults.comm_hook, "value", defaults.comm_hook)).lower():
+        if hook not in _ACCELERATE_COMM_HOOKS:
+            raise ValueError(
+                f"{name}.comm_hook={hook!r} is not available with BucketedDDP: use one of "
+                f"{', '.join(_ACCELERATE_COMM_HOOKS)}."
+            )
+        found.append(("comm_hook", f"{name}.comm_hook", _ACCELERATE_COMM_HOOKS[hook]))
+    return found
+
+
+def describe_sources(settings: DDPSettings, sources: dict[str, str]) -> str:
+    """One log line: every knob with its value and where it came from (``default`` when nobody set it)."""
+    return ", ".join(f"{f.name}={getattr(settings, f.name)!r} ({sources.get(f.name, 'default')})"
+                     for f in fields(DDPSettings))  # fmt: skip
