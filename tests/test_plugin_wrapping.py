@@ -136,3 +136,89 @@ def test_a_multi_process_training_step_with_an_unwrapped_model_is_an_error():
     messages = run_distributed(_trainer_run, "unwrapped", timeout=180)
     for message in messages:
         assert "not wrapped in BucketedDDP" in message and "world size 2" in message
+
+
+class _Tokens(nn.Module):
+    """Token-shaped inputs (the Trainer counts tokens from ``input_ids`` / ``attention_mask``) around the test Net."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, input_ids, attention_mask, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+
+def _padded_rows(n=32, length=12):
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(n):
+        mask = torch.zeros(length, dtype=torch.long)
+        mask[: 1 + i % length] = 1  # 1 to 12 real tokens, the rest padding
+        rows.append({"input_ids": torch.randint(0, 100, (length,), generator=g), "attention_mask": mask,
+                     "x": torch.randn(16, generator=g), "y": torch.randn(4, generator=g)})  # fmt: skip
+    return rows
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object", "barrier")
+
+
+def _collectives_per_step(rank, world_size):
+    _as_accelerate_rank(rank, world_size)
+    import torch.distributed as dist
+    from transformers import TrainerCallback, TrainingArguments
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    log: list[str] = []
+    for name in _COLLECTIVES:
+        original = getattr(dist, name)
+
+        def recorded(*args, _name=name, _original=original, **kwargs):
+            log.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, recorded)
+
+    class Marker(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            log.append("step_begin")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            log.append("step_end")
+
+    torch.manual_seed(0)
+    rows = _padded_rows()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, use_cpu=True, report_to=[], max_steps=2, per_device_train_batch_size=2,
+            gradient_accumulation_steps=4, learning_rate=0.1, logging_steps=1, save_strategy="no", disable_tqdm=True,
+            dataloader_drop_last=True, remove_unused_columns=False, ddp_backend="gloo",
+        )  # fmt: skip
+        trainer = BucketedTrainer(model=_Tokens(), args=args, train_dataset=rows, callbacks=[Marker()])
+        trainer.train()
+        buckets = len(trainer.model_wrapped.bucket_sizes)
+    steps, current = [], None
+    for entry in log:
+        if entry == "step_begin":
+            current = []
+        elif entry == "step_end":
+            steps.append(current)
+            current = None
+        elif current is not None:
+            current.append(entry)
+    total_tokens = sum(int(r["attention_mask"].sum()) for r in rows)  # max_steps x 16 samples = the whole set
+    return steps, buckets, trainer.state.num_input_tokens_seen, total_tokens
+
+
+def test_trainer_steps_make_no_collective_per_micro_step_and_count_non_padding_tokens_once_per_step():
+    """Accumulation 4: per optimizer step, the bucket all-reduces, the buffer broadcast and one reduction of the
+    token count, whatever the accumulation; no all-gather (the Trainer's per-micro-step token gather) at all. The
+    token count is still exact: every non-padding token of the epoch, once."""
+    for steps, buckets, seen, total in run_distributed(_collectives_per_step, timeout=180):
+        assert len(steps) == 2
+        for calls in steps:
+            assert calls.count("all_gather") + calls.count("all_gather_into_tensor") == 0, calls
+            assert calls.count("all_reduce") == buckets + 1, calls
+            assert calls.count("broadcast") <= 1, calls
+        assert seen == total

@@ -10,6 +10,8 @@ of the wrapper, so unwrapping and the DDP kwargs would still belong to torch DDP
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -150,6 +152,7 @@ class BucketedTrainer(Trainer):
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         self.ddp_settings = ddp_settings or DDPSettings()
+        self._local_tokens: torch.Tensor | None = None  # this rank's input tokens since the last optimizer step
         super().__init__(*args, **kwargs)
         if self.args.include_num_input_tokens_seen == "no":
             self.args.include_num_input_tokens_seen = "non_padding"
@@ -157,6 +160,36 @@ class BucketedTrainer(Trainer):
         self.ddp_settings = self.accelerator.ddp_settings  # resolved with the TrainingArguments' ddp_* fields
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
         self.callback_handler.callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config))
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Count input tokens on this rank every micro-step; sum them over ranks once, at the optimizer step.
+
+        The stock Trainer all-gathers the count and reads it on the host after every micro-step: a collective and a
+        device sync on each ``no_sync`` micro-step. Here the count stays a local tensor until the synced micro-step
+        (the last of the step), whose single all-reduce updates ``state.num_input_tokens_seen`` before any
+        ``on_step_end`` callback reads it. Same counting rule as the Trainer: ``non_padding`` sums the attention
+        mask, ``all`` counts every position.
+        """
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs:
+            return super()._track_num_input_tokens(inputs)  # the Trainer's warning; nothing to count
+        if mode == "non_padding" and "attention_mask" in inputs:
+            count = inputs["attention_mask"].sum()
+        elif mode == "non_padding":
+            return super()._track_num_input_tokens(inputs)  # no mask: the Trainer's own fallbacks
+        else:
+            count = torch.tensor(inputs[main_input].numel())
+        count = count.to(self.args.device, torch.int64)
+        self._local_tokens = count if self._local_tokens is None else self._local_tokens + count
+        if self.accelerator.sync_gradients:
+            total = self._local_tokens
+            if self.args.world_size > 1:
+                torch.distributed.all_reduce(total)
+            self.state.num_input_tokens_seen += int(total.item())
+            self._local_tokens = None
 
     def training_step(self, model: torch.nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The Trainer's step, refused for a multi-process run whose model is not BucketedDDP.
@@ -177,3 +210,9 @@ class BucketedTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         self.accelerator = BucketedAccelerator.adopt(self.accelerator, self.ddp_settings, self.args)
+        # The Trainer bound these to the accelerator just replaced: bind them to ours (as Trainer.__init__ does).
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=self.args.eval_use_gather_object
+            )
