@@ -103,6 +103,7 @@ def _trainer_run(rank, world_size, scenario):
             per_device_eval_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.1, logging_steps=1,
             save_strategy="no", disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
             auto_find_batch_size=scenario == "auto_batch_size_after_oom", ddp_backend="gloo",
+            torch_compile=scenario == "torch_compile", torch_compile_backend="aot_eager",
         )  # fmt: skip
         trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(16))
         if scenario == "evaluate_first":
@@ -123,11 +124,11 @@ def _trainer_run(rank, world_size, scenario):
         return trainer.state.global_step
 
 
-@pytest.mark.parametrize("scenario", ["evaluate_first", "auto_batch_size_after_oom", "train_twice"])
-def test_trainer_trains_wrapped_after_evaluation_an_oom_retry_or_a_second_train_call(scenario):
-    """trainer.evaluate() before train(), auto_find_batch_size retrying after an out-of-memory error, and a second
-    train() call all prepare the model again; each must still train with BucketedDDP (parameters equal on every
-    rank), not as independent single processes."""
+@pytest.mark.parametrize("scenario", ["evaluate_first", "auto_batch_size_after_oom", "train_twice", "torch_compile"])
+def test_trainer_trains_wrapped_through_every_preparation_path(scenario):
+    """trainer.evaluate() before train(), auto_find_batch_size retrying after an out-of-memory error and a second
+    train() call all prepare the model again, and torch_compile prepares a compiled one; each must still train with
+    BucketedDDP (parameters equal on every rank), not as independent single processes, nor crash."""
     steps = run_distributed(_trainer_run, scenario, timeout=180)
     assert steps == [6, 6] if scenario == "train_twice" else steps == [3, 3]
 
@@ -222,3 +223,37 @@ def test_trainer_steps_make_no_collective_per_micro_step_and_count_non_padding_t
             assert calls.count("all_reduce") == buckets + 1, calls
             assert calls.count("broadcast") <= 1, calls
         assert seen == total
+
+
+def _compiled(rank, world_size, backend):
+    _as_accelerate_rank(rank, world_size)
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from ddp_ft.integrations import BucketedAccelerator
+
+    accelerator = BucketedAccelerator(cpu=True, dynamo_backend=backend)
+    torch.manual_seed(0)
+    reference = Net()
+    theirs = TorchDDP(copy.deepcopy(reference))  # eager torch DDP: the reference
+    ours = accelerator.prepare(copy.deepcopy(reference))
+    assert isinstance(ours, BucketedDDP) and type(ours.module).__name__ == "OptimizedModule"
+    local = local_slice(rank, world_size)
+    for step in range(3):
+        x, y = make_batch(step)
+        for model in (ours, theirs):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x[local]), y[local]))
+        assert ours.last_comm_stats().allreduce_calls == len(ours.bucket_sizes)
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        for model in (ours, theirs):
+            model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_accelerate_dynamo_backend_compiles_inside_bucketed_ddp_with_torch_ddps_gradients(backend):
+    """Accelerate's `dynamo_backend` (and so TrainingArguments(torch_compile=True)) compiles the model; BucketedDDP
+    wraps the compiled module, its hooks still fire on every parameter, and the gradients equal eager torch DDP's."""
+    run_distributed(_compiled, backend, timeout=240)
