@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -60,6 +61,8 @@ class BucketedDDP(nn.Module):
           next forward re-attaches zeroed views.
         * Equality. When ``loss.backward()`` returns, every gradient is the average over ranks, as with
           torch DDP: no ``finish()`` call is needed, so HF Trainer and Accelerate work unchanged.
+        * Lifecycle. The gradient hooks hold the wrapper only weakly: a dropped wrapper is freed and its hooks
+          removed, so the module can train alone or be wrapped again; :meth:`remove_hooks` does it at once.
 
     One synced backward, in phases:
         1. ``forward`` arms the iteration and puts a gradient hook on its outputs (leaving them untouched,
@@ -171,10 +174,14 @@ class BucketedDDP(nn.Module):
         # drifted apart over the no_sync micro-steps.
         self._buffers_need_sync = True
 
+        # The hooks reach the wrapper through a weak reference, so the module (which holds them) does not keep a
+        # dropped wrapper alive; the finalizer removes them when it goes (or at remove_hooks()).
+        owner = weakref.ref(self)
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_hook, owner, i))
             for i, p in enumerate(self._params)
         ]
+        self._release_hooks = weakref.finalize(self, _remove_handles, self._hook_handles)
         self._register_state_dict_hook(_strip_module_prefix)
         self._register_load_state_dict_pre_hook(_add_module_prefix)
         if self.rank == 0:
@@ -188,6 +195,8 @@ class BucketedDDP(nn.Module):
     # ------------------------------------------------------------------ public API
 
     def forward(self, *inputs, **kwargs):
+        if not self._release_hooks.alive:
+            raise RuntimeError("BucketedDDP: this wrapper's hooks were removed (remove_hooks()); wrap the module again.")
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._prepare_for_backward(sync=self.require_backward_grad_sync)
@@ -211,6 +220,17 @@ class BucketedDDP(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def remove_hooks(self) -> None:
+        """Detach the wrapper from the module: remove its gradient hooks, so the module trains alone again or
+        can be wrapped anew. Idempotent. Dropping the wrapper does the same when it is garbage-collected; call
+        this to be sure it happens now. Communication already launched is finished first. The wrapper cannot
+        run forward afterwards.
+        """
+        if self._armed and self._sync and self._next_launch > 0:
+            self._wait_launched()
+        self._armed = False
+        self._release_hooks()
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the default averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
@@ -485,6 +505,18 @@ class BucketedDDP(nn.Module):
                 bucket.future.wait()
                 bucket.future = None
         self._next_launch = 0
+
+
+def _grad_ready_hook(owner: weakref.ref, index: int, param: nn.Parameter) -> None:
+    wrapper = owner()
+    if wrapper is not None:
+        wrapper._on_grad_ready(index, param)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
