@@ -31,8 +31,12 @@ _REENTRANT_HINT = (
 class _Bucket:
     """Runtime state of one bucket: its flat buffer, the gradient views into it, and readiness."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int], last: bool):
+    def __init__(
+        self, index: int, buffer: torch.Tensor, indices: list[int], params: list[nn.Parameter], offsets: list[int],
+        last: bool,
+    ):  # fmt: skip
         self.buffer = buffer
+        self.indices = indices
         self.params = params
         self.views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
         self.view_ptrs = [v.data_ptr() for v in self.views]
@@ -88,8 +92,11 @@ class BucketedDDP(nn.Module):
             backward. Default: 1.
         gradient_as_bucket_view (bool): make ``param.grad`` a view into the bucket buffer. Default: True.
         find_unused_parameters (bool): if False, a trainable parameter without a gradient in a synced
-            backward is an error naming it; if True it is reduced as zero (plus whatever it accumulated
-            under ``no_sync``). Default: False.
+            backward is an error naming it. If True, as in torch DDP: the ranks all-reduce which parameters
+            got a gradient since the last synced backward (one small extra all-reduce per synced backward,
+            not counted in the stats); a parameter used on some rank is averaged (this rank contributing what
+            it accumulated under ``no_sync``, or zero); one used on no rank keeps ``grad=None`` (so the
+            optimizer skips it) or, if it had a gradient before, that gradient. Default: False.
         broadcast_buffers (bool): broadcast the module's buffers from rank 0 at the first forward after a
             synced one (and the first forward), i.e. once per optimizer step at its first micro-step, where the
             ranks have just met in the all-reduce: torch DDP's schedule. A no-grad forward never communicates
@@ -143,9 +150,15 @@ class BucketedDDP(nn.Module):
         for b in self._layout:
             params = [self._params[i] for i in b.param_indices]
             buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-            self._buckets.append(_Bucket(b.index, buffer, params, list(b.offsets), b.index == len(self._layout) - 1))
+            last = b.index == len(self._layout) - 1
+            self._buckets.append(_Bucket(b.index, buffer, list(b.param_indices), params, list(b.offsets), last))
             for pos, i in enumerate(b.param_indices):
                 self._slot[i] = (b.index, pos)
+        # find_unused_parameters: which parameters got a gradient since the last synced backward (under no_sync
+        # too), and which had none when a forward attached a zeroed bucket view. A parameter no rank used gets
+        # its None back after the reduction, as torch DDP leaves it untouched.
+        self._used_since_sync = [False] * len(self._params)
+        self._view_replaced_none = [False] * len(self._params)
         if gradient_as_bucket_view:
             self._attach_grad_views()
 
@@ -196,7 +209,9 @@ class BucketedDDP(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         if not self._release_hooks.alive:
-            raise RuntimeError("BucketedDDP: this wrapper's hooks were removed (remove_hooks()); wrap the module again.")
+            raise RuntimeError(
+                "BucketedDDP: this wrapper's hooks were removed (remove_hooks()); wrap the module again."
+            )
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._prepare_for_backward(sync=self.require_backward_grad_sync)
@@ -335,6 +350,7 @@ class BucketedDDP(nn.Module):
 
         Runs every forward: after ``zero_grad(set_to_none=True)`` a whole bucket is zeroed in one op.
         """
+        track = self.find_unused_parameters
         with torch.no_grad():
             for bucket in self._buckets:
                 grads = [p.grad for p in bucket.params]
@@ -342,11 +358,18 @@ class BucketedDDP(nn.Module):
                     bucket.buffer.zero_()
                     for p, view in zip(bucket.params, bucket.views, strict=True):
                         p.grad = view
+                    if track:
+                        for i in bucket.indices:
+                            self._view_replaced_none[i] = True
                     continue
-                for p, grad, view, ptr in zip(bucket.params, grads, bucket.views, bucket.view_ptrs, strict=True):
+                for i, p, grad, view, ptr in zip(
+                    bucket.indices, bucket.params, grads, bucket.views, bucket.view_ptrs, strict=True
+                ):
                     if grad is None:
                         view.zero_()
                         p.grad = view
+                        if track:
+                            self._view_replaced_none[i] = True
                     elif grad.data_ptr() != ptr:
                         view.copy_(grad)
                         p.grad = view
@@ -388,6 +411,8 @@ class BucketedDDP(nn.Module):
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: runs once ``param.grad`` holds this backward's gradient."""
         if self._armed and not self._sync:  # accumulation micro-step: nothing to do (the common case first)
+            if self.find_unused_parameters:
+                self._used_since_sync[index] = True
             return
         self._any_backward = True
         if not self._armed:
@@ -440,9 +465,12 @@ class BucketedDDP(nn.Module):
         if not (self._armed and self._sync):
             return
         token = start_timer(self._device)
+        used_map = None
+        if self.find_unused_parameters:
+            used = [r or u for r, u in zip(self._ready, self._used_since_sync, strict=True)]
         if self._next_launch < len(self._buckets):
-            unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
             if not self.find_unused_parameters:
+                unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
                 self._abort_iteration()
                 shown = ", ".join(repr(n) for n in unready[:5]) + (" ..." if len(unready) > 5 else "")
                 raise RuntimeError(
@@ -451,6 +479,9 @@ class BucketedDDP(nn.Module):
                     f"find_unused_parameters=True to reduce them as zero. {_REENTRANT_HINT}"
                 )
             self._reduce_unused()
+        if self.find_unused_parameters:  # after every bucket, so the collectives pair up in the same order
+            used_map = torch.tensor(used, dtype=torch.int32, device=self._device)
+            used_work = dist.all_reduce(used_map, group=self.process_group, async_op=True)
         for bucket in self._buckets:
             result = bucket.future.wait()
             if isinstance(result, list | tuple):  # a collective's own future holds its output tensors
@@ -466,14 +497,26 @@ class BucketedDDP(nn.Module):
             window_ms = (time.perf_counter() - self._window_start) * 1e3
             self._last_stats.comm_window_ms += window_ms
             self._pending_stats.comm_window_ms += window_ms
+        unused_everywhere: set[int] = set()
+        if used_map is not None:
+            used_work.wait()
+            unused_everywhere = {i for i, n in enumerate(used_map.tolist()) if n == 0}
+            self._used_since_sync = [False] * len(self._params)
         if not self.gradient_as_bucket_view:
             with torch.no_grad():
                 for bucket in self._buckets:
-                    for p, view in zip(bucket.params, bucket.views, strict=True):
+                    for i, p, view in zip(bucket.indices, bucket.params, bucket.views, strict=True):
                         if p.grad is None:
-                            p.grad = view.clone()
+                            if i not in unused_everywhere:  # a parameter no rank used keeps grad None
+                                p.grad = view.clone()
                         else:
                             p.grad.copy_(view)
+        else:
+            for i in unused_everywhere:
+                if self._view_replaced_none[i]:  # a parameter no rank used gets back the None it had
+                    self._params[i].grad = None
+        if self.find_unused_parameters:
+            self._view_replaced_none = [False] * len(self._params)
         self._armed = False
 
     def _reduce_unused(self) -> None:
