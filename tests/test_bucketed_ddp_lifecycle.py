@@ -75,3 +75,30 @@ def test_a_module_rewrapped_after_its_wrapper_is_dropped_trains_as_torch_ddp(exp
     """Wrap, train a step, drop the wrapper (garbage-collected, or remove_hooks() first), train the bare module
     locally, wrap again and train: gradients and parameters equal torch DDP's, re-wrapped the same way."""
     run_distributed(_rewrap, explicit)
+
+
+def _gradient_penalty(rank, world_size):
+    torch.manual_seed(0)
+    reference = Net()
+    ours = BucketedDDP(copy.deepcopy(reference), bucket_cap_mb=5000 / 2**20, first_bucket_cap_mb=1000 / 2**20)
+    theirs = TorchDDP(copy.deepcopy(reference))
+    local = local_slice(rank, world_size)
+    for step in range(2):
+        x, y = make_batch(step)
+        for model in (ours, theirs):
+            inputs = x[local].clone().requires_grad_()
+            loss = torch.nn.functional.mse_loss(model(inputs), y[local])
+            (input_grad,) = torch.autograd.grad(loss, inputs, create_graph=True)
+            (loss + input_grad.pow(2).sum()).backward()
+        assert ours.last_comm_stats().allreduce_calls == len(ours.bucket_sizes)
+        for (name, p_ours), p_theirs in zip(ours.module.named_parameters(), theirs.module.parameters(), strict=True):
+            if p_ours.requires_grad:
+                assert_close(p_ours.grad, p_theirs.grad, rtol=0, atol=0, msg=name)
+        for model in (ours, theirs):
+            model.module.zero_grad(set_to_none=True)
+
+
+def test_autograd_grad_through_a_synced_forward_then_backward_equals_torch_ddp():
+    """A gradient penalty: torch.autograd.grad(loss, inputs, create_graph=True) accumulates into no parameter and
+    must not end the iteration; the backward of loss + penalty that follows reduces, exactly as torch DDP."""
+    run_distributed(_gradient_penalty)

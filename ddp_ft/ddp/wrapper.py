@@ -81,6 +81,10 @@ class BucketedDDP(nn.Module):
            policy allows, waits for all futures (this wait is the exposed communication), and copies
            results back where the hook returned a new tensor or grads are not bucket views.
 
+    A backward pass that accumulates into no parameter, such as ``torch.autograd.grad(loss, inputs,
+    create_graph=True)`` for a gradient penalty, does not end the iteration: the backward that follows
+    (``(loss + penalty).backward()``) reduces, as in torch DDP, whose hooks run only on AccumulateGrad.
+
     Inside :meth:`no_sync` nothing is communicated: gradients accumulate locally (into the bucket
     buffers when they are views) and the next synced backward reduces everything accumulated. As in
     torch DDP, whether a backward syncs is decided by the forward that produced its graph.
@@ -161,6 +165,9 @@ class BucketedDDP(nn.Module):
         self._view_replaced_none = [False] * len(self._params)
         if gradient_as_bucket_view:
             self._attach_grad_views()
+        # Each parameter's AccumulateGrad node, kept alive (as torch DDP's reducer does) to ask the autograd engine
+        # whether a backward pass reaching the outputs accumulates into parameters (torch.autograd.grad does not).
+        self._grad_accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in reversed(self._params)]
 
         self._comm_hook: CommHook = allreduce_hook
         self._comm_state: object = process_group
@@ -178,6 +185,7 @@ class BucketedDDP(nn.Module):
         self._armed = False
         self._sync = False
         self._finalizer_queued = False
+        self._pass_accumulates = True
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         self._any_backward = False
@@ -383,6 +391,7 @@ class BucketedDDP(nn.Module):
         self._armed = True
         self._sync = sync
         self._finalizer_queued = False
+        self._pass_accumulates = True
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         for bucket in self._buckets:
@@ -401,11 +410,22 @@ class BucketedDDP(nn.Module):
                 leaf.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
-        self._queue_finalizer()
+        if self._armed and self._sync and not self._finalizer_queued:
+            self._queue_finalizer(accumulates=self._engine_accumulates_a_parameter())
 
-    def _queue_finalizer(self) -> None:
+    def _engine_accumulates_a_parameter(self) -> bool:
+        """Whether the running backward pass will accumulate into a trainable parameter. False for
+        ``torch.autograd.grad`` (it runs no AccumulateGrad node), and also when every parameter is hidden behind
+        reentrant checkpoints (their nested passes accumulate); the finalizer tells these apart afterwards."""
+        try:
+            return any(map(torch._C._will_engine_execute_node, self._grad_accumulators))
+        except RuntimeError:  # torch.autograd.grad with a parameter among its inputs
+            return False
+
+    def _queue_finalizer(self, accumulates: bool = True) -> None:
         if self._armed and self._sync and not self._finalizer_queued:
             self._finalizer_queued = True
+            self._pass_accumulates = accumulates
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
@@ -464,6 +484,11 @@ class BucketedDDP(nn.Module):
         """Queued on the autograd engine: runs once the whole backward is done."""
         if not (self._armed and self._sync):
             return
+        if not self._pass_accumulates and self._no_gradient_yet():
+            # A pass that accumulated into no parameter, e.g. torch.autograd.grad(loss, inputs): not the iteration's
+            # backward (torch DDP's hooks run on AccumulateGrad only, which it does not execute). Wait for the next.
+            self._finalizer_queued = False
+            return
         token = start_timer(self._device)
         used_map = None
         if self.find_unused_parameters:
@@ -518,6 +543,9 @@ class BucketedDDP(nn.Module):
         if self.find_unused_parameters:
             self._view_replaced_none = [False] * len(self._params)
         self._armed = False
+
+    def _no_gradient_yet(self) -> bool:
+        return self._next_launch == 0 and all(b.pending == len(b.params) for b in self._buckets)
 
     def _reduce_unused(self) -> None:
         """find_unused_parameters=True: contribute what unused parameters hold locally (zero if nothing)."""
