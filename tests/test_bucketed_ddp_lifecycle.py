@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing import assert_close
 
@@ -102,3 +103,41 @@ def test_autograd_grad_through_a_synced_forward_then_backward_equals_torch_ddp()
     """A gradient penalty: torch.autograd.grad(loss, inputs, create_graph=True) accumulates into no parameter and
     must not end the iteration; the backward of loss + penalty that follows reduces, exactly as torch DDP."""
     run_distributed(_gradient_penalty)
+
+
+class _HasModuleChild(nn.Module):
+    """A model whose own top-level child is called ``module``, like the wrapper's attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 4)
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.module(x))) + self.offset
+
+
+def _module_child_state_dict(rank, world_size):
+    torch.manual_seed(0)
+    inner = _HasModuleChild()
+    model = BucketedDDP(inner)
+    assert list(model.state_dict()) == list(inner.state_dict())
+    for saved in (
+        {k: v.clone() + 1 for k, v in model.state_dict().items()},  # the wrapper's own form: the inner model's keys
+        {f"module.{k}": v.clone() + 2 for k, v in inner.state_dict().items()},  # torch DDP's prefixed form
+    ):
+        model.load_state_dict(saved)
+        for (key, value), expected in zip(inner.state_dict().items(), saved.values(), strict=True):
+            assert torch.equal(value, expected), key
+    # nested under a parent module, the prefixes compose
+    parent = nn.ModuleDict({"ddp": model})
+    saved = {k: v.clone() + 3 for k, v in parent.state_dict().items()}
+    assert list(saved) == [f"ddp.{k}" for k in inner.state_dict()]
+    parent.load_state_dict(saved)
+    for (key, value), expected in zip(inner.state_dict().items(), saved.values(), strict=True):
+        assert torch.equal(value, expected), key
+
+
+def test_state_dict_round_trips_for_a_model_with_a_child_named_module():
+    run_distributed(_module_child_state_dict)

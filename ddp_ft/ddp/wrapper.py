@@ -204,7 +204,7 @@ class BucketedDDP(nn.Module):
         ]
         self._release_hooks = weakref.finalize(self, _remove_handles, self._hook_handles)
         self._register_state_dict_hook(_strip_module_prefix)
-        self._register_load_state_dict_pre_hook(_add_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
         if self.rank == 0:
             sizes = [f"{b.numel * self._buckets[b.index].buffer.element_size() / 2**20:.2f}" for b in self._layout]
             logger.info(
@@ -612,8 +612,15 @@ def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local
         state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
-def _add_module_prefix(state_dict: dict, prefix: str, *args) -> None:
-    """Accept the unprefixed keys :func:`_strip_module_prefix` writes (and prefixed ones)."""
+def _add_module_prefix(wrapper: BucketedDDP, state_dict: dict, prefix: str, *args) -> None:
+    """Accept the wrapped module's keys, which :func:`_strip_module_prefix` writes, and torch DDP's prefixed ones.
+
+    A key is taken as prefixed only if it is not one of the wrapped module's own keys, so a model whose own child
+    is called ``module`` (keys ``module.*``) loads as itself.
+    """
     inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+    own = set(wrapper.module.state_dict(keep_vars=True))
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name = key[len(prefix) :]
+        if name in own or not (name.startswith("module.") and name[len("module.") :] in own):
+            state_dict[inner + name] = state_dict.pop(key)
