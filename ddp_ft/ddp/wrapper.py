@@ -17,6 +17,7 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from .buckets import ParamSpec, compute_bucket_assignment, describe_layout, first_layout_difference
+from .checksum import frozen_digest
 from .comm_hooks import CommHook, GradBucket, allreduce_hook, wire_dtype
 from .stats import CommStats, Measurement, elapsed_ms, start_timer, stop_timer
 
@@ -56,9 +57,11 @@ class BucketedDDP(nn.Module):
         * Layout. Trainable parameters are split into buckets in reverse registration order (the order
           backward produces gradients), by dtype and device: a pure function of the parameter list
           (:func:`compute_bucket_assignment`), fixed for the life of the wrapper. At construction every
-          rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and checksums
-          of the frozen parameters; any difference raises on every rank naming the first differing
-          parameter, instead of a hang or a silent mis-reduction.
+          rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and SHA-256 digests
+          of the frozen parameters in order, with the quant state of bitsandbytes 4-bit weights
+          (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
+          raises on every rank naming the first differing parameter, instead of a hang or a silent
+          mis-reduction.
         * Start state. Trainable parameters and buffers are broadcast from rank 0.
         * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
           is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
@@ -309,7 +312,7 @@ class BucketedDDP(nn.Module):
         frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad and p.device.type != "meta"]
         local = {
             "layout": describe_layout(specs, self._layout),
-            "frozen": [(n, _byte_checksum(p)) for n, p in frozen],
+            "frozen": [(n, frozen_digest(p)) for n, p in frozen],
         }
         gathered: list[dict | None] = [None] * self.world_size
         dist.all_gather_object(gathered, local, group=self.process_group)
@@ -323,12 +326,13 @@ class BucketedDDP(nn.Module):
                     "modules, same dtype) and the same bucket_cap_mb / first_bucket_cap_mb."
                 )
             if reference["frozen"] != other["frozen"]:
-                for (name_ref, sum_ref), (name, checksum) in zip(reference["frozen"], other["frozen"], strict=False):
-                    if (name_ref, sum_ref) != (name, checksum):
+                for (name_ref, digest_ref), (name, digest) in zip(reference["frozen"], other["frozen"], strict=False):
+                    if (name_ref, digest_ref) != (name, digest):
                         raise RuntimeError(
-                            f"BucketedDDP: frozen parameter {name_ref!r} differs between rank 0 and rank {rank} "
-                            f"(byte checksum {sum_ref} vs {checksum} for {name!r}). Frozen weights are not broadcast; "
-                            "load the same base checkpoint on every rank (and seed any random initialisation)."
+                            f"BucketedDDP: frozen parameter {name_ref!r} (its bytes, or its 4-bit quant state) differs "
+                            f"between rank 0 and rank {rank} (SHA-256 {digest_ref[:12]} vs {digest[:12]} for {name!r}). "
+                            "Frozen weights are not broadcast; load the same base checkpoint on every rank (and seed "
+                            "any random initialisation)."
                         )
                 raise RuntimeError(
                     f"BucketedDDP: rank 0 has {len(reference['frozen'])} frozen parameters, rank {rank} "
@@ -592,17 +596,6 @@ def _remove_handles(handles: list) -> None:
 
 def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
     return CommStats(**{**vars(stats), "exposed_comm_ms": sum(elapsed_ms(w) for w in waits)})
-
-
-def _byte_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, int]:
-    """Exact checksum of a tensor's bytes: (sum, sum of squares), in chunks to bound temporary memory."""
-    data = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    total = squares = 0
-    for part in data.split(chunk):
-        wide = part.to(torch.int32)
-        total += int(wide.sum(dtype=torch.int64))
-        squares += int((wide * wide).sum(dtype=torch.int64))
-    return total, squares
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
