@@ -505,7 +505,7 @@ class BucketedDDP(nn.Module):
                 raise RuntimeError(
                     f"BucketedDDP: {len(unready)} trainable parameter(s) received no gradient in this backward: "
                     f"{shown}. Freeze parameters that are not used (requires_grad=False) or pass "
-                    f"find_unused_parameters=True to reduce them as zero. {_REENTRANT_HINT}"
+                    f"find_unused_parameters=True (used on no rank: grad stays None). {_REENTRANT_HINT}"
                 )
             self._reduce_unused()
         if self.find_unused_parameters:  # after every bucket, so the collectives pair up in the same order
