@@ -142,7 +142,8 @@ def _unused_parameter(rank, world_size, find_unused):
     except RuntimeError as error:
         return str(error)
     grads = {n: p.grad for n, p in model.module.named_parameters() if p.requires_grad}
-    assert torch.count_nonzero(grads["unused.weight"]) == 0 and torch.count_nonzero(grads["unused.bias"]) == 0
+    # unused on every rank: no gradient at all (as torch DDP), so an optimizer skips it
+    assert grads.pop("unused.weight") is None and grads.pop("unused.bias") is None
     assert_same_on_all_ranks(list(grads.values()))
     # training continues: the next backward uses the branch and it is reduced as usual
     model.module.zero_grad(set_to_none=True)
@@ -156,7 +157,7 @@ def test_unused_parameter_is_an_error_naming_it_on_every_rank():
         assert message is not None and "'unused.weight'" in message and "find_unused_parameters=True" in message
 
 
-def test_unused_parameter_is_reduced_as_zero_with_find_unused_parameters():
+def test_parameter_unused_on_every_rank_keeps_no_gradient_with_find_unused_parameters():
     assert run_distributed(_unused_parameter, True) == [None, None]
 
 
@@ -208,6 +209,51 @@ def test_parameter_used_on_one_rank_only_matches_torch_ddp():
     run_distributed(_used_on_one_rank_only)
 
 
+def _globally_unused_under_adamw(rank, world_size, grad_view):
+    torch.manual_seed(0)
+    reference = Net(unused_branch=True)
+    ours = BucketedDDP(copy.deepcopy(reference), find_unused_parameters=True, gradient_as_bucket_view=grad_view,
+                       bucket_cap_mb=5000 / MB, first_bucket_cap_mb=1000 / MB)  # fmt: skip
+    theirs = TorchDDP(copy.deepcopy(reference), find_unused_parameters=True, gradient_as_bucket_view=grad_view)
+    models = (ours, theirs, reference)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
+    local = local_slice(rank, world_size)
+    # the branch: unused everywhere, used on rank 0 only, unused everywhere again (after a step that used it)
+    for step, used_on in enumerate([(), (0,), ()]):
+        x, y = make_batch(step)
+        for model in (ours, theirs):
+            torch.nn.functional.mse_loss(model(x[local], use_unused=rank in used_on), y[local]).backward()
+        for r in range(world_size):  # one process, global batch, each half as its rank computed it
+            part = local_slice(r, world_size)
+            loss = torch.nn.functional.mse_loss(reference(x[part], use_unused=r in used_on), y[part])
+            (loss / world_size).backward()
+        named = zip(ours.module.named_parameters(), theirs.module.parameters(), reference.parameters(), strict=True)
+        for (name, p_ours), p_torch, p_ref in named:
+            if not p_ours.requires_grad:
+                continue
+            if p_torch.grad is None:
+                assert p_ours.grad is None and p_ref.grad is None, f"step {step}: {name} has a gradient"
+                assert not used_on and name.startswith("unused.")  # the premise: torch leaves exactly these None
+                continue
+            assert_close(p_ours.grad, p_torch.grad, rtol=0, atol=0, msg=f"step {step}: {name}")
+            assert_close(p_ours.grad, p_ref.grad, rtol=1e-6, atol=1e-7, msg=f"step {step}: {name}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for (name, p_ours), p_torch, p_ref in zip(ours.module.named_parameters(), theirs.module.parameters(),
+                                                  reference.parameters(), strict=True):  # fmt: skip
+            assert_close(p_ours, p_torch, rtol=0, atol=0, msg=f"step {step}: {name}")
+            assert_close(p_ours, p_ref, rtol=1e-6, atol=1e-6, msg=f"step {step}: {name}")
+
+
+@pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
+def test_parameter_unused_on_every_rank_keeps_grad_none_and_adamw_leaves_it_as_torch_ddp(grad_view):
+    """find_unused_parameters=True: a parameter no rank used (and that accumulated nothing under no_sync) keeps
+    grad=None, so AdamW with weight decay skips it; one used on some rank gets the average. Gradients equal torch
+    DDP's (None where torch's are None) and the global batch's, and so do parameters after each AdamW step."""
+    run_distributed(_globally_unused_under_adamw, grad_view)
+
+
 def _mismatch(rank, world_size, kind):
     torch.manual_seed(0)
     model = Net(hidden=32 if rank == 0 or kind != "shape" else 48)
@@ -216,6 +262,9 @@ def _mismatch(rank, world_size, kind):
     if kind == "frozen_weights" and rank == 1:
         with torch.no_grad():
             model.frozen.weight.add_(1.0)
+    if kind == "swapped_rows" and rank == 1:  # same bytes, other order: a sum of bytes cannot tell
+        with torch.no_grad():
+            model.frozen.weight[[0, 1]] = model.frozen.weight[[1, 0]].clone()
     cap = 1e-9 if kind == "bucket_cap" and rank == 1 else 25.0
     try:
         BucketedDDP(model, bucket_cap_mb=cap, first_bucket_cap_mb=cap)
@@ -230,6 +279,7 @@ def _mismatch(rank, world_size, kind):
         ("shape", "'embed.weight'"),
         ("extra_trainable", "'frozen.weight'"),
         ("frozen_weights", "'frozen.weight'"),
+        ("swapped_rows", "'frozen.weight'"),
         ("bucket_cap", "bucket 0"),
     ],
 )

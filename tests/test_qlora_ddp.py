@@ -104,3 +104,30 @@ def test_reentrant_checkpointing_on_the_qlora_stack_gives_the_global_batch_gradi
     (A parameter reused across reentrant segments is the other case: an error, never a double count; see
     test_bucketed_ddp.py's test_gradient_arriving_twice_under_reentrant_checkpointing_is_an_error_not_a_double_count.)"""
     run_distributed(_reentrant, tiny_qwen3, timeout=300)
+
+
+def _perturbed_quant_state(rank, world_size, path, what):
+    model = _build(path, world_size, False, "float32")
+    name, weight = next((n, p) for n, p in model.named_parameters() if getattr(p, "quant_state", None) is not None)
+    if rank == 1:
+        with torch.no_grad():
+            if what == "absmax":
+                state = weight.quant_state
+                absmax = state.absmax if state.state2 is None else state.state2.absmax  # double quant: the nested one
+                absmax[0] += 1.0
+            else:  # two packed rows swapped: same bytes, another order
+                assert not torch.equal(weight.data[0], weight.data[1])
+                weight.data[[0, 1]] = weight.data[[1, 0]].clone()
+    try:
+        BucketedDDP(model)
+    except RuntimeError as error:
+        return name, str(error)
+    return name, None
+
+
+@pytest.mark.parametrize("what", ["absmax", "swapped_rows"])
+def test_a_4bit_base_differing_in_quant_state_or_row_order_raises_on_every_rank_naming_the_weight(tiny_qwen3, what):
+    """The frozen 4-bit base is not broadcast: a rank whose NF4 weight has a different absmax (quant state, not a
+    parameter or buffer) or two packed rows swapped must be refused at construction, naming the weight."""
+    for name, message in run_distributed(_perturbed_quant_state, tiny_qwen3, what, timeout=300):
+        assert message is not None and f"{name!r}" in message, (name, message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,7 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from .buckets import ParamSpec, compute_bucket_assignment, describe_layout, first_layout_difference
+from .checksum import frozen_digest
 from .comm_hooks import CommHook, GradBucket, allreduce_hook, wire_dtype
 from .stats import CommStats, Measurement, elapsed_ms, start_timer, stop_timer
 
@@ -30,8 +32,12 @@ _REENTRANT_HINT = (
 class _Bucket:
     """Runtime state of one bucket: its flat buffer, the gradient views into it, and readiness."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, params: list[nn.Parameter], offsets: list[int], last: bool):
+    def __init__(
+        self, index: int, buffer: torch.Tensor, indices: list[int], params: list[nn.Parameter], offsets: list[int],
+        last: bool,
+    ):  # fmt: skip
         self.buffer = buffer
+        self.indices = indices
         self.params = params
         self.views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
         self.view_ptrs = [v.data_ptr() for v in self.views]
@@ -51,15 +57,19 @@ class BucketedDDP(nn.Module):
         * Layout. Trainable parameters are split into buckets in reverse registration order (the order
           backward produces gradients), by dtype and device: a pure function of the parameter list
           (:func:`compute_bucket_assignment`), fixed for the life of the wrapper. At construction every
-          rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and checksums
-          of the frozen parameters; any difference raises on every rank naming the first differing
-          parameter, instead of a hang or a silent mis-reduction.
+          rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and SHA-256 digests
+          of the frozen parameters in order, with the quant state of bitsandbytes 4-bit weights
+          (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
+          raises on every rank naming the first differing parameter, instead of a hang or a silent
+          mis-reduction.
         * Start state. Trainable parameters and buffers are broadcast from rank 0.
         * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
           is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
           next forward re-attaches zeroed views.
         * Equality. When ``loss.backward()`` returns, every gradient is the average over ranks, as with
           torch DDP: no ``finish()`` call is needed, so HF Trainer and Accelerate work unchanged.
+        * Lifecycle. The gradient hooks hold the wrapper only weakly: a dropped wrapper is freed and its hooks
+          removed, so the module can train alone or be wrapped again; :meth:`remove_hooks` does it at once.
 
     One synced backward, in phases:
         1. ``forward`` arms the iteration and puts a gradient hook on its outputs (leaving them untouched,
@@ -74,6 +84,10 @@ class BucketedDDP(nn.Module):
            policy allows, waits for all futures (this wait is the exposed communication), and copies
            results back where the hook returned a new tensor or grads are not bucket views.
 
+    A backward pass that accumulates into no parameter, such as ``torch.autograd.grad(loss, inputs,
+    create_graph=True)`` for a gradient penalty, does not end the iteration: the backward that follows
+    (``(loss + penalty).backward()``) reduces, as in torch DDP, whose hooks run only on AccumulateGrad.
+
     Inside :meth:`no_sync` nothing is communicated: gradients accumulate locally (into the bucket
     buffers when they are views) and the next synced backward reduces everything accumulated. As in
     torch DDP, whether a backward syncs is decided by the forward that produced its graph.
@@ -85,8 +99,11 @@ class BucketedDDP(nn.Module):
             backward. Default: 1.
         gradient_as_bucket_view (bool): make ``param.grad`` a view into the bucket buffer. Default: True.
         find_unused_parameters (bool): if False, a trainable parameter without a gradient in a synced
-            backward is an error naming it; if True it is reduced as zero (plus whatever it accumulated
-            under ``no_sync``). Default: False.
+            backward is an error naming it. If True, as in torch DDP: the ranks all-reduce which parameters
+            got a gradient since the last synced backward (one small extra all-reduce per synced backward,
+            not counted in the stats); a parameter used on some rank is averaged (this rank contributing what
+            it accumulated under ``no_sync``, or zero); one used on no rank keeps ``grad=None`` (so the
+            optimizer skips it) or, if it had a gradient before, that gradient. Default: False.
         broadcast_buffers (bool): broadcast the module's buffers from rank 0 at the first forward after a
             synced one (and the first forward), i.e. once per optimizer step at its first micro-step, where the
             ranks have just met in the all-reduce: torch DDP's schedule. A no-grad forward never communicates
@@ -140,11 +157,20 @@ class BucketedDDP(nn.Module):
         for b in self._layout:
             params = [self._params[i] for i in b.param_indices]
             buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-            self._buckets.append(_Bucket(b.index, buffer, params, list(b.offsets), b.index == len(self._layout) - 1))
+            last = b.index == len(self._layout) - 1
+            self._buckets.append(_Bucket(b.index, buffer, list(b.param_indices), params, list(b.offsets), last))
             for pos, i in enumerate(b.param_indices):
                 self._slot[i] = (b.index, pos)
+        # find_unused_parameters: which parameters got a gradient since the last synced backward (under no_sync
+        # too), and which had none when a forward attached a zeroed bucket view. A parameter no rank used gets
+        # its None back after the reduction, as torch DDP leaves it untouched.
+        self._used_since_sync = [False] * len(self._params)
+        self._view_replaced_none = [False] * len(self._params)
         if gradient_as_bucket_view:
             self._attach_grad_views()
+        # Each parameter's AccumulateGrad node, kept alive (as torch DDP's reducer does) to ask the autograd engine
+        # whether a backward pass reaching the outputs accumulates into parameters (torch.autograd.grad does not).
+        self._grad_accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in reversed(self._params)]
 
         self._comm_hook: CommHook = allreduce_hook
         self._comm_state: object = process_group
@@ -162,6 +188,7 @@ class BucketedDDP(nn.Module):
         self._armed = False
         self._sync = False
         self._finalizer_queued = False
+        self._pass_accumulates = True
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         self._any_backward = False
@@ -171,12 +198,16 @@ class BucketedDDP(nn.Module):
         # drifted apart over the no_sync micro-steps.
         self._buffers_need_sync = True
 
+        # The hooks reach the wrapper through a weak reference, so the module (which holds them) does not keep a
+        # dropped wrapper alive; the finalizer removes them when it goes (or at remove_hooks()).
+        owner = weakref.ref(self)
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_hook, owner, i))
             for i, p in enumerate(self._params)
         ]
+        self._release_hooks = weakref.finalize(self, _remove_handles, self._hook_handles)
         self._register_state_dict_hook(_strip_module_prefix)
-        self._register_load_state_dict_pre_hook(_add_module_prefix)
+        self.register_load_state_dict_pre_hook(_add_module_prefix)
         if self.rank == 0:
             sizes = [f"{b.numel * self._buckets[b.index].buffer.element_size() / 2**20:.2f}" for b in self._layout]
             logger.info(
@@ -188,6 +219,10 @@ class BucketedDDP(nn.Module):
     # ------------------------------------------------------------------ public API
 
     def forward(self, *inputs, **kwargs):
+        if not self._release_hooks.alive:
+            raise RuntimeError(
+                "BucketedDDP: this wrapper's hooks were removed (remove_hooks()); wrap the module again."
+            )
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._prepare_for_backward(sync=self.require_backward_grad_sync)
@@ -211,6 +246,17 @@ class BucketedDDP(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def remove_hooks(self) -> None:
+        """Detach the wrapper from the module: remove its gradient hooks, so the module trains alone again or
+        can be wrapped anew. Idempotent. Dropping the wrapper does the same when it is garbage-collected; call
+        this to be sure it happens now. Communication already launched is finished first. The wrapper cannot
+        run forward afterwards.
+        """
+        if self._armed and self._sync and self._next_launch > 0:
+            self._wait_launched()
+        self._armed = False
+        self._release_hooks()
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the default averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
@@ -266,7 +312,7 @@ class BucketedDDP(nn.Module):
         frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad and p.device.type != "meta"]
         local = {
             "layout": describe_layout(specs, self._layout),
-            "frozen": [(n, _byte_checksum(p)) for n, p in frozen],
+            "frozen": [(n, frozen_digest(p)) for n, p in frozen],
         }
         gathered: list[dict | None] = [None] * self.world_size
         dist.all_gather_object(gathered, local, group=self.process_group)
@@ -280,12 +326,13 @@ class BucketedDDP(nn.Module):
                     "modules, same dtype) and the same bucket_cap_mb / first_bucket_cap_mb."
                 )
             if reference["frozen"] != other["frozen"]:
-                for (name_ref, sum_ref), (name, checksum) in zip(reference["frozen"], other["frozen"], strict=False):
-                    if (name_ref, sum_ref) != (name, checksum):
+                for (name_ref, digest_ref), (name, digest) in zip(reference["frozen"], other["frozen"], strict=False):
+                    if (name_ref, digest_ref) != (name, digest):
                         raise RuntimeError(
-                            f"BucketedDDP: frozen parameter {name_ref!r} differs between rank 0 and rank {rank} "
-                            f"(byte checksum {sum_ref} vs {checksum} for {name!r}). Frozen weights are not broadcast; "
-                            "load the same base checkpoint on every rank (and seed any random initialisation)."
+                            f"BucketedDDP: frozen parameter {name_ref!r} (its bytes, or its 4-bit quant state) differs "
+                            f"between rank 0 and rank {rank} (SHA-256 {digest_ref[:12]} vs {digest[:12]} for {name!r}). "
+                            "Frozen weights are not broadcast; load the same base checkpoint on every rank (and seed "
+                            "any random initialisation)."
                         )
                 raise RuntimeError(
                     f"BucketedDDP: rank 0 has {len(reference['frozen'])} frozen parameters, rank {rank} "
@@ -315,6 +362,7 @@ class BucketedDDP(nn.Module):
 
         Runs every forward: after ``zero_grad(set_to_none=True)`` a whole bucket is zeroed in one op.
         """
+        track = self.find_unused_parameters
         with torch.no_grad():
             for bucket in self._buckets:
                 grads = [p.grad for p in bucket.params]
@@ -322,11 +370,18 @@ class BucketedDDP(nn.Module):
                     bucket.buffer.zero_()
                     for p, view in zip(bucket.params, bucket.views, strict=True):
                         p.grad = view
+                    if track:
+                        for i in bucket.indices:
+                            self._view_replaced_none[i] = True
                     continue
-                for p, grad, view, ptr in zip(bucket.params, grads, bucket.views, bucket.view_ptrs, strict=True):
+                for i, p, grad, view, ptr in zip(
+                    bucket.indices, bucket.params, grads, bucket.views, bucket.view_ptrs, strict=True
+                ):
                     if grad is None:
                         view.zero_()
                         p.grad = view
+                        if track:
+                            self._view_replaced_none[i] = True
                     elif grad.data_ptr() != ptr:
                         view.copy_(grad)
                         p.grad = view
@@ -340,6 +395,7 @@ class BucketedDDP(nn.Module):
         self._armed = True
         self._sync = sync
         self._finalizer_queued = False
+        self._pass_accumulates = True
         self._ready = [False] * len(self._params)
         self._next_launch = 0
         for bucket in self._buckets:
@@ -358,16 +414,29 @@ class BucketedDDP(nn.Module):
                 leaf.register_hook(self._on_output_grad)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
-        self._queue_finalizer()
+        if self._armed and self._sync and not self._finalizer_queued:
+            self._queue_finalizer(accumulates=self._engine_accumulates_a_parameter())
 
-    def _queue_finalizer(self) -> None:
+    def _engine_accumulates_a_parameter(self) -> bool:
+        """Whether the running backward pass will accumulate into a trainable parameter. False for
+        ``torch.autograd.grad`` (it runs no AccumulateGrad node), and also when every parameter is hidden behind
+        reentrant checkpoints (their nested passes accumulate); the finalizer tells these apart afterwards."""
+        try:
+            return any(map(torch._C._will_engine_execute_node, self._grad_accumulators))
+        except RuntimeError:  # torch.autograd.grad with a parameter among its inputs
+            return False
+
+    def _queue_finalizer(self, accumulates: bool = True) -> None:
         if self._armed and self._sync and not self._finalizer_queued:
             self._finalizer_queued = True
+            self._pass_accumulates = accumulates
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: runs once ``param.grad`` holds this backward's gradient."""
         if self._armed and not self._sync:  # accumulation micro-step: nothing to do (the common case first)
+            if self.find_unused_parameters:
+                self._used_since_sync[index] = True
             return
         self._any_backward = True
         if not self._armed:
@@ -419,18 +488,29 @@ class BucketedDDP(nn.Module):
         """Queued on the autograd engine: runs once the whole backward is done."""
         if not (self._armed and self._sync):
             return
+        if not self._pass_accumulates and self._no_gradient_yet():
+            # A pass that accumulated into no parameter, e.g. torch.autograd.grad(loss, inputs): not the iteration's
+            # backward (torch DDP's hooks run on AccumulateGrad only, which it does not execute). Wait for the next.
+            self._finalizer_queued = False
+            return
         token = start_timer(self._device)
+        used_map = None
+        if self.find_unused_parameters:
+            used = [r or u for r, u in zip(self._ready, self._used_since_sync, strict=True)]
         if self._next_launch < len(self._buckets):
-            unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
             if not self.find_unused_parameters:
+                unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
                 self._abort_iteration()
                 shown = ", ".join(repr(n) for n in unready[:5]) + (" ..." if len(unready) > 5 else "")
                 raise RuntimeError(
                     f"BucketedDDP: {len(unready)} trainable parameter(s) received no gradient in this backward: "
                     f"{shown}. Freeze parameters that are not used (requires_grad=False) or pass "
-                    f"find_unused_parameters=True to reduce them as zero. {_REENTRANT_HINT}"
+                    f"find_unused_parameters=True (used on no rank: grad stays None). {_REENTRANT_HINT}"
                 )
             self._reduce_unused()
+        if self.find_unused_parameters:  # after every bucket, so the collectives pair up in the same order
+            used_map = torch.tensor(used, dtype=torch.int32, device=self._device)
+            used_work = dist.all_reduce(used_map, group=self.process_group, async_op=True)
         for bucket in self._buckets:
             result = bucket.future.wait()
             if isinstance(result, list | tuple):  # a collective's own future holds its output tensors
@@ -446,15 +526,30 @@ class BucketedDDP(nn.Module):
             window_ms = (time.perf_counter() - self._window_start) * 1e3
             self._last_stats.comm_window_ms += window_ms
             self._pending_stats.comm_window_ms += window_ms
+        unused_everywhere: set[int] = set()
+        if used_map is not None:
+            used_work.wait()
+            unused_everywhere = {i for i, n in enumerate(used_map.tolist()) if n == 0}
+            self._used_since_sync = [False] * len(self._params)
         if not self.gradient_as_bucket_view:
             with torch.no_grad():
                 for bucket in self._buckets:
-                    for p, view in zip(bucket.params, bucket.views, strict=True):
+                    for i, p, view in zip(bucket.indices, bucket.params, bucket.views, strict=True):
                         if p.grad is None:
-                            p.grad = view.clone()
+                            if i not in unused_everywhere:  # a parameter no rank used keeps grad None
+                                p.grad = view.clone()
                         else:
                             p.grad.copy_(view)
+        else:
+            for i in unused_everywhere:
+                if self._view_replaced_none[i]:  # a parameter no rank used gets back the None it had
+                    self._params[i].grad = None
+        if self.find_unused_parameters:
+            self._view_replaced_none = [False] * len(self._params)
         self._armed = False
+
+    def _no_gradient_yet(self) -> bool:
+        return self._next_launch == 0 and all(b.pending == len(b.params) for b in self._buckets)
 
     def _reduce_unused(self) -> None:
         """find_unused_parameters=True: contribute what unused parameters hold locally (zero if nothing)."""
@@ -487,19 +582,20 @@ class BucketedDDP(nn.Module):
         self._next_launch = 0
 
 
+def _grad_ready_hook(owner: weakref.ref, index: int, param: nn.Parameter) -> None:
+    wrapper = owner()
+    if wrapper is not None:
+        wrapper._on_grad_ready(index, param)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
     return CommStats(**{**vars(stats), "exposed_comm_ms": sum(elapsed_ms(w) for w in waits)})
-
-
-def _byte_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> tuple[int, int]:
-    """Exact checksum of a tensor's bytes: (sum, sum of squares), in chunks to bound temporary memory."""
-    data = t.detach().reshape(-1).contiguous().view(torch.uint8)
-    total = squares = 0
-    for part in data.split(chunk):
-        wide = part.to(torch.int32)
-        total += int(wide.sum(dtype=torch.int64))
-        squares += int((wide * wide).sum(dtype=torch.int64))
-    return total, squares
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -509,8 +605,15 @@ def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local
         state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
-def _add_module_prefix(state_dict: dict, prefix: str, *args) -> None:
-    """Accept the unprefixed keys :func:`_strip_module_prefix` writes (and prefixed ones)."""
+def _add_module_prefix(wrapper: BucketedDDP, state_dict: dict, prefix: str, *args) -> None:
+    """Accept the wrapped module's keys, which :func:`_strip_module_prefix` writes, and torch DDP's prefixed ones.
+
+    A key is taken as prefixed only if it is not one of the wrapped module's own keys, so a model whose own child
+    is called ``module`` (keys ``module.*``) loads as itself.
+    """
     inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+    own = set(wrapper.module.state_dict(keep_vars=True))
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        name = key[len(prefix) :]
+        if name in own or not (name.startswith("module.") and name[len("module.") :] in own):
+            state_dict[inner + name] = state_dict.pop(key)
