@@ -219,7 +219,7 @@ class BucketedDDP(nn.Module):
     # ------------------------------------------------------------------ public API
 
     def forward(self, *inputs, **kwargs):
-        if not self._release_hooks.alive:
+        if self.hooks_removed:
             raise RuntimeError(
                 "BucketedDDP: this wrapper's hooks were removed (remove_hooks()); wrap the module again."
             )
@@ -257,6 +257,11 @@ class BucketedDDP(nn.Module):
             self._wait_launched()
         self._armed = False
         self._release_hooks()
+
+    @property
+    def hooks_removed(self) -> bool:
+        """True once :meth:`remove_hooks` ran (the wrapper can no longer train)."""
+        return not self._release_hooks.alive
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the default averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``.

@@ -90,7 +90,7 @@ class BucketedAccelerator(Accelerator):
         # evaluation_mode is False); a no-op for a model it prepared before. Then ours.
         model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         wrapped = _WRAPPERS.get(id(model))
-        if wrapped is None or wrapped.module is not model:
+        if wrapped is None or wrapped.module is not model or wrapped.hooks_removed:
             wrapped = self.ddp_settings.wrap(model)
             _WRAPPERS[id(model)] = wrapped
             logger.info("wrapped the model in BucketedDDP (%d buckets) instead of torch DDP", len(wrapped.bucket_sizes))
