@@ -39,7 +39,7 @@ class GradBucket:
         is_last: bool,
     ) -> None:
         self._index = index
-        self._buffer = buffer
+        self._flat = self._buffer = buffer
         self._parameters = parameters
         self._views = views
         self._is_last = is_last
@@ -60,7 +60,14 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
+        """Replace the tensor :meth:`buffer` returns, as torch's reducer does (torch's compress wrappers hand it a
+        16-bit copy and reduce that). The bucket's own flat buffer is untouched; the hook's result is copied into
+        it after the wait, converting the dtype."""
+        self._buffer = tensor
+
+    def reset_buffer(self) -> None:
+        """Point :meth:`buffer` back at the bucket's flat gradient buffer (before each launch)."""
+        self._buffer = self._flat
 
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

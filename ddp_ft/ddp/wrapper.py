@@ -483,10 +483,13 @@ class BucketedDDP(nn.Module):
             # No Python callback (Future.then) on the communication thread: its destructor needs the GIL and,
             # if it runs there while the interpreter exits, aborts the process ("terminate called without an
             # active exception"). The window is stamped in the finalizer instead.
+            bucket.grad_bucket.reset_buffer()  # a hook may have replaced it last time (set_buffer)
             bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
+            sent = bucket.grad_bucket.buffer()  # the hook may have replaced it with a compressed copy (set_buffer)
+            nbytes = self._wire_bytes[self._next_launch] if sent is bucket.buffer else sent.nbytes
             for stats in (self._last_stats, self._pending_stats):
                 stats.allreduce_calls += 1
-                stats.allreduce_bytes += self._wire_bytes[self._next_launch]
+                stats.allreduce_bytes += nbytes
             self._next_launch += 1
 
     def _finalize_backward(self) -> None:

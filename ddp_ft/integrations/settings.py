@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from ..config import DDPSettings
+from ..config import COMM_HOOK_CHOICES, DDPSettings
 
 _TRAINING_ARGUMENTS = {  # TrainingArguments field -> DDPSettings field
     "ddp_find_unused_parameters": "find_unused_parameters",
@@ -105,8 +105,8 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
         if getattr(kwargs, unsupported) != getattr(defaults, unsupported):
             raise ValueError(
                 f"{name}.{unsupported}={getattr(kwargs, unsupported)!r} has no BucketedDDP equivalent: remove it "
-                "(BucketedDDP's comm hooks are set with DDPSettings.comm_hook: "
-                f"{', '.join(sorted(set(_ACCELERATE_COMM_HOOKS.values())))})."
+                f"(BucketedDDP's comm hooks are set with DDPSettings.comm_hook: {', '.join(COMM_HOOK_CHOICES)}; "
+                "PowerSGD with --comm-hook powersgd --powersgd-rank R)."
             )
     found = [(knob, f"{name}.{knob}", getattr(kwargs, knob)) for knob in _DDP_KWARGS
              if getattr(kwargs, knob) != getattr(defaults, knob)]  # fmt: skip
@@ -114,8 +114,9 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
     if hook != str(getattr(defaults.comm_hook, "value", defaults.comm_hook)).lower():
         if hook not in _ACCELERATE_COMM_HOOKS:
             raise ValueError(
-                f"{name}.comm_hook={hook!r} is not available with BucketedDDP: use one of "
-                f"{', '.join(_ACCELERATE_COMM_HOOKS)}."
+                f"{name}.comm_hook={hook!r} is not available through Accelerate's kwargs with BucketedDDP: use one of "
+                f"{', '.join(_ACCELERATE_COMM_HOOKS)}, or DDPSettings.comm_hook (PowerSGD: --comm-hook powersgd "
+                "--powersgd-rank R)."
             )
         found.append(("comm_hook", f"{name}.comm_hook", _ACCELERATE_COMM_HOOKS[hook]))
     return found
