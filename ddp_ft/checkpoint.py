@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .data import DataLayout
 from .distributed import DistInfo
 
 logger = logging.getLogger(__name__)
@@ -34,13 +35,14 @@ class TrainState:
     Args:
         global_step (int): optimizer steps done.
         epoch (int): current epoch (the sampler's ``set_epoch`` value).
-        batch_in_epoch (int): micro-batches of this rank already consumed in ``epoch``.
+        sample_in_epoch (int): samples of ``epoch``'s global order already trained, over all ranks (a multiple of
+            the effective batch; the same number on any world size).
         samples_seen (int): samples consumed over all ranks (the x axis shared by all world sizes).
     """
 
     global_step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    sample_in_epoch: int = 0
     samples_seen: int = 0
 
 
@@ -73,11 +75,16 @@ def save_checkpoint(
     state: TrainState,
     info: DistInfo,
     save_total_limit: int = 0,
+    layout: DataLayout | None = None,
 ) -> Path | None:
     """Write ``output_dir/checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
 
     Call on every rank (the RNG states are gathered). ``model`` is the unwrapped peft model: the adapter
     is saved with ``save_pretrained``, never the DDP wrapper.
+
+    Args:
+        layout (DataLayout | None): how the run reads its data, checked on resume (the loop always gives it).
+            Default: None
 
     Returns:
         Path | None: the checkpoint folder on rank 0, None elsewhere.
@@ -96,7 +103,8 @@ def save_checkpoint(
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(states, tmp / "rng_states.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "world_size": info.world_size}, indent=2))
+        saved = {**asdict(state), "world_size": info.world_size, "layout": asdict(layout) if layout else None}
+        (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2))
         if final.exists():  # same step saved before (e.g. a resumed run): replace it, the new one is complete
             old = final.with_name(f".old-{final.name}")
             shutil.rmtree(old, ignore_errors=True)
@@ -141,10 +149,20 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
     return path
 
 
+def saved_position(path: str | Path) -> tuple[TrainState, DataLayout | None]:
+    """A checkpoint's position and data layout, read without loading anything else (checks before the model)."""
+    saved = json.loads((Path(path) / STATE_FILE).read_text())
+    state = TrainState(**{k: saved[k] for k in ("global_step", "epoch", "sample_in_epoch", "samples_seen")})
+    return state, DataLayout(**saved["layout"]) if saved.get("layout") else None
+
+
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, info: DistInfo
 ) -> TrainState:
-    """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position."""
+    """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
+
+    Check the data layout first (``saved_position``, ``ddp_ft.data.check_resume``): this restores, it does not judge.
+    """
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
@@ -155,12 +173,16 @@ def load_checkpoint(
         raise RuntimeError(f"checkpoint {path} holds adapter weights this model lacks: {result.unexpected_keys[:5]}")
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    saved = json.loads((path / STATE_FILE).read_text())
     states = torch.load(path / "rng_states.pt", weights_only=False)
-    if saved["world_size"] != info.world_size:
+    if len(states) != info.world_size:
+        # Decided: the data continues exactly (a sample position); the per-rank RNG streams cannot, since there is
+        # no way to split or merge them. Rank r continues rank (r % saved ranks)'s stream: dropout masks differ
+        # from the uninterrupted run's from here on (with dropout 0 nothing else draws from them).
         logger.warning(
-            "checkpoint was written by %d ranks, resuming on %d: data position and RNG cannot continue exactly",
-            saved["world_size"], info.world_size,
+            "checkpoint was written by %d ranks, resuming on %d: the data continues exactly, the RNG streams "
+            "(dropout masks) cannot; rank r continues saved rank r %% %d's",
+            len(states), info.world_size, len(states),
         )  # fmt: skip
     set_rng_state(states[info.rank % len(states)])
-    return TrainState(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "samples_seen")})
+    state, _ = saved_position(path)
+    return state

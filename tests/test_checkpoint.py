@@ -35,7 +35,7 @@ def test_save_writes_a_complete_checkpoint_and_points_latest_at_it(tmp_path):
     assert path == tmp_path / "checkpoint-3"
     assert resolve_checkpoint("latest", tmp_path) == path
     state = json.loads((path / "trainer_state.json").read_text())
-    assert state["global_step"] == 3 and state["batch_in_epoch"] == 6 and state["world_size"] == 1
+    assert state["global_step"] == 3 and state["sample_in_epoch"] == 6 and state["world_size"] == 1
     assert not list(tmp_path.glob(".tmp-*"))
 
 
