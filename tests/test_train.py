@@ -106,7 +106,7 @@ def _train_tiny(tmp_path, monkeypatch, **overrides):
 
 def _assert_nothing_trained(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    assert not list((tmp_path / "run").glob("*checkpoint-*"))
 
 
 def test_missing_column_fails_before_training_naming_column_and_setting(tmp_path, monkeypatch):

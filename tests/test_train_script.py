@@ -54,7 +54,7 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
                for r in train), [(r["comm/backwards"], r["comm/allreduce_calls"]) for r in train]  # fmt: skip
 
     checkpoint = out / (out / "latest").read_text().strip()
-    assert checkpoint.name == "checkpoint-16"
+    assert checkpoint.name == "ddp_ft-checkpoint-16"
     from safetensors import safe_open
 
     with safe_open(str(checkpoint / "adapter" / "adapter_model.safetensors"), "pt") as f:
@@ -94,11 +94,11 @@ print(evaluate(model, eval_set, collate, s.train.micro_batch, DistInfo()))
 def test_resume_continues_the_loss_curve_exactly_as_the_uninterrupted_run(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _train(tmp_path, "--output-dir", str(full), "--max-steps", "6", "--save-every", "3", "--save-total-limit", "0")
-    assert (full / "checkpoint-3").is_dir() and (full / "checkpoint-6").is_dir()
+    assert (full / "ddp_ft-checkpoint-3").is_dir() and (full / "ddp_ft-checkpoint-6").is_dir()
     # the run "stopped" after step 3: all that survives is its checkpoint
     resumed.mkdir()
-    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
-    (resumed / "latest").write_text("checkpoint-3")
+    shutil.copytree(full / "ddp_ft-checkpoint-3", resumed / "ddp_ft-checkpoint-3")
+    (resumed / "latest").write_text("ddp_ft-checkpoint-3")
     _train(tmp_path, "--output-dir", str(resumed), "--max-steps", "6", "--resume", "latest")
     expected = {r["step"]: r["loss"] for r in _records(full, "train")}
     continued = {r["step"]: r["loss"] for r in _records(resumed, "train")}
@@ -226,4 +226,4 @@ def test_two_nodes_on_loopback_keep_global_and_local_rank_apart(tmp_path):
     first = config[0]["first_batch_indices"]
     assert len(first) == 2 and not set(first[0]) & set(first[1]), "both ranks read the same shard"
     assert [r["step"] for r in _records(out, "train")] == [1, 2]
-    assert len(list(out.glob("checkpoint-*"))) == 1
+    assert len(list(out.glob("ddp_ft-checkpoint-*"))) == 1
