@@ -1,8 +1,14 @@
-"""Atomic checkpoints: adapter, optimizer, scheduler, data position and every rank's RNG state.
+"""Atomic checkpoints of the plain loop: adapter, optimizer, scheduler, data position and every rank's RNG state.
 
-Rank 0 writes everything into a hidden temporary folder and renames it into place, so a crash mid-save
-never leaves a half-written ``checkpoint-N`` and never touches the checkpoints already there. Every rank
-contributes its RNG state (gathered to rank 0), so dropout and data order continue exactly on resume.
+A checkpoint is ``output_dir/ddp_ft-checkpoint-N`` holding ``ddp_ft_state.json`` (with a ``format_version``),
+never the Hugging Face Trainer's ``checkpoint-N``/``trainer_state.json``: both entry points can share an
+output folder, and neither resumes nor prunes the other's checkpoints (the loop refuses a Trainer checkpoint
+by name). Rank 0 writes everything into a hidden temporary folder, fsyncs every file and folder, and renames it
+into place; ``latest`` is replaced atomically and names a complete checkpoint at every instant, also while a
+same-step checkpoint is being replaced. A crash mid-save loses nothing already saved. Every rank contributes
+its RNG state (gathered to rank 0), so dropout continues exactly on resume at the same world size; the data
+position is a sample count in the epoch's global order, so the data continues exactly on any world size
+(``ddp_ft.data.DataLayout``).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,12 +26,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .data import DataLayout
 from .distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_DIR = "adapter"
-STATE_FILE = "trainer_state.json"
+CHECKPOINT_PREFIX = "ddp_ft-checkpoint"
+STATE_FILE = "ddp_ft_state.json"
+FORMAT_VERSION = 1
+LATEST = "latest"
+TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 0 used the same name
+_OWN_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
 
 
 @dataclass
@@ -34,13 +47,14 @@ class TrainState:
     Args:
         global_step (int): optimizer steps done.
         epoch (int): current epoch (the sampler's ``set_epoch`` value).
-        batch_in_epoch (int): micro-batches of this rank already consumed in ``epoch``.
+        sample_in_epoch (int): samples of ``epoch``'s global order already trained, over all ranks (a multiple of
+            the effective batch; the same number on any world size).
         samples_seen (int): samples consumed over all ranks (the x axis shared by all world sizes).
     """
 
     global_step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    sample_in_epoch: int = 0
     samples_seen: int = 0
 
 
@@ -59,10 +73,91 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file and folder under ``root``, then ``root``: the contents are on disk before a rename publishes them."""
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync(path)
+    _fsync(root)
+
+
+def _write_latest(output_dir: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` atomically: readers see the old name or the new one, never a partial file."""
+    tmp = output_dir / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output_dir / LATEST)
+    _fsync(output_dir)
+
+
+def _latest_name(output_dir: Path) -> str | None:
+    pointer = output_dir / LATEST
+    return pointer.read_text().strip() if pointer.exists() else None
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder atomically from a reader's view: renamed out of the way first, then removed."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name.lstrip('.')}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:  # checkpoint files are never modified in place, so a hard link is a safe copy
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move the complete ``tmp`` to ``final`` and point ``latest`` at it; ``latest`` names a complete checkpoint
+    throughout. Replacing ``final`` (same step saved again): ``latest`` moves to a linked copy of the old one
+    while ``final`` is swapped, then back."""
+    output_dir = final.parent
+    if final.exists():
+        backup = output_dir / f".old-{final.name}"
+        if _latest_name(output_dir) == backup.name:  # left by a save that died mid-swap; final is complete
+            _write_latest(output_dir, final.name)
+        _remove(backup)
+        shutil.copytree(final, backup, copy_function=_link_or_copy)
+        _fsync_tree(backup)
+        _write_latest(output_dir, backup.name)
+        _remove(final)
+    os.replace(tmp, final)
+    _fsync(output_dir)
+    _write_latest(output_dir, final.name)
+
+
+def _own_checkpoints(output_dir: Path) -> list[Path]:
+    """The loop's checkpoints in ``output_dir``, oldest step first: named ``ddp_ft-checkpoint-N`` and holding our
+    state file. Anything else (the HF Trainer's ``checkpoint-N``, a user's folder) is never listed."""
+    found = []
+    for path in output_dir.iterdir():
+        match = _OWN_NAME.match(path.name)
+        if match and path.is_dir() and (path / STATE_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def _clean_leftovers(output_dir: Path) -> None:
+    """Hidden folders of saves that died half-way, except one ``latest`` still names."""
+    latest = _latest_name(output_dir)
+    for prefix in (".tmp-", ".old-", ".trash-"):
+        for path in output_dir.glob(f"{prefix}*{CHECKPOINT_PREFIX}-*"):
+            if path.name != latest:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def save_checkpoint(
@@ -73,11 +168,17 @@ def save_checkpoint(
     state: TrainState,
     info: DistInfo,
     save_total_limit: int = 0,
+    layout: DataLayout | None = None,
 ) -> Path | None:
-    """Write ``output_dir/checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
+    """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
 
     Call on every rank (the RNG states are gathered). ``model`` is the unwrapped peft model: the adapter
     is saved with ``save_pretrained``, never the DDP wrapper.
+
+    Args:
+        save_total_limit (int): keep at most this many of the loop's own checkpoints (0: all). Default: 0
+        layout (DataLayout | None): how the run reads its data, checked on resume (the loop always gives it).
+            Default: None
 
     Returns:
         Path | None: the checkpoint folder on rank 0, None elsewhere.
@@ -87,26 +188,24 @@ def save_checkpoint(
         dist.all_gather_object(states, rng_state())
     else:
         states = [rng_state()]
-    final = Path(output_dir) / f"checkpoint-{state.global_step}"
+    output_dir = Path(output_dir)
+    final = output_dir / f"{CHECKPOINT_PREFIX}-{state.global_step}"
     if info.is_main_process:
-        tmp = final.with_name(f".tmp-{final.name}")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        tmp = output_dir / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp.mkdir()
         model.save_pretrained(tmp / ADAPTER_DIR)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(states, tmp / "rng_states.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({**asdict(state), "world_size": info.world_size}, indent=2))
-        if final.exists():  # same step saved before (e.g. a resumed run): replace it, the new one is complete
-            old = final.with_name(f".old-{final.name}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _atomic_write_text(Path(output_dir) / "latest", final.name)
-        _prune(Path(output_dir), save_total_limit, keep=final)
+        saved = {"format_version": FORMAT_VERSION, **asdict(state), "world_size": info.world_size,
+                 "layout": asdict(layout) if layout else None}  # fmt: skip
+        (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2))
+        _fsync_tree(tmp)
+        _publish(tmp, final)
+        _prune(output_dir, save_total_limit, keep=final)
+        _clean_leftovers(output_dir)
         logger.info("saved %s", final)
     if info.is_distributed:
         dist.barrier()
@@ -114,37 +213,76 @@ def save_checkpoint(
 
 
 def _prune(output_dir: Path, limit: int, keep: Path) -> None:
+    """Delete the oldest of the loop's own checkpoints beyond ``limit``; never ``keep`` nor what ``latest`` names."""
     if limit <= 0:
         return
-    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-    for old in [c for c in checkpoints if c != keep][: max(0, len(checkpoints) - limit)]:
-        shutil.rmtree(old, ignore_errors=True)
+    protected = {keep.name, _latest_name(output_dir)}
+    checkpoints = _own_checkpoints(output_dir)
+    for old in [c for c in checkpoints if c.name not in protected][: max(0, len(checkpoints) - limit)]:
+        _remove(old)
 
 
 def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
-    """Turn ``--resume`` (a folder, or 'latest') into a checkpoint folder.
+    """Turn ``--resume`` (a folder, or 'latest') into one of the loop's checkpoint folders.
 
     Raises:
-        FileNotFoundError: naming what was looked for and where.
+        FileNotFoundError: no such checkpoint, naming what was looked for and where.
+        ValueError: a checkpoint the loop cannot continue: the HF Trainer's, an older ddp_ft format, another
+            format_version; naming the path and what it is.
     """
     if resume == "latest":
-        pointer = Path(output_dir) / "latest"
-        if not pointer.exists():
-            raise FileNotFoundError(f"--resume latest: no checkpoint in {output_dir} (no 'latest' file).")
-        path = Path(output_dir) / pointer.read_text().strip()
+        name = _latest_name(Path(output_dir))
+        if name is None:
+            raise FileNotFoundError(f"--resume latest: no checkpoint in {output_dir} (no '{LATEST}' file).")
+        path = Path(output_dir) / name
     else:
         path = Path(resume)
-    if not (path / STATE_FILE).exists() or not (path / ADAPTER_DIR).exists():
-        raise FileNotFoundError(
-            f"--resume {resume}: {path} is not a ddp_ft checkpoint (no {STATE_FILE}/{ADAPTER_DIR})."
+    if (path / STATE_FILE).is_file():
+        version = json.loads((path / STATE_FILE).read_text()).get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"--resume {resume}: checkpoint format_version {version}, but this ddp_ft reads format_version "
+                f"{FORMAT_VERSION} only: {path} was written by another ddp_ft version; resume it with that version "
+                "or start a new run in another --output-dir."
+            )
+        if not (path / ADAPTER_DIR).is_dir():
+            raise FileNotFoundError(
+                f"--resume {resume}: {path} is an incomplete ddp_ft checkpoint (no {ADAPTER_DIR}/)."
+            )
+        return path
+    if (path / TRAINER_STATE_FILE).is_file():
+        if "batch_in_epoch" in json.loads((path / TRAINER_STATE_FILE).read_text()):
+            raise ValueError(
+                f"--resume {resume}: {path} is a checkpoint of an older ddp_ft (format_version 0, {TRAINER_STATE_FILE} "
+                "with a per-rank batch position, which another world size or micro-batch cannot continue exactly); "
+                "this version cannot resume it: start a new run in another --output-dir."
+            )
+        raise ValueError(
+            f"--resume {resume}: {path} is a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE} in the Trainer's "
+            "layout, written by `accelerate launch recipes/qwen_ami.py`), not one of scripts/train.py's: resume it "
+            f"with recipes/qwen_ami.py --resume {path}. scripts/train.py resumes its own {CHECKPOINT_PREFIX}-N "
+            f"folders (holding {STATE_FILE})."
         )
-    return path
+    raise FileNotFoundError(
+        f"--resume {resume}: {path} is not a ddp_ft checkpoint (no {STATE_FILE}); scripts/train.py writes "
+        f"{CHECKPOINT_PREFIX}-N folders."
+    )
+
+
+def saved_position(path: str | Path) -> tuple[TrainState, DataLayout | None]:
+    """A checkpoint's position and data layout, read without loading anything else (checks before the model)."""
+    saved = json.loads((Path(path) / STATE_FILE).read_text())
+    state = TrainState(**{k: saved[k] for k in ("global_step", "epoch", "sample_in_epoch", "samples_seen")})
+    return state, DataLayout(**saved["layout"]) if saved.get("layout") else None
 
 
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, info: DistInfo
 ) -> TrainState:
-    """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position."""
+    """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
+
+    Check the data layout first (``saved_position``, ``ddp_ft.data.check_resume``): this restores, it does not judge.
+    """
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
@@ -155,12 +293,16 @@ def load_checkpoint(
         raise RuntimeError(f"checkpoint {path} holds adapter weights this model lacks: {result.unexpected_keys[:5]}")
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    saved = json.loads((path / STATE_FILE).read_text())
     states = torch.load(path / "rng_states.pt", weights_only=False)
-    if saved["world_size"] != info.world_size:
+    if len(states) != info.world_size:
+        # Decided: the data continues exactly (a sample position); the per-rank RNG streams cannot, since there is
+        # no way to split or merge them. Rank r continues rank (r % saved ranks)'s stream: dropout masks differ
+        # from the uninterrupted run's from here on (with dropout 0 nothing else draws from them).
         logger.warning(
-            "checkpoint was written by %d ranks, resuming on %d: data position and RNG cannot continue exactly",
-            saved["world_size"], info.world_size,
+            "checkpoint was written by %d ranks, resuming on %d: the data continues exactly, the RNG streams "
+            "(dropout masks) cannot; rank r continues saved rank r %% %d's",
+            len(states), info.world_size, len(states),
         )  # fmt: skip
     set_rng_state(states[info.rank % len(states)])
-    return TrainState(**{k: saved[k] for k in ("global_step", "epoch", "batch_in_epoch", "samples_seen")})
+    state, _ = saved_position(path)
+    return state

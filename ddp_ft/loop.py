@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .checkpoint import TrainState, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .checkpoint import TrainState, load_checkpoint, resolve_checkpoint, save_checkpoint, saved_position
 from .config import RunSettings, gradient_accumulation_steps
-from .data import IGNORE_INDEX, EpochLoader, load_raw_splits, make_collator, tokenize_dataset
+from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make_collator, tokenize_dataset
 from .ddp import BucketedDDP
 from .distributed import DistInfo
 from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
@@ -195,6 +195,18 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _check_resume(path: Path, layout) -> None:
+    """Refuse a checkpoint whose data position this run's layout cannot continue exactly (naming both)."""
+    state, saved = saved_position(path)
+    if saved is None:
+        raise ValueError(f"--resume {path}: the checkpoint records no data layout; start a new run in another "
+                         "--output-dir.")  # fmt: skip
+    try:
+        check_resume(saved, layout, state.sample_in_epoch)
+    except ValueError as err:
+        raise ValueError(f"--resume {path}: {err}") from None
+
+
 def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     """Run the fine-tune described by ``settings`` on this rank; every check fails before training starts."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
@@ -204,8 +216,12 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     resume_from = resolve_checkpoint(t.resume, output_dir) if t.resume else None
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
-    loader = EpochLoader(train_set, collate, t.micro_batch, info.rank, info.world_size, seed=t.seed)
-    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * (len(loader) // accumulation)
+    loader = EpochLoader(train_set, collate, t.micro_batch, info.rank, info.world_size, seed=t.seed,
+                         effective_batch=t.effective_batch)  # fmt: skip
+    # floor(samples / effective batch) steps per epoch, the same on every world size
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
+    if resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model loads
+        _check_resume(resume_from, loader.layout)
 
     model = build_model(settings, info, parts)
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
@@ -217,8 +233,8 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     state = TrainState()
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, info)
-        logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_from, state.global_step, state.epoch,
-                    state.batch_in_epoch)  # fmt: skip
+        logger.info("resumed from %s at step %d (epoch %d, sample %d of its global order)", resume_from,
+                    state.global_step, state.epoch, state.sample_in_epoch)  # fmt: skip
 
     # Which samples each rank starts on: proof in the log that shards follow the global rank.
     loader.sampler.set_epoch(state.epoch)
@@ -254,11 +270,11 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     model.train()
     try:
         while state.global_step < total_steps:
-            batches = loader.epoch(state.epoch, start_batch=state.batch_in_epoch)
+            batches = loader.epoch(state.epoch, start_sample=state.sample_in_epoch)
             while state.global_step < total_steps:
                 group = list(islice(batches, accumulation))
-                if len(group) < accumulation:  # epoch exhausted (a trailing partial step is dropped)
-                    state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+                if len(group) < accumulation:  # epoch done (EpochLoader yields whole steps; the remainder is dropped)
+                    state.epoch, state.sample_in_epoch = state.epoch + 1, 0
                     break
                 meter.start()
                 loss, counts = forward_backward(wrapped, group, info)
@@ -271,7 +287,7 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.global_step += 1
-                state.batch_in_epoch += accumulation
+                state.sample_in_epoch += t.effective_batch
                 state.samples_seen += t.effective_batch
                 record = {"type": "train", "step": state.global_step, "epoch": state.epoch,
                           "samples_seen": state.samples_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
@@ -288,11 +304,15 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
                     sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
                               "eval_loss": eval_loss})  # fmt: skip
                 if t.save_every and state.global_step % t.save_every == 0 and state.global_step < total_steps:
-                    save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit)
+                    save_checkpoint(
+                        output_dir, model, optimizer, scheduler, state, info, t.save_total_limit, loader.layout
+                    )
         eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
         sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
                   "eval_loss": eval_loss})  # fmt: skip
-        checkpoint = save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit)
+        checkpoint = save_checkpoint(
+            output_dir, model, optimizer, scheduler, state, info, t.save_total_limit, loader.layout
+        )
         logger.info(
             "done: %d steps, loss %s -> %s, eval loss %.4f", state.global_step, first_loss, last_loss, eval_loss
         )

@@ -12,10 +12,12 @@ import pytest
 from ddp_ft.data import (
     IGNORE_INDEX,
     MIN_MAX_SEQ_LEN,
+    DataLayout,
     DataSettings,
     EpochLoader,
     TruncationReport,
     _id_lists,
+    check_resume,
     count_tokens,
     generate_synthetic_meetings,
     load_raw_splits,
@@ -370,17 +372,22 @@ def loaders(n: int, micro_batch: int = 3, seed: int = 0) -> list[EpochLoader]:
     return [EpochLoader(index_dataset(n), ids_of, micro_batch, rank, world_size=2, seed=seed) for rank in range(2)]
 
 
-def epoch_ids(loader: EpochLoader, epoch: int, start_batch: int = 0) -> list[list[int]]:
-    return list(loader.epoch(epoch, start_batch))
+def epoch_ids(loader: EpochLoader, epoch: int, start_sample: int = 0) -> list[list[int]]:
+    return list(loader.epoch(epoch, start_sample))
 
 
-def test_two_ranks_get_disjoint_shards_that_cover_the_dataset():
-    rank0, rank1 = loaders(20)
+@pytest.mark.parametrize("n", [24, 20])
+def test_two_ranks_get_disjoint_shards_that_cover_the_dataset_but_its_trailing_partial_batch(n):
+    rank0, rank1 = loaders(n)  # micro-batch 3, effective batch 6
+    kept = n // 6 * 6
     a = [i for batch in epoch_ids(rank0, 0) for i in batch]
     b = [i for batch in epoch_ids(rank1, 0) for i in batch]
-    assert len(a) == len(b) == 10 and not set(a) & set(b) and sorted(a + b) == list(range(20))
-    assert len(rank0) == len(rank1) == 4  # ceil(10 / 3), the last batch smaller
-    assert [len(batch) for batch in epoch_ids(rank0, 0)] == [3, 3, 3, 1]
+    assert len(a) == len(b) == kept // 2 and not set(a) & set(b)
+    order = [i for batch in epoch_ids(EpochLoader(index_dataset(n), ids_of, 1, 0, 1, seed=0), 0) for i in batch]
+    assert sorted(a + b) == sorted(order[:kept]), "the dropped samples are the last of the global order"
+    assert sorted(a + b) == list(range(n)) if n == kept else len(set(a + b)) == kept
+    assert len(rank0) == len(rank1) == kept // 6
+    assert [len(batch) for batch in epoch_ids(rank0, 0)] == [3] * (kept // 6), "whole micro-batches only"
 
 
 def test_each_epoch_reshuffles_and_the_same_seed_and_epoch_repeat_the_order():
@@ -400,16 +407,17 @@ def test_iterating_the_loader_without_an_epoch_raises_type_error():
             pass
 
 
-def test_start_batch_resumes_with_exactly_the_tail_of_the_epoch_without_collating_skipped_batches():
+def test_start_sample_resumes_with_exactly_the_tail_of_the_epoch_without_collating_skipped_batches():
     calls = []
     loader = EpochLoader(index_dataset(20), lambda b: calls.append(ids_of(b)) or ids_of(b), 3, 1, 2, seed=7)
     full = epoch_ids(loader, 5)
-    for start in range(len(loader) + 1):
+    assert len(full) == len(loader) == 3  # effective batch 6: 3 steps
+    for step in range(len(loader) + 1):
         calls.clear()
-        assert epoch_ids(loader, 5, start_batch=start) == full[start:]
-        assert calls == full[start:]
-    with pytest.raises(ValueError, match=r"start_batch=5: this rank has 4 batches"):
-        loader.epoch(5, start_batch=5)
+        assert epoch_ids(loader, 5, start_sample=step * 6) == full[step:]
+        assert calls == full[step:]
+    with pytest.raises(ValueError, match=r"start_sample=24: .*3 steps of 6 samples"):
+        loader.epoch(5, start_sample=24)
 
 
 def test_loader_batches_real_tokenized_samples_with_the_collator(tiny_tokenizer):
@@ -420,3 +428,74 @@ def test_loader_batches_real_tokenized_samples_with_the_collator(tiny_tokenizer)
     assert len(batches) == len(loader) == 2
     assert all(b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape for b in batches)
     assert sum(count_tokens(b) for b in batches) == sum(int(b["attention_mask"].sum()) for b in batches) <= 4 * 128
+
+
+def step_samples(n, effective_batch, world_size, micro_batch, epoch=0, start_sample=0, seed=0) -> list[list[int]]:
+    """Each optimizer step's samples (sorted) over all ranks, grouped as the loop groups micro-batches."""
+    accumulation = effective_batch // (micro_batch * world_size)
+    per_rank = []
+    for rank in range(world_size):
+        loader = EpochLoader(
+            index_dataset(n), ids_of, micro_batch, rank, world_size, seed, effective_batch=effective_batch
+        )
+        batches = list(loader.epoch(epoch, start_sample=start_sample))
+        assert len(batches) == len(loader) - start_sample // (micro_batch * world_size)
+        per_rank.append([sum(batches[i : i + accumulation], []) for i in range(0, len(batches), accumulation)])
+    assert len({len(steps) for steps in per_rank}) == 1, "ranks disagree on the number of steps"
+    return [sorted(sum(parts, [])) for parts in zip(*per_rank, strict=True)]
+
+
+def test_seven_samples_effective_batch_two_give_three_steps_on_one_and_two_ranks_and_no_sample_twice():
+    for epoch in (0, 1):
+        one, two = step_samples(7, 2, 1, 1, epoch), step_samples(7, 2, 2, 1, epoch)
+        assert one == two, "a step trains the same samples on any world size"
+        assert len(two) == 3 and all(len(step) == 2 for step in two)
+        seen = sum(two, [])
+        assert len(set(seen)) == len(seen) == 6, "no sample twice, the trailing partial batch dropped"
+
+
+@pytest.mark.parametrize("n", [24, 29])
+def test_a_step_reads_the_same_samples_on_every_world_size_and_micro_batch(n):
+    """Step s covers positions [s*E, (s+1)*E) of the epoch's global order (DistributedSampler's permutation, seeded
+    by seed + epoch), however world_size x micro_batch x accumulation splits the effective batch E."""
+    reference = step_samples(n, 8, 1, 8, epoch=3)
+    assert len(reference) == n // 8 and len(set(sum(reference, []))) == n // 8 * 8
+    for world_size, micro_batch in [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (8, 1)]:
+        assert step_samples(n, 8, world_size, micro_batch, epoch=3) == reference, (world_size, micro_batch)
+    assert step_samples(n, 8, 2, 2, epoch=4) != reference
+
+
+def test_resuming_at_a_sample_position_continues_the_epoch_on_another_world_size_or_micro_batch():
+    full = step_samples(31, 6, 2, 1, epoch=2)
+    assert len(full) == 5
+    for world_size, micro_batch in [(1, 1), (1, 3), (1, 6), (2, 3), (3, 1), (3, 2), (6, 1)]:
+        for step in range(len(full) + 1):
+            resumed = step_samples(31, 6, world_size, micro_batch, epoch=2, start_sample=step * 6)
+            assert resumed == full[step:], (world_size, micro_batch, step)
+
+
+def test_a_resume_position_off_a_step_boundary_or_past_the_epoch_is_refused():
+    loader = EpochLoader(index_dataset(22), ids_of, 1, 0, 2, seed=0, effective_batch=4)  # 5 steps, 2 samples dropped
+    with pytest.raises(ValueError, match=r"start_sample=6: .*multiple of the effective batch \(4\)"):
+        loader.epoch(0, start_sample=6)
+    with pytest.raises(ValueError, match=r"start_sample=24: .*5 steps of 4 samples"):
+        loader.epoch(0, start_sample=24)
+
+
+def test_check_resume_accepts_any_split_of_the_same_effective_batch_and_refuses_the_rest_naming_both_layouts():
+    saved = DataLayout(train_samples=61, seed=0, effective_batch=8, world_size=2, micro_batch=2)
+    for world_size, micro_batch in [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]:
+        check_resume(saved, DataLayout(61, 0, 8, world_size, micro_batch), sample_in_epoch=24)
+    refused = {
+        DataLayout(61, 0, 4, 1, 2): "--effective-batch 8",
+        DataLayout(60, 0, 8, 2, 2): "training set",
+        DataLayout(61, 1, 8, 2, 2): "--seed 0",
+    }
+    for current, fix in refused.items():
+        with pytest.raises(ValueError) as error:
+            check_resume(saved, current, sample_in_epoch=24)
+        message = str(error.value)
+        assert saved.describe() in message and current.describe() in message and fix in message, message
+    assert "2 ranks x micro-batch 2 x accumulation 2" in saved.describe()
+    with pytest.raises(ValueError, match="effective_batch=8 is not divisible by micro_batch=3 x world_size=2"):
+        DataLayout(61, 0, 8, 2, 3)

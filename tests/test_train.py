@@ -106,7 +106,7 @@ def _train_tiny(tmp_path, monkeypatch, **overrides):
 
 def _assert_nothing_trained(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    assert not list((tmp_path / "run").glob("*checkpoint-*"))
 
 
 def test_missing_column_fails_before_training_naming_column_and_setting(tmp_path, monkeypatch):
@@ -151,3 +151,19 @@ def test_device_map_auto_under_ddp_fails_before_anything_is_loaded(tmp_path, mon
     with pytest.raises(ValueError, match=r"device_map='auto'.*device_map=\{'': local_rank\}"):
         train(settings, DistInfo(rank=0, local_rank=0, world_size=2))
     assert not (tmp_path / "cache").exists()
+
+
+def test_resume_with_another_effective_batch_fails_before_training_naming_both_layouts(tmp_path, monkeypatch):
+    """The data position is a place in the epoch's global order counted in steps of the effective batch: another
+    effective batch cannot continue it exactly, so the run stops before step 1 and says which layouts differ."""
+    first = _train_tiny(tmp_path, monkeypatch, effective_batch=4, max_steps=1, save_every=0, report_to="none")
+    again = tmp_path / "again"
+    settings = settings_from_preset("tiny", output_dir=str(again), resume=first.checkpoint, report_to="none")
+    with pytest.raises(ValueError) as error:
+        train(settings, DistInfo())
+    message = str(error.value)
+    assert first.checkpoint in message, message
+    assert "effective batch 4 = 1 rank x micro-batch 2 x accumulation 2" in message
+    assert "effective batch 8 = 1 rank x micro-batch 2 x accumulation 4" in message
+    assert "--effective-batch 4" in message
+    assert not (again / "metrics.jsonl").exists()

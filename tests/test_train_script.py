@@ -54,7 +54,7 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
                for r in train), [(r["comm/backwards"], r["comm/allreduce_calls"]) for r in train]  # fmt: skip
 
     checkpoint = out / (out / "latest").read_text().strip()
-    assert checkpoint.name == "checkpoint-16"
+    assert checkpoint.name == "ddp_ft-checkpoint-16"
     from safetensors import safe_open
 
     with safe_open(str(checkpoint / "adapter" / "adapter_model.safetensors"), "pt") as f:
@@ -94,11 +94,11 @@ print(evaluate(model, eval_set, collate, s.train.micro_batch, DistInfo()))
 def test_resume_continues_the_loss_curve_exactly_as_the_uninterrupted_run(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _train(tmp_path, "--output-dir", str(full), "--max-steps", "6", "--save-every", "3", "--save-total-limit", "0")
-    assert (full / "checkpoint-3").is_dir() and (full / "checkpoint-6").is_dir()
+    assert (full / "ddp_ft-checkpoint-3").is_dir() and (full / "ddp_ft-checkpoint-6").is_dir()
     # the run "stopped" after step 3: all that survives is its checkpoint
     resumed.mkdir()
-    shutil.copytree(full / "checkpoint-3", resumed / "checkpoint-3")
-    (resumed / "latest").write_text("checkpoint-3")
+    shutil.copytree(full / "ddp_ft-checkpoint-3", resumed / "ddp_ft-checkpoint-3")
+    (resumed / "latest").write_text("ddp_ft-checkpoint-3")
     _train(tmp_path, "--output-dir", str(resumed), "--max-steps", "6", "--resume", "latest")
     expected = {r["step"]: r["loss"] for r in _records(full, "train")}
     continued = {r["step"]: r["loss"] for r in _records(resumed, "train")}
@@ -125,6 +125,57 @@ def test_one_and_two_processes_follow_the_same_loss_curve_over_a_whole_run_on_pa
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a["step"], a["loss"], b["loss"])
     eval_single, eval_ddp = (_records(tmp_path / run, "eval")[-1]["eval_loss"] for run in ("single", "ddp"))
     assert eval_ddp == pytest.approx(eval_single, rel=1e-6, abs=0)
+
+
+def _checkpoint(output_dir: Path, step: int) -> Path:
+    (path,) = output_dir.glob(f"*checkpoint-{step}")
+    return path
+
+
+def test_resume_on_another_world_size_trains_the_same_samples_and_losses_as_the_uninterrupted_run(tmp_path):
+    """A checkpoint stores its place in the epoch's global order (samples consumed), so 2 ranks -> 1 and 1 -> 2
+    continue with exactly the samples the uninterrupted run trains: same non-padding tokens per step, same losses
+    (LoRA dropout off: the per-rank RNG streams cannot follow a change of world size). 61 training samples, 7 steps
+    of 8 per epoch: the resumed steps 7-9 cross into epoch 1."""
+    source = write_mixed_length_meetings(tmp_path / "mixed.jsonl")
+    flags = ["--source", source, "--lora-dropout", "0", "--report-to", "none", "--max-steps", "9"]
+    saving = [*flags, "--save-every", "3", "--save-total-limit", "0"]
+    _train(tmp_path, "--output-dir", str(tmp_path / "full2"), *saving)
+    _train(tmp_path, "--output-dir", str(tmp_path / "full1"), *saving, nproc=1)
+    resumed = {"resumed1": ("full2", 1), "resumed2": ("full1", 2)}
+    for run, (origin, nproc) in resumed.items():
+        _train(tmp_path, "--output-dir", str(tmp_path / run), *flags, "--resume", str(_checkpoint(tmp_path / origin, 6)),
+               nproc=nproc)  # fmt: skip
+    records = {run: _records(tmp_path / run, "train") for run in ("full2", "full1", *resumed)}
+    assert [r["epoch"] for r in records["full2"]] == [0] * 7 + [1] * 2
+    for run in resumed:
+        assert [r["step"] for r in records[run]] == [7, 8, 9]
+        for full in ("full2", "full1"):
+            expected = records[full][6:]
+            assert [r["tokens"] for r in records[run]] == [r["tokens"] for r in expected], (run, full)
+            for a, b in zip(expected, records[run], strict=True):
+                assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (run, full, a["step"])
+
+
+def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_the_batch_leaves_a_remainder(
+    tmp_path,
+):
+    """7 training samples, effective batch 2: floor(7 / 2) = 3 steps per epoch on 1 and on 2 processes, the trailing
+    sample dropped (a padding DistributedSampler gave 2 ranks 8 samples: a 4th step, one sample trained twice).
+    Epochs-based: total_steps = 2 epochs x 3 on both."""
+    source = write_mixed_length_meetings(tmp_path / "seven.jsonl", n=7)
+    flags = ["--source", source, "--eval-fraction", "0", "--effective-batch", "2", "--micro-batch", "1",
+             "--max-steps=-1", "--epochs", "2", "--lora-dropout", "0", "--report-to", "none", "--save-every", "0"]  # fmt: skip
+    _train(tmp_path, "--output-dir", str(tmp_path / "single"), *flags, nproc=1)
+    _train(tmp_path, "--output-dir", str(tmp_path / "ddp"), *flags)
+    for run in ("single", "ddp"):
+        assert _records(tmp_path / run, "config")[0]["total_steps"] == 6, run
+    single, ddp = _records(tmp_path / "single", "train"), _records(tmp_path / "ddp", "train")
+    assert [(r["step"], r["epoch"]) for r in ddp] == [(r["step"], r["epoch"]) for r in single] == [
+        (1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]  # fmt: skip
+    assert [r["tokens"] for r in single] == [r["tokens"] for r in ddp]
+    for a, b in zip(single, ddp, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
 
 
 def _free_port() -> int:
@@ -175,4 +226,4 @@ def test_two_nodes_on_loopback_keep_global_and_local_rank_apart(tmp_path):
     first = config[0]["first_batch_indices"]
     assert len(first) == 2 and not set(first[0]) & set(first[1]), "both ranks read the same shard"
     assert [r["step"] for r in _records(out, "train")] == [1, 2]
-    assert len(list(out.glob("checkpoint-*"))) == 1
+    assert len(list(out.glob("ddp_ft-checkpoint-*"))) == 1
