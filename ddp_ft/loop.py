@@ -233,6 +233,10 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     state = TrainState()
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, info)
+        if settings.ddp.comm_hook == "powersgd":
+            logger.warning("--comm-hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
+                           "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
+                           "the uninterrupted run exactly.")  # fmt: skip
         logger.info("resumed from %s at step %d (epoch %d, sample %d of its global order)", resume_from,
                     state.global_step, state.epoch, state.sample_in_epoch)  # fmt: skip
 

@@ -39,6 +39,11 @@ def _entry(
     finally:
         if init_group:
             dist.destroy_process_group()
+    # Done and saved: leave without interpreter finalization. torch's Python comm hooks (PowerSGD, the compress
+    # wrappers) leave Future.then callbacks that gloo's thread may release while the interpreter shuts down, which
+    # aborts the process ("terminate called without an active exception"); our own hooks run no such callback
+    # (tested in test_ddp_communication.py).
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, *args, world_size: int = 2, timeout: float = 240.0, init_group: bool = True) -> list:

@@ -103,10 +103,10 @@ def _trainer_run(rank, world_size, scenario):
             per_device_eval_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.1, logging_steps=1,
             save_strategy="no", disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
             auto_find_batch_size=scenario == "auto_batch_size_after_oom", ddp_backend="gloo",
-            torch_compile=scenario == "torch_compile", torch_compile_backend="aot_eager",
+            torch_compile=scenario.endswith("compile"), torch_compile_backend="aot_eager" if "compile" in scenario else None,
         )  # fmt: skip
         trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(16))
-        if scenario == "evaluate_first":
+        if scenario.startswith("evaluate_first"):
             trainer.evaluate()
         if scenario == "unwrapped":  # whatever path skips the wrap: the training step refuses, on every rank
             from accelerate import Accelerator
@@ -124,7 +124,10 @@ def _trainer_run(rank, world_size, scenario):
         return trainer.state.global_step
 
 
-@pytest.mark.parametrize("scenario", ["evaluate_first", "auto_batch_size_after_oom", "train_twice", "torch_compile"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["evaluate_first", "auto_batch_size_after_oom", "train_twice", "torch_compile", "evaluate_first_compile"],
+)
 def test_trainer_trains_wrapped_through_every_preparation_path(scenario):
     """trainer.evaluate() before train(), auto_find_batch_size retrying after an out-of-memory error and a second
     train() call all prepare the model again, and torch_compile prepares a compiled one; each must still train with

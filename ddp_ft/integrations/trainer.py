@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from ..config import DDPSettings
 from ..ddp import BucketedDDP, CommStats
 from ..metrics import JsonlLogger, ThroughputMeter
 from .accelerate import BucketedAccelerator
+
+logger = logging.getLogger(__name__)
 
 
 class ThroughputCallback(TrainerCallback):
@@ -191,6 +194,15 @@ class BucketedTrainer(Trainer):
             self.state.num_input_tokens_seen += int(total.item())
             self._local_tokens = None
 
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader=None) -> torch.nn.Module:
+        """For multi-process training, anything but a BucketedDDP in ``model_wrapped`` is a leftover of evaluation
+        (``trainer.evaluate()`` before ``train()`` with ``torch_compile`` leaves the compiled model there, which
+        the Trainer would take as already wrapped): start again from ``self.model`` so it is prepared, and wrapped,
+        for training."""
+        if training and self.args.world_size > 1 and not isinstance(model, BucketedDDP):
+            model = self.model
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
     def training_step(self, model: torch.nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The Trainer's step, refused for a multi-process run whose model is not BucketedDDP.
 
@@ -206,6 +218,13 @@ class BucketedTrainer(Trainer):
                 "the path to ddp_ft)."
             )
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint and self.ddp_settings.comm_hook == "powersgd":
+            logger.warning("comm_hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
+                           "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
+                           "the uninterrupted run exactly.")  # fmt: skip
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
