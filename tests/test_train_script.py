@@ -12,6 +12,7 @@ import pytest
 from ddp_ft.metrics import read_jsonl
 
 from .meetings import write_mixed_length_meetings
+from .test_checkpoint import _trainer_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -166,6 +167,25 @@ def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_t
     assert [r["tokens"] for r in single] == [r["tokens"] for r in ddp]
     for a, b in zip(single, ddp, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
+
+
+def test_two_process_runs_leave_a_trainer_checkpoint_alone_and_refuse_to_resume_from_it(tmp_path):
+    """The loop and the HF Trainer share the default output folder: under torchrun the loop neither prunes nor
+    resumes the Trainer's checkpoint-N, and --resume pointed at one stops both ranks before training, naming it."""
+    out = tmp_path / "shared"
+    trainer_files = _trainer_checkpoint(out / "checkpoint-1")
+    _train(tmp_path, "--output-dir", str(out), "--max-steps", "2", "--save-every", "1", "--save-total-limit", "1",
+           "--report-to", "none")  # fmt: skip
+    assert {p.name: p.read_bytes() for p in (out / "checkpoint-1").iterdir()} == trainer_files
+    assert (out / "ddp_ft-checkpoint-2").is_dir() and not (out / "ddp_ft-checkpoint-1").exists()
+
+    refused = tmp_path / "refused"
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "scripts" / "train.py"), "--preset", "tiny",
+               "--output-dir", str(refused), "--resume", str(out / "checkpoint-1"), "--report-to", "none"]  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env=_env(tmp_path / "cache"), capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode != 0 and "Hugging Face Trainer" in run.stderr, run.stderr[-3000:]
+    assert not (refused / "metrics.jsonl").exists()
 
 
 def _free_port() -> int:
