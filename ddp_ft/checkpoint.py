@@ -19,6 +19,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ CHECKPOINT_PREFIX = "ddp_ft-checkpoint"
 STATE_FILE = "ddp_ft_state.json"
 FORMAT_VERSION = 1
 LATEST = "latest"
+STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written before they are renamed into place
 TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 0 used the same name
 _OWN_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
 
@@ -140,6 +142,15 @@ def _publish(tmp: Path, final: Path) -> None:
     _write_latest(output_dir, final.name)
 
 
+def publish_folder(tmp: str | Path, final: str | Path) -> None:
+    """Move the fully written ``tmp`` to ``final`` atomically (everything fsynced first), replacing ``final``."""
+    tmp, final = Path(tmp), Path(final)
+    _fsync_tree(tmp)
+    _remove(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
 def _own_checkpoints(output_dir: Path) -> list[Path]:
     """The loop's checkpoints in ``output_dir``, oldest step first: named ``ddp_ft-checkpoint-N`` and holding our
     state file. Anything else (the HF Trainer's ``checkpoint-N``, a user's folder) is never listed."""
@@ -151,13 +162,24 @@ def _own_checkpoints(output_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-def _clean_leftovers(output_dir: Path) -> None:
-    """Hidden folders of saves that died half-way, except one ``latest`` still names."""
+def clean_partial_saves(output_dir: str | Path) -> list[str]:
+    """Remove the hidden folders of saves that died half-way (a SIGKILL mid-write), except one ``latest`` still
+    names; rank 0 calls it at the start of a run and after every save. Returns the names removed."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
     latest = _latest_name(output_dir)
+    removed = []
     for prefix in (".tmp-", ".old-", ".trash-"):
         for path in output_dir.glob(f"{prefix}*{CHECKPOINT_PREFIX}-*"):
             if path.name != latest:
                 shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    staging = output_dir / STAGING_DIR
+    if staging.is_dir():
+        removed += [f"{STAGING_DIR}/{p.name}" for p in staging.iterdir()]
+        shutil.rmtree(staging, ignore_errors=True)
+    return removed
 
 
 def save_checkpoint(
@@ -169,6 +191,7 @@ def save_checkpoint(
     info: DistInfo,
     save_total_limit: int = 0,
     layout: DataLayout | None = None,
+    before_publish: Callable[[int], None] | None = None,
 ) -> Path | None:
     """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
 
@@ -179,6 +202,8 @@ def save_checkpoint(
         save_total_limit (int): keep at most this many of the loop's own checkpoints (0: all). Default: 0
         layout (DataLayout | None): how the run reads its data, checked on resume (the loop always gives it).
             Default: None
+        before_publish (Callable[[int], None] | None): called with the step once every file is written, before
+            the folder is published (the fault tests kill the process there). Default: None
 
     Returns:
         Path | None: the checkpoint folder on rank 0, None elsewhere.
@@ -202,10 +227,12 @@ def save_checkpoint(
         saved = {"format_version": FORMAT_VERSION, **asdict(state), "world_size": info.world_size,
                  "layout": asdict(layout) if layout else None}  # fmt: skip
         (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2))
+        if before_publish is not None:
+            before_publish(state.global_step)
         _fsync_tree(tmp)
         _publish(tmp, final)
         _prune(output_dir, save_total_limit, keep=final)
-        _clean_leftovers(output_dir)
+        clean_partial_saves(output_dir)
         logger.info("saved %s", final)
     if info.is_distributed:
         dist.barrier()
@@ -220,6 +247,20 @@ def _prune(output_dir: Path, limit: int, keep: Path) -> None:
     checkpoints = _own_checkpoints(output_dir)
     for old in [c for c in checkpoints if c.name not in protected][: max(0, len(checkpoints) - limit)]:
         _remove(old)
+
+
+def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int = 0) -> Path | None:
+    """What this run resumes: ``--resume`` (a folder or 'latest'), except after an elastic restart.
+
+    torchrun restarts every rank with ``TORCHELASTIC_RESTART_COUNT`` > 0 and the same arguments; the restarted
+    run continues from the newest checkpoint in ``output_dir`` (the one the failed attempt got to), with no flag.
+    Before any checkpoint exists a restart starts from ``--resume`` (or from scratch), as the first attempt did.
+    """
+    if restart_count > 0 and _latest_name(Path(output_dir)) is not None:
+        path = resolve_checkpoint("latest", output_dir)
+        logger.info("elastic restart %d: resuming from %s", restart_count, path)
+        return path
+    return resolve_checkpoint(resume, output_dir) if resume else None
 
 
 def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:

@@ -78,10 +78,37 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
         return DistInfo(0, 0, 1, 1, device, None)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        store = _restart_safe_store(rank, world_size, timeout_s)
+        kwargs = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     info = DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
     logger.debug("initialised %s", info)
     return info
+
+
+def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.Store | None:
+    """The process group's store under ``torchrun --max-restarts``, or None for the default (``env://``).
+
+    torchrun shares its rendezvous TCPStore with the ranks and keeps it across restarts, so a restarted rank can read
+    the failed attempt's addresses (gloo's connectFullMesh: "Connection refused"; NCCL's unique id; pytorch#135712).
+    On one node every rank carries the same ``TORCHELASTIC_RESTART_COUNT``, so each attempt gets its own key space.
+    Across nodes the counts can differ (a node restarting for a peer's failure does not count it), so there the
+    shared store is refused before anything starts.
+
+    Raises:
+        RuntimeError: restarts allowed across several nodes with the shared store, naming the variable that fixes it.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or _env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
+        return None
+    if _env_int("GROUP_WORLD_SIZE", 1) > 1:
+        raise RuntimeError(
+            "torchrun --max-restarts across several nodes shares the rendezvous store with the ranks, and a restarted "
+            "rank can read the failed attempt's addresses (pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "on every node before torchrun (or run without --max-restarts)."
+        )
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    return dist.PrefixStore(f"ddp_ft/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
 
 
 def destroy_distributed() -> None:

@@ -21,13 +21,22 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .checkpoint import TrainState, load_checkpoint, resolve_checkpoint, save_checkpoint, saved_position
+from .checkpoint import (
+    TrainState,
+    checkpoint_to_resume,
+    clean_partial_saves,
+    load_checkpoint,
+    save_checkpoint,
+    saved_position,
+)
 from .config import RunSettings, gradient_accumulation_steps
 from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make_collator, tokenize_dataset
 from .ddp import BucketedDDP
 from .distributed import DistInfo
+from .faults import FaultInjector
 from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
+from .preemption import StopSignal
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +52,7 @@ class TrainResult:
     eval_loss: float | None
     output_dir: str
     checkpoint: str | None
+    stopped_by: str | None = None  # the signal that stopped the run early (a checkpoint was saved), else None
 
 
 def cache_dir() -> Path:
@@ -84,18 +94,34 @@ def _sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
-def forward_backward(model: torch.nn.Module, group: list[dict], info: DistInfo) -> tuple[float, torch.Tensor]:
+def step_counts(group: list[dict], info: DistInfo, stop_flag: float = 0.0) -> torch.Tensor:
+    """[answer tokens, input tokens, ranks asking to stop] of one optimizer step, summed over ranks.
+
+    The one collective before a step's forward; the stop flag rides on it, so every rank learns at the same
+    step boundary whether any rank received a stop signal (``ddp_ft.preemption``).
+    """
+    local = torch.cat([_count_tokens(group, info.device), torch.tensor([stop_flag], dtype=torch.float64,
+                                                                       device=info.device)])  # fmt: skip
+    return _sum_over_ranks(local, info)
+
+
+def forward_backward(
+    model: torch.nn.Module, group: list[dict], info: DistInfo, counts: torch.Tensor | None = None
+) -> tuple[float, torch.Tensor]:
     """Accumulate the gradient of one optimizer step over ``group`` (this rank's micro-batches).
 
     Every micro-batch's loss is its summed token loss over the answer tokens of the *global* effective
     batch, times the world size (DDP averages over ranks), so the accumulated gradient equals one process's
     on the whole batch. ``no_sync()`` wraps every micro-batch but the last.
 
+    Args:
+        counts (torch.Tensor | None): ``step_counts(group, info)``, if already reduced. Default: reduced here.
+
     Returns:
-        tuple[float, torch.Tensor]: the step's global token-mean loss, and [answer tokens, input tokens]
+        tuple[float, torch.Tensor]: the step's global token-mean loss, and [answer tokens, input tokens, ...]
         summed over ranks.
     """
-    counts = _sum_over_ranks(_count_tokens(group, info.device), info)
+    counts = step_counts(group, info) if counts is None else counts
     answer_tokens = counts[0].clamp(min=1).to(torch.float32)
     local_loss = torch.zeros((), dtype=torch.float64, device=info.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
@@ -144,6 +170,7 @@ class RunParts:
     eval_set: object
     collate: object
     report: object
+    faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
 
 
 def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
@@ -167,8 +194,9 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
             f"the training set has {len(train_set)} samples, fewer than one effective batch "
             f"(effective_batch={t.effective_batch}): lower --effective-batch or use more data."
         )
+    faults = FaultInjector.from_env(info.rank)
     return RunParts(accumulation, device_map, model_path, tokenizer, train_set, eval_set, make_collator(tokenizer),
-                    report)  # fmt: skip
+                    report, faults)  # fmt: skip
 
 
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
@@ -182,7 +210,13 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
             f"the tokenizer has {len(parts.tokenizer)} tokens but the model's embedding only {embeddings}: "
             "use the tokenizer that belongs to --model-name-or-path."
         )
+    parts.faults.attach(model)
     return model
+
+
+def _restart_count() -> int:
+    """How many times torchrun has restarted this job's ranks (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def _seed(seed: int) -> None:
@@ -208,15 +242,27 @@ def _check_resume(path: Path, layout) -> None:
 
 
 def train(settings: RunSettings, info: DistInfo) -> TrainResult:
-    """Run the fine-tune described by ``settings`` on this rank; every check fails before training starts."""
+    """Run the fine-tune described by ``settings`` on this rank; every check fails before training starts.
+
+    SIGTERM or SIGUSR1 to any rank (or to the launcher, which forwards it) stops every rank at the same step
+    boundary with one checkpoint (``ddp_ft.preemption``); the result's ``stopped_by`` names the signal.
+    """
+    with StopSignal() as stop:
+        return _train(settings, info, stop)
+
+
+def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResult:
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     t = settings.train
     output_dir = Path(t.output_dir)
-    resume_from = resolve_checkpoint(t.resume, output_dir) if t.resume else None
+    if info.is_main_process:  # a save killed half-way (SIGKILL, node loss) left a hidden partial folder
+        for name in clean_partial_saves(output_dir):
+            logger.warning("removed %s: a checkpoint whose save did not finish", output_dir / name)
+    resume_from = checkpoint_to_resume(t.resume, output_dir, _restart_count())
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
-    loader = EpochLoader(train_set, collate, t.micro_batch, info.rank, info.world_size, seed=t.seed,
+    loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size, seed=t.seed,
                          effective_batch=t.effective_batch)  # fmt: skip
     # floor(samples / effective batch) steps per epoch, the same on every world size
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
@@ -271,9 +317,19 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=run_name)
     first_loss = last_loss = eval_loss = None
     checkpoint = None
+    stopped_by = None
+    saved_step = state.global_step  # a checkpoint already holds this step (the one resumed, or nothing at 0)
+    parts.faults.start(state.global_step, accumulation)
+
+    def save() -> Path | None:
+        nonlocal saved_step
+        saved_step = state.global_step
+        return save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit,
+                               loader.layout, before_publish=parts.faults.checkpoint_partly_written)  # fmt: skip
+
     model.train()
     try:
-        while state.global_step < total_steps:
+        while state.global_step < total_steps and stopped_by is None:
             batches = loader.epoch(state.epoch, start_sample=state.sample_in_epoch)
             while state.global_step < total_steps:
                 group = list(islice(batches, accumulation))
@@ -281,7 +337,11 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
                     state.epoch, state.sample_in_epoch = state.epoch + 1, 0
                     break
                 meter.start()
-                loss, counts = forward_backward(wrapped, group, info)
+                counts = step_counts(group, info, stop.local_flag)
+                if counts[2].item() > 0:  # some rank received SIGTERM/SIGUSR1: all stop here, before this step
+                    stopped_by = stop.received or "a stop signal on another rank"
+                    break
+                loss, counts = forward_backward(wrapped, group, info, counts)
                 if t.max_grad_norm > 0:
                     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
                 else:
@@ -308,20 +368,26 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
                     sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
                               "eval_loss": eval_loss})  # fmt: skip
                 if t.save_every and state.global_step % t.save_every == 0 and state.global_step < total_steps:
-                    save_checkpoint(
-                        output_dir, model, optimizer, scheduler, state, info, t.save_total_limit, loader.layout
-                    )
-        eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
-        sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
-                  "eval_loss": eval_loss})  # fmt: skip
-        checkpoint = save_checkpoint(
-            output_dir, model, optimizer, scheduler, state, info, t.save_total_limit, loader.layout
-        )
-        logger.info(
-            "done: %d steps, loss %s -> %s, eval loss %.4f", state.global_step, first_loss, last_loss, eval_loss
-        )
+                    save()
+        if stopped_by is not None:
+            # Preempted: one checkpoint of the last finished step (unless one holds it already), no final eval.
+            new_work = state.global_step > saved_step
+            checkpoint = save() if new_work else None
+            sink.log({"type": "stop", "step": state.global_step, "samples_seen": state.samples_seen,
+                      "signal": stopped_by, "checkpoint": str(checkpoint) if checkpoint else None})  # fmt: skip
+            logger.warning("stopped by %s after step %d of %d: %s; continue with --resume latest", stopped_by,
+                           state.global_step, total_steps, "checkpoint saved" if new_work else
+                           "the latest checkpoint already holds this step")  # fmt: skip
+        else:
+            eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
+            sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
+                      "eval_loss": eval_loss})  # fmt: skip
+            checkpoint = save()
+            logger.info(
+                "done: %d steps, loss %s -> %s, eval loss %.4f", state.global_step, first_loss, last_loss, eval_loss
+            )
     finally:
         progress.close()
         sink.close()
     return TrainResult(state.global_step, first_loss, last_loss, eval_loss, str(output_dir),
-                       str(checkpoint) if checkpoint else None)  # fmt: skip
+                       str(checkpoint) if checkpoint else None, stopped_by)  # fmt: skip

@@ -93,6 +93,19 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def timeline(records: list[dict]) -> list[dict]:
+    """The records of the run as it finally went: a resumed segment (a ``config`` record with ``resumed_from_step``
+    s) replaces what earlier segments logged after step s, the steps a crash or a stop lost and the resume redid.
+    So every step appears once, from the attempt whose checkpoint the run continued from."""
+    kept: list[dict] = []
+    for record in records:
+        if record.get("type") == "config" and record.get("resumed_from_step") is not None:
+            resumed = record["resumed_from_step"]
+            kept = [r for r in kept if r.get("step") is None or r["step"] <= resumed]
+        kept.append(record)
+    return kept
+
+
 def resolve_wandb_mode(environ: Mapping[str, str] | None = None) -> str:
     """wandb mode that cannot block: ``offline`` unless an API key is set, an explicit WANDB_MODE respected.
 

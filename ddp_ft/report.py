@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ddp_ft.metrics import read_jsonl, resolve_wandb_mode
+from ddp_ft.metrics import read_jsonl, resolve_wandb_mode, timeline
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +435,7 @@ def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass the output_dir of a training run")
-    records = read_jsonl(path)
+    records = timeline(read_jsonl(path))
     return summarize_run(records, skip_first), records
 
 

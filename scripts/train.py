@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from ddp_ft.config import parse_settings
 from ddp_ft.distributed import destroy_distributed, init_distributed, setup_logging
 from ddp_ft.loop import train
@@ -18,6 +20,7 @@ from ddp_ft.loop import train
 logger = logging.getLogger("ddp_ft.train")
 
 
+@record  # an exception on any rank reaches torchrun's summary: rank, host, traceback (the "root cause")
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     info = init_distributed(timeout_s=settings.ddp.ddp_timeout)

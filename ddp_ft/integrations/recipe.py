@@ -83,7 +83,20 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         args=args,
         train_dataset=parts.train_set,
         eval_dataset=parts.eval_set,
-        data_collator=parts.collate,
+        data_collator=parts.faults.wrap_collate(parts.collate),
         processing_class=parts.tokenizer,
         ddp_settings=settings.ddp,
+        faults=parts.faults,
     )
+
+
+def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> str | bool | None:
+    """``resume_from_checkpoint`` for ``Trainer.train``: ``--resume`` ('latest' becomes True, the newest
+    ``checkpoint-N``), except after an elastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0), which continues from
+    the newest checkpoint in ``output_dir`` when there is one, with no flag."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if restart_count > 0 and os.path.isdir(output_dir) and get_last_checkpoint(output_dir):
+        logger.info("elastic restart %d: resuming from %s", restart_count, get_last_checkpoint(output_dir))
+        return True
+    return True if resume == "latest" else (resume or None)

@@ -13,15 +13,20 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from ..checkpoint import STAGING_DIR, publish_folder
 from ..config import DDPSettings
 from ..ddp import BucketedDDP, CommStats
+from ..faults import FaultInjector
 from ..metrics import JsonlLogger, ThroughputMeter
+from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ class ThroughputCallback(TrainerCallback):
             "accumulation": args.gradient_accumulation_steps,
             "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
             "total_steps": state.max_steps, "tokens_counted": "non-padding input tokens (attention mask)",
+            "resumed_from_step": state.global_step,
             **self._ddp_config,
         }  # fmt: skip
         self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
@@ -144,6 +150,23 @@ class ThroughputCallback(TrainerCallback):
         return state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
 
 
+class _StopCallback(TrainerCallback):
+    """Ends training with a checkpoint at the step where the ranks agree a stop signal arrived."""
+
+    def __init__(self, trainer: BucketedTrainer) -> None:
+        self._trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._trainer.faults.start(state.global_step, args.gradient_accumulation_steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._trainer.stop_requested():
+            control.should_save = True
+            control.should_training_stop = True
+            logger.warning("stopping after step %d (%s): saving a checkpoint", state.global_step,
+                           self._trainer.stopped_by)  # fmt: skip
+
+
 class BucketedTrainer(Trainer):
     """``transformers.Trainer`` that trains multi-process runs with BucketedDDP.
 
@@ -153,9 +176,16 @@ class BucketedTrainer(Trainer):
         **kwargs: passed to ``Trainer``.
     """
 
-    def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, ddp_settings: DDPSettings | None = None, faults: FaultInjector | None = None, **kwargs
+    ) -> None:
         self.ddp_settings = ddp_settings or DDPSettings()
         self._local_tokens: torch.Tensor | None = None  # this rank's input tokens since the last optimizer step
+        self._stop = StopSignal()
+        self._stop_verdict: tuple[int, bool] = (-1, False)  # (global step, any rank asked to stop)
+        self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
+        self.faults = faults or FaultInjector([], 0, 0)
+        self._staging_dir: str | None = None
         super().__init__(*args, **kwargs)
         if self.args.include_num_input_tokens_seen == "no":
             self.args.include_num_input_tokens_seen = "non_padding"
@@ -163,6 +193,7 @@ class BucketedTrainer(Trainer):
         self.ddp_settings = self.accelerator.ddp_settings  # resolved with the TrainingArguments' ddp_* fields
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
         self.callback_handler.callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config))
+        self.add_callback(_StopCallback(self))
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Count input tokens on this rank every micro-step; sum them over ranks once, at the optimizer step.
@@ -188,11 +219,30 @@ class BucketedTrainer(Trainer):
         count = count.to(self.args.device, torch.int64)
         self._local_tokens = count if self._local_tokens is None else self._local_tokens + count
         if self.accelerator.sync_gradients:
-            total = self._local_tokens
+            # The stop flag rides on this all-reduce: [tokens, ranks that received a stop signal].
+            total = torch.stack([self._local_tokens, torch.tensor(int(self._stop.local_flag), device=count.device)])
             if self.args.world_size > 1:
                 torch.distributed.all_reduce(total)
-            self.state.num_input_tokens_seen += int(total.item())
+            self.state.num_input_tokens_seen += int(total[0].item())
+            self._stop_verdict = (self.state.global_step + 1, bool(total[1].item()))
             self._local_tokens = None
+
+    def stop_requested(self) -> bool:
+        """Whether any rank received SIGTERM/SIGUSR1 by the optimizer step just finished; the same on every rank.
+
+        Read from the token count's all-reduce of that step; a step that had none (token counting off) reduces the
+        flag on its own. Called by every rank at the same point (``on_step_end``).
+        """
+        step, verdict = self._stop_verdict
+        if step != self.state.global_step:
+            flag = torch.tensor([self._stop.local_flag], device=self.args.device)
+            if self.args.world_size > 1:
+                torch.distributed.all_reduce(flag)
+            verdict = bool(flag.item() > 0)
+            self._stop_verdict = (self.state.global_step, verdict)
+        if verdict and self.stopped_by is None:
+            self.stopped_by = self._stop.received or "a stop signal on another rank"
+        return verdict
 
     def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader=None) -> torch.nn.Module:
         """For multi-process training, anything but a BucketedDDP in ``model_wrapped`` is a leftover of evaluation
@@ -220,11 +270,44 @@ class BucketedTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's ``train``, stopping gracefully on SIGTERM/SIGUSR1 to any rank: the ranks agree at the next
+        optimizer step, the Trainer saves its checkpoint there and returns; ``stopped_by`` names the signal."""
         if resume_from_checkpoint and self.ddp_settings.comm_hook == "powersgd":
             logger.warning("comm_hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
                            "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
                            "the uninterrupted run exactly.")  # fmt: skip
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        self.stopped_by = None
+        with self._stop:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_dir or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, made atomic: every rank writes into ``<output_dir>/.staging/checkpoint-N``; once
+        all have, rank 0 fsyncs it and renames it into place, then prunes (``save_total_limit``). A save killed
+        half-way leaves only the staging folder, which the next start removes; ``resume_from_checkpoint=True``
+        (the newest ``checkpoint-N``) never picks a partial checkpoint."""
+        run_dir = super()._get_output_dir(trial)
+        staging = Path(run_dir) / STAGING_DIR
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging / name, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_dir = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        if self.args.should_save:
+            self.faults.checkpoint_partly_written(self.state.global_step)
+        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are in the staging folder
+        if self.args.should_save:
+            publish_folder(staging / name, Path(run_dir) / name)
+            if not any(staging.iterdir()):
+                staging.rmdir()
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

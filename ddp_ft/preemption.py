@@ -1,0 +1,83 @@
+"""Graceful stop on preemption: a signal becomes one checkpoint at the next optimizer-step boundary, on every rank.
+
+SIGTERM (what torchrun, Kubernetes and SLURM send) and SIGUSR1 (SLURM's ``--signal`` warning) may reach one rank,
+some, or all (torchrun forwards what it receives to every rank it started). The handler only records the signal:
+a rank cannot save alone, since saving gathers RNG states from every rank. At the next optimizer-step boundary
+the ranks sum their flags in a reduction that already happens there (the loop's token counts, the Trainer's
+input-token count), so they all see the same verdict at the same step, save one checkpoint and stop. A second
+signal while saving only sets the flag again: nothing is interrupted half-way.
+
+The launcher's own grace period bounds all this: torchrun sends SIGKILL ``--shutdown-timeout`` seconds (default
+30) after forwarding the signal. A step plus one save must fit in it; the checkpoint is atomic, so a SIGKILL mid-save
+still leaves the previous one whole.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignal:
+    """Records SIGTERM / SIGUSR1 instead of dying; ``install()`` and ``uninstall()`` pair around training.
+
+    Installing also asks Linux to send this process SIGTERM if its launcher dies (``PR_SET_PDEATHSIG``): a
+    launcher that exits without forwarding a signal (``accelerate launch`` of one process does not forward one;
+    a killed torchrun cannot) still turns into a graceful stop instead of an orphan training on.
+    """
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopSignal:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not on the main thread: SIGTERM/SIGUSR1 will not stop this run gracefully")
+            return self
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        _die_with_parent(signal.SIGTERM)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            # A signal handler must not take the logging lock (the interrupted code may hold it): write directly.
+            os.write(2, f"[pid {os.getpid()}] {name}: stopping at the next optimizer step with a checkpoint\n".encode())
+        self.received = self.received or name
+
+    @property
+    def local_flag(self) -> float:
+        """1.0 once this rank received a stop signal, for the flag summed over ranks."""
+        return 1.0 if self.received else 0.0
+
+    def __enter__(self) -> StopSignal:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+
+def _die_with_parent(sig: int) -> None:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` on Linux; a no-op elsewhere. Skipped when the parent already died."""
+    if not sys.platform.startswith("linux") or os.getppid() == 1:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+        logger.debug("PR_SET_PDEATHSIG unavailable")

@@ -1,0 +1,107 @@
+"""The pieces of a graceful stop, without a model: the signal flag, its agreement across ranks, saves under a second
+signal, partial saves cleaned at start, elastic restarts resuming on their own, and the fault switch's format."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from ddp_ft.checkpoint import (
+    TrainState,
+    checkpoint_to_resume,
+    clean_partial_saves,
+    resolve_checkpoint,
+    save_checkpoint,
+    saved_position,
+)
+from ddp_ft.distributed import DistInfo
+from ddp_ft.faults import ENV, Fault, FaultInjector, parse_faults
+from ddp_ft.loop import step_counts
+from ddp_ft.preemption import StopSignal
+
+from .dist_harness import run_distributed
+from .test_checkpoint import _parts
+
+
+def test_a_stop_signal_is_recorded_not_fatal_and_the_previous_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignal() as stop:
+        assert stop.local_flag == 0.0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal keeps the first one's name
+        assert stop.received == "SIGUSR1" and stop.local_flag == 1.0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _agree(rank, world_size):
+    info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
+    group = [{"labels": torch.tensor([[-100, 5, 6]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}]
+    with StopSignal() as stop:
+        before = step_counts(group, info, stop.local_flag).tolist()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        after = step_counts(group, info, stop.local_flag).tolist()
+        return before, after, stop.received
+
+
+@pytest.mark.distributed
+def test_a_signal_to_one_rank_reaches_every_rank_in_the_step_counts_all_reduce():
+    """The flag rides on the token counts every step reduces anyway: the signalled rank and the other see the same
+    verdict at the same step boundary, with no extra collective."""
+    results = run_distributed(_agree)
+    for rank, (before, after, received) in enumerate(results):
+        assert before == [4.0, 6.0, 0.0], rank  # 2 answer tokens x 2 ranks, 3 input tokens x 2, nobody stopping
+        assert after == [4.0, 6.0, 1.0], rank
+        assert received == (None if rank == 0 else "SIGUSR1")
+
+
+def test_a_second_signal_during_a_save_does_not_interrupt_it(tmp_path):
+    model, optimizer, scheduler = _parts()
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+        def signal_again(step):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+        path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo(),
+                               before_publish=signal_again)  # fmt: skip
+        assert stop.received == "SIGTERM"
+    assert resolve_checkpoint("latest", tmp_path) == path
+    assert saved_position(path)[0] == TrainState(3, 0, 6, 24)
+    assert torch.load(path / "optimizer.pt", weights_only=True)["param_groups"]
+    assert not clean_partial_saves(tmp_path)
+
+
+def test_partial_saves_are_removed_at_start_and_the_previous_checkpoint_resumes(tmp_path):
+    model, optimizer, scheduler = _parts()
+    good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(2, 0, 4, 16), DistInfo())
+    (tmp_path / ".tmp-ddp_ft-checkpoint-4" / "adapter").mkdir(parents=True)  # the loop's save, killed mid-write
+    (tmp_path / ".staging" / "checkpoint-4").mkdir(parents=True)  # BucketedTrainer's, killed mid-write
+    assert resolve_checkpoint("latest", tmp_path) == good
+    assert sorted(clean_partial_saves(tmp_path)) == [".staging/checkpoint-4", ".tmp-ddp_ft-checkpoint-4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp_ft-checkpoint-2", "latest"]
+
+
+def test_an_elastic_restart_resumes_from_the_newest_checkpoint_without_a_flag(tmp_path):
+    model, optimizer, scheduler = _parts()
+    assert checkpoint_to_resume("", tmp_path, restart_count=1) is None  # crashed before the first save: start over
+    first = save_checkpoint(tmp_path / "a", model, optimizer, scheduler, TrainState(2, 0, 4, 16), DistInfo())
+    newest = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(4, 0, 8, 32), DistInfo())
+    assert checkpoint_to_resume("", tmp_path, restart_count=0) is None
+    assert checkpoint_to_resume(str(first), tmp_path, restart_count=0) == first
+    # the restarted ranks get the first attempt's arguments: they continue where that attempt got to
+    assert checkpoint_to_resume(str(first), tmp_path, restart_count=1) == newest
+    assert checkpoint_to_resume("", tmp_path, restart_count=2) == newest
+
+
+def test_the_fault_switch_is_parsed_strictly_and_fires_only_on_its_rank_and_attempt():
+    faults = parse_faults("forward@3,rank=1; kill-in-save@4,attempt=*")
+    assert faults == [Fault("forward", 3, 1, 0), Fault("kill-in-save", 4, 0, None)]
+    assert [f.kind for f in FaultInjector(faults, rank=0, attempt=1).faults] == ["kill-in-save"]
+    assert [f.kind for f in FaultInjector(faults, rank=1, attempt=0).faults] == ["forward"]
+    assert not FaultInjector(faults, rank=1, attempt=1)
+    for bad in ("explode@3", "forward@0", "forward", "forward@3,ranks=1"):
+        with pytest.raises(ValueError, match=ENV):
+            parse_faults(bad)
