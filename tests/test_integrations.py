@@ -2,14 +2,13 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ddp_ft.metrics import read_jsonl
+from ddp_ft.metrics import read_jsonl, timeline
 
 from .meetings import write_mixed_length_meetings
 
@@ -98,18 +97,37 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert report
 
 
-def test_trainer_resume_from_checkpoint_continues_the_loss_curve(tmp_path):
+def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigterm_to_accelerate_launch(tmp_path):
+    """The recipe under ``accelerate launch --max_restarts 1``, 8 steps, a checkpoint every 2. Attempt 0: rank 0 is
+    SIGKILLed after writing checkpoint 4 into the staging folder, before it is renamed into place; torchelastic
+    restarts both ranks. Attempt 1 removes the staging leftover, resumes from checkpoint-2 with no flag (the newest
+    whole one), and at step 5 rank 0 sends SIGTERM to the launcher, which forwards it: the ranks agree at the next step,
+    the Trainer saves its checkpoint and the recipe returns without the final eval (the launcher, signalled, exits 1).
+    ``--resume latest`` finishes: every step's loss bit for bit as the uninterrupted run's."""
     recipe = ROOT / "recipes" / "qwen_ami.py"
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(full), "--max-steps", "4",
-                "--save-every", "2", "--save-total-limit", "0", "--report-to", "none")  # fmt: skip
-    resumed.mkdir()
-    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    run = _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(resumed), "--max-steps", "4",
-                      "--resume", "latest", "--report-to", "none")  # fmt: skip
-    assert "wrapped the model in BucketedDDP" in run.stderr
-    expected = {r["step"]: r["loss"] for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"}
-    continued = {r["step"]: r["loss"] for r in read_jsonl(resumed / "metrics.jsonl") if r["type"] == "train"}
-    assert sorted(continued) == [3, 4]
-    # bit for bit: the Trainer restores adapter, optimizer, scheduler, data position and every rank's RNG state
-    assert continued == {step: expected[step] for step in continued}
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    flags = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "0", "--report-to", "none"]
+    _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(full), *flags)
+
+    faults = "kill-in-save@4,rank=0,attempt=0; sigterm-launcher@5,rank=0,attempt=1"
+    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "2cpu_gloo.yaml"), "--max_restarts",
+               "1", str(recipe), "--output-dir", str(interrupted), *flags]  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env={**_env(tmp_path), "DDP_FT_INJECT_FAULT": faults},
+                         capture_output=True, text=True, timeout=400)  # fmt: skip
+    log = run.stderr
+    assert run.returncode == 1 and "death signal, shutting down workers" in log, log[-6000:]
+    assert "removed .staging/checkpoint-4: a checkpoint whose save did not finish" in log, log[-6000:]
+    assert "elastic restart 1: resuming from" in log and "checkpoint-2" in log
+    stopped = [
+        int(line.split("after step ")[1].split(":")[0]) for line in log.splitlines() if "stopped by SIGTERM" in line
+    ]
+    assert len(stopped) == 2 and stopped[0] == stopped[1] and 5 <= stopped[0] < 8, log[-6000:]  # both ranks, one step
+    assert sorted(p.name for p in interrupted.glob("*checkpoint-*")) == sorted(
+        {"checkpoint-2", "checkpoint-4", f"checkpoint-{stopped[0]}"})  # fmt: skip
+    assert not (interrupted / ".staging").exists() and not (interrupted / "final").exists()
+
+    _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(interrupted), *flags, "--resume", "latest")
+    expected = [(r["step"], r["loss"]) for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"]
+    records = read_jsonl(interrupted / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in timeline(records) if r["type"] == "train"] == expected
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, *range(3, 9)]

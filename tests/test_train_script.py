@@ -1,15 +1,15 @@
 """scripts/train.py under the real launcher: trains, saves, reloads, resumes, and spans two 'nodes'."""
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from ddp_ft.metrics import read_jsonl
+from ddp_ft.metrics import read_jsonl, timeline
 
 from .meetings import write_mixed_length_meetings
 from .test_checkpoint import _trainer_checkpoint
@@ -92,21 +92,49 @@ print(evaluate(model, eval_set, collate, s.train.micro_batch, DistInfo()))
 """
 
 
-def test_resume_continues_the_loss_curve_exactly_as_the_uninterrupted_run(tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    _train(tmp_path, "--output-dir", str(full), "--max-steps", "6", "--save-every", "3", "--save-total-limit", "0")
-    assert (full / "ddp_ft-checkpoint-3").is_dir() and (full / "ddp_ft-checkpoint-6").is_dir()
-    # the run "stopped" after step 3: all that survives is its checkpoint
-    resumed.mkdir()
-    shutil.copytree(full / "ddp_ft-checkpoint-3", resumed / "ddp_ft-checkpoint-3")
-    (resumed / "latest").write_text("ddp_ft-checkpoint-3")
-    _train(tmp_path, "--output-dir", str(resumed), "--max-steps", "6", "--resume", "latest")
-    expected = {r["step"]: r["loss"] for r in _records(full, "train")}
-    continued = {r["step"]: r["loss"] for r in _records(resumed, "train")}
-    assert sorted(continued) == [4, 5, 6]
-    # bit for bit: same adapter, optimizer, schedule, data position and RNG (dropout masks) as the uninterrupted run
-    assert continued == {step: expected[step] for step in continued}
-    assert _records(resumed, "eval")[-1]["eval_loss"] == _records(full, "eval")[-1]["eval_loss"]
+def _adapter(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+
+
+def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repeat_none(tmp_path):
+    """torchrun --max-restarts=1, 8 steps, a checkpoint every 2, LoRA dropout on. Attempt 0: rank 0 is SIGKILLed
+    half-way through writing checkpoint 4; rank 1 fails in the save's barrier; torchrun restarts both. Attempt 1
+    removes the partial folder, resumes from checkpoint 2 with no flag, and at step 5 rank 0 sends SIGTERM to torchrun,
+    which forwards it to both ranks: they agree at the next step boundary, save one checkpoint and exit 0 (torchrun
+    itself exits 1: it was signalled). ``--resume latest`` finishes. Against the uninterrupted run: every step's loss
+    bit for bit (adapter, optimizer, schedule, data position and each rank's RNG restored), the same samples, the same
+    final adapter."""
+    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
+    flags = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "0", "--report-to", "none"]
+    _train(tmp_path, "--output-dir", str(full), *flags)
+
+    faults = "kill-in-save@4,rank=0,attempt=0; sigterm-launcher@5,rank=0,attempt=1"
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(ROOT / "scripts" / "train.py"),
+               "--preset", "tiny", "--output-dir", str(interrupted), *flags]  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env={**_env(tmp_path / "cache"), "DDP_FT_INJECT_FAULT": faults},
+                         capture_output=True, text=True, timeout=400)  # fmt: skip
+    log = run.stderr
+    assert run.returncode == 1 and "death signal, shutting down workers" in log, log[-6000:]
+    assert "removed" in log and ".tmp-ddp_ft-checkpoint-4: a checkpoint whose save did not finish" in log, log[-6000:]
+    assert "elastic restart 1: resuming from" in log and "ddp_ft-checkpoint-2" in log
+    (stop,) = _records(interrupted, "stop")
+    assert stop["signal"] == "SIGTERM" and 5 <= stop["step"] < 8, stop  # the signal is sent during step 5
+    assert log.count(f"stopped by SIGTERM after step {stop['step']} of 8") == 2, log[-6000:]  # both ranks
+    assert (interrupted / "latest").read_text() == f"ddp_ft-checkpoint-{stop['step']}"
+    assert not list(interrupted.glob(".*checkpoint*"))
+
+    _train(tmp_path, "--output-dir", str(interrupted), *flags, "--resume", "latest")
+    expected = [(r["step"], r["samples_seen"], r["loss"]) for r in _records(full, "train")]
+    records = read_jsonl(interrupted / "metrics.jsonl")
+    final = [(r["step"], r["samples_seen"], r["loss"]) for r in timeline(records) if r["type"] == "train"]
+    assert final == expected  # each step once, from the attempt the run continued from, equal to the uninterrupted run
+    steps_logged = [r["step"] for r in records if r["type"] == "train"]
+    assert steps_logged == [1, 2, 3, 4, *range(3, 9)], steps_logged  # attempt 0 got to 4; the restart redid 3 and 4
+    assert _records(interrupted, "eval")[-1]["eval_loss"] == _records(full, "eval")[-1]["eval_loss"]
+    got, want = _adapter(interrupted / "ddp_ft-checkpoint-8"), _adapter(full / "ddp_ft-checkpoint-8")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def _checkpoint(output_dir: Path, step: int) -> Path:
