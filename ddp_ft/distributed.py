@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +48,11 @@ class DistInfo:
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's ranks (``TORCHELASTIC_RESTART_COUNT``; 0: the first attempt)."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
@@ -108,7 +116,35 @@ def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.St
         )
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))  # fmt: skip
-    return dist.PrefixStore(f"ddp_ft/attempt_{_env_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    return dist.PrefixStore(f"ddp_ft/attempt_{restart_count()}", store)
+
+
+# Messages of a collective that failed because another rank went away: a consequence, not the cause.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+PEER_ERROR_DELAY_S = 2.0
+
+
+@contextmanager
+def failure_recorded() -> Iterator[None]:
+    """Write this rank's error file for the launcher (torchrun's ``record``) as an exception leaves the block.
+
+    torchrun's summary names as root cause the failed rank whose error file is oldest, at one-second resolution; when
+    rank 1 raises, rank 0's collective fails a moment later with "Connection closed by peer" and often ties, and the
+    tie goes to rank 0. A rank that only lost a peer therefore waits ``PEER_ERROR_DELAY_S`` before writing its file,
+    so the rank that failed first is the one named (the launcher usually stops the waiting rank before it writes).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    handler = get_error_handler()
+    handler.initialize()
+    try:
+        yield
+    except Exception as error:
+        if any(text in str(error) for text in _LOST_PEER):
+            logger.error("lost a peer rank (see its error: it failed first): %s", error)
+            time.sleep(PEER_ERROR_DELAY_S)
+        handler.record_exception(error)
+        raise
 
 
 def destroy_distributed() -> None:

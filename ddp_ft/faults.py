@@ -81,8 +81,9 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        return cls(parse_faults(os.environ.get(ENV, "")), rank, attempt)
+        from .distributed import restart_count
+
+        return cls(parse_faults(os.environ.get(ENV, "")), rank, restart_count())
 
     def __bool__(self) -> bool:
         return bool(self.faults)

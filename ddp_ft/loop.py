@@ -32,7 +32,7 @@ from .checkpoint import (
 from .config import RunSettings, gradient_accumulation_steps
 from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make_collator, tokenize_dataset
 from .ddp import BucketedDDP
-from .distributed import DistInfo
+from .distributed import DistInfo, restart_count
 from .faults import FaultInjector
 from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
@@ -214,11 +214,6 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
     return model
 
 
-def _restart_count() -> int:
-    """How many times torchrun has restarted this job's ranks (0: the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
 def _seed(seed: int) -> None:
     import random
 
@@ -259,7 +254,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     if info.is_main_process:  # a save killed half-way (SIGKILL, node loss) left a hidden partial folder
         for name in clean_partial_saves(output_dir):
             logger.warning("removed %s: a checkpoint whose save did not finish", output_dir / name)
-    resume_from = checkpoint_to_resume(t.resume, output_dir, _restart_count())
+    resume_from = checkpoint_to_resume(t.resume, output_dir, restart_count())
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
     loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size, seed=t.seed,

@@ -11,22 +11,31 @@ its first log line. Every flag of ``scripts/train.py`` works here too (``--help`
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_ft.checkpoint import clean_partial_saves
 from ddp_ft.config import parse_settings
-from ddp_ft.distributed import DistInfo, destroy_distributed, init_distributed, setup_logging
+from ddp_ft.distributed import (
+    DistInfo,
+    destroy_distributed,
+    failure_recorded,
+    init_distributed,
+    restart_count,
+    setup_logging,
+)
 from ddp_ft.integrations.recipe import build_trainer, trainer_resume_target
 
 logger = logging.getLogger("ddp_ft.recipe")
 
 
-@record  # an exception on any rank reaches the launcher's summary: rank, host, traceback (the "root cause")
 def main(argv: list[str] | None = None) -> None:
+    with failure_recorded():  # an exception on any rank reaches the launcher's summary: rank, host, traceback
+        _run(argv)
+
+
+def _run(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = None
     if "--preset" not in argv:
@@ -42,9 +51,8 @@ def main(argv: list[str] | None = None) -> None:
             for name in clean_partial_saves(settings.train.output_dir):
                 logger.warning("removed %s: a checkpoint whose save did not finish", name)
         trainer = build_trainer(settings, info)
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         trainer.train(resume_from_checkpoint=trainer_resume_target(settings.train.resume, settings.train.output_dir,
-                                                                   restarts))  # fmt: skip
+                                                                   restart_count()))  # fmt: skip
         if trainer.stopped_by:
             logger.warning("stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
                            "restart continues on its own)", trainer.stopped_by, trainer.state.global_step)  # fmt: skip

@@ -11,26 +11,24 @@ from __future__ import annotations
 
 import logging
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
 from ddp_ft.config import parse_settings
-from ddp_ft.distributed import destroy_distributed, init_distributed, setup_logging
+from ddp_ft.distributed import destroy_distributed, failure_recorded, init_distributed, setup_logging
 from ddp_ft.loop import train
 
 logger = logging.getLogger("ddp_ft.train")
 
 
-@record  # an exception on any rank reaches torchrun's summary: rank, host, traceback (the "root cause")
 def main(argv: list[str] | None = None) -> None:
-    settings = parse_settings(argv)
-    info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
-    setup_logging(info)
-    try:
-        result = train(settings, info)
-        if info.is_main_process:
-            logger.info("result: %s", result)
-    finally:
-        destroy_distributed()
+    with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
+        settings = parse_settings(argv)
+        info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
+        setup_logging(info)
+        try:
+            result = train(settings, info)
+            if info.is_main_process:
+                logger.info("result: %s", result)
+        finally:
+            destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""A rank that raises or hangs takes the whole job down within a bound, the launcher names the rank and the cause, and no
+process is left behind; a stop signal to one rank alone stops every rank with a checkpoint and exit 0.
+
+Faults come from the test-only switch ``DDP_FT_INJECT_FAULT`` (``ddp_ft.faults``), under the real launchers.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_ft.metrics import read_jsonl
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _launch(tmp_path: Path, faults: str, *flags: str, launcher: tuple[str, ...] = (), recipe: bool = False,
+            env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:  # fmt: skip
+    out = tmp_path / "run"
+    if recipe:
+        command = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "2cpu_gloo.yaml"),
+                   *launcher, str(ROOT / "recipes" / "qwen_ami.py")]  # fmt: skip
+    else:
+        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *launcher, str(ROOT / "scripts" / "train.py"),
+                   "--preset", "tiny"]  # fmt: skip
+    command += ["--output-dir", str(out), "--report-to", "none", "--save-every", "0", *flags]
+    environ = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": str(tmp_path / "cache"),
+               "TOKENIZERS_PARALLELISM": "false", "DDP_FT_INJECT_FAULT": faults, **(env or {})}  # fmt: skip
+    start = time.monotonic()
+    run = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    assert not _processes_running_with(str(out)), "a rank outlived its launcher"
+    return run, elapsed
+
+
+def _processes_running_with(marker: str) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def _root_cause(log: str) -> str:
+    assert "Root Cause (first observed failure)" in log, log[-6000:]
+    return log.split("Root Cause (first observed failure)")[1]
+
+
+def test_a_rank_raising_in_forward_fails_every_restart_and_torchrun_names_it_as_the_root_cause(tmp_path):
+    run, _ = _launch(tmp_path, "forward@2,rank=1,attempt=*", "--max-steps", "3", launcher=("--max-restarts=1",))
+    assert run.returncode != 0
+    cause = _root_cause(run.stderr)
+    assert (
+        "rank      : 1 (local_rank: 1)" in cause
+        and "InjectedFault: injected fault: forward failed at step 2 on rank 1" in cause
+    )
+    # the first attempt failed the same way before torchrun restarted it: restarts ran out on the original error
+    assert run.stderr.count("[rank1]: ddp_ft.faults.InjectedFault: injected fault: forward failed") == 2, run.stderr[
+        -6000:
+    ]
+
+
+def test_a_rank_raising_in_backward_stops_both_ranks_and_torchrun_names_it(tmp_path):
+    run, _ = _launch(tmp_path, "backward@2,rank=0", "--max-steps", "3")
+    assert run.returncode != 0
+    cause = _root_cause(run.stderr)
+    assert "rank      : 0 (local_rank: 0)" in cause and "injected fault: backward failed at step 2 on rank 0" in cause
+
+
+def test_a_rank_failing_to_load_data_stops_the_trainer_recipe_and_accelerate_launch_names_it(tmp_path):
+    run, _ = _launch(tmp_path, "data@2,rank=1", "--max-steps", "3", recipe=True)
+    assert run.returncode != 0
+    cause = _root_cause(run.stderr)
+    assert (
+        "rank      : 1 (local_rank: 1)" in cause and "injected fault: data loading failed at step 2 on rank 1" in cause
+    )
+
+
+def test_a_stuck_rank_brings_the_job_down_within_ddp_timeout_plus_the_launchers_grace(tmp_path):
+    """Rank 1 stops making progress in step 2; rank 0 waits in the step's all-reduce until --ddp-timeout (5 s), fails,
+    and torchrun stops the stuck rank (SIGTERM, then SIGKILL after its shutdown timeout, 3 s here)."""
+    run, elapsed = _launch(tmp_path, "hang@2,rank=1", "--max-steps", "3", "--ddp-timeout", "5",
+                           env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "3"})  # fmt: skip
+    assert run.returncode != 0
+    cause = _root_cause(run.stderr)
+    assert "rank      : 0 (local_rank: 0)" in cause and "Timed out" in cause, cause[-3000:]
+    assert elapsed < 90, elapsed  # startup (~15-30 s here) + 1 step + 5 s timeout + 3 s grace, with margin for load
+
+
+def test_sigusr1_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint_and_exit_0(tmp_path):
+    run, _ = _launch(tmp_path, "sigusr1-self@2,rank=1", "--max-steps", "6")
+    assert run.returncode == 0, run.stderr[-6000:]
+    (stop,) = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "stop"]
+    assert 2 <= stop["step"] < 6 and stop["signal"] == "a stop signal on another rank"  # rank 0 did not receive it
+    assert "[rank1] " in run.stderr and "stopped by SIGUSR1 after step" in run.stderr
+    assert (tmp_path / "run" / "latest").read_text() == f"ddp_ft-checkpoint-{stop['step']}"
+    assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "eval"]
