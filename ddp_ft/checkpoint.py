@@ -12,7 +12,8 @@ position is a sample count in the epoch's global order, so the data continues ex
 
 Loading executes no code from the checkpoint: every ``.pt`` file holds tensors and plain Python data only (the RNG
 states too: Python's and numpy's Mersenne Twister keys are stored as int64 tensors, not pickled objects) and is
-read with ``torch.load(weights_only=True)``; the adapter is safetensors.
+read with ``torch.load(weights_only=True)``; the adapter is safetensors. ``verify_checkpoint`` reads all of it
+before the model is built and refuses a checkpoint holding anything else.
 """
 
 from __future__ import annotations
@@ -384,13 +385,50 @@ def _load_tensors(file: Path, mmap: bool = False) -> object:
         raise ValueError(damaged.format(err)) from None
 
 
+def verify_checkpoint(path: str | Path) -> None:
+    """Read every tensor file of the loop's checkpoint ``path`` the way resuming will, before the model is built.
+
+    Each ``.pt`` file is loaded with ``torch.load(weights_only=True)`` on CPU, memory-mapped (the optimizer state
+    is not read into memory here): it unpickles tensors and plain Python data and refuses anything else without
+    running it. The adapter must be safetensors. So a checkpoint that would need code execution to load fails
+    here, naming the file, instead of after minutes of model loading.
+
+    Args:
+        path (str | Path): a checkpoint folder ``resolve_checkpoint`` accepted.
+
+    Raises:
+        FileNotFoundError: a file resuming needs is missing, naming it.
+        ValueError: a file holds pickled objects (naming the file and what it holds), is unreadable, or the adapter
+            is pickled (``adapter_model.bin``).
+    """
+    path = Path(path)
+    adapter = path / ADAPTER_DIR
+    pickled = sorted(adapter.glob("*.bin"))
+    if pickled:
+        raise ValueError(
+            f"checkpoint adapter {pickled[0]} is a pickled file; ddp_ft loads checkpoints without executing code and "
+            f"reads the adapter from {ADAPTER_WEIGHTS} only (what peft's save_pretrained writes by default). Start a "
+            "new run in another --output-dir, or re-save the adapter with save_pretrained(safe_serialization=True)."
+        )
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {ADAPTER_DIR}/{ADAPTER_WEIGHTS}; it is incomplete: resume "
+                                "from another checkpoint or start a new run in another --output-dir.")  # fmt: skip
+    for name in TENSOR_FILES:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"checkpoint {path} has no {name}; it is incomplete: resume from another "
+                                    "checkpoint or start a new run in another --output-dir.")  # fmt: skip
+    for file in sorted([*path.rglob("*.pt"), *path.rglob("*.pth")]):
+        _load_tensors(file, mmap=True)
+
+
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, info: DistInfo
 ) -> TrainState:
     """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
 
-    Check the data layout first (``saved_position``, ``ddp_ft.data.check_resume``): this restores, it does not
-    judge. Every file is read without executing code (safetensors, ``torch.load(weights_only=True)``).
+    Check the data layout first (``saved_position``, ``ddp_ft.data.check_resume``) and the files
+    (``verify_checkpoint``): this restores, it does not judge. Every file is read without executing code
+    (safetensors, ``torch.load(weights_only=True)``).
     """
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights

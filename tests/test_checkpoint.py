@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ddp_ft import checkpoint as ckpt
 from ddp_ft.checkpoint import TrainState, resolve_checkpoint, save_checkpoint
+from ddp_ft.data import DataLayout
 from ddp_ft.distributed import DistInfo
 
 
@@ -255,6 +256,7 @@ def test_load_checkpoint_reads_every_file_with_weights_only_and_restores_adamw_c
     expected_draws = _draws()
     for name in ckpt.TENSOR_FILES:
         assert _plain(torch.load(path / name, weights_only=True)), name
+    ckpt.verify_checkpoint(path)
 
     fresh_model, fresh_optimizer, fresh_scheduler = _peft_parts()
     loads, real_load = [], torch.load
@@ -278,6 +280,76 @@ def test_load_checkpoint_reads_every_file_with_weights_only_and_restores_adamw_c
     scheduler.step()
     fresh_scheduler.step()
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+
+
+_RAN_ON_LOAD = []
+
+
+def _ran_on_load():
+    _RAN_ON_LOAD.append(True)
+    return {}
+
+
+class _Payload:
+    """Pickles as a call of ``_ran_on_load``: loading it with pickle runs code."""
+
+    def __reduce__(self):
+        return (_ran_on_load, ())
+
+
+@pytest.mark.parametrize(
+    "name, content, found",
+    [
+        ("rng_states.pt", lambda: [{"numpy": np.random.get_state()}], "numpy"),  # what format_version 1 wrote
+        ("optimizer.pt", lambda: {"state": {}, "param_groups": [], "hook": _Payload()}, "_ran_on_load"),
+    ],
+)
+def test_verify_checkpoint_refuses_a_pickled_object_without_running_it_naming_the_file_and_what_it_holds(
+    tmp_path, name, content, found
+):
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    torch.save(content(), path / name)
+    with pytest.raises(ValueError) as error:
+        ckpt.verify_checkpoint(path)
+    message = str(error.value)
+    assert str(path / name) in message and found in message, message
+    assert "without executing code" in message and "--output-dir" in message, message
+    assert _RAN_ON_LOAD == []
+
+
+def test_verify_checkpoint_refuses_a_pickled_adapter_bin_and_requires_safetensors(tmp_path):
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    adapter = path / ckpt.ADAPTER_DIR
+    torch.save(model.state_dict(), adapter / "adapter_model.bin")
+    with pytest.raises(ValueError, match=rf"{adapter / 'adapter_model.bin'} is a pickled file.*safetensors"):
+        ckpt.verify_checkpoint(path)
+    (adapter / "adapter_model.bin").unlink()
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="adapter/adapter_model.safetensors"):
+        ckpt.verify_checkpoint(path)
+
+
+def test_verify_checkpoint_refuses_a_truncated_file_naming_it(tmp_path):
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    data = (path / "optimizer.pt").read_bytes()
+    (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{path / 'optimizer.pt'} cannot be read as a torch.save file"):
+        ckpt.verify_checkpoint(path)
+
+
+def test_the_loop_refuses_a_checkpoint_with_pickled_objects_before_the_model_loads(tmp_path):
+    from ddp_ft.loop import _check_resume
+
+    layout = DataLayout(train_samples=16, seed=0, effective_batch=2, world_size=1, micro_batch=1)
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 6), DistInfo(), layout=layout)
+    _check_resume(path, layout)  # a checkpoint this version wrote passes
+    torch.save([{"numpy": np.random.get_state()}], path / "rng_states.pt")
+    with pytest.raises(ValueError, match=rf"{path / 'rng_states.pt'} holds pickled objects"):
+        _check_resume(path, layout)
 
 
 def test_resume_refuses_a_format_version_1_checkpoint_as_written_by_another_ddp_ft_version(tmp_path):
