@@ -9,6 +9,11 @@ same-step checkpoint is being replaced. A crash mid-save loses nothing already s
 its RNG state (gathered to rank 0), so dropout continues exactly on resume at the same world size; the data
 position is a sample count in the epoch's global order, so the data continues exactly on any world size
 (``ddp_ft.data.DataLayout``).
+
+Loading executes no code from the checkpoint: every ``.pt`` file holds tensors and plain Python data only (the RNG
+states too: Python's and numpy's Mersenne Twister keys are stored as int64 tensors, not pickled objects) and is
+read with ``torch.load(weights_only=True)``; the adapter is safetensors. ``verify_checkpoint`` reads all of it
+before the model is built and refuses a checkpoint holding anything else.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,10 +42,13 @@ logger = logging.getLogger(__name__)
 ADAPTER_DIR = "adapter"
 CHECKPOINT_PREFIX = "ddp_ft-checkpoint"
 STATE_FILE = "ddp_ft_state.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: RNG states as tensors and plain data; 1 held pickled numpy arrays
 LATEST = "latest"
 STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written before they are renamed into place
 TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 0 used the same name
+# Files read by torch.load (weights_only=True), all of them written by save_checkpoint.
+TENSOR_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what peft's save_pretrained writes; its pickled form is .bin
 _OWN_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
 
 
@@ -61,15 +71,38 @@ class TrainState:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.random.get_rng_state()}
+    """This process's RNG states as tensors and plain Python data, so ``torch.load(weights_only=True)`` reads them.
+
+    ``random.getstate()`` is ``(version, 625 ints, gauss_next)``; ``np.random.get_state()`` holds a uint32 array,
+    which only a pickle of numpy objects can store, so both keys become int64 tensors (every word fits).
+
+    Returns:
+        dict: ``python``, ``numpy``, ``torch`` and, with CUDA, ``cuda`` (this device's generator); ``set_rng_state``
+        restores it.
+    """
+    version, words, gauss_next = random.getstate()
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    if kind != "MT19937":  # np.random's legacy generator is always MT19937; a changed numpy would need a new format
+        raise RuntimeError(f"np.random.get_state() returned a {kind} state; ddp_ft checkpoints store MT19937 only.")
+    state = {
+        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached_gaussian)},
+        "torch": torch.random.get_rng_state(),
+    }  # fmt: skip
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore what ``rng_state`` returned: the next draws of ``random``, ``np.random``, torch (and CUDA) continue
+    exactly where they were when it was taken."""
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
+    numpy = state["numpy"]
+    key = numpy["key"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", key, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.random.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -263,6 +296,12 @@ def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int
     return resolve_checkpoint(resume, output_dir) if resume else None
 
 
+_OLD_FORMATS = {  # why this version cannot read a format it once wrote
+    1: " (format_version 1 stores numpy's RNG state as pickled numpy objects, and this version loads checkpoints "
+    "without executing code)",
+}
+
+
 def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
     """Turn ``--resume`` (a folder, or 'latest') into one of the loop's checkpoint folders.
 
@@ -283,8 +322,8 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
         if version != FORMAT_VERSION:
             raise ValueError(
                 f"--resume {resume}: checkpoint format_version {version}, but this ddp_ft reads format_version "
-                f"{FORMAT_VERSION} only: {path} was written by another ddp_ft version; resume it with that version "
-                "or start a new run in another --output-dir."
+                f"{FORMAT_VERSION} only: {path} was written by another ddp_ft version{_OLD_FORMATS.get(version, '')}; "
+                "resume it with that version or start a new run in another --output-dir."
             )
         if not (path / ADAPTER_DIR).is_dir():
             raise FileNotFoundError(
@@ -317,12 +356,79 @@ def saved_position(path: str | Path) -> tuple[TrainState, DataLayout | None]:
     return state, DataLayout(**saved["layout"]) if saved.get("layout") else None
 
 
+# What torch names when weights_only refuses a file, e.g. "Unsupported global: GLOBAL numpy...._reconstruct ..."
+_REFUSED = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?:\. Please|\.?\n|$)")
+
+
+def _load_tensors(file: Path, mmap: bool = False) -> object:
+    """``torch.load(file, weights_only=True)`` on CPU, turning torch's refusals into errors that name the file.
+
+    Raises:
+        ValueError: ``file`` holds something besides tensors and plain Python data (naming what), or is not a
+            complete torch.save file.
+    """
+    damaged = (f"checkpoint file {file} cannot be read as a torch.save file ({{}}); the checkpoint is damaged or was "
+               "not written by ddp_ft: resume from another checkpoint or start a new run in another --output-dir.")  # fmt: skip
+    if not zipfile.is_zipfile(file):  # torch.save's format since torch 1.6; torch's own error would name no file
+        raise ValueError(damaged.format("not the zip archive torch.save writes"))
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = _REFUSED.search(str(err))
+        raise ValueError(
+            f"checkpoint file {file} holds pickled objects ({found.group(1) if found else str(err).strip()}); ddp_ft "
+            "loads checkpoints without executing code (torch.load(weights_only=True): tensors and plain Python data "
+            "only), so it refuses this one. Start a new run in another --output-dir, or, if you trust the file, "
+            "resume it with the ddp_ft version that wrote it; checkpoints this version writes hold no pickled objects."
+        ) from None
+    except (RuntimeError, EOFError) as err:  # a truncated archive
+        raise ValueError(damaged.format(err)) from None
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Read every tensor file of the loop's checkpoint ``path`` the way resuming will, before the model is built.
+
+    Each ``.pt`` file is loaded with ``torch.load(weights_only=True)`` on CPU, memory-mapped (the optimizer state
+    is not read into memory here): it unpickles tensors and plain Python data and refuses anything else without
+    running it. The adapter must be safetensors. So a checkpoint that would need code execution to load fails
+    here, naming the file, instead of after minutes of model loading.
+
+    Args:
+        path (str | Path): a checkpoint folder ``resolve_checkpoint`` accepted.
+
+    Raises:
+        FileNotFoundError: a file resuming needs is missing, naming it.
+        ValueError: a file holds pickled objects (naming the file and what it holds), is unreadable, or the adapter
+            is pickled (``adapter_model.bin``).
+    """
+    path = Path(path)
+    adapter = path / ADAPTER_DIR
+    pickled = sorted(adapter.glob("*.bin"))
+    if pickled:
+        raise ValueError(
+            f"checkpoint adapter {pickled[0]} is a pickled file; ddp_ft loads checkpoints without executing code and "
+            f"reads the adapter from {ADAPTER_WEIGHTS} only (what peft's save_pretrained writes by default). Start a "
+            "new run in another --output-dir, or re-save the adapter with save_pretrained(safe_serialization=True)."
+        )
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"checkpoint {path} has no {ADAPTER_DIR}/{ADAPTER_WEIGHTS}; it is incomplete: resume "
+                                "from another checkpoint or start a new run in another --output-dir.")  # fmt: skip
+    for name in TENSOR_FILES:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"checkpoint {path} has no {name}; it is incomplete: resume from another "
+                                    "checkpoint or start a new run in another --output-dir.")  # fmt: skip
+    for file in sorted([*path.rglob("*.pt"), *path.rglob("*.pth")]):
+        _load_tensors(file, mmap=True)
+
+
 def load_checkpoint(
     path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, info: DistInfo
 ) -> TrainState:
     """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
 
-    Check the data layout first (``saved_position``, ``ddp_ft.data.check_resume``): this restores, it does not judge.
+    Check the data layout first (``saved_position``, ``ddp_ft.data.check_resume``) and the files
+    (``verify_checkpoint``): this restores, it does not judge. Every file is read without executing code
+    (safetensors, ``torch.load(weights_only=True)``).
     """
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
@@ -332,9 +438,9 @@ def load_checkpoint(
     result = set_peft_model_state_dict(model, adapter)
     if getattr(result, "unexpected_keys", None):
         raise RuntimeError(f"checkpoint {path} holds adapter weights this model lacks: {result.unexpected_keys[:5]}")
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    states = torch.load(path / "rng_states.pt", weights_only=False)
+    optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
+    scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
+    states = _load_tensors(path / "rng_states.pt")
     if len(states) != info.world_size:
         # Decided: the data continues exactly (a sample position); the per-rank RNG streams cannot, since there is
         # no way to split or merge them. Rank r continues rank (r % saved ranks)'s stream: dropout masks differ

@@ -28,6 +28,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
     saved_position,
+    verify_checkpoint,
 )
 from .config import RunSettings, gradient_accumulation_steps
 from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make_collator, tokenize_dataset
@@ -226,6 +227,7 @@ def _seed(seed: int) -> None:
 
 def _check_resume(path: Path, layout) -> None:
     """Refuse a checkpoint whose data position this run's layout cannot continue exactly (naming both)."""
+    verify_checkpoint(path)  # every file loads without executing code, checked before the model loads
     state, saved = saved_position(path)
     if saved is None:
         raise ValueError(f"--resume {path}: the checkpoint records no data layout; start a new run in another "

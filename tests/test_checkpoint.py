@@ -1,19 +1,23 @@
-"""Checkpoints are atomic: a save that dies half-way loses nothing already saved."""
+"""Checkpoints are atomic: a save that dies half-way loses nothing already saved; they load without executing code."""
 
 import json
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from ddp_ft import checkpoint as ckpt
 from ddp_ft.checkpoint import TrainState, resolve_checkpoint, save_checkpoint
+from ddp_ft.data import DataLayout
 from ddp_ft.distributed import DistInfo
 
 
 class _Adapter(torch.nn.Module):
-    """Stands in for a peft model: save_pretrained writes the weights into a folder."""
+    """Stands in for a peft model: save_pretrained writes the weights into a folder, as safetensors."""
 
     def __init__(self):
         super().__init__()
@@ -21,7 +25,7 @@ class _Adapter(torch.nn.Module):
 
     def save_pretrained(self, path):
         path.mkdir(parents=True)
-        torch.save(self.state_dict(), path / "adapter_model.pt")
+        save_file(self.state_dict(), path / "adapter_model.safetensors")
 
 
 def _parts():
@@ -38,7 +42,7 @@ def test_save_writes_a_complete_checkpoint_and_points_latest_at_it(tmp_path):
     assert resolve_checkpoint("latest", tmp_path) == path
     state = json.loads((path / "ddp_ft_state.json").read_text())
     assert state["global_step"] == 3 and state["sample_in_epoch"] == 6 and state["world_size"] == 1
-    assert state["format_version"] == ckpt.FORMAT_VERSION == 1 and not (path / "trainer_state.json").exists()
+    assert state["format_version"] == ckpt.FORMAT_VERSION == 2 and not (path / "trainer_state.json").exists()
     assert not list(tmp_path.glob(".tmp-*"))
 
 
@@ -140,7 +144,7 @@ def test_replacing_a_same_step_checkpoint_that_fails_half_way_keeps_latest_on_a_
     # the next save of the same step succeeds and leaves one complete checkpoint, latest on it
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     assert resolve_checkpoint("latest", tmp_path) == path == good
-    assert torch.load(path / "adapter" / "adapter_model.pt")["w"].equal(model.w.data)
+    assert load_file(path / "adapter" / "adapter_model.safetensors")["w"].equal(model.w.data)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["latest", good.name])
 
 
@@ -166,3 +170,196 @@ def test_every_file_and_folder_is_fsynced_before_the_rename_that_publishes_it(tm
     published = {dst: unsynced for _, dst, unsynced in events}
     assert published[path.name] == [] and published["latest"] == [], events
     assert str(tmp_path.resolve()) in synced, "the rename itself is made durable by syncing the folder"
+
+
+def _draws():
+    """The next values of every generator a resumed run continues, the cached Gaussians included."""
+    return (random.random(), random.gauss(0, 1), random.gauss(0, 1), np.random.rand(3).tolist(),
+            np.random.standard_normal(2).tolist(), torch.rand(3).tolist())  # fmt: skip
+
+
+def _seed_with_cached_gaussians(seed):
+    """Seed all generators and draw one Gaussian each, so Python's gauss_next and numpy's cached_gaussian are set."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    random.gauss(0, 1)
+    np.random.standard_normal()
+    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
+
+
+def _snapshot():
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+
+
+def _restore(snapshot):
+    python, numpy, cpu = snapshot
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.random.set_rng_state(cpu)
+
+
+def _plain(value) -> bool:
+    """Only tensors and plain Python data, all that torch.load(weights_only=True) reads without an allowlist."""
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and _plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
+
+
+def test_rng_states_file_holds_only_tensors_and_plain_data_and_restores_python_numpy_torch_streams_exactly(tmp_path):
+    model, optimizer, scheduler = _parts()
+    _seed_with_cached_gaussians(7)
+    before = _snapshot()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    _restore(before)
+    expected = _draws()
+
+    states = torch.load(path / "rng_states.pt", weights_only=True)  # the old format (pickled numpy arrays) fails here
+    assert len(states) == 1 and _plain(states)
+    _seed_with_cached_gaussians(123)
+    ckpt.set_rng_state(states[0])
+    assert _draws() == expected
+
+
+def _peft_parts():
+    """A tiny real peft model with the loop's optimizer and schedule (AdamW, transformers' cosine with min lr)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    torch.manual_seed(0)  # the same frozen base every call; only the adapter is saved
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    model = get_peft_model(base, LoraConfig(r=2, target_modules=["0", "2"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 2, 10, min_lr=1e-4)
+    return model, optimizer, scheduler
+
+
+def _adapter(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_load_checkpoint_reads_every_file_with_weights_only_and_restores_adamw_cosine_schedule_and_rng(
+    tmp_path, monkeypatch
+):
+    model, optimizer, scheduler = _peft_parts()
+    for _ in range(3):
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    _seed_with_cached_gaussians(7)
+    before = _snapshot()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
+    _restore(before)
+    expected_draws = _draws()
+    for name in ckpt.TENSOR_FILES:
+        assert _plain(torch.load(path / name, weights_only=True)), name
+    ckpt.verify_checkpoint(path)
+
+    fresh_model, fresh_optimizer, fresh_scheduler = _peft_parts()
+    loads, real_load = [], torch.load
+
+    def recording_load(*args, **kwargs):
+        loads.append((Path(args[0]).name, kwargs.get("weights_only")))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
+    _seed_with_cached_gaussians(123)
+    state = ckpt.load_checkpoint(path, fresh_model, fresh_optimizer, fresh_scheduler, DistInfo())
+    draws = _draws()
+    monkeypatch.undo()
+
+    assert sorted(loads) == sorted((name, True) for name in ckpt.TENSOR_FILES)
+    assert draws == expected_draws
+    assert state == TrainState(3, 0, 6, 24)
+    torch.testing.assert_close(_adapter(fresh_model), _adapter(model), rtol=0, atol=0)
+    torch.testing.assert_close(fresh_optimizer.state_dict(), optimizer.state_dict(), rtol=0, atol=0)
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    scheduler.step()
+    fresh_scheduler.step()
+    assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
+
+
+_RAN_ON_LOAD = []
+
+
+def _ran_on_load():
+    _RAN_ON_LOAD.append(True)
+    return {}
+
+
+class _Payload:
+    """Pickles as a call of ``_ran_on_load``: loading it with pickle runs code."""
+
+    def __reduce__(self):
+        return (_ran_on_load, ())
+
+
+@pytest.mark.parametrize(
+    "name, content, found",
+    [
+        ("rng_states.pt", lambda: [{"numpy": np.random.get_state()}], "numpy"),  # what format_version 1 wrote
+        ("optimizer.pt", lambda: {"state": {}, "param_groups": [], "hook": _Payload()}, "_ran_on_load"),
+    ],
+)
+def test_verify_checkpoint_refuses_a_pickled_object_without_running_it_naming_the_file_and_what_it_holds(
+    tmp_path, name, content, found
+):
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    torch.save(content(), path / name)
+    with pytest.raises(ValueError) as error:
+        ckpt.verify_checkpoint(path)
+    message = str(error.value)
+    assert str(path / name) in message and found in message, message
+    assert "without executing code" in message and "--output-dir" in message, message
+    assert _RAN_ON_LOAD == []
+
+
+def test_verify_checkpoint_refuses_a_pickled_adapter_bin_and_requires_safetensors(tmp_path):
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    adapter = path / ckpt.ADAPTER_DIR
+    torch.save(model.state_dict(), adapter / "adapter_model.bin")
+    with pytest.raises(ValueError, match=rf"{adapter / 'adapter_model.bin'} is a pickled file.*safetensors"):
+        ckpt.verify_checkpoint(path)
+    (adapter / "adapter_model.bin").unlink()
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="adapter/adapter_model.safetensors"):
+        ckpt.verify_checkpoint(path)
+
+
+def test_verify_checkpoint_refuses_a_truncated_file_naming_it(tmp_path):
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    data = (path / "optimizer.pt").read_bytes()
+    (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{path / 'optimizer.pt'} cannot be read as a torch.save file"):
+        ckpt.verify_checkpoint(path)
+
+
+def test_the_loop_refuses_a_checkpoint_with_pickled_objects_before_the_model_loads(tmp_path):
+    from ddp_ft.loop import _check_resume
+
+    layout = DataLayout(train_samples=16, seed=0, effective_batch=2, world_size=1, micro_batch=1)
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 6), DistInfo(), layout=layout)
+    _check_resume(path, layout)  # a checkpoint this version wrote passes
+    torch.save([{"numpy": np.random.get_state()}], path / "rng_states.pt")
+    with pytest.raises(ValueError, match=rf"{path / 'rng_states.pt'} holds pickled objects"):
+        _check_resume(path, layout)
+
+
+def test_resume_refuses_a_format_version_1_checkpoint_as_written_by_another_ddp_ft_version(tmp_path):
+    """Format 1 stored numpy's RNG state as pickled numpy objects, which this version does not load."""
+    model, optimizer, scheduler = _parts()
+    path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
+    state_file = path / ckpt.STATE_FILE
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "format_version": 1}))
+    with pytest.raises(ValueError) as error:
+        resolve_checkpoint("latest", tmp_path)
+    message = str(error.value)
+    assert f"format_version 1, but this ddp_ft reads format_version {ckpt.FORMAT_VERSION} only" in message
+    assert f"{path} was written by another ddp_ft version" in message and "--output-dir" in message, message
