@@ -519,8 +519,15 @@ class BucketedDDP(nn.Module):
         if self.find_unused_parameters:  # after every bucket, so the collectives pair up in the same order
             used_map = torch.tensor(used, dtype=torch.int32, device=self._device)
             used_work = dist.all_reduce(used_map, group=self.process_group, async_op=True)
-        for bucket in self._buckets:
-            result = bucket.future.wait()
+        for index, bucket in enumerate(self._buckets):
+            try:
+                result = bucket.future.wait()
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"BucketedDDP rank {self.rank}: the all-reduce of bucket {index} failed: another rank failed, was "
+                    f"killed, or is stuck (a stuck rank is given up on after the process group's timeout, "
+                    f"--ddp-timeout). {error}"
+                ) from error
             if isinstance(result, list | tuple):  # a collective's own future holds its output tensors
                 result = result[0]
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
