@@ -105,3 +105,38 @@ def test_the_fault_switch_is_parsed_strictly_and_fires_only_on_its_rank_and_atte
     for bad in ("explode@3", "forward@0", "forward", "forward@3,ranks=1"):
         with pytest.raises(ValueError, match=ENV):
             parse_faults(bad)
+
+
+def _elastic_env(monkeypatch, port: int, restart: int, nodes: int) -> None:
+    for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1",
+                        "TORCHELASTIC_RESTART_COUNT": str(restart), "GROUP_WORLD_SIZE": str(nodes),
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+
+
+def test_each_restart_attempt_gets_its_own_keys_in_torchruns_shared_store(monkeypatch):
+    """torchrun keeps its rendezvous store across restarts: a restarted rank reading a key the failed attempt wrote
+    (gloo's peer addresses) connects to a dead process. Every attempt's process group gets its own key space."""
+    from torch.distributed import TCPStore
+
+    from ddp_ft.distributed import _restart_safe_store
+
+    agent_store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    _elastic_env(monkeypatch, agent_store.port, restart=0, nodes=1)
+    first = _restart_safe_store(rank=0, world_size=1, timeout_s=5)
+    first.set("rank1_address", "attempt 0's")
+    _elastic_env(monkeypatch, agent_store.port, restart=1, nodes=1)
+    second = _restart_safe_store(rank=0, world_size=1, timeout_s=5)
+    assert not second.check(["rank1_address"])  # the failed attempt's address is not seen
+    second.set("rank1_address", "attempt 1's")
+    assert first.get("rank1_address") == b"attempt 0's" and second.get("rank1_address") == b"attempt 1's"
+
+
+def test_restarts_across_nodes_with_the_shared_store_are_refused_naming_the_fix(monkeypatch):
+    from ddp_ft.distributed import _restart_safe_store
+
+    _elastic_env(monkeypatch, 1, restart=0, nodes=2)
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        _restart_safe_store(rank=0, world_size=4, timeout_s=5)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restarts: torch's default rendezvous, nothing to refuse
+    assert _restart_safe_store(rank=0, world_size=4, timeout_s=5) is None
