@@ -38,13 +38,23 @@ def _records(output_dir: Path, kind: str) -> list[dict]:
     return [r for r in read_jsonl(output_dir / "metrics.jsonl") if r["type"] == kind]
 
 
-def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduces_eval_loss(tmp_path):
-    out = tmp_path / "run"
-    _train(tmp_path, "--output-dir", str(out))
+# The uninterrupted 2-process run both tests below check: 8 steps, a checkpoint every 2, LoRA dropout on.
+_REFERENCE = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "0", "--report-to", "none"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    tmp_path = tmp_path_factory.mktemp("reference")
+    _train(tmp_path, "--output-dir", str(tmp_path / "run"), *_REFERENCE)
+    return tmp_path / "run"
+
+
+def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduces_eval_loss(reference_run, tmp_path):
+    out = reference_run
     config = _records(out, "config")
     assert len(config) == 1 and config[0]["world_size"] == 2 and config[0]["accumulation"] == 2
     train = _records(out, "train")
-    assert [r["step"] for r in train] == list(range(1, 17))
+    assert [r["step"] for r in train] == list(range(1, 9))
     losses = [r["loss"] for r in train]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
     for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_rss_gb", "comm/allreduce_calls"):
@@ -55,7 +65,7 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
                for r in train), [(r["comm/backwards"], r["comm/allreduce_calls"]) for r in train]  # fmt: skip
 
     checkpoint = out / (out / "latest").read_text().strip()
-    assert checkpoint.name == "ddp_ft-checkpoint-16"
+    assert checkpoint.name == "ddp_ft-checkpoint-8"
     from safetensors import safe_open
 
     with safe_open(str(checkpoint / "adapter" / "adapter_model.safetensors"), "pt") as f:
@@ -98,7 +108,7 @@ def _adapter(checkpoint: Path) -> dict:
     return load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
 
 
-def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repeat_none(tmp_path):
+def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repeat_none(reference_run, tmp_path):
     """torchrun --max-restarts=1, 8 steps, a checkpoint every 2, LoRA dropout on. Attempt 0: rank 0 is SIGKILLed
     half-way through writing checkpoint 4; rank 1 fails in the save's barrier; torchrun restarts both. Attempt 1
     removes the partial folder, resumes from checkpoint 2 with no flag, and at step 5 rank 0 sends SIGTERM to torchrun,
@@ -106,9 +116,7 @@ def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repea
     itself exits 1: it was signalled). ``--resume latest`` finishes. Against the uninterrupted run: every step's loss
     bit for bit (adapter, optimizer, schedule, data position and each rank's RNG restored), the same samples, the same
     final adapter."""
-    full, interrupted = tmp_path / "full", tmp_path / "interrupted"
-    flags = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "0", "--report-to", "none"]
-    _train(tmp_path, "--output-dir", str(full), *flags)
+    full, interrupted, flags = reference_run, tmp_path / "interrupted", _REFERENCE
 
     faults = "kill-in-save@4,rank=0,attempt=0; sigterm-launcher@5,rank=0,attempt=1"
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(ROOT / "scripts" / "train.py"),
