@@ -35,7 +35,7 @@ from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
 from .faults import FaultInjector
-from .metrics import JsonlLogger, MultiLogger, NullLogger, ThroughputMeter, WandbLogger
+from .metrics import ThroughputMeter, open_metric_sink
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .preemption import StopSignal
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -299,13 +299,10 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
               "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(parts.report),
               "resumed_from_step": state.global_step, "preset": settings.preset, "first_batch_indices": all_first,
               "tokens_counted": "non-padding input tokens (attention mask)"}  # fmt: skip
-    sink = NullLogger()
-    if info.is_main_process:
-        sink = JsonlLogger(output_dir / "metrics.jsonl")
-        if t.report_to == "wandb":
-            group = t.wandb_group or settings.preset or "custom"
-            sink = MultiLogger(sink, WandbLogger(t.wandb_project, group, job_type, f"{group}-{run_name}", config,
-                                                 output_dir))  # fmt: skip
+    group = t.wandb_group or settings.preset or "custom"
+    wandb_run = {"project": t.wandb_project, "group": group, "job_type": job_type, "name": f"{group}-{run_name}",
+                 "config": config}  # fmt: skip
+    sink = open_metric_sink(info, output_dir, wandb_run if t.report_to == "wandb" else None)
     sink.log({"type": "config", **config})
     logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", run_name,
                 total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, parts.report)  # fmt: skip

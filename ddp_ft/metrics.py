@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+
+from .distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +124,63 @@ def resolve_wandb_mode(environ: Mapping[str, str] | None = None) -> str:
     return mode or "online"
 
 
+SECRET_NAME = re.compile(r"(_TOKEN|_KEY|_SECRET)$|PASSWORD", re.IGNORECASE)
+
+
+def redact_secrets(text: str, environ: Mapping[str, str] | None = None) -> str:
+    """``text`` with the value of every secret-named environment variable (``*_TOKEN``, ``*_KEY``, ``*_SECRET``,
+    ``*PASSWORD*``: WANDB_API_KEY, HF_TOKEN, ...) replaced by ``<NAME>``, for messages that quote a library's error.
+
+    Values under 8 characters are left alone: no credential is that short, and replacing e.g. ``1`` would garble
+    the message.
+    """
+    environ = os.environ if environ is None else environ
+    for name, value in environ.items():
+        if len(value) >= 8 and SECRET_NAME.search(name):
+            text = text.replace(value, f"<{name}>")
+    return text
+
+
+class WandbSwitch:
+    """Rank 0's wandb for one run, on until its first failure; shared by everything of the run that calls wandb.
+
+    wandb fails at start (``wandb.init``: a bad key, no network, its service not starting) or mid-run (a log call
+    raising once the network or the service is gone). Calls made through :meth:`call` never raise: the first
+    failure logs one warning naming it (secrets redacted) and turns wandb off for the rest of the run, so no
+    later call is even tried. Training and ``metrics.jsonl`` carry on.
+
+    Args:
+        metrics_path (str | Path): where the metrics still go, named in the warning.
+    """
+
+    def __init__(self, metrics_path: str | Path) -> None:
+        self.metrics_path = metrics_path
+        self.on = True
+
+    def call(self, what: str, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``, or None once wandb is off or if it raises; ``what`` names it in the warning."""
+        if not self.on:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - wandb must never stop training
+            self.on = False
+            logger.warning(redact_secrets(
+                f"wandb failed in {what} ({type(error).__name__}: {error}); wandb is off for the rest of this run. "
+                f"Training goes on and its metrics still go to {self.metrics_path}. For the next run, fix the cause "
+                "(WANDB_API_KEY, network, WANDB_DIR), set WANDB_MODE=offline (kept on disk for `wandb sync`), or pass "
+                "--report-to none."
+            ))  # fmt: skip
+            return None
+
+
 class WandbLogger:
     """Rank 0's wandb run for the plain loop, laid out like the Trainer's so the runs compare in one place.
 
     Train records go under ``train/`` and eval under ``eval/``, both plotted against ``train/samples_seen``
     (``define_metric``) so curves of different world sizes overlay. ``wandb.log`` hands records to wandb's
-    background service: training does not wait on the network. A wandb failure is logged and logging stops;
-    it never stops training.
+    background service: training does not wait on the network. Every wandb call goes through a
+    :class:`WandbSwitch`: a failure, at init or later, is logged once and turns wandb off; it never stops training.
 
     Args:
         project (str): wandb project.
@@ -139,15 +192,20 @@ class WandbLogger:
     """
 
     def __init__(self, project: str, group: str, job_type: str, name: str, config: dict, output_dir: str | Path):
+        self._switch = WandbSwitch(Path(output_dir) / "metrics.jsonl")
+        self._run = self._switch.call("wandb.init", self._start, project=project, group=group, job_type=job_type,
+                                      name=name, config=config, mode=resolve_wandb_mode(),
+                                      dir=os.environ.get("WANDB_DIR", str(output_dir)))  # fmt: skip
+
+    @staticmethod
+    def _start(**init_kwargs):
         import wandb
 
-        self._wandb = wandb
-        self._run = wandb.init(project=project, group=group, job_type=job_type, name=name, config=config,
-                               mode=resolve_wandb_mode(), dir=os.environ.get("WANDB_DIR", str(output_dir)),
-                               reinit="finish_previous")  # fmt: skip
-        self._run.define_metric("train/samples_seen")
-        self._run.define_metric("train/*", step_metric="train/samples_seen")
-        self._run.define_metric("eval/*", step_metric="train/samples_seen")
+        run = wandb.init(**init_kwargs, reinit="finish_previous")
+        run.define_metric("train/samples_seen")
+        run.define_metric("train/*", step_metric="train/samples_seen")
+        run.define_metric("eval/*", step_metric="train/samples_seen")
+        return run
 
     def log(self, record: dict) -> None:
         if self._run is None:
@@ -159,15 +217,11 @@ class WandbLogger:
             payload = {"eval/loss": record["eval_loss"], "train/samples_seen": record["samples_seen"]}
         else:
             return
-        try:
-            self._run.log(payload)
-        except Exception as error:  # noqa: BLE001 - wandb must never stop training
-            logger.warning("wandb logging failed, continuing without it: %s", error)
-            self._run = None
+        self._switch.call("run.log", self._run.log, payload)
 
     def close(self) -> None:
-        if self._run is not None:
-            self._run.finish()
+        if self._run is not None:  # after a failure the switch is off: the run is left, its service may be gone
+            self._switch.call("run.finish", self._run.finish)
             self._run = None
 
 
@@ -184,3 +238,19 @@ class MultiLogger:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+def open_metric_sink(info: DistInfo, output_dir: str | Path, wandb_run: dict | None = None):
+    """This rank's metric sink: on rank 0 ``<output_dir>/metrics.jsonl``, and wandb too when ``wandb_run`` (the
+    :class:`WandbLogger` arguments but ``output_dir``) is given; a :class:`NullLogger` on every other rank, so no
+    other rank ever imports or starts wandb.
+
+    Returns:
+        JsonlLogger | MultiLogger | NullLogger: ``log(record)`` and ``close()``.
+    """
+    if not info.is_main_process:
+        return NullLogger()
+    sink = JsonlLogger(Path(output_dir) / "metrics.jsonl")
+    if wandb_run is None:
+        return sink
+    return MultiLogger(sink, WandbLogger(**wandb_run, output_dir=output_dir))

@@ -17,13 +17,14 @@ from .trainer import BucketedTrainer
 logger = logging.getLogger(__name__)
 
 
-def wandb_report_to(settings: RunSettings, job_type: str) -> list[str]:
-    """``["wandb"]`` (the Trainer's WandbCallback, configured through its environment variables) or ``[]``.
+def wandb_report_to(settings: RunSettings, job_type: str, info: DistInfo) -> list[str]:
+    """``["wandb"]`` (the Trainer's WandbCallback, configured through its environment variables) on rank 0, else
+    ``[]``: no other rank ever starts wandb, or sets its variables.
 
     Offline, kept on disk for ``wandb sync``, without an API key; same project and group as the plain loop.
     """
     t = settings.train
-    if t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
+    if not info.is_main_process or t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
         return []
     os.environ["WANDB_MODE"] = resolve_wandb_mode()
     os.environ.setdefault("WANDB_PROJECT", t.wandb_project)
@@ -68,7 +69,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         seed=t.seed,
         bf16=cuda,
         use_cpu=not cuda,
-        report_to=wandb_report_to(settings, job_type) if info.is_main_process else [],
+        report_to=wandb_report_to(settings, job_type, info),
         remove_unused_columns=False,
         gradient_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
         include_num_input_tokens_seen="non_padding",

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
+from transformers.integrations import WandbCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..checkpoint import STAGING_DIR, publish_folder
 from ..config import DDPSettings
 from ..ddp import BucketedDDP, CommStats
 from ..faults import FaultInjector
-from ..metrics import JsonlLogger, ThroughputMeter
+from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
 from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 
@@ -47,13 +48,19 @@ class ThroughputCallback(TrainerCallback):
         wrapped_model (Callable[[], torch.nn.Module] | None): returns the (possibly wrapped) training model, for
             communication stats. Default: None (no comm stats).
         ddp_config (dict | None): BucketedDDP settings recorded in the run config (bucket cap, comm hook).
+        wandb_switch (WandbSwitch | None): shared with the reporting callback, so that a wandb failure in either turns
+            wandb off for both with one warning. Default: one of its own, made at train begin.
     """
 
     def __init__(
-        self, wrapped_model: Callable[[], torch.nn.Module] | None = None, ddp_config: dict | None = None
+        self,
+        wrapped_model: Callable[[], torch.nn.Module] | None = None,
+        ddp_config: dict | None = None,
+        wandb_switch: WandbSwitch | None = None,
     ) -> None:
         self._wrapped_model = wrapped_model
         self._ddp_config = ddp_config or {}
+        self._wandb_switch = wandb_switch
         self._reset()
         self._meter: ThroughputMeter | None = None
         self._memory: dict[str, float] = {}
@@ -82,6 +89,8 @@ class ThroughputCallback(TrainerCallback):
         self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
         self._sink.log({"type": "config", **config})
         self._wandb_config = config
+        if self._wandb_switch is None:
+            self._wandb_switch = WandbSwitch(self._sink.path)
 
     def _setup_wandb(self) -> None:
         """Once the reporting callback has started the wandb run (rank 0), before it logs anything of ours."""
@@ -92,12 +101,16 @@ class ThroughputCallback(TrainerCallback):
         except ImportError:
             return
         if wandb.run is not None:
-            # Curves of different world sizes overlay when plotted against samples seen, not steps.
-            wandb.define_metric("train/samples_seen")
-            wandb.define_metric("train/*", step_metric="train/samples_seen")
-            wandb.define_metric("eval/*", step_metric="train/samples_seen")
-            wandb.config.update(self._wandb_config, allow_val_change=True)
-            self._wandb_config = None
+            config, self._wandb_config = self._wandb_config, None
+            self._wandb_switch.call("define_metric/config.update", self._point_wandb_at_samples, wandb, config)
+
+    @staticmethod
+    def _point_wandb_at_samples(wandb, config: dict) -> None:
+        # Curves of different world sizes overlay when plotted against samples seen, not steps.
+        wandb.define_metric("train/samples_seen")
+        wandb.define_metric("train/*", step_metric="train/samples_seen")
+        wandb.define_metric("eval/*", step_metric="train/samples_seen")
+        wandb.config.update(config, allow_val_change=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._meter is None:
@@ -150,6 +163,41 @@ class ThroughputCallback(TrainerCallback):
         return state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
 
 
+class GuardedWandbCallback(WandbCallback):
+    """transformers' ``WandbCallback`` that never stops training.
+
+    Each of its events runs through ``switch``: an exception (``wandb.init`` in the setup at train begin: a bad key,
+    no network, wandb's service not starting; ``wandb.log`` once the network is gone) logs one warning and turns
+    wandb off for the rest of the run; training and ``metrics.jsonl`` go on. :class:`BucketedTrainer` puts it in
+    place of the ``WandbCallback`` that ``report_to=["wandb"]`` adds.
+
+    Args:
+        switch (WandbSwitch): shared with :class:`ThroughputCallback`, which calls wandb too.
+    """
+
+    def __init__(self, switch: WandbSwitch) -> None:
+        super().__init__()
+        self.switch = switch
+
+    def _event(self, name: str, args, state, control, **kwargs):
+        return self.switch.call(f"WandbCallback.{name}", getattr(super(), name), args, state, control, **kwargs)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        return self._event("on_train_begin", args, state, control, **kwargs)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        return self._event("on_train_end", args, state, control, **kwargs)
+
+    def on_log(self, args, state, control, **kwargs):
+        return self._event("on_log", args, state, control, **kwargs)
+
+    def on_save(self, args, state, control, **kwargs):
+        return self._event("on_save", args, state, control, **kwargs)
+
+    def on_predict(self, args, state, control, **kwargs):
+        return self._event("on_predict", args, state, control, **kwargs)
+
+
 class _StopCallback(TrainerCallback):
     """Ends training with a checkpoint at the step where the ranks agree a stop signal arrived."""
 
@@ -189,10 +237,14 @@ class BucketedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.args.include_num_input_tokens_seen == "no":
             self.args.include_num_input_tokens_seen = "non_padding"
-        # First in line, so the reporting callbacks (wandb, console) log what it adds.
         self.ddp_settings = self.accelerator.ddp_settings  # resolved with the TrainingArguments' ddp_* fields
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
-        self.callback_handler.callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config))
+        # A wandb failure must not stop training: both callbacks that call wandb share one switch that turns it off.
+        wandb_switch = WandbSwitch(Path(self.args.output_dir) / "metrics.jsonl")
+        callbacks = self.callback_handler.callbacks
+        callbacks[:] = [GuardedWandbCallback(wandb_switch) if type(c) is WandbCallback else c for c in callbacks]
+        # First in line, so the reporting callbacks (wandb, console) log what it adds.
+        callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config, wandb_switch))
         self.add_callback(_StopCallback(self))
 
     def _track_num_input_tokens(self, inputs) -> None:

@@ -1,0 +1,234 @@
+"""Side services of a run, for both entry points (the plain loop and the Trainer recipe), in process: a wandb
+failure never stops training, only rank 0 talks to wandb, and no secret reaches anything a run writes."""
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import wandb
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from wandb.sdk.lib.noop_run import NoopRun
+
+from ddp_ft.config import settings_from_preset
+from ddp_ft.distributed import DistInfo
+from ddp_ft.integrations.recipe import build_trainer, wandb_report_to
+from ddp_ft.integrations.trainer import GuardedWandbCallback, ThroughputCallback
+from ddp_ft.loop import train
+from ddp_ft.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
+
+STEPS = 2
+SECRETS = {  # fake values shaped like the real ones (a wandb key is 40 characters)
+    "WANDB_API_KEY": "fa4eda7a0123456789abcdef0123456789abcdef",
+    "HF_TOKEN": "hf_fakeFAKEfakeFAKEfakeFAKEfakeFAKE0123",
+    "ACME_SERVICE_SECRET": "fake-service-secret-4f2a9c7e",
+    "DB_PASSWORD_PROD": "fake-db-password-8e1d33b0",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """One tiny model and tokenizer for every run of this file."""
+    return tmp_path_factory.mktemp("tiny-cache")
+
+
+@pytest.fixture
+def run_env(tmp_path, monkeypatch, tiny_cache):
+    """One in-process run's environment: wandb offline with every folder of its own under ``tmp_path``, and the
+    variables the Trainer recipe sets (``os.environ`` directly) restored afterwards.
+
+    wandb reads its environment once per process, at its first setup: ``wandb.teardown()`` before and after makes
+    it read this test's, and leaves this test's folders to no other. ``wandb.finish()`` ends the runs teardown
+    leaves in ``wandb.run`` (disabled ones, those a failure left open), which a WandbCallback would take over.
+    """
+    monkeypatch.setenv("DDP_FT_CACHE", str(tiny_cache))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    (tmp_path / "wandb-dir").mkdir()
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    for name in ("WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_JOB_TYPE", "WANDB_API_KEY", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
+    wandb.finish()
+    wandb.teardown()
+    yield
+    wandb.finish()
+    wandb.teardown()
+
+
+def _settings(output_dir: Path, **overrides):
+    """The tiny preset cut to two one-sample steps of short sequences, reporting to wandb: about a second on CPU."""
+    values = {"max_steps": STEPS, "effective_batch": 1, "micro_batch": 1, "num_synthetic": 16, "max_seq_len": 128,
+              "save_every": 0, "report_to": "wandb", **overrides}  # fmt: skip
+    return settings_from_preset("tiny", output_dir=str(output_dir), **values)
+
+
+def _run(entry: str, output_dir: Path, **overrides) -> int:
+    """Train with ``entry`` (``loop`` or ``trainer``) as a single process; returns the optimizer steps done."""
+    settings = _settings(output_dir, **overrides)
+    if entry == "loop":
+        return train(settings, DistInfo()).steps
+    trainer = build_trainer(settings, DistInfo())
+    trainer.train()
+    return trainer.state.global_step
+
+
+def _disabled_wandb_runs(monkeypatch) -> None:
+    """``wandb.init`` starts a real run in disabled mode (a NoopRun: no service, no files, quick)."""
+    real_init = wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: real_init(**{**kwargs, "mode": "disabled"}))
+
+
+def _raise_when(monkeypatch, owner, name: str, when) -> list[bool]:
+    """``owner.name`` raises wandb's CommError (the network or wandb's service gone) on the calls where
+    ``when(call_number, *args, **kwargs)`` holds, and runs as usual on the others. Returns, per call, whether it
+    raised.
+
+    Patched on the class for run methods: wandb binds ``wandb.log`` and friends to the run at init.
+    """
+    real = getattr(owner, name)
+    calls = []
+
+    def call(*args, **kwargs):
+        calls.append(when(len(calls) + 1, *args, **kwargs))
+        if calls[-1]:
+            raise wandb.errors.CommError(f"{name}: network is unreachable (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, call)
+    return calls
+
+
+def _wandb_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "wandb" in r.getMessage()]
+
+
+def _train_steps(output_dir: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(output_dir / "metrics.jsonl") if r["type"] == "train"]
+
+
+def _assert_one_warning_naming(caplog, failure: str) -> None:
+    warnings = _wandb_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert failure in warnings[0] and "CommError" in warnings[0] and "network is unreachable" in warnings[0]
+    assert "off for the rest of this run" in warnings[0] and "metrics.jsonl" in warnings[0], warnings[0]
+
+
+@pytest.mark.parametrize(
+    ("entry", "failure", "named"),
+    [("loop", "wandb.init", "wandb.init"), ("trainer", "wandb.init", "WandbCallback.on_train_begin"),
+     ("trainer", "wandb.log", "WandbCallback.on_log")],
+)  # fmt: skip
+def test_wandb_failing_at_init_or_mid_run_never_stops_training_warns_once_and_metrics_jsonl_has_every_step(
+    entry, failure, named, tmp_path, run_env, monkeypatch, caplog
+):
+    """``wandb.init`` raising (bad key, no network, service down), or the Trainer's second ``wandb.log`` (the
+    network gone mid-run); the loop's ``run.log`` failing is covered below, on its logger alone."""
+    _disabled_wandb_runs(monkeypatch)
+    if failure == "wandb.init":
+        raised = _raise_when(monkeypatch, wandb, "init", lambda n, *a, **k: True)
+    else:  # the Trainer's WandbCallback logs through wandb.log, bound to the run's log at init
+        raised = _raise_when(monkeypatch, NoopRun, "log", lambda n, *a, **k: n >= 2)
+    with caplog.at_level(logging.WARNING):
+        steps = _run(entry, tmp_path / "run")
+    assert steps == STEPS
+    assert _train_steps(tmp_path / "run") == list(range(1, STEPS + 1))
+    _assert_one_warning_naming(caplog, named)
+    assert raised.count(True) == 1 and raised[-1], raised  # once off, wandb is not called again
+
+
+@pytest.mark.parametrize("failure", ["log", "finish"])
+def test_the_loop_wandb_logger_never_raises_when_its_run_fails_mid_run_and_warns_once(
+    failure, tmp_path, run_env, monkeypatch, caplog
+):
+    """The plain loop's wandb sink: ``run.log`` failing from its second call (the network gone), or ``run.finish``
+    at the end. A failed run is not finished: its service may be what is gone."""
+    _disabled_wandb_runs(monkeypatch)
+    raised = _raise_when(monkeypatch, NoopRun, failure, lambda n, *a, **k: n == (2 if failure == "log" else 1))
+    wandb_logger = WandbLogger("ddp_ft-test", "g", "single-1", "n", {}, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for step in (1, 2, 3):
+            wandb_logger.log({"type": "train", "step": step, "samples_seen": step, "loss": 1.0})
+        wandb_logger.close()
+        wandb_logger.close()
+    _assert_one_warning_naming(caplog, f"run.{failure}")
+    assert raised == ([False, True] if failure == "log" else [True])  # nothing tried after the failure
+
+
+def test_the_trainer_throughput_callback_failing_to_set_up_wandb_turns_it_off_for_the_wandb_callback_too(
+    tmp_path, run_env, monkeypatch, caplog
+):
+    """ThroughputCallback's own wandb calls (define_metric, config.update at the first log) share the Trainer's
+    WandbSwitch: their failure warns once, raises nothing, and the WandbCallback logs nothing after it."""
+    _disabled_wandb_runs(monkeypatch)
+    raised = _raise_when(monkeypatch, NoopRun, "define_metric", lambda n, run, name, **k: name.endswith("seen"))
+    logged = _raise_when(monkeypatch, NoopRun, "log", lambda n, *a, **k: False)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)
+    state, control = TrainerState(max_steps=STEPS, is_world_process_zero=True), TrainerControl()
+    switch = WandbSwitch(tmp_path / "run" / "metrics.jsonl")
+    callbacks = [ThroughputCallback(wandb_switch=switch), GuardedWandbCallback(switch)]
+    with caplog.at_level(logging.WARNING):
+        for callback in callbacks:
+            callback.on_train_begin(args, state, control)
+        for callback in callbacks:
+            callback.on_log(args, state, control, logs={"loss": 1.0})
+    _assert_one_warning_naming(caplog, "define_metric")
+    assert raised.count(True) == 1 and not switch.on and not logged
+
+
+def test_the_wandb_failure_warning_never_quotes_a_secret_from_the_error(tmp_path, run_env, monkeypatch, caplog):
+    """wandb errors may echo what they were given; the warning names the variable instead of its value."""
+    monkeypatch.setenv("WANDB_API_KEY", SECRETS["WANDB_API_KEY"])
+
+    def bad_key(**kwargs):
+        raise wandb.errors.AuthenticationError(f"API key {SECRETS['WANDB_API_KEY']} was rejected")
+
+    monkeypatch.setattr(wandb, "init", bad_key)
+    with caplog.at_level(logging.WARNING):
+        WandbLogger("ddp_ft-test", "g", "single-1", "n", {}, tmp_path).close()
+    assert SECRETS["WANDB_API_KEY"] not in caplog.text
+    assert "API key <WANDB_API_KEY> was rejected" in caplog.text
+
+
+def test_ranks_other_than_0_never_start_wandb_in_either_entry_point(tmp_path, run_env, monkeypatch):
+    """The loop's metric sink and the Trainer's ``report_to`` are decided per rank: rank 1 gets a NullLogger and
+    ``[]`` (no WandbCallback, no WANDB_* variables set), rank 0 metrics.jsonl plus wandb."""
+    inits = _raise_when(monkeypatch, wandb, "init", lambda n, *a, **k: True)
+    settings = _settings(tmp_path / "run")
+    rank_1 = DistInfo(rank=1, local_rank=1, world_size=2)
+    wandb_run = {"project": "p", "group": "g", "job_type": "ddp-2", "name": "n", "config": {}}
+    assert isinstance(open_metric_sink(rank_1, tmp_path / "run", wandb_run), NullLogger)
+    assert wandb_report_to(settings, "ddp-2", rank_1) == []
+    assert not inits and not (tmp_path / "run").exists() and "WANDB_PROJECT" not in os.environ
+    rank_0 = DistInfo(rank=0, local_rank=0, world_size=2)
+    open_metric_sink(rank_0, tmp_path / "run", wandb_run).close()  # its wandb.init fails: one warning, no raise
+    assert len(inits) == 1 and (tmp_path / "run" / "metrics.jsonl").exists()
+    assert wandb_report_to(settings, "ddp-2", rank_0) == ["wandb"] and os.environ["WANDB_PROJECT"] == "ddp_ft"
+
+
+@pytest.mark.parametrize("entry", ["loop", "trainer"])
+def test_no_secret_reaches_logs_metrics_checkpoints_or_the_offline_wandb_run(
+    entry, tmp_path, run_env, monkeypatch, caplog, capfd
+):
+    """Secret-named variables set (fake values), wandb offline: two steps with a checkpoint each, then every byte
+    written under ``tmp_path`` (output dir, WANDB_DIR, wandb's config/cache/data dirs) and every captured log and
+    console line is searched for the values."""
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    caplog.set_level(logging.DEBUG)
+    assert _run(entry, tmp_path / "run", save_every=1) == STEPS
+    wandb.finish()  # the Trainer leaves its run open; finishing writes everything the run has
+
+    written = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    leaks = [(str(p), n) for p, data in written.items() for n, v in SECRETS.items() if v.encode() in data]
+    out, err = capfd.readouterr()
+    leaks += [(where, n) for where, text in (("log", caplog.text), ("stdout", out), ("stderr", err))
+              for n, v in SECRETS.items() if v in text]  # fmt: skip
+    assert not leaks, leaks
+    # The search sees inside what it searched: the offline run holds our metrics in the clear, the Trainer's pickled
+    # arguments their field names.
+    runs = [data for p, data in written.items() if p.suffix == ".wandb"]
+    assert len(runs) == 1 and b"samples_seen" in runs[0]
+    if entry == "trainer":
+        args_files = [data for p, data in written.items() if p.name == "training_args.bin"]
+        assert args_files and all(b"hub_token" in data for data in args_files)
