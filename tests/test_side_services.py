@@ -232,3 +232,15 @@ def test_no_secret_reaches_logs_metrics_checkpoints_or_the_offline_wandb_run(
     if entry == "trainer":
         args_files = [data for p, data in written.items() if p.name == "training_args.bin"]
         assert args_files and all(b"hub_token" in data for data in args_files)
+
+
+def test_a_hub_token_given_to_the_trainer_stays_out_of_the_training_args_it_pickles_into_checkpoints(tmp_path, run_env):
+    token = "hf_" + "fakehubtoken" * 3
+    trainer = build_trainer(_settings(tmp_path / "run", save_every=1, report_to="none"), DistInfo())
+    trainer.args.hub_token = token
+    trainer.train()
+    trainer.save_model(str(tmp_path / "run" / "final"))
+    pickled = [p.read_bytes() for p in (tmp_path / "run").rglob("training_args.bin")]
+    assert len(pickled) == STEPS + 1 and all(b"hub_token" in data for data in pickled)
+    assert not any(token.encode() in data for data in pickled)
+    assert trainer.args.hub_token == token  # still there for pushing to the hub

@@ -332,6 +332,15 @@ class BucketedTrainer(Trainer):
         with self._stop:
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """The Trainer's save, keeping ``hub_token`` out of the ``training_args.bin`` it pickles into every checkpoint
+        and the final folder (a secret must not travel with the weights)."""
+        token, self.args.hub_token = self.args.hub_token, None
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            self.args.hub_token = token
+
     def _get_output_dir(self, trial) -> str:
         return self._staging_dir or super()._get_output_dir(trial)
 
