@@ -37,6 +37,7 @@ class StopSignal:
     def __init__(self) -> None:
         self.received: str | None = None
         self._previous: dict[int, object] = {}
+        self._orphan_signal = False
 
     def install(self) -> StopSignal:
         if threading.current_thread() is not threading.main_thread():
@@ -44,13 +45,16 @@ class StopSignal:
             return self
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
-        _die_with_parent(signal.SIGTERM)
+        self._orphan_signal = _launched() and _die_with_parent(signal.SIGTERM)
         return self
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if self._orphan_signal:
+            _die_with_parent(0)
+            self._orphan_signal = False
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -71,13 +75,20 @@ class StopSignal:
         self.uninstall()
 
 
-def _die_with_parent(sig: int) -> None:
-    """``prctl(PR_SET_PDEATHSIG, sig)`` on Linux; a no-op elsewhere. Skipped when the parent already died."""
-    if not sys.platform.startswith("linux") or os.getppid() == 1:
-        return
+def _launched() -> bool:
+    """Started by torchrun / ``accelerate launch`` (whose single-process launcher sets ``ACCELERATE_USE_CPU``), so the
+    parent is a launcher: a script run directly, a notebook or a test keeps its own parent-death behaviour."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "ACCELERATE_USE_CPU" in os.environ
+
+
+def _die_with_parent(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` on Linux (0 clears it); False elsewhere or when the parent already died."""
+    if not sys.platform.startswith("linux") or (sig and os.getppid() == 1):
+        return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+        return libc.prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):  # pragma: no cover - no libc prctl
         logger.debug("PR_SET_PDEATHSIG unavailable")
+        return False

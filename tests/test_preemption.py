@@ -3,6 +3,10 @@ signal, partial saves cleaned at start, elastic restarts resuming on their own, 
 
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +144,38 @@ def test_restarts_across_nodes_with_the_shared_store_are_refused_naming_the_fix(
         _restart_safe_store(rank=0, world_size=4, timeout_s=5)
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restarts: torch's default rendezvous, nothing to refuse
     assert _restart_safe_store(rank=0, world_size=4, timeout_s=5) is None
+
+
+_CHILD = """
+import sys, time
+from pathlib import Path
+from ddp_ft.preemption import StopSignal
+with StopSignal() as stop:
+    Path(sys.argv[1]).write_text("ready")
+    deadline = time.monotonic() + 60
+    while stop.received is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    Path(sys.argv[1]).write_text(f"stopped by {stop.received}")
+"""
+_LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(120)
+"""
+
+
+def test_a_rank_whose_launcher_dies_without_forwarding_a_signal_still_gets_sigterm(tmp_path):
+    """A launcher that dies of a signal it does not forward (torchrun of SIGUSR1 without --signals-to-handle, the
+    single-process ``accelerate launch`` of anything) would leave its rank training on alone; the rank asks Linux for
+    SIGTERM when its parent dies, so it stops with a checkpoint instead."""
+    marker = tmp_path / "child.txt"
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _CHILD, str(marker)], env=env)
+    deadline = time.monotonic() + 60
+    while not (marker.exists() and marker.read_text() == "ready") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.kill()  # SIGKILL: forwards nothing
+    launcher.wait()
+    while marker.read_text() == "ready" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.read_text() == "stopped by SIGTERM"
