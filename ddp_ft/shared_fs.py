@@ -12,6 +12,7 @@ in a collective for a peer that already failed.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import secrets
@@ -121,8 +122,8 @@ def _write_marker(marker: Path, token: str) -> None:
 
 
 def _fingerprint(path: Path) -> str:
-    """What identifies one checkpoint's contents cheaply: every file's name and size, and the bytes of its small
-    files (the state json, ``latest``-relevant metadata), never the weights."""
+    """What identifies one checkpoint's contents cheaply: every file's name and size and the bytes of its JSON files
+    (the training state, the adapter config), never the weights."""
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         size = file.stat().st_size
@@ -139,7 +140,7 @@ def check_shared_resume(resolve: Callable[[], Path | str | None], info: DistInfo
     output_dir, restart_count)``); each rank calls it on its own filesystem. With one process this is ``resolve()``.
 
     Raises:
-        The exception rank 0's ``resolve`` raised (a Trainer checkpoint, no checkpoint yet, ...), on every rank.
+        Exception: what rank 0's ``resolve`` raised (a Trainer checkpoint, no checkpoint yet, ...), on every rank.
         SharedFilesystemError: on every rank, when rank 0 resolved a checkpoint but another rank raised, resolved
             another path or none, or sees other contents there; naming each such rank's node and the fix.
     """
@@ -153,15 +154,15 @@ def check_shared_resume(resolve: Callable[[], Path | str | None], info: DistInfo
         raise error if info.is_main_process else _rebuild(first_error)
     path = first_found[0] if first_found else None
     failed = []
-    for rank, (found, error, node) in enumerate(outcomes[1:], start=1):
-        if error is not None:
-            failed.append(_describe(rank, node, f"{error[0].__name__}: {error[1]}"))
-        elif found is None or path is None:
-            if found != first_found:
-                failed.append(_describe(rank, node, f"resolved {found[0] if found else 'no checkpoint'}"))
-        elif found[0] != path:
-            failed.append(_describe(rank, node, f"resolved another checkpoint, {found[0]}"))
-        elif found[1] != first_found[1]:
+    for rank, (theirs, their_error, node) in enumerate(outcomes[1:], start=1):
+        if their_error is not None:
+            failed.append(_describe(rank, node, f"{their_error[1]}: {their_error[2]}"))
+        elif theirs is None or path is None:
+            if theirs != first_found:
+                failed.append(_describe(rank, node, f"resolved {theirs[0] if theirs else 'no checkpoint'}"))
+        elif theirs[0] != path:
+            failed.append(_describe(rank, node, f"resolved another checkpoint, {theirs[0]}"))
+        elif theirs[1] != first_found[1]:
             failed.append(_describe(rank, node, f"sees other files in {path} (names, sizes or state differ)"))
     if failed:
         raise SharedFilesystemError(
@@ -181,14 +182,16 @@ def _resolve_with_fingerprint(resolve: Callable[[], Path | str | None]) -> tuple
     return str(path), _fingerprint(path)
 
 
-def _portable(error: BaseException | None) -> tuple[type, str] | None:
-    """An exception as (class, message): gathers safely whatever the exception holds."""
-    return None if error is None else (type(error), str(error))
+def _portable(error: BaseException | None) -> tuple[str, str, str] | None:
+    """An exception as (module, class name, message): strings gather safely whatever the exception holds."""
+    return None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
 
 
-def _rebuild(error: tuple[type, str]) -> BaseException:
-    cls, message = error
+def _rebuild(error: tuple[str, str, str]) -> BaseException:
+    """The same exception class with the same message, where it can be rebuilt; a RuntimeError naming it if not."""
+    module, name, message = error
     try:
+        cls = getattr(importlib.import_module(module), name)
         return cls(message)
-    except Exception:  # a class whose constructor takes other arguments
-        return RuntimeError(f"{cls.__name__}: {message}")
+    except Exception:  # a local class, or a constructor that takes other arguments
+        return RuntimeError(f"{name}: {message}")
