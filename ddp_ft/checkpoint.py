@@ -306,9 +306,9 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
     """Turn ``--resume`` (a folder, or 'latest') into one of the loop's checkpoint folders.
 
     Raises:
-        FileNotFoundError: no such checkpoint, naming what was looked for and where.
+        FileNotFoundError: no such checkpoint, or one missing a file; naming what was looked for and where.
         ValueError: a checkpoint the loop cannot continue: the HF Trainer's, an older ddp_ft format, another
-            format_version; naming the path and what it is.
+            format_version, a damaged one (state not JSON, a file cut short); naming the path and what it is.
     """
     if resume == "latest":
         name = _latest_name(Path(output_dir))
@@ -318,7 +318,10 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
     else:
         path = Path(resume)
     if (path / STATE_FILE).is_file():
-        version = json.loads((path / STATE_FILE).read_text()).get("format_version")
+        try:
+            version = json.loads((path / STATE_FILE).read_text()).get("format_version")
+        except (ValueError, AttributeError) as err:  # cut short, overwritten, not an object
+            raise ValueError(_damaged(resume, path, f"{STATE_FILE} is not a JSON object ({err})")) from None
         if version != FORMAT_VERSION:
             raise ValueError(
                 f"--resume {resume}: checkpoint format_version {version}, but this ddp_ft reads format_version "
@@ -329,6 +332,7 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
             raise FileNotFoundError(
                 f"--resume {resume}: {path} is an incomplete ddp_ft checkpoint (no {ADAPTER_DIR}/)."
             )
+        _check_intact(path, resume)
         return path
     if (path / TRAINER_STATE_FILE).is_file():
         if "batch_in_epoch" in json.loads((path / TRAINER_STATE_FILE).read_text()):
@@ -347,6 +351,51 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
         f"--resume {resume}: {path} is not a ddp_ft checkpoint (no {STATE_FILE}); scripts/train.py writes "
         f"{CHECKPOINT_PREFIX}-N folders."
     )
+
+
+_TORCH_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
+_POSITION_KEYS = ("global_step", "epoch", "sample_in_epoch", "samples_seen")
+
+
+def _damaged(resume: str, path: Path, what: str) -> str:
+    return (
+        f"--resume {resume}: {path} is damaged: {what}. Resume an earlier checkpoint ({CHECKPOINT_PREFIX}-N in "
+        f"{path.parent}) or start a new run in another --output-dir."
+    )
+
+
+def _safetensors_intact(file: Path) -> bool:
+    """The header parses and the file holds every byte the header points to (a truncated copy does not)."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return file.stat().st_size >= 8 + length + end
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return False
+
+
+def _check_intact(path: Path, resume: str) -> None:
+    """What can be checked without loading anything: the position keys, every file present and not cut short
+    (``torch.save`` writes zip archives, whose directory is at the end; safetensors declare their size).
+
+    Raises:
+        FileNotFoundError: a file missing. ValueError: a file damaged; both naming it.
+    """
+    state = json.loads((path / STATE_FILE).read_text())
+    missing = [k for k in _POSITION_KEYS if not isinstance(state.get(k), int)]
+    if missing:
+        raise ValueError(_damaged(resume, path, f"{STATE_FILE} lacks the position {missing}"))
+    absent = [name for name in _TORCH_FILES if not (path / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"--resume {resume}: {path} is an incomplete ddp_ft checkpoint (no {absent}).")
+    for name in _TORCH_FILES:
+        if not zipfile.is_zipfile(path / name):
+            raise ValueError(_damaged(resume, path, f"{name} is cut short or not a torch.save file"))
+    for file in sorted((path / ADAPTER_DIR).glob("*.safetensors")):
+        if not _safetensors_intact(file):
+            raise ValueError(_damaged(resume, path, f"{ADAPTER_DIR}/{file.name} is cut short or not safetensors"))
 
 
 def saved_position(path: str | Path) -> tuple[TrainState, DataLayout | None]:

@@ -50,8 +50,12 @@ class DDPSettings:
                 f"powersgd_rank={self.powersgd_rank}, powersgd_start_iter={self.powersgd_start_iter}: need a rank "
                 ">= 1 and start_iter >= 2 (torch's PowerSGD needs one plain step to build its buckets' state)."
             )
-        if self.bucket_cap_mb <= 0 or self.first_bucket_cap_mb <= 0:
-            raise ValueError("bucket_cap_mb and first_bucket_cap_mb must be > 0.")
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if not getattr(self, name) > 0:  # also NaN, which would put every gradient in one bucket
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: must be a positive number of MiB (torch DDP's defaults: "
+                    "bucket_cap_mb=25, first_bucket_cap_mb=1)."
+                )
         if self.ddp_timeout <= 0:
             raise ValueError(f"ddp_timeout={self.ddp_timeout}: must be a positive number of seconds.")
 

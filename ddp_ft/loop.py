@@ -191,9 +191,13 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
     train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
     eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
     if len(train_set) < t.effective_batch:
+        least = t.micro_batch * info.world_size  # the smallest effective batch this world size can train
+        fix = (f"fewer than the {least} one micro-batch on each of world_size={info.world_size} ranks needs: run "
+               "fewer processes, lower --micro-batch, or use more data" if len(train_set) < least else
+               "lower --effective-batch or use more data")  # fmt: skip
         raise ValueError(
             f"the training set has {len(train_set)} samples, fewer than one effective batch "
-            f"(effective_batch={t.effective_batch}): lower --effective-batch or use more data."
+            f"(effective_batch={t.effective_batch}): {fix}."
         )
     faults = FaultInjector.from_env(info.rank)
     return RunParts(accumulation, device_map, model_path, tokenizer, train_set, eval_set, make_collator(tokenizer),

@@ -12,6 +12,7 @@ from ..config import RunSettings
 from ..distributed import DistInfo
 from ..loop import build_model, prepare_run
 from ..metrics import resolve_wandb_mode
+from .launch import check_accelerate_launch
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -36,10 +37,16 @@ def wandb_report_to(settings: RunSettings, job_type: str, info: DistInfo) -> lis
 
 
 def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
-    """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``."""
+    """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
+
+    Raises:
+        ValueError: before the model loads, for an Accelerate launch setting the recipe cannot honour
+            (``ddp_ft.integrations.launch``) and for everything ``prepare_run`` refuses.
+    """
     from transformers import TrainingArguments
 
     t = settings.train
+    check_accelerate_launch()  # what `accelerate launch` exported and the recipe cannot honour
     parts = prepare_run(settings, info)
     logger.info("data: %s", parts.report)
     model = build_model(settings, info, parts)

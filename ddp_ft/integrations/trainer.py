@@ -305,6 +305,26 @@ class BucketedTrainer(Trainer):
             model = self.model
         return super()._wrap_model(model, training=training, dataloader=dataloader)
 
+    def prediction_step(self, model: torch.nn.Module, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """The Trainer's step with each batch's loss its own token mean, as on one process.
+
+        With ``average_tokens_across_devices`` the stock step divides a batch's summed loss by the answer tokens of
+        *all* ranks' batches and multiplies by the world size. That is right for a gradient, but the evaluation loop
+        averages the per-rank values it gathers, and ``gather_for_metrics`` drops the duplicate samples that
+        Accelerate's even batches add to the last step: the value left for the last real sample was divided by
+        the tokens of the dropped duplicates too, and the per-rank values only average right in pairs (measured on
+        the tiny model and 5 samples: eval_loss 7.68 on 2 ranks, 7.44 on one process). With each batch's own mean,
+        ``per_device_eval_batch_size=1`` gives the mean of the per-sample losses on every world size
+        (``tests/test_eval_uneven.py``); larger eval batches give the stock Trainer's mean of batch means, which
+        depends on how the samples fall into batches, so on the world size.
+        """
+        averaging = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            self.args.average_tokens_across_devices = averaging
+
     def training_step(self, model: torch.nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The Trainer's step, refused for a multi-process run whose model is not BucketedDDP.
 

@@ -1,0 +1,126 @@
+"""What ``accelerate launch`` was asked for, checked against what the recipe can honour, before the model loads.
+
+The recipe trains data-parallel with BucketedDDP and picks its own precision (bf16 autocast on CUDA, float32 on the
+CPU, ``ModelSettings.compute_dtype`` for the 4-bit layers). Accelerate does not refuse the rest; it drops it:
+
+- ``distributed_type: FSDP`` / ``DEEPSPEED`` / ``MEGATRON_LM`` launch the processes and export
+  ``ACCELERATE_USE_<TYPE>=true``; the Trainer would then prepare the model with that engine, not BucketedDDP.
+- ``mixed_precision: fp16`` is exported as ``ACCELERATE_MIXED_PRECISION``; the recipe's ``bf16=True`` on CUDA
+  overrides it and on the CPU Accelerate skips fp16 autocast, both silently. ``bf16`` on the CPU would autocast
+  where the plain loop runs float32. ``fp8`` needs engines the recipe does not set up.
+- ``use_cpu: true`` with CUDA visible makes the Trainer run on the CPU while ddp_ft puts the model on the GPU.
+- ``num_processes`` is not exported at all: ``distributed_type: 'NO'`` or ``use_cpu: true`` start one process
+  whatever it says, and ``num_processes`` not divisible by ``num_machines`` starts ``num_processes // num_machines``
+  per machine. The running script cannot see these; ``check_accelerate_config`` finds them in the file.
+
+``check_accelerate_launch`` reads the environment (what a running script can see); ``check_accelerate_config``
+checks a config file. Both raise ``ValueError`` naming the config key, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED",
+            "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM"}  # fmt: skip
+_DATA_PARALLEL = ("NO", "MULTI_GPU", "MULTI_CPU")
+_EXAMPLES = "accelerate_configs/2gpu.yaml (GPUs) or accelerate_configs/2cpu_gloo.yaml (CPU processes)"
+
+
+def _true(value: str | None) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "y", "on")
+
+
+def allowed_mixed_precision(cuda: bool) -> tuple[str, ...]:
+    """The ``mixed_precision`` values the recipe honours: what it does anyway (bf16 autocast on CUDA) or 'no'."""
+    return ("no", "bf16") if cuda else ("no",)
+
+
+def _check_mixed_precision(value: str, cuda: bool, where: str) -> None:
+    allowed = allowed_mixed_precision(cuda)
+    if value.lower() not in allowed:
+        device = "CUDA" if cuda else "the CPU"
+        raise ValueError(
+            f"accelerate config mixed_precision={value!r} ({where}): the recipe sets the precision itself (bf16 "
+            f"autocast on CUDA, float32 on the CPU; 4-bit layers compute in --compute-dtype), so on {device} it "
+            f"would be ignored or differ from scripts/train.py. Set mixed_precision to one of {list(allowed)}."
+        )
+
+
+def check_accelerate_launch(environ: Mapping[str, str] | None = None, cuda: bool | None = None) -> None:
+    """Refuse a launch whose exported Accelerate settings the recipe cannot honour; call before the model loads.
+
+    Args:
+        environ (Mapping[str, str] | None): the environment ``accelerate launch`` exported. Default: ``os.environ``
+        cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``
+
+    Raises:
+        ValueError: a non data-parallel ``distributed_type`` (FSDP, DEEPSPEED, MEGATRON_LM), a ``mixed_precision``
+            other than 'no' (or 'bf16' on CUDA), ``use_cpu: true`` with CUDA visible; each naming the key and the fix.
+    """
+    environ = os.environ if environ is None else environ
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    for variable, engine in _ENGINES.items():
+        if _true(environ.get(variable)):
+            raise ValueError(
+                f"accelerate config distributed_type={engine} ({variable}={environ[variable]}): ddp_ft trains "
+                f"data-parallel with BucketedDDP only, so the {engine} engine would take the model over. Launch with "
+                f"distributed_type MULTI_GPU or 'NO', e.g. {_EXAMPLES}."
+            )
+    if "ACCELERATE_MIXED_PRECISION" in environ:
+        _check_mixed_precision(environ["ACCELERATE_MIXED_PRECISION"], cuda, "ACCELERATE_MIXED_PRECISION")
+    if cuda and _true(environ.get("ACCELERATE_USE_CPU")):
+        raise ValueError(
+            "accelerate config use_cpu=true (ACCELERATE_USE_CPU) while CUDA is available: the Trainer would run on "
+            "the CPU and ddp_ft puts the model on the GPU. Set use_cpu: false, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=)."
+        )
+
+
+def check_accelerate_config(path: str | Path, cuda: bool = False) -> None:
+    """Refuse an Accelerate config file that would launch another run than it says; parsed by Accelerate itself.
+
+    Args:
+        path (str | Path): the YAML or JSON file given to ``accelerate launch --config_file``.
+        cuda (bool): check ``mixed_precision`` as for a CUDA machine. Default: False
+
+    Raises:
+        ValueError: a ``distributed_type`` other than 'NO', MULTI_GPU, MULTI_CPU; a ``mixed_precision`` the recipe
+            does not honour; ``num_processes`` that Accelerate would not launch (above 1 with 'NO' or use_cpu, below
+            2 with MULTI_GPU/MULTI_CPU, not divisible by ``num_machines``). Each names the key and the fix.
+    """
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(path))
+    kind = str(getattr(config.distributed_type, "value", config.distributed_type))
+    processes, machines = int(config.num_processes), int(config.num_machines or 1)
+    where = f"in {path}"
+    if kind not in _DATA_PARALLEL:
+        raise ValueError(
+            f"accelerate config distributed_type={kind} {where}: ddp_ft trains data-parallel with BucketedDDP only. "
+            f"Use one of {list(_DATA_PARALLEL)}, e.g. {_EXAMPLES}."
+        )
+    _check_mixed_precision(str(getattr(config.mixed_precision, "value", config.mixed_precision)), cuda, where)
+    if processes > 1 and (kind == "NO" or config.use_cpu):
+        why = "distributed_type 'NO'" if kind == "NO" else "use_cpu: true"
+        raise ValueError(
+            f"accelerate config num_processes={processes} {where}: with {why} accelerate launch starts one process "
+            f"and ignores num_processes. For several processes use distributed_type MULTI_GPU with use_cpu: false "
+            f"(without CUDA they run on the CPU over gloo), e.g. {_EXAMPLES}."
+        )
+    if kind != "NO" and processes < 2:
+        raise ValueError(
+            f"accelerate config num_processes={processes} {where}: distributed_type {kind} needs at least 2; for one "
+            "process use accelerate_configs/single.yaml (distributed_type 'NO')."
+        )
+    if processes % machines:
+        raise ValueError(
+            f"accelerate config num_processes={processes} {where} is not divisible by num_machines={machines}: "
+            f"accelerate launch would start {processes // machines} per machine, {processes // machines * machines} "
+            "in all. Give num_processes as machines x processes per machine."
+        )

@@ -1,0 +1,260 @@
+"""Every refused setting and input, one row each (README table "Refused settings and inputs").
+
+Each row goes through the real entry in process: the command line (``parse_settings``) and then the plain loop
+(``ddp_ft.loop.train``), the Trainer recipe's ``build_trainer``, or Accelerate's config checks. Each asserts the error
+type and a fragment naming the setting, that the model never loaded, and that the checkpoint already in --output-dir
+is byte for byte what it was. The one 2-rank row (world size larger than the dataset) runs under torchrun, which
+also shows the exit code and the message on stderr.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_ft import loop
+from ddp_ft.checkpoint import TrainState, save_checkpoint
+from ddp_ft.config import parse_settings
+from ddp_ft.data import DataLayout, load_raw_splits
+from ddp_ft.distributed import DistInfo
+from ddp_ft.integrations import recipe
+from ddp_ft.integrations.launch import check_accelerate_config, check_accelerate_launch
+
+from .test_checkpoint import _parts, _trainer_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--preset", "tiny", "--num-synthetic", "24", "--report-to", "none"]  # 23 training samples, 1 eval
+SAVED = {"effective_batch": 4, "seed": 42, "micro_batch": 2}  # the layout of the checkpoint in --output-dir
+
+
+def _jsonl(rows):
+    return lambda d: d.write("data.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _checkpoint_copy(damage):
+    """A copy of the saved checkpoint outside --output-dir, damaged by ``damage(folder)``; the rows resume it at
+    its own effective batch, so the damage is the only thing wrong."""
+
+    def make(d):
+        copy = d.tmp / "copy" / "ddp_ft-checkpoint-2"
+        shutil.copytree(d.checkpoint, copy)
+        damage(copy)
+        return str(copy)
+
+    return make
+
+
+def _cut(name):
+    """``name`` cut to half its bytes, as a copy or transfer that stopped early leaves it."""
+    return lambda folder: (folder / name).write_bytes(
+        (folder / name).read_bytes()[: (folder / name).stat().st_size // 2]
+    )
+
+
+def _other_format(folder):
+    state = json.loads((folder / "ddp_ft_state.json").read_text())
+    (folder / "ddp_ft_state.json").write_text(json.dumps({**state, "format_version": 2}))
+
+
+def _trainer_folder(d):
+    _trainer_checkpoint(d.tmp / "trainer" / "checkpoint-3")
+    return str(d.tmp / "trainer" / "checkpoint-3")
+
+
+def _plain_folder(d):
+    (d.tmp / "notes").mkdir()
+    (d.tmp / "notes" / "readme.txt").write_text("not a checkpoint")
+    return str(d.tmp / "notes")
+
+
+def _config(text):
+    head = "compute_environment: LOCAL_MACHINE\nmachine_rank: 0\nmain_process_ip: 127.0.0.1\nmain_process_port: 0\n"
+    return lambda d: d.write("config.yaml", head + text)
+
+
+_MEETING = {"dialogue": "A: we pick the red case. B: agreed, red it is.", "summary": "They chose the red case."}
+_LONG_INSTRUCTION = "Summarize the meeting below in one short paragraph. " * 6
+
+# id -> (entry, flags (str, or a function of the test's Inputs returning a str), error type, message fragment)
+#   parse: the command line only; train: command line + ddp_ft.loop.train; recipe: command line + build_trainer with
+#   the environment `accelerate launch` exports; config: an accelerate config file; cuda-launch: the exported
+#   environment checked as on a CUDA machine (none here).
+ROWS = {
+    "bucket_cap_mb<=0": ("parse", ["--bucket-cap-mb", "0"], ValueError,
+                         "bucket_cap_mb=0.0: must be a positive number of MiB"),
+    "first_bucket_cap_mb=nan": ("parse", ["--first-bucket-cap-mb", "nan"], ValueError,
+                                "first_bucket_cap_mb=nan: must be a positive number of MiB"),
+    "unknown comm_hook": ("parse", ["--comm-hook", "int8"], ValueError,
+                          "comm_hook='int8': choose one of allreduce, bf16, fp16, powersgd"),
+    "powersgd_start_iter<2": ("parse", ["--comm-hook", "powersgd", "--powersgd-start-iter", "1"], ValueError,
+                              "powersgd_start_iter=1"),
+    "unknown preset": ("parse", ["--preset", "qwen-huge"], SystemExit, "unknown --preset 'qwen-huge'; choose one of"),
+    "effective_batch<1": ("parse", ["--effective-batch", "0"], ValueError, "effective_batch=0: must be >= 1"),
+    "max_seq_len below the floor": ("parse", ["--max-seq-len", "32"], ValueError,
+                                    "DataSettings.max_seq_len=32: must be >= 64"),
+    "effective batch not micro x world": ("train", ["--effective-batch", "7"], ValueError,
+                                          "effective_batch=7 is not divisible by micro_batch=2 x world_size=1"),
+    "max_seq_len below the template": ("train", ["--max-seq-len", "64", "--instruction", _LONG_INSTRUCTION],
+                                       ValueError, "DataSettings.max_seq_len=64 is too small for this tokenizer"),
+    "missing column": ("train", ["--source", _jsonl([{"transcript": "a b", "summary": "c"}] * 12)], ValueError,
+                       "missing column(s) 'dialogue' (--dialogue-column, DataSettings.dialogue_column)"),
+    "empty file": ("train", ["--source", lambda d: d.write("empty.jsonl", "")], ValueError, "the file is empty"),
+    "only empty rows": ("train", ["--source", _jsonl([{"dialogue": " ", "summary": "x"}] * 12)], ValueError,
+                        "all 12 rows of split 'train' have an empty dialogue or summary"),
+    "fewer samples than one effective batch": ("train", ["--source", _jsonl([_MEETING] * 7), "--eval-fraction", "0"],
+                                               ValueError, "has 7 samples, fewer than one effective batch "
+                                               "(effective_batch=8): lower --effective-batch"),
+    "resume: a Trainer checkpoint": ("train", ["--resume", _trainer_folder], ValueError,
+                                     "is a Hugging Face Trainer checkpoint"),
+    "resume: not a checkpoint": ("train", ["--resume", _plain_folder], FileNotFoundError,
+                                 "is not a ddp_ft checkpoint (no ddp_ft_state.json)"),
+    "resume: another format_version": ("train", ["--resume", _checkpoint_copy(_other_format), "--effective-batch",
+                                       "4"], ValueError,
+                                       "checkpoint format_version 2, but this ddp_ft reads format_version 1"),
+    "resume: state file cut short": ("train", ["--resume", _checkpoint_copy(_cut("ddp_ft_state.json")),
+                                     "--effective-batch", "4"], ValueError,
+                                     "is damaged: ddp_ft_state.json is not a JSON object"),
+    "resume: optimizer.pt cut short": ("train", ["--resume", _checkpoint_copy(_cut("optimizer.pt")),
+                                       "--effective-batch", "4"], ValueError, "is damaged: optimizer.pt is cut short"),
+    "resume: another effective batch": ("train", ["--resume", "latest", "--effective-batch", "8"], ValueError,
+                                        "Resume with --effective-batch 4"),
+    "resume: other data": ("train", ["--resume", "latest", "--effective-batch", "4", "--num-synthetic", "40"],
+                           ValueError, "the training set changed (23 -> 38 samples)"),
+    "resume: another seed": ("train", ["--resume", "latest", "--effective-batch", "4", "--seed", "7"], ValueError,
+                             "Resume with --seed 42"),
+    "accelerate distributed_type FSDP": ("recipe", {"ACCELERATE_USE_FSDP": "true"}, ValueError,
+                                         "accelerate config distributed_type=FSDP"),
+    "accelerate distributed_type DEEPSPEED": ("recipe", {"ACCELERATE_USE_DEEPSPEED": "true"}, ValueError,
+                                              "accelerate config distributed_type=DEEPSPEED"),
+    "accelerate mixed_precision fp16": ("recipe", {"ACCELERATE_MIXED_PRECISION": "fp16"}, ValueError,
+                                        "accelerate config mixed_precision='fp16'"),
+    "accelerate mixed_precision bf16 on CPU": ("recipe", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ValueError,
+                                               "mixed_precision='bf16' (ACCELERATE_MIXED_PRECISION): the recipe sets"),
+    "accelerate use_cpu with CUDA": ("cuda-launch", {"ACCELERATE_USE_CPU": "True"}, ValueError,
+                                     "accelerate config use_cpu=true (ACCELERATE_USE_CPU) while CUDA is available"),
+    "config: 'NO' with num_processes 2": ("config", _config("distributed_type: 'NO'\nnum_machines: 1\n"
+                                          "num_processes: 2\nmixed_precision: 'no'\nuse_cpu: false\n"), ValueError,
+                                          "num_processes=2 in"),
+    "config: use_cpu with num_processes 2": ("config", _config("distributed_type: MULTI_CPU\nnum_machines: 1\n"
+                                             "num_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n"), ValueError,
+                                             "with use_cpu: true accelerate launch starts one process"),
+    "config: MULTI_GPU with num_processes 1": ("config", _config("distributed_type: MULTI_GPU\nnum_machines: 1\n"
+                                               "num_processes: 1\nmixed_precision: 'no'\nuse_cpu: false\n"),
+                                               ValueError, "distributed_type MULTI_GPU needs at least 2"),
+    "config: num_processes not per machine": ("config", _config("distributed_type: MULTI_GPU\nnum_machines: 2\n"
+                                              "num_processes: 3\nmixed_precision: 'no'\nuse_cpu: false\n"),
+                                              ValueError, "is not divisible by num_machines=2"),
+    "config: distributed_type FSDP": ("config", _config("distributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\n"
+                                      "mixed_precision: 'no'\nuse_cpu: false\n"), ValueError,
+                                      "accelerate config distributed_type=FSDP in"),
+    "config: mixed_precision fp16": ("config", _config("distributed_type: MULTI_GPU\nnum_machines: 1\n"
+                                     "num_processes: 2\nmixed_precision: fp16\nuse_cpu: false\n"), ValueError,
+                                     "accelerate config mixed_precision='fp16' (in"),
+}  # fmt: skip
+
+
+class Inputs:
+    """What a row's flags point at, written under the test's tmp_path on demand."""
+
+    def __init__(self, tmp: Path, checkpoint: Path) -> None:
+        self.tmp, self.checkpoint = tmp, checkpoint
+
+    def write(self, name: str, text: str) -> str:
+        (self.tmp / name).write_text(text)
+        return str(self.tmp / name)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+class ModelLoaded(AssertionError):
+    """A row that should fail before the model loads reached the loader."""
+
+
+@pytest.fixture
+def run_dir(tmp_path, tiny_cache, monkeypatch):
+    """--output-dir holding a saved checkpoint of this data (23 samples) at effective batch 4, step 2; the model
+    loaders armed to fail the test."""
+    monkeypatch.setenv("DDP_FT_CACHE", tiny_cache)
+    for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+
+    def loaded(*args, **kwargs):
+        raise ModelLoaded("the model loaded before the bad input was refused")
+
+    for module in (loop, recipe):
+        monkeypatch.setattr(module, "build_model", loaded)
+    monkeypatch.setattr(loop, "load_qlora_model", loaded)
+    run = tmp_path / "run"
+    samples = len(load_raw_splits(parse_settings(BASE).data)["train"])
+    layout = DataLayout(train_samples=samples, world_size=1, **SAVED)
+    model, optimizer, scheduler = _parts()
+    save_checkpoint(run, model, optimizer, scheduler, TrainState(2, 0, 8, 8), DistInfo(), layout=layout)
+    return run
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_bad_input_is_refused_naming_the_setting_before_the_model_loads_leaving_the_checkpoint_intact(
+    row, run_dir, tmp_path, monkeypatch, capsys
+):
+    entry, flags, error, fragment = ROWS[row]
+    before = _snapshot(run_dir)
+    assert len(before) >= 6, "premise: a complete checkpoint and latest"
+    inputs = Inputs(tmp_path, run_dir / "ddp_ft-checkpoint-2")
+    with pytest.raises(error) as raised:
+        if entry in ("parse", "train", "recipe"):
+            argv = [*BASE, "--output-dir", str(run_dir)]
+            if entry == "recipe":
+                for name, value in flags.items():
+                    monkeypatch.setenv(name, value)
+            else:
+                argv += [flag(inputs) if callable(flag) else flag for flag in flags]
+            settings = parse_settings(argv)
+            if entry == "train":
+                loop.train(settings, DistInfo())
+            elif entry == "recipe":
+                recipe.build_trainer(settings, DistInfo())
+        elif entry == "config":
+            check_accelerate_config(flags(inputs))
+        else:
+            check_accelerate_launch(flags, cuda=True)
+    message = capsys.readouterr().err if error is SystemExit else str(raised.value)
+    if error is SystemExit:
+        assert raised.value.code not in (0, None)
+    assert fragment in message, message
+    assert _snapshot(run_dir) == before, "the checkpoint in --output-dir changed"
+
+
+def test_the_shipped_accelerate_configs_pass_the_checks():
+    configs = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+    assert len(configs) == 4
+    for path in configs:
+        check_accelerate_config(path, cuda="gpu" in path.stem)
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_on_one_training_sample_exit_non_zero_naming_world_size_and_the_checkpoint_stays(
+    tmp_path, tiny_cache, run_dir
+):
+    """World size larger than the dataset, as users meet it: every rank refuses before the model loads, torchrun
+    exits non-zero, and the message is on stderr."""
+    before = _snapshot(run_dir)
+    source = tmp_path / "one.jsonl"
+    source.write_text(json.dumps(_MEETING) + "\n")
+    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2",
+               str(ROOT / "scripts" / "train.py"), *BASE, "--source", str(source), "--eval-fraction", "0",
+               "--effective-batch", "2", "--micro-batch", "1", "--output-dir", str(run_dir)]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": tiny_cache,
+           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    message = "the training set has 1 samples, fewer than one effective batch (effective_batch=2): fewer than the 2"
+    assert run.stderr.count(message) >= 2, run.stderr[-4000:]  # both ranks
+    assert "world_size=2 ranks needs: run fewer processes" in run.stderr
+    assert "loaded " not in run.stderr and "Loading weights" not in run.stderr, "the model loaded"
+    assert _snapshot(run_dir) == before
