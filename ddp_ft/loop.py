@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from .checkpoint import (
     TrainState,
     checkpoint_to_resume,
-    clean_partial_saves,
     load_checkpoint,
     save_checkpoint,
     saved_position,
@@ -35,9 +34,11 @@ from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
 from .faults import FaultInjector
+from .integrations.launch import check_accelerate_launch
 from .metrics import ThroughputMeter, open_metric_sink
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .preemption import StopSignal
+from .shared_fs import check_shared_resume, prepare_output_dir
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,8 @@ def forward_backward(
         counts (torch.Tensor | None): ``step_counts(group, info)``, if already reduced. Default: reduced here.
 
     Returns:
-        tuple[float, torch.Tensor]: the step's global token-mean loss, and [answer tokens, input tokens, ...]
-        summed over ranks.
+        tuple[float, torch.Tensor]: the step's global token-mean loss, and [answer tokens, input tokens] summed
+        over ranks.
     """
     counts = step_counts(group, info) if counts is None else counts
     answer_tokens = counts[0].clamp(min=1).to(torch.float32)
@@ -133,7 +134,7 @@ def forward_backward(
             loss = model(**batch, num_items_in_batch=answer_tokens).loss
             (loss * info.world_size).backward()
         local_loss += loss.detach().double()
-    return _sum_over_ranks(local_loss, info).item(), counts
+    return _sum_over_ranks(local_loss, info).item(), counts[:2]
 
 
 @torch.no_grad()
@@ -174,6 +175,24 @@ class RunParts:
     faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
 
 
+def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict | str]:
+    """The checks that need nothing but the settings and the world size; both entry points run them first.
+
+    Returns:
+        tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
+
+    Raises:
+        ValueError: an Accelerate launch setting no entry point can honour, impossible batch arithmetic, or a
+            model-splitting device map under DDP, each naming the setting to change.
+    """
+    check_accelerate_launch()  # what `accelerate launch` exported and neither entry point can honour
+    t = settings.train
+    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
+    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
+    check_device_map(device_map, info.world_size)
+    return accumulation, device_map
+
+
 def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
     """Check the settings against the world size, then build tokenizer and data; every check before the model.
 
@@ -182,9 +201,7 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
             training samples than one effective batch, each naming the setting to change.
     """
     t = settings.train
-    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
-    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
-    check_device_map(device_map, info.world_size)
+    accumulation, device_map = check_run_settings(settings, info)
     model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
     tokenizer = load_tokenizer(tokenizer_path)
     splits = load_raw_splits(settings.data)
@@ -257,10 +274,9 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
 
     t = settings.train
     output_dir = Path(t.output_dir)
-    if info.is_main_process:  # a save killed half-way (SIGKILL, node loss) left a hidden partial folder
-        for name in clean_partial_saves(output_dir):
-            logger.warning("removed %s: a checkpoint whose save did not finish", output_dir / name)
-    resume_from = checkpoint_to_resume(t.resume, output_dir, restart_count())
+    check_run_settings(settings, info)  # before anything is touched
+    prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
+    resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
     loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size, seed=t.seed,

@@ -195,3 +195,14 @@ def _rebuild(error: tuple[str, str, str]) -> BaseException:
         return cls(message)
     except Exception:  # a local class, or a constructor that takes other arguments
         return RuntimeError(f"{name}: {message}")
+
+
+def prepare_output_dir(output_dir: str | Path, info: DistInfo) -> None:
+    """What both entry points do to ``output_dir`` first, on every rank, before the model loads: check that every
+    node sees it (``check_shared_output_dir``), then rank 0 removes what saves killed half-way left there."""
+    from .checkpoint import clean_partial_saves
+
+    check_shared_output_dir(output_dir, info)
+    if info.is_main_process:
+        for name in clean_partial_saves(output_dir):
+            logger.warning("removed %s: a checkpoint whose save did not finish", Path(output_dir) / name)

@@ -15,7 +15,6 @@ import sys
 
 import torch
 
-from ddp_ft.checkpoint import clean_partial_saves
 from ddp_ft.config import parse_settings
 from ddp_ft.distributed import (
     DistInfo,
@@ -25,7 +24,9 @@ from ddp_ft.distributed import (
     restart_count,
     setup_logging,
 )
-from ddp_ft.integrations.recipe import build_trainer, trainer_resume_target
+from ddp_ft.integrations.recipe import build_trainer, trainer_checkpoint, trainer_resume_target
+from ddp_ft.loop import check_run_settings
+from ddp_ft.shared_fs import check_shared_resume, prepare_output_dir
 
 logger = logging.getLogger("ddp_ft.recipe")
 
@@ -47,12 +48,13 @@ def _run(argv: list[str] | None) -> None:
     why = "CUDA available" if torch.cuda.is_available() else "no CUDA: the embedded tiny default"
     logger.info("preset %s (%s), %d process(es)", settings.preset, why if chosen else "from --preset", info.world_size)
     try:
-        if info.is_main_process:  # a save killed half-way left a partial folder: never resumed, removed here
-            for name in clean_partial_saves(settings.train.output_dir):
-                logger.warning("removed %s: a checkpoint whose save did not finish", name)
+        output_dir = settings.train.output_dir
+        check_run_settings(settings, info)  # before anything is touched
+        prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
+        resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
+        check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
         trainer = build_trainer(settings, info)
-        trainer.train(resume_from_checkpoint=trainer_resume_target(settings.train.resume, settings.train.output_dir,
-                                                                   restart_count()))  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
         if trainer.stopped_by:
             logger.warning("stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
                            "restart continues on its own)", trainer.stopped_by, trainer.state.global_step)  # fmt: skip

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ddp_ft import loop
-from ddp_ft.checkpoint import TrainState, save_checkpoint
+from ddp_ft.checkpoint import FORMAT_VERSION, TrainState, save_checkpoint
 from ddp_ft.config import parse_settings
 from ddp_ft.data import DataLayout, load_raw_splits
 from ddp_ft.distributed import DistInfo
@@ -57,7 +57,7 @@ def _cut(name):
 
 def _other_format(folder):
     state = json.loads((folder / "ddp_ft_state.json").read_text())
-    (folder / "ddp_ft_state.json").write_text(json.dumps({**state, "format_version": 2}))
+    (folder / "ddp_ft_state.json").write_text(json.dumps({**state, "format_version": FORMAT_VERSION + 1}))
 
 
 def _trainer_folder(d):
@@ -114,7 +114,8 @@ ROWS = {
                                  "is not a ddp_ft checkpoint (no ddp_ft_state.json)"),
     "resume: another format_version": ("train", ["--resume", _checkpoint_copy(_other_format), "--effective-batch",
                                        "4"], ValueError,
-                                       "checkpoint format_version 2, but this ddp_ft reads format_version 1"),
+                                       f"checkpoint format_version {FORMAT_VERSION + 1}, but this ddp_ft reads "
+                                       f"format_version {FORMAT_VERSION}"),
     "resume: state file cut short": ("train", ["--resume", _checkpoint_copy(_cut("ddp_ft_state.json")),
                                      "--effective-batch", "4"], ValueError,
                                      "is damaged: ddp_ft_state.json is not a JSON object"),

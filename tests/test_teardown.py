@@ -20,6 +20,8 @@ ENTRY_POINTS = {"scripts/train.py": "train", "recipes/qwen_ami.py": "build_train
 class _FakeTrainer:
     """What the recipe's main calls on the trainer, doing nothing."""
 
+    stopped_by = None
+
     def train(self, resume_from_checkpoint=None):
         pass
 
@@ -33,7 +35,7 @@ class _FakeTrainer:
         pass
 
 
-def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks):
+def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks, output_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     spec = importlib.util.spec_from_file_location(f"entry_{rank}", ROOT / entry_point)
@@ -49,7 +51,7 @@ def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks):
 
     setattr(module, ENTRY_POINTS[entry_point], work)
     try:
-        module.main(["--preset", "tiny", "--report-to", "none"])
+        module.main(["--preset", "tiny", "--report-to", "none", "--output-dir", output_dir])
         outcome = "returned"
     except RuntimeError as error:
         assert f"injected failure on rank {rank}" in str(error)
@@ -59,11 +61,14 @@ def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks):
 
 @pytest.mark.parametrize("failing_ranks", [(), (1,)], ids=["success", "rank_1_fails"])
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS)
-def test_every_rank_tears_the_process_group_down_whether_training_succeeds_or_fails(entry_point, failing_ranks):
+def test_every_rank_tears_the_process_group_down_whether_training_succeeds_or_fails(
+    entry_point, failing_ranks, tmp_path
+):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = run_distributed(_main_then_group_state, entry_point, port, failing_ranks, init_group=False, timeout=120)
+    results = run_distributed(_main_then_group_state, entry_point, port, failing_ranks, str(tmp_path / "run"),
+                              init_group=False, timeout=120)  # fmt: skip
     for rank, (was_initialized, outcome, still_initialized) in enumerate(results):
         assert was_initialized, f"rank {rank} trained without a 2-process group"
         assert outcome == ("raised" if rank in failing_ranks else "returned"), (rank, outcome)

@@ -12,7 +12,6 @@ from ..config import RunSettings
 from ..distributed import DistInfo
 from ..loop import build_model, prepare_run
 from ..metrics import resolve_wandb_mode
-from .launch import check_accelerate_launch
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,6 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
     from transformers import TrainingArguments
 
     t = settings.train
-    check_accelerate_launch()  # what `accelerate launch` exported and the recipe cannot honour
     parts = prepare_run(settings, info)
     logger.info("data: %s", parts.report)
     model = build_model(settings, info, parts)
@@ -108,3 +106,22 @@ def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> s
         logger.info("elastic restart %d: resuming from %s", restart_count, get_last_checkpoint(output_dir))
         return True
     return True if resume == "latest" else (resume or None)
+
+
+def trainer_checkpoint(resume: str | bool | None, output_dir: str) -> str | None:
+    """The folder ``Trainer.train(resume_from_checkpoint=resume)`` will load, found before the model loads.
+
+    Raises:
+        FileNotFoundError: ``--resume latest`` with no ``checkpoint-N`` in ``output_dir``, or a ``--resume`` folder
+            that does not exist, naming it.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if resume is True:
+        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if found is None:
+            raise FileNotFoundError(f"--resume latest: no Trainer checkpoint (checkpoint-N) in {output_dir}.")
+        return found
+    if resume and not os.path.isdir(resume):
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint folder.")
+    return resume or None
