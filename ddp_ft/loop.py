@@ -279,8 +279,8 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
-    loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size, seed=t.seed,
-                         effective_batch=t.effective_batch)  # fmt: skip
+    loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size,
+                         seed=t.seed, effective_batch=t.effective_batch)  # fmt: skip
     # floor(samples / effective batch) steps per epoch, the same on every world size
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
     if resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model loads
@@ -333,6 +333,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     checkpoint = None
     stopped_by = None
     saved_step = state.global_step  # a checkpoint already holds this step (the one resumed, or nothing at 0)
+    has_eval = len(eval_set) > 0  # --eval-fraction 0: no eval loss at all (an empty sum is not a loss of 0)
     parts.faults.start(state.global_step, accumulation)
 
     def save() -> Path | None:
@@ -377,7 +378,12 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 last_loss = loss
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                if t.eval_every and state.global_step % t.eval_every == 0 and state.global_step < total_steps:
+                if (
+                    has_eval
+                    and t.eval_every
+                    and state.global_step % t.eval_every == 0
+                    and state.global_step < total_steps
+                ):
                     eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
                     sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
                               "eval_loss": eval_loss})  # fmt: skip
@@ -393,12 +399,13 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                            state.global_step, total_steps, "checkpoint saved" if new_work else
                            "the latest checkpoint already holds this step")  # fmt: skip
         else:
-            eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
-            sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
-                      "eval_loss": eval_loss})  # fmt: skip
+            if has_eval:
+                eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
+                sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
+                          "eval_loss": eval_loss})  # fmt: skip
             checkpoint = save()
             logger.info(
-                "done: %d steps, loss %s -> %s, eval loss %.4f", state.global_step, first_loss, last_loss, eval_loss
+                "done: %d steps, loss %s -> %s, eval loss %s", state.global_step, first_loss, last_loss, eval_loss
             )
     finally:
         progress.close()
