@@ -14,7 +14,7 @@ import pytest
 
 from ddp_ft.metrics import read_jsonl
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -98,6 +98,7 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert report
 
 
+@pytest.mark.faults
 def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigterm_to_accelerate_launch(tmp_path):
     """The recipe under ``accelerate launch --max_restarts 1``, 8 steps, a checkpoint every 2. Attempt 0: rank 0 is
     SIGKILLed after writing checkpoint 4 into the staging folder, before it is renamed into place; torchelastic

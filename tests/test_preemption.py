@@ -27,6 +27,8 @@ from ddp_ft.preemption import StopSignal
 from .dist_harness import run_distributed
 from .test_checkpoint import _parts
 
+pytestmark = pytest.mark.faults
+
 
 def test_a_stop_signal_is_recorded_not_fatal_and_the_previous_handlers_come_back():
     before = signal.getsignal(signal.SIGTERM)

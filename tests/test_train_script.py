@@ -108,6 +108,7 @@ def _adapter(checkpoint: Path) -> dict:
     return load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
 
 
+@pytest.mark.faults
 def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repeat_none(reference_run, tmp_path):
     """torchrun --max-restarts=1, 8 steps, a checkpoint every 2, LoRA dropout on. Attempt 0: rank 0 is SIGKILLed
     half-way through writing checkpoint 4; rank 1 fails in the save's barrier; torchrun restarts both. Attempt 1

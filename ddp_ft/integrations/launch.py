@@ -124,3 +124,10 @@ def check_accelerate_config(path: str | Path, cuda: bool = False) -> None:
             f"accelerate launch would start {processes // machines} per machine, {processes // machines * machines} "
             "in all. Give num_processes as machines x processes per machine."
         )
+
+
+if __name__ == "__main__":  # python -m ddp_ft.integrations.launch CONFIG.yaml [--cuda]: check a config before launching
+    import sys
+
+    check_accelerate_config(sys.argv[1], cuda="--cuda" in sys.argv[2:])
+    print(f"{sys.argv[1]}: ddp_ft can honour this accelerate config")
