@@ -27,3 +27,16 @@ def tiny_cache(tmp_path_factory) -> str:
         else:
             os.environ["DDP_FT_CACHE"] = previous
     return str(cache)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_tiny_cache_for_the_session(tiny_cache):
+    """Every test, and every process a test launches, reads the tiny model and tokenizer from one cache, built once
+    (each launch used to build its own: several seconds per test). A test that needs its own sets DDP_FT_CACHE."""
+    previous = os.environ.get("DDP_FT_CACHE")
+    os.environ["DDP_FT_CACHE"] = tiny_cache
+    yield
+    if previous is None:
+        os.environ.pop("DDP_FT_CACHE", None)
+    else:
+        os.environ["DDP_FT_CACHE"] = previous

@@ -20,7 +20,7 @@ CONFIGS = ROOT / "accelerate_configs"
 
 
 def _env(tmp_path: Path) -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": str(tmp_path / "cache"),
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT),
             "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 

@@ -20,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def _env(cache: Path) -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": str(cache),
+def _env() -> dict:
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT),
             "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
 def _train(tmp_path: Path, *flags: str, nproc: int = 2, timeout: int = 400) -> subprocess.CompletedProcess:
     launcher = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     command = [*launcher, str(ROOT / "scripts" / "train.py"), "--preset", "tiny", *flags]
-    run = subprocess.run(command, cwd=tmp_path, env=_env(tmp_path / "cache"), capture_output=True, text=True,
+    run = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=timeout)  # fmt: skip
     assert run.returncode == 0, run.stderr[-6000:]
     return run
@@ -38,13 +38,15 @@ def _records(output_dir: Path, kind: str) -> list[dict]:
     return [r for r in read_jsonl(output_dir / "metrics.jsonl") if r["type"] == kind]
 
 
-# The uninterrupted 2-process run both tests below check: 8 steps, a checkpoint every 2, LoRA dropout on.
-_REFERENCE = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "0", "--report-to", "none"]
+# The uninterrupted 2-process run the tests below check: 8 steps, a checkpoint every 2 (the 2 newest kept), LoRA
+# dropout on. Its output folder also holds an HF Trainer checkpoint (the two entry points share a default folder).
+_REFERENCE = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "2", "--report-to", "none"]
 
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("reference")
+    _trainer_checkpoint(tmp_path / "run" / "checkpoint-1")
     _train(tmp_path, "--output-dir", str(tmp_path / "run"), *_REFERENCE)
     return tmp_path / "run"
 
@@ -75,7 +77,7 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
     logged_eval = _records(out, "eval")[-1]["eval_loss"]
     reloaded = subprocess.run(
         [sys.executable, "-c", _EVAL_SNIPPET, str(checkpoint / "adapter")],
-        cwd=tmp_path, env=_env(tmp_path / "cache"), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert reloaded.returncode == 0, reloaded.stderr[-4000:]
     # measured: 2.5e-8 apart (one process with 2 threads vs two ranks' sums)
@@ -122,7 +124,7 @@ def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repea
     faults = "kill-in-save@4,rank=0,attempt=0; sigterm-launcher@5,rank=0,attempt=1"
     command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(ROOT / "scripts" / "train.py"),
                "--preset", "tiny", "--output-dir", str(interrupted), *flags]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, env={**_env(tmp_path / "cache"), "DDP_FT_INJECT_FAULT": faults},
+    run = subprocess.run(command, cwd=tmp_path, env={**_env(), "DDP_FT_INJECT_FAULT": faults},
                          capture_output=True, text=True, timeout=400)  # fmt: skip
     log = run.stderr
     assert run.returncode == 1 and "death signal, shutting down workers" in log, log[-6000:]
@@ -207,16 +209,14 @@ def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_t
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
 
 
-def test_two_process_runs_leave_a_trainer_checkpoint_alone(tmp_path):
-    """The loop and the HF Trainer share the default output folder: under torchrun the loop neither prunes nor
-    resumes the Trainer's checkpoint-N (``--resume`` pointed at one is refused before training, naming it:
-    ``test_bad_input``)."""
-    out = tmp_path / "shared"
-    trainer_files = _trainer_checkpoint(out / "checkpoint-1")
-    _train(tmp_path, "--output-dir", str(out), "--max-steps", "2", "--save-every", "1", "--save-total-limit", "1",
-           "--report-to", "none")  # fmt: skip
-    assert {p.name: p.read_bytes() for p in (out / "checkpoint-1").iterdir()} == trainer_files
-    assert (out / "ddp_ft-checkpoint-2").is_dir() and not (out / "ddp_ft-checkpoint-1").exists()
+def test_two_process_runs_leave_a_trainer_checkpoint_alone(reference_run, tmp_path):
+    """The loop and the HF Trainer share the default output folder: under torchrun the loop prunes only its own
+    checkpoints (--save-total-limit 2 kept 6 and 8 of 2, 4, 6, 8) and leaves the Trainer's checkpoint-1 as it was;
+    ``--resume`` pointed at one is refused before training, naming it (``test_bad_input``)."""
+    assert {p.name: p.read_bytes() for p in (reference_run / "checkpoint-1").iterdir()} == _trainer_checkpoint(
+        tmp_path / "pristine" / "checkpoint-1")  # fmt: skip
+    assert sorted(p.name for p in reference_run.glob("*checkpoint-*")) == [
+        "checkpoint-1", "ddp_ft-checkpoint-6", "ddp_ft-checkpoint-8"]  # fmt: skip
 
 
 def _free_port() -> int:
@@ -247,7 +247,7 @@ def test_two_nodes_on_loopback_keep_global_and_local_rank_apart(tmp_path):
                 str(out),
             ],
             cwd=tmp_path,
-            env=_env(tmp_path / "cache"),
+            env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
