@@ -4,7 +4,8 @@
 
 - ``forward`` / ``backward`` / ``data``: raise ``InjectedFault`` in the model's forward, during its backward, or
   while collating, on the first micro-batch of optimizer step ``STEP`` (1-based, counted like ``global_step``).
-- ``hang``: sleep for ever in that forward (a rank that is stuck while the others wait in a collective).
+- ``hang``: sleep for ever in that forward (a rank that is stuck while the others wait in a collective); SIGTERM
+  kills it, where a rank stuck in C code would wait for the launcher's SIGKILL.
 - ``sigterm-launcher`` / ``sigusr1-launcher``: send that signal to this rank's launcher (its parent process).
 - ``sigterm-self`` / ``sigusr1-self``: send it to this rank only.
 - ``kill-in-save``: SIGKILL this rank in the middle of writing the checkpoint of step ``STEP`` (files partly
@@ -128,7 +129,11 @@ class FaultInjector:
         if fault.kind == "forward":
             raise InjectedFault(f"injected fault: forward failed {where}")
         if fault.kind == "hang":
-            while True:  # stuck: the other ranks wait in their next collective until --ddp-timeout
+            # Stuck: the other ranks wait in their next collective until --ddp-timeout. SIGTERM ends it at once (as for
+            # a process without a stop handler), so a test need not sit out the launcher's 30 s before SIGKILL, which
+            # is what a rank stuck inside a collective or a kernel gets (its stop handler never runs).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            while True:
                 time.sleep(3600)
         sig = signal.SIGTERM if fault.kind.startswith("sigterm") else signal.SIGUSR1
         os.kill(os.getppid() if fault.kind.endswith("launcher") else os.getpid(), sig)

@@ -86,16 +86,17 @@ def test_a_rank_failing_to_load_data_stops_the_trainer_recipe_and_accelerate_lau
     )
 
 
-def test_a_stuck_rank_brings_the_job_down_within_ddp_timeout_plus_the_launchers_grace(tmp_path):
+def test_a_stuck_rank_brings_the_job_down_after_ddp_timeout_and_the_waiting_rank_names_the_setting(tmp_path):
     """Rank 1 stops making progress in step 2; rank 0 waits in the step's all-reduce until --ddp-timeout (3 s) and fails
-    naming the bucket and the setting; torchrun then stops the stuck rank: SIGTERM (recorded as a stop request, which a
-    stuck rank never reaches), then SIGKILL after the 30 s torchrun's failure path waits."""
+    naming the bucket and the setting; torchrun then stops the stuck rank. (The injected hang dies of that SIGTERM; a
+    rank stuck inside a collective or a kernel never runs its stop handler and is SIGKILLed 30 s later: torchrun's
+    failure path waits its default 30 s whatever --shutdown-timeout says.)"""
     run, elapsed = _launch(tmp_path, "hang@2,rank=1", "--max-steps", "3", "--ddp-timeout", "3")
     assert run.returncode != 0
     cause = _root_cause(run.stderr)
     assert "rank      : 0 (local_rank: 0)" in cause and "the all-reduce of bucket" in cause, cause[-3000:]
     assert "--ddp-timeout" in cause and "Timed out waiting 3000ms" in cause, cause[-3000:]
-    assert elapsed < 120, elapsed  # startup (15-30 s here) + 1 step + 3 s timeout + 30 s grace, with margin for load
+    assert elapsed < 90, elapsed  # startup (15-30 s here) + 1 step + 3 s timeout, with margin for load
 
 
 def test_sigusr1_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint_and_exit_0(tmp_path):

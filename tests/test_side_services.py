@@ -26,12 +26,6 @@ SECRETS = {  # fake values shaped like the real ones (a wandb key is 40 characte
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory):
-    """One tiny model and tokenizer for every run of this file."""
-    return tmp_path_factory.mktemp("tiny-cache")
-
-
 @pytest.fixture
 def run_env(tmp_path, monkeypatch, tiny_cache):
     """One in-process run's environment: wandb offline with every folder of its own under ``tmp_path``, and the
