@@ -110,9 +110,9 @@ def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.St
         return None
     if _env_int("GROUP_WORLD_SIZE", 1) > 1:
         raise RuntimeError(
-            "torchrun --max-restarts across several nodes shares the rendezvous store with the ranks, and a restarted "
-            "rank can read the failed attempt's addresses (pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-            "on every node before torchrun (or run without --max-restarts)."
+            "torchrun --max-restarts across several nodes shares the rendezvous store with the ranks, and a "
+            "restarted rank can read the failed attempt's addresses (pytorch#135712): export "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (or run without --max-restarts)."
         )
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timedelta(seconds=timeout_s))  # fmt: skip

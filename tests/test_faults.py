@@ -1,5 +1,5 @@
-"""A rank that raises or hangs takes the whole job down within a bound, the launcher names the rank and the cause, and no
-process is left behind; a stop signal to one rank alone stops every rank with a checkpoint and exit 0.
+"""A rank that raises or hangs takes the whole job down within a bound, the launcher names the rank and the cause, and
+no process is left behind; a stop signal to one rank alone stops every rank with a checkpoint and exit 0.
 
 Faults come from the test-only switch ``DDP_FT_INJECT_FAULT`` (``ddp_ft.faults``), under the real launchers.
 """
@@ -24,11 +24,12 @@ def _launch(tmp_path: Path, faults: str, *flags: str, launcher: tuple[str, ...] 
             env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:  # fmt: skip
     out = tmp_path / "run"
     if recipe:
-        command = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "2cpu_gloo.yaml"),
-                   *launcher, str(ROOT / "recipes" / "qwen_ami.py")]  # fmt: skip
+        config = ROOT / "accelerate_configs" / "2cpu_gloo.yaml"
+        command = [str(BIN / "accelerate"), "launch", "--config_file", str(config), *launcher,
+                   str(ROOT / "recipes" / "qwen_ami.py")]  # fmt: skip
     else:
-        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *launcher, str(ROOT / "scripts" / "train.py"),
-                   "--preset", "tiny"]  # fmt: skip
+        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *launcher,
+                   str(ROOT / "scripts" / "train.py"), "--preset", "tiny"]  # fmt: skip
     command += ["--output-dir", str(out), "--report-to", "none", "--save-every", "0", *flags]
     environ = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT),
                "TOKENIZERS_PARALLELISM": "false", "DDP_FT_INJECT_FAULT": faults, **(env or {})}  # fmt: skip
