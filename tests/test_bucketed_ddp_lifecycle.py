@@ -141,3 +141,29 @@ def _module_child_state_dict(rank, world_size):
 
 def test_state_dict_round_trips_for_a_model_with_a_child_named_module():
     run_distributed(_module_child_state_dict)
+
+
+def _never_popped(rank, world_size):
+    from ddp_ft.ddp.wrapper import MAX_PENDING_WAITS
+
+    torch.manual_seed(0)
+    ours = BucketedDDP(Net(), bucket_cap_mb=5000 / 2**20, first_bucket_cap_mb=1000 / 2**20)
+    local = local_slice(rank, world_size)
+    per_backward = []
+    for step in range(MAX_PENDING_WAITS + 20):
+        x, y = make_batch(step)
+        torch.nn.functional.mse_loss(ours(x[local]), y[local]).backward()
+        per_backward.append(ours.last_comm_stats().exposed_comm_ms)
+        ours.module.zero_grad(set_to_none=True)
+    held = len(ours._pending_waits)
+    stats = ours.pop_comm_stats()
+    return held, stats.synced_backwards, stats.exposed_comm_ms, sum(per_backward), MAX_PENDING_WAITS
+
+
+def test_comm_timings_stay_bounded_when_nobody_pops_them_and_still_add_up():
+    """A plain Accelerate user never calls pop_comm_stats(): the wrapper kept one measurement (a CUDA event pair on
+    GPU) per synced backward for the whole run. Now it holds at most MAX_PENDING_WAITS + 1, folding the oldest into
+    milliseconds, and the popped total still equals the sum of every backward's own measurement."""
+    for held, synced, total, expected, bound in run_distributed(_never_popped):
+        assert synced == bound + 20 and held <= bound + 1, (held, synced)
+        assert total == pytest.approx(expected, rel=1e-9)

@@ -23,6 +23,9 @@ from .stats import CommStats, Measurement, elapsed_ms, start_timer, stop_timer
 
 logger = logging.getLogger(__name__)
 
+# Synced backwards whose end-of-backward wait is kept as measured (a CUDA event pair each) until pop_comm_stats().
+MAX_PENDING_WAITS = 64
+
 _REENTRANT_HINT = (
     "If the model uses gradient checkpointing, enable it non-reentrant: "
     "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
@@ -535,6 +538,12 @@ class BucketedDDP(nn.Module):
         wait = stop_timer(self._device, token)
         self._last_waits.append(wait)
         self._pending_waits.append(wait)
+        if len(self._pending_waits) > MAX_PENDING_WAITS:
+            # Nobody is popping (a plain Accelerate user): fold the two oldest into milliseconds so the list, and the
+            # CUDA events it holds, stay bounded over a whole run. Events that old are complete: reading them waits
+            # for nothing.
+            first, second = self._pending_waits[:2]
+            self._pending_waits[:2] = [elapsed_ms(first) + elapsed_ms(second)]
         if self._measure_window:
             # From the first launch to the end of the wait: the last completion when any communication was
             # exposed; when none was, the window also holds the compute after it and the overlap is ~100% anyway.
