@@ -55,11 +55,33 @@ def restart_count() -> int:
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
+def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """This process's CUDA device among the ``visible`` ones.
+
+    One visible device is ``cuda:0``: the launcher gave each process its own GPU (SLURM ``--gpus-per-task=1``, a
+    Kubernetes device plugin, ``CUDA_VISIBLE_DEVICES`` per process). With at least as many devices as processes on
+    the node, each takes ``cuda:<local_rank>`` (torchrun on a multi-GPU host).
+
+    Raises:
+        RuntimeError: fewer devices than processes on the node, and more than one, so neither rule applies: naming
+            LOCAL_RANK, LOCAL_WORLD_SIZE, the visible count and the fixes.
+    """
+    if visible == 1:
+        return 0
+    if local_rank < visible and local_world_size <= visible:
+        return local_rank
+    raise RuntimeError(
+        f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size} but {visible} CUDA devices are visible to this "
+        "process: give each process one GPU (CUDA_VISIBLE_DEVICES per process, SLURM --gpus-per-task=1) or all of "
+        "them, and launch at most one process per GPU (--nproc_per_node)."
+    )
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
     """Join the process group that torchrun / accelerate launch describe in the environment.
 
     A single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) gets no process group. With CUDA each
-    process takes ``cuda:<LOCAL_RANK>`` and NCCL; without it, the CPU and gloo.
+    process takes its device by ``cuda_device_index`` and NCCL; without it, the CPU and gloo.
 
     Args:
         backend (str | None): override the backend ("nccl" or "gloo"). Default: chosen by device.
@@ -73,13 +95,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are visible: "
-                "launch at most one process per GPU (--nproc_per_node)."
-            )
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = cuda_device_index(local_rank, local_world_size, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
     if world_size == 1:

@@ -188,7 +188,7 @@ def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict
     check_accelerate_launch()  # what `accelerate launch` exported and neither entry point can honour
     t = settings.train
     accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
-    device_map = settings.model.device_map or {"": info.local_rank if info.device.type == "cuda" else "cpu"}
+    device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
     check_device_map(device_map, info.world_size)
     return accumulation, device_map
 
