@@ -131,6 +131,8 @@ ROWS = {
                                          "accelerate config distributed_type=FSDP"),
     "accelerate distributed_type DEEPSPEED": ("recipe", {"ACCELERATE_USE_DEEPSPEED": "true"}, ValueError,
                                               "accelerate config distributed_type=DEEPSPEED"),
+    "accelerate distributed_type FSDP, the loop": ("train-launch", {"ACCELERATE_USE_FSDP": "true"}, ValueError,
+                                                   "accelerate config distributed_type=FSDP (ACCELERATE_USE_FSDP"),
     "accelerate mixed_precision fp16": ("recipe", {"ACCELERATE_MIXED_PRECISION": "fp16"}, ValueError,
                                         "accelerate config mixed_precision='fp16'"),
     "accelerate mixed_precision bf16 on CPU": ("recipe", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ValueError,
@@ -208,15 +210,15 @@ def test_bad_input_is_refused_naming_the_setting_before_the_model_loads_leaving_
     assert len(before) >= 6, "premise: a complete checkpoint and latest"
     inputs = Inputs(tmp_path, run_dir / "ddp_ft-checkpoint-2")
     with pytest.raises(error) as raised:
-        if entry in ("parse", "train", "recipe"):
+        if entry in ("parse", "train", "recipe", "train-launch"):
             argv = [*BASE, "--output-dir", str(run_dir)]
-            if entry == "recipe":
+            if entry in ("recipe", "train-launch"):
                 for name, value in flags.items():
                     monkeypatch.setenv(name, value)
             else:
                 argv += [flag(inputs) if callable(flag) else flag for flag in flags]
             settings = parse_settings(argv)
-            if entry == "train":
+            if entry in ("train", "train-launch"):
                 loop.train(settings, DistInfo())
             elif entry == "recipe":
                 recipe.build_trainer(settings, DistInfo())
