@@ -79,6 +79,7 @@ class FaultInjector:
         self._accumulation = 1
         self._forwards = 0
         self._collates = 0
+        self._pending_backward: Fault | None = None  # set by the forward whose backward is to fail
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
@@ -139,7 +140,7 @@ class FaultInjector:
         os.kill(os.getppid() if fault.kind.endswith("launcher") else os.getpid(), sig)
 
     def _after_forward(self, module, args, output):
-        fault = getattr(self, "_pending_backward", None)
+        fault = self._pending_backward
         if fault is None or not module.training:
             return
         self._pending_backward = None

@@ -102,8 +102,9 @@ def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> s
     the newest checkpoint in ``output_dir`` when there is one, with no flag."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    if restart_count > 0 and os.path.isdir(output_dir) and get_last_checkpoint(output_dir):
-        logger.info("elastic restart %d: resuming from %s", restart_count, get_last_checkpoint(output_dir))
+    newest = get_last_checkpoint(output_dir) if restart_count > 0 and os.path.isdir(output_dir) else None
+    if newest:
+        logger.info("elastic restart %d: resuming from %s", restart_count, newest)
         return True
     return True if resume == "latest" else (resume or None)
 
