@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
+from .precision import DTYPES, Precision, precision_for
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:tiny-qwen3"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -35,8 +36,9 @@ class ModelSettings:
     compute_dtype: str = field(
         default="auto",
         metadata={
-            "help": "Compute dtype of the 4-bit layers: bfloat16, float16, float32, or auto (bfloat16 on CUDA, "
-            "float32 on CPU, where bf16 matmuls run ~9x slower without native bf16 support)."
+            "help": "Compute dtype of the 4-bit layers and of autocast: bfloat16, float16 (trained with a loss "
+            "scaler), float32, or auto (bfloat16 on GPUs of compute capability >= 8.0, float16 on older ones such "
+            "as T4/V100, float32 on CPU, where bf16 matmuls run ~9x slower without native bf16 support)."
         },
     )
     device_map: str = field(
@@ -53,16 +55,14 @@ class ModelSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.compute_dtype != "auto" and self.compute_dtype not in _DTYPES:
+        if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
             raise ValueError(
-                f"ModelSettings.compute_dtype={self.compute_dtype!r}: choose auto or one of {sorted(_DTYPES)}."
+                f"ModelSettings.compute_dtype={self.compute_dtype!r}: choose auto or one of {sorted(DTYPES)}."
             )
 
-    @property
-    def torch_compute_dtype(self) -> torch.dtype:
-        if self.compute_dtype == "auto":
-            return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        return _DTYPES[self.compute_dtype]
+    def precision(self, device: torch.device) -> Precision:
+        """``compute_dtype`` resolved for ``device`` (``ddp_ft.precision.choose_precision``)."""
+        return precision_for(self.compute_dtype, device)
 
 
 @dataclass
@@ -160,6 +160,16 @@ def check_device_map(device_map: object, world_size: int) -> None:
         )
 
 
+def map_device(device_map: dict[str, object] | str) -> torch.device:
+    """The device a ``device_map`` puts the model on (its first device; ``auto`` is CUDA when there is one)."""
+    where = next(iter(device_map.values())) if isinstance(device_map, dict) else device_map
+    if isinstance(where, int):
+        return torch.device("cuda", where)
+    if where == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(where)
+
+
 def load_qlora_model(
     model: ModelSettings, lora: LoraSettings, device_map: dict[str, object], world_size: int = 1
 ) -> torch.nn.Module:
@@ -219,12 +229,13 @@ def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.
     """``from_pretrained`` with NF4 double-quantised 4-bit weights (unless disabled) on ``device_map``."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    kwargs: dict = {"device_map": device_map, "dtype": model.torch_compute_dtype}
+    dtype = model.precision(map_device(device_map)).dtype
+    kwargs: dict = {"device_map": device_map, "dtype": dtype}
     if model.load_in_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=model.double_quant,
-            bnb_4bit_compute_dtype=model.torch_compute_dtype,
+            bnb_4bit_compute_dtype=dtype,
         )
     return AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)
