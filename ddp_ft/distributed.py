@@ -81,7 +81,10 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     """Join the process group that torchrun / accelerate launch describe in the environment.
 
     A single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) gets no process group. With CUDA each
-    process takes its device by ``cuda_device_index`` and NCCL; without it, the CPU and gloo.
+    process takes its device by ``cuda_device_index`` and NCCL, and the group is bound to that device
+    (``device_id``): NCCL's communicator is created at once rather than at the first collective, and barriers
+    use this device without being told (no "using the device under current context" warning, no device index
+    that one-GPU-per-process launches do not have). Without CUDA, the CPU and gloo.
 
     Args:
         backend (str | None): override the backend ("nccl" or "gloo"). Default: chosen by device.
@@ -106,6 +109,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     if not dist.is_initialized():
         store = _restart_safe_store(rank, world_size, timeout_s)
         kwargs = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}
+        if device.type == "cuda" and backend == "nccl":
+            kwargs["device_id"] = device
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     info = DistInfo(rank, local_rank, world_size, local_world_size, device, backend)
     logger.debug("initialised %s", info)

@@ -42,3 +42,69 @@ def test_init_distributed_puts_rank_1_on_cuda_0_when_it_sees_one_gpu(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "1")
     info = init_distributed()
     assert chosen == [0] and info.device == torch.device("cuda", 0)
+
+
+@pytest.fixture
+def two_ranks_on_one_visible_gpu(monkeypatch):
+    """Rank 1 of 2 on a host (mocked) where the launcher gave each process one GPU; init_process_group recorded."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return calls
+
+
+def test_the_nccl_group_is_bound_to_this_process_s_device_with_the_settings_timeout(two_ranks_on_one_visible_gpu):
+    """Item 5: ``device_id`` makes NCCL create its communicator at once and gives barriers this device; before, the
+    group was unbound and a barrier guessed ``cuda:<rank % device count>``."""
+    from datetime import timedelta
+
+    info = init_distributed(timeout_s=123)
+    (call,) = two_ranks_on_one_visible_gpu
+    assert call["backend"] == "nccl" and call["timeout"] == timedelta(seconds=123)
+    assert call["device_id"] == torch.device("cuda", 0) == info.device
+
+
+@pytest.mark.parametrize("entry_point", ["scripts/train.py", "recipes/qwen_ami.py"])
+def test_both_entry_points_start_the_group_with_ddp_timeout(entry_point, monkeypatch):
+    """``--ddp-timeout`` reaches init_process_group on both entry points (the recipe starts the group itself,
+    before Accelerate, which then adopts it)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("entry", Path(__file__).parents[1] / entry_point)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    seen = []
+
+    def init_distributed(timeout_s):
+        seen.append(timeout_s)
+        raise KeyboardInterrupt  # stop there: nothing else is under test
+
+    monkeypatch.setattr(module, "init_distributed", init_distributed)
+    with pytest.raises(KeyboardInterrupt):
+        module.main(["--preset", "tiny", "--ddp-timeout", "77"])
+    assert seen == [77]
+
+
+def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):
+    """Accelerate's ``wait_for_everyone`` passes ``device_ids=[local_process_index]``, which is ``cuda:1`` on a rank
+    that sees one GPU (``cuda:0``); BucketedTrainer's checkpoint barriers go through ours, which uses the bound group."""
+    import torch.distributed as dist
+
+    from ddp_ft.integrations.accelerate import BucketedAccelerator
+
+    barriers = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: barriers.append((args, kwargs)))
+    accelerator = BucketedAccelerator.__new__(BucketedAccelerator)
+    monkeypatch.setattr(BucketedAccelerator, "num_processes", property(lambda self: 2))
+    accelerator.wait_for_everyone()
+    assert barriers == [((), {})]

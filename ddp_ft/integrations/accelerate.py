@@ -98,6 +98,17 @@ class BucketedAccelerator(Accelerator):
         self._models[:] = [m for m in self._models if m is not model and m is not wrapped] + [wrapped]
         return wrapped
 
+    def wait_for_everyone(self) -> None:
+        """A barrier of the default group, which ``init_distributed`` bound to this process's device.
+
+        Accelerate's own passes ``device_ids=[local_process_index]``: under a launcher that gives each process one
+        visible GPU (SLURM ``--gpus-per-task=1``), that names ``cuda:1`` on a rank whose only device is ``cuda:0``.
+        """
+        if self.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        else:
+            super().wait_for_everyone()
+
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         if isinstance(model, BucketedDDP):
             model = model.module
