@@ -48,6 +48,7 @@ STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written befo
 TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 0 used the same name
 # Files read by torch.load (weights_only=True), all of them written by save_checkpoint.
 TENSOR_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
+SCALER_FILE = "scaler.pt"  # only from float16 runs
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what peft's save_pretrained writes; its pickled form is .bin
 _OWN_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
 
@@ -225,6 +226,7 @@ def save_checkpoint(
     save_total_limit: int = 0,
     layout: DataLayout | None = None,
     before_publish: Callable[[int], None] | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Path | None:
     """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
 
@@ -237,6 +239,8 @@ def save_checkpoint(
             Default: None
         before_publish (Callable[[int], None] | None): called with the step once every file is written, before
             the folder is published (the fault tests kill the process there). Default: None
+        scaler (torch.amp.GradScaler | None): float16's loss scaler; its scale and growth tracker are saved as
+            ``scaler.pt`` when it is enabled, so a resumed run skips the same steps. Default: None
 
     Returns:
         Path | None: the checkpoint folder on rank 0, None elsewhere.
@@ -257,6 +261,8 @@ def save_checkpoint(
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(states, tmp / "rng_states.pt")
+        if scaler is not None and scaler.is_enabled():
+            torch.save(scaler.state_dict(), tmp / SCALER_FILE)
         saved = {"format_version": FORMAT_VERSION, **asdict(state), "world_size": info.world_size,
                  "layout": asdict(layout) if layout else None}  # fmt: skip
         (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2))
@@ -471,7 +477,12 @@ def verify_checkpoint(path: str | Path) -> None:
 
 
 def load_checkpoint(
-    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, info: DistInfo
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: object,
+    info: DistInfo,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> TrainState:
     """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
 
@@ -489,6 +500,11 @@ def load_checkpoint(
         raise RuntimeError(f"checkpoint {path} holds adapter weights this model lacks: {result.unexpected_keys[:5]}")
     optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
     scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
+    if scaler is not None and scaler.is_enabled():
+        if (path / SCALER_FILE).is_file():
+            scaler.load_state_dict(_load_tensors(path / SCALER_FILE))
+        else:
+            logger.warning("checkpoint %s was not trained in float16: the loss scale starts afresh", path)
     states = _load_tensors(path / "rng_states.pt")
     if len(states) != info.world_size:
         # Decided: the data continues exactly (a sample position); the per-rank RNG streams cannot, since there is

@@ -8,6 +8,7 @@
   kills it, where a rank stuck in C code would wait for the launcher's SIGKILL.
 - ``sigterm-launcher`` / ``sigusr1-launcher``: send that signal to this rank's launcher (its parent process).
 - ``sigterm-self`` / ``sigusr1-self``: send it to this rank only.
+- ``overflow``: make that micro-batch's gradient inf/nan on this rank only (a float16 overflow), in backward.
 - ``kill-in-save``: SIGKILL this rank in the middle of writing the checkpoint of step ``STEP`` (files partly
   written, nothing published).
 
@@ -26,7 +27,7 @@ import torch
 
 ENV = "DDP_FT_INJECT_FAULT"
 KINDS = ("forward", "backward", "data", "hang", "sigterm-launcher", "sigusr1-launcher", "sigterm-self",
-         "sigusr1-self", "kill-in-save")  # fmt: skip
+         "sigusr1-self", "kill-in-save", "overflow")  # fmt: skip
 
 
 class InjectedFault(RuntimeError):
@@ -121,8 +122,9 @@ class FaultInjector:
     def _before_forward(self, module, args):
         if not module.training:
             return
-        fault = self._due(tuple(k for k in KINDS if k not in ("data", "backward", "kill-in-save")), self._forwards)
-        self._pending_backward = self._due(("backward",), self._forwards)
+        fault = self._due(tuple(k for k in KINDS if k not in ("data", "backward", "overflow", "kill-in-save")),
+                          self._forwards)  # fmt: skip
+        self._pending_backward = self._due(("backward", "overflow"), self._forwards)
         self._forwards += 1
         if fault is None:
             return
@@ -145,7 +147,9 @@ class FaultInjector:
             return
         self._pending_backward = None
         logits = getattr(output, "logits", None)
-        if logits is not None and logits.requires_grad:
+        if logits is not None and logits.requires_grad and fault.kind == "overflow":
+            logits.register_hook(lambda grad: grad * float("inf"))
+        elif logits is not None and logits.requires_grad:
 
             def fail(grad):
                 raise InjectedFault(f"injected fault: backward failed at step {fault.step} on rank {fault.rank}")

@@ -37,6 +37,7 @@ from .faults import FaultInjector
 from .integrations.launch import check_accelerate_launch
 from .metrics import ThroughputMeter, open_metric_sink
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
+from .precision import Precision
 from .preemption import StopSignal
 from .shared_fs import check_shared_resume, prepare_output_dir
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -108,8 +109,13 @@ def step_counts(group: list[dict], info: DistInfo, stop_flag: float = 0.0) -> to
 
 
 def forward_backward(
-    model: torch.nn.Module, group: list[dict], info: DistInfo, counts: torch.Tensor | None = None
-) -> tuple[float, torch.Tensor]:
+    model: torch.nn.Module,
+    group: list[dict],
+    info: DistInfo,
+    counts: torch.Tensor | None = None,
+    precision: Precision | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate the gradient of one optimizer step over ``group`` (this rank's micro-batches).
 
     Every micro-batch's loss is its summed token loss over the answer tokens of the *global* effective
@@ -118,27 +124,34 @@ def forward_backward(
 
     Args:
         counts (torch.Tensor | None): ``step_counts(group, info)``, if already reduced. Default: reduced here.
+        precision (Precision | None): autocast dtype of the forward. Default: none (the model's own dtypes).
+        scaler (torch.amp.GradScaler | None): scales the loss (float16); the gradients stay scaled until the
+            caller's ``scaler.unscale_``. Default: none.
 
     Returns:
-        tuple[float, torch.Tensor]: the step's global token-mean loss, and [answer tokens, input tokens] summed
-        over ranks.
+        tuple[torch.Tensor, torch.Tensor]: the step's global token-mean loss (a 0-d tensor on the device, not read
+        here: the caller reads every logged scalar in one transfer), and [answer tokens, input tokens] summed over
+        ranks.
     """
     counts = step_counts(group, info) if counts is None else counts
     answer_tokens = counts[0].clamp(min=1).to(torch.float32)
     local_loss = torch.zeros((), dtype=torch.float64, device=info.device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
+    autocast = precision.autocast_context() if precision is not None else nullcontext()
     for i, batch in enumerate(group):
-        batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(info.device, non_blocking=True) for k, v in batch.items()}  # pinned on CUDA: async
         last = i == len(group) - 1
         with model.no_sync() if (info.is_distributed and not last) else nullcontext(), autocast:
             loss = model(**batch, num_items_in_batch=answer_tokens).loss
-            (loss * info.world_size).backward()
+            scaled = loss * info.world_size
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
         local_loss += loss.detach().double()
-    return _sum_over_ranks(local_loss, info).item(), counts[:2]
+    return _sum_over_ranks(local_loss, info), counts[:2]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo) -> float:
+def evaluate(
+    model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo, precision: Precision | None = None
+) -> float:
     """Token-mean loss over ``dataset``, each rank on ``rank::world_size`` (no padding duplicates).
 
     ``model`` is the unwrapped model: evaluation communicates only the two sums at the end.
@@ -147,7 +160,7 @@ def evaluate(model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info
     model.eval()
     indices = list(range(info.rank, len(dataset), info.world_size))
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if info.device.type == "cuda" else nullcontext()
+    autocast = precision.autocast_context() if precision is not None else nullcontext()
     for start in range(0, len(indices), micro_batch):
         batch = collate_fn([dataset[i] for i in indices[start : start + micro_batch]])
         batch = {k: v.to(info.device) for k, v in batch.items()}
@@ -182,10 +195,12 @@ def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict
         tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
 
     Raises:
-        ValueError: an Accelerate launch setting no entry point can honour, impossible batch arithmetic, or a
-            model-splitting device map under DDP, each naming the setting to change.
+        ValueError: an Accelerate launch setting no entry point can honour, impossible batch arithmetic, a
+            model-splitting device map under DDP, or a compute dtype this device cannot run, each naming the setting
+            to change.
     """
-    check_accelerate_launch()  # what `accelerate launch` exported and neither entry point can honour
+    precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
+    check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
     t = settings.train
     accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
     device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
@@ -280,14 +295,19 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
     loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size,
-                         seed=t.seed, effective_batch=t.effective_batch)  # fmt: skip
+                         seed=t.seed, effective_batch=t.effective_batch,
+                         pin_memory=info.device.type == "cuda")  # fmt: skip
     # floor(samples / effective batch) steps per epoch, the same on every world size
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
     if resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model loads
         _check_resume(resume_from, loader.layout)
 
+    precision = settings.model.precision(info.device)
+    logger.info("compute dtype %s (%s)%s", precision.name, precision.reason,
+                ", loss-scaled" if precision.loss_scaling else "")  # fmt: skip
     model = build_model(settings, info, parts)
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
+    scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -295,7 +315,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     )
     state = TrainState()
     if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, info)
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, info, scaler)
         if settings.ddp.comm_hook == "powersgd":
             logger.warning("--comm-hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
                            "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
@@ -340,7 +360,8 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
         nonlocal saved_step
         saved_step = state.global_step
         return save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit,
-                               loader.layout, before_publish=parts.faults.checkpoint_partly_written)  # fmt: skip
+                               loader.layout, before_publish=parts.faults.checkpoint_partly_written,
+                               scaler=scaler)  # fmt: skip
 
     model.train()
     try:
@@ -356,21 +377,34 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 if counts[2].item() > 0:  # some rank received SIGTERM/SIGUSR1: all stop here, before this step
                     stopped_by = stop.received or "a stop signal on another rank"
                     break
-                loss, counts = forward_backward(wrapped, group, info, counts)
+                loss, counts = forward_backward(wrapped, group, info, counts, precision, scaler)
+                # The gradients are already averaged over the ranks, so every rank unscales the same numbers, and
+                # finds the same inf/nan: the scaler skips the same steps everywhere with no extra collective.
+                scaler.unscale_(optimizer)
                 if t.max_grad_norm > 0:
                     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, t.max_grad_norm)
                 else:
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in trainable if p.grad is not None])
                 lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
+                scaler.step(optimizer)  # optimizer.step(), unless float16 gradients overflowed
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
+                # Every logged scalar in one device-to-host transfer (the step's one wait for the device).
+                logged = [loss.double(), grad_norm.double(), counts[1].double()]
+                if precision.loss_scaling:
+                    logged.append(scaler._get_scale_async().double())  # the tensor behind get_scale(), unread
+                loss, grad_norm, input_tokens, *scale = torch.stack(logged).tolist()
+                skipped = precision.loss_scaling and not math.isfinite(grad_norm)  # inf/nan: the scaler skipped
+                if not skipped:
+                    scheduler.step()
                 state.global_step += 1
                 state.sample_in_epoch += t.effective_batch
                 state.samples_seen += t.effective_batch
                 record = {"type": "train", "step": state.global_step, "epoch": state.epoch,
-                          "samples_seen": state.samples_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
-                          **meter.stop(int(counts[1].item()))}  # fmt: skip
+                          "samples_seen": state.samples_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          **meter.stop(int(input_tokens))}  # fmt: skip
+                if precision.loss_scaling:
+                    record.update({"loss_scale": scale[0], "skipped": int(skipped)})
                 if isinstance(wrapped, BucketedDDP):
                     record.update(wrapped.pop_comm_stats().as_dict())
                 sink.log(record)
@@ -384,7 +418,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                     and state.global_step % t.eval_every == 0
                     and state.global_step < total_steps
                 ):
-                    eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
+                    eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info, precision)
                     sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
                               "eval_loss": eval_loss})  # fmt: skip
                 if t.save_every and state.global_step % t.save_every == 0 and state.global_step < total_steps:
@@ -400,7 +434,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                            "the latest checkpoint already holds this step")  # fmt: skip
         else:
             if has_eval:
-                eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info)
+                eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info, precision)
                 sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
                           "eval_loss": eval_loss})  # fmt: skip
             checkpoint = save()

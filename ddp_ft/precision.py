@@ -40,6 +40,11 @@ class Precision:
         return str(self.dtype).removeprefix("torch.")
 
     @property
+    def mixed_precision(self) -> str:
+        """Accelerate's name for this autocast: 'bf16', 'fp16' or 'no'."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "no")
+
+    @property
     def autocast(self) -> bool:
         """Autocast the forward in ``dtype`` (the LoRA layers and everything not quantised); off in float32."""
         return self.dtype != torch.float32

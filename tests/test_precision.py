@@ -41,3 +41,87 @@ def test_the_model_settings_ask_the_device_s_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert ModelSettings().precision(torch.device("cuda", 0)).dtype == torch.float16
     assert ModelSettings().precision(torch.device("cpu")).dtype == torch.float32
+
+
+def _fp16_steps_with_one_rank_overflowing(rank, world_size, steps=3, overflow_step=1):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    from torch.testing import assert_close
+
+    from ddp_ft.ddp import BucketedDDP
+
+    from .models import Net, local_slice, make_batch
+
+    torch.manual_seed(0)
+    base = Net()
+    runs = {}
+    for name, wrap in (("ours", BucketedDDP), ("torch", TorchDDP)):
+        model = wrap(copy.deepcopy(base))
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        scales, before_overflow, after_overflow = [], None, None
+        for step in range(steps):
+            x, y = make_batch(step)
+            part = local_slice(rank, world_size)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x[part]).float(), y[part])
+            if step == overflow_step and rank == 1:
+                loss = loss * float("inf")  # only rank 1's local gradient overflows
+            if step == overflow_step:
+                before_overflow = [p.detach().clone() for p in model.parameters()]
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if step == overflow_step:
+                after_overflow = [p.detach().clone() for p in model.parameters()]
+            scales.append(scaler.get_scale())
+        assert_close(after_overflow, before_overflow, rtol=0, atol=0, msg=f"{name}: the overflowing step moved")
+        runs[name] = (scales, [p.detach().clone() for p in model.parameters()])
+    assert_close(runs["ours"][1], runs["torch"][1], rtol=0, atol=0)
+    return runs["ours"][0], runs["ours"][1]
+
+
+@pytest.mark.distributed
+def test_fp16_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank_as_torch_ddp():
+    """Item 3's loss scaling under BucketedDDP: the scaled gradients are averaged before ``unscale_``, so the inf of
+    one rank reaches every rank; all skip the step and halve the scale together, weights equal to torch DDP's with the
+    same scaler bit for bit and the same on both ranks."""
+    from torch.testing import assert_close
+
+    from .dist_harness import run_distributed
+
+    (scales0, params0), (scales1, params1) = run_distributed(_fp16_steps_with_one_rank_overflowing, world_size=2)
+    assert scales0 == scales1 == [2.0**10, 2.0**9, 2.0**9]
+    assert_close(params0, params1, rtol=0, atol=0)
+
+
+def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp_path, monkeypatch):
+    """``--compute-dtype float16`` in the plain loop with the gradient overflowing at step 1: the step is logged as
+    skipped with the scale halved and the schedule held back a step; the scale is checkpointed, so a run resumed from
+    step 2 trains step 3 at the same scale and loss (before ``scaler.pt`` it restarted at 65536). That every rank
+    skips together is the BucketedDDP test above."""
+    import math
+
+    from ddp_ft import loop
+    from ddp_ft.config import parse_settings
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.metrics import read_jsonl
+
+    flags = ["--preset", "tiny", "--compute-dtype", "float16", "--max-steps", "3", "--effective-batch", "2",
+             "--micro-batch", "1", "--max-seq-len", "96", "--eval-fraction", "0", "--report-to", "none"]  # fmt: skip
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    monkeypatch.setenv("DDP_FT_INJECT_FAULT", "overflow@1")
+    loop.train(parse_settings([*flags, "--save-every", "2", "--output-dir", str(full)]), DistInfo())
+    steps = [r for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"]
+    assert [(r["skipped"], r["loss_scale"]) for r in steps] == [(1, 2.0**15), (0, 2.0**15), (0, 2.0**15)]
+    assert math.isnan(steps[0]["grad_norm"]) and steps[1]["lr"] == steps[0]["lr"]  # the schedule waited a step
+
+    monkeypatch.delenv("DDP_FT_INJECT_FAULT")
+    resume = ["--output-dir", str(resumed), "--resume", str(full / "ddp_ft-checkpoint-2")]
+    loop.train(parse_settings([*flags, *resume]), DistInfo())
+    (step3,) = [r for r in read_jsonl(resumed / "metrics.jsonl") if r["type"] == "train"]
+    assert (step3["step"], step3["loss_scale"], step3["skipped"]) == (3, 2.0**15, 0)
+    assert step3["loss"] == steps[2]["loss"]

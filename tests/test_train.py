@@ -72,7 +72,7 @@ def _effective_batch(rank, world_size, cache, source, k):
     assert ddp_counts.tolist() == single_counts.tolist() == [answer_tokens, input_tokens]
 
     # measured: loss within 2e-8 relative, gradients within 7e-7 of the largest (summation order only)
-    assert ddp_loss == pytest.approx(single_loss, rel=1e-7)
+    assert ddp_loss.item() == pytest.approx(single_loss.item(), rel=1e-7)
     for (name, p), q in zip(model.named_parameters(), single.parameters(), strict=True):
         if p.requires_grad:
             assert_close(p.grad, q.grad, rtol=0, atol=5e-6 * q.grad.abs().max().item(), msg=name)

@@ -1,13 +1,14 @@
 """What ``accelerate launch`` was asked for, checked against what the recipe can honour, before the model loads.
 
-The recipe trains data-parallel with BucketedDDP and picks its own precision (bf16 autocast on CUDA, float32 on the
-CPU, ``ModelSettings.compute_dtype`` for the 4-bit layers). Accelerate does not refuse the rest; it drops it:
+The recipe trains data-parallel with BucketedDDP and picks its own precision (``--compute-dtype``, resolved by
+``ddp_ft.precision``: bf16 autocast on GPUs of compute capability >= 8.0, loss-scaled fp16 on older ones, float32
+on the CPU). Accelerate does not refuse the rest; it drops it:
 
 - ``distributed_type: FSDP`` / ``DEEPSPEED`` / ``MEGATRON_LM`` launch the processes and export
   ``ACCELERATE_USE_<TYPE>=true``; the Trainer would then prepare the model with that engine, not BucketedDDP.
-- ``mixed_precision: fp16`` is exported as ``ACCELERATE_MIXED_PRECISION``; the recipe's ``bf16=True`` on CUDA
-  overrides it and on the CPU Accelerate skips fp16 autocast, both silently. ``bf16`` on the CPU would autocast
-  where the plain loop runs float32. ``fp8`` needs engines the recipe does not set up.
+- ``mixed_precision`` is exported as ``ACCELERATE_MIXED_PRECISION``; the recipe's own ``bf16``/``fp16`` flags
+  override it, and on the CPU Accelerate skips fp16 autocast, both silently. So only 'no' or the precision the run
+  chose is accepted. ``fp8`` needs engines the recipe does not set up.
 - ``use_cpu: true`` with CUDA visible makes the Trainer run on the CPU while ddp_ft puts the model on the GPU.
 - ``num_processes`` is not exported at all: ``distributed_type: 'NO'`` or ``use_cpu: true`` start one process
   whatever it says, and ``num_processes`` not divisible by ``num_machines`` starts ``num_processes // num_machines``
@@ -33,32 +34,44 @@ def _true(value: str | None) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "y", "on")
 
 
-def allowed_mixed_precision(cuda: bool) -> tuple[str, ...]:
-    """The ``mixed_precision`` values the recipe honours: what it does anyway (bf16 autocast on CUDA) or 'no'."""
-    return ("no", "bf16") if cuda else ("no",)
+def allowed_mixed_precision(cuda: bool, chosen: str | None = None) -> tuple[str, ...]:
+    """The ``mixed_precision`` values the recipe honours: 'no', or what it does anyway.
+
+    Args:
+        cuda (bool): CUDA is available.
+        chosen (str | None): the run's own autocast ('bf16', 'fp16' or 'no', ``Precision.mixed_precision``).
+            Default: unknown (a config file checked before launch): on CUDA 'bf16' or 'fp16', as the card decides.
+    """
+    if chosen is not None:
+        return ("no",) if chosen == "no" else ("no", chosen)
+    return ("no", "bf16", "fp16") if cuda else ("no",)
 
 
-def _check_mixed_precision(value: str, cuda: bool, where: str) -> None:
-    allowed = allowed_mixed_precision(cuda)
+def _check_mixed_precision(value: str, cuda: bool, where: str, chosen: str | None = None) -> None:
+    allowed = allowed_mixed_precision(cuda, chosen)
     if value.lower() not in allowed:
         device = "CUDA" if cuda else "the CPU"
         raise ValueError(
-            f"accelerate config mixed_precision={value!r} ({where}): the recipe sets the precision itself (bf16 "
-            f"autocast on CUDA, float32 on the CPU; 4-bit layers compute in --compute-dtype), so on {device} it "
-            f"would be ignored or differ from scripts/train.py. Set mixed_precision to one of {list(allowed)}."
+            f"accelerate config mixed_precision={value!r} ({where}): the recipe sets the precision itself from "
+            f"--compute-dtype (auto: bf16 autocast on GPUs of compute capability >= 8.0, fp16 with a loss scaler "
+            f"on older ones, float32 on the CPU), so on {device} it would be ignored or differ from "
+            f"scripts/train.py. Set mixed_precision to one of {list(allowed)}, or choose --compute-dtype."
         )
 
 
-def check_accelerate_launch(environ: Mapping[str, str] | None = None, cuda: bool | None = None) -> None:
+def check_accelerate_launch(
+    environ: Mapping[str, str] | None = None, cuda: bool | None = None, chosen: str | None = None
+) -> None:
     """Refuse a launch whose exported Accelerate settings the recipe cannot honour; call before the model loads.
 
     Args:
         environ (Mapping[str, str] | None): the environment ``accelerate launch`` exported. Default: ``os.environ``
         cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``
+        chosen (str | None): the run's autocast, ``Precision.mixed_precision``. Default: unknown
 
     Raises:
         ValueError: a non data-parallel ``distributed_type`` (FSDP, DEEPSPEED, MEGATRON_LM), a ``mixed_precision``
-            other than 'no' (or 'bf16' on CUDA), ``use_cpu: true`` with CUDA visible; each naming the key and the fix.
+            other than 'no' or the run's own, ``use_cpu: true`` with CUDA visible; each naming the key and the fix.
     """
     environ = os.environ if environ is None else environ
     if cuda is None:
@@ -73,7 +86,7 @@ def check_accelerate_launch(environ: Mapping[str, str] | None = None, cuda: bool
                 f"distributed_type MULTI_GPU or 'NO', e.g. {_EXAMPLES}."
             )
     if "ACCELERATE_MIXED_PRECISION" in environ:
-        _check_mixed_precision(environ["ACCELERATE_MIXED_PRECISION"], cuda, "ACCELERATE_MIXED_PRECISION")
+        _check_mixed_precision(environ["ACCELERATE_MIXED_PRECISION"], cuda, "ACCELERATE_MIXED_PRECISION", chosen)
     if cuda and _true(environ.get("ACCELERATE_USE_CPU")):
         raise ValueError(
             "accelerate config use_cpu=true (ACCELERATE_USE_CPU) while CUDA is available: the Trainer would run on "

@@ -12,6 +12,7 @@ from ..config import RunSettings
 from ..distributed import DistInfo
 from ..loop import build_model, prepare_run
 from ..metrics import resolve_wandb_mode
+from ..precision import Precision
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -40,16 +41,17 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
 
     Raises:
         ValueError: before the model loads, for an Accelerate launch setting the recipe cannot honour
-            (``ddp_ft.integrations.launch``) and for everything ``prepare_run`` refuses.
+            (``ddp_ft.integrations.launch``), float16 on the CPU, and for everything ``prepare_run`` refuses.
     """
     from transformers import TrainingArguments
 
     t = settings.train
+    precision = trainer_precision(settings, info)
     parts = prepare_run(settings, info)
     logger.info("data: %s", parts.report)
     model = build_model(settings, info, parts)
 
-    cuda = torch.cuda.is_available()
+    cuda = info.device.type == "cuda"
     job_type = f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
     args = TrainingArguments(
         output_dir=t.output_dir,
@@ -72,7 +74,8 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         eval_strategy="steps" if t.eval_every else "no",
         eval_steps=t.eval_every or None,
         seed=t.seed,
-        bf16=cuda,
+        bf16=precision.dtype == torch.bfloat16,  # Accelerate's autocast, in the dtype of the 4-bit layers
+        fp16=precision.dtype == torch.float16,  # autocast and Accelerate's loss scaler
         use_cpu=not cuda,
         report_to=wandb_report_to(settings, job_type, info),
         remove_unused_columns=False,
@@ -94,6 +97,25 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         ddp_settings=settings.ddp,
         faults=parts.faults,
     )
+
+
+def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
+    """The run's precision (``ddp_ft.precision``), which the Trainer's ``bf16``/``fp16`` flags follow.
+
+    Raises:
+        ValueError: float16 on the CPU: Accelerate turns neither float16 autocast nor its loss scaler on there, so
+            the flag would be dropped; naming the fixes.
+    """
+    precision = settings.model.precision(info.device)
+    if precision.loss_scaling and info.device.type != "cuda":
+        raise ValueError(
+            "--compute-dtype float16 on the CPU with the Trainer recipe: Accelerate has no float16 autocast or loss "
+            "scaler on the CPU and would drop them. Use --compute-dtype float32 or bfloat16, or scripts/train.py "
+            "(the plain loop scales the loss on the CPU too)."
+        )
+    logger.info("compute dtype %s (%s)%s", precision.name, precision.reason,
+                ", loss-scaled" if precision.loss_scaling else "")  # fmt: skip
+    return precision
 
 
 def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> str | bool | None:
