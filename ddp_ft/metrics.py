@@ -22,47 +22,62 @@ from .distributed import DistInfo
 logger = logging.getLogger(__name__)
 
 
-def peak_memory_gb(device: torch.device) -> tuple[str, float]:
-    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU.
-
-    Returns:
-        tuple[str, float]: the metric's name (``peak_mem_gb`` or ``peak_rss_gb``) and its value in GB.
-    """
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """Peak memory of this process since the previous call: on GPU the CUDA allocator's peaks, allocated
+    (``peak_mem_gb``) and reserved (``peak_reserved_gb``), which this call resets so each logging interval reports
+    its own; on CPU the peak resident set size since the process started (``peak_rss_gb``; the kernel keeps no
+    resettable counter the rusage API reads)."""
     if device.type == "cuda":
-        return "peak_mem_gb", torch.cuda.max_memory_allocated(device) / 1e9
-    return "peak_rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+        peaks = {
+            "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        }
+        torch.cuda.reset_peak_memory_stats(device)
+        return peaks
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
 
 class ThroughputMeter:
     """Times optimizer steps and turns global token counts into rates.
 
+    On CUDA a step is timed by a pair of CUDA events on the current stream, not by ``torch.cuda.synchronize``: the
+    host waits only for the step's own end event, and in the plain loop not even that, since the step's one
+    transfer of logged scalars has already waited for it. On CPU, by the wall clock.
+
     Args:
         world_size (int): ranks in the job, for the per-device rate.
-        device (torch.device): for peak memory.
+        device (torch.device): for the timer and peak memory.
     """
 
     def __init__(self, world_size: int, device: torch.device) -> None:
         self.world_size = world_size
         self.device = device
-        self._start: float | None = None
+        self._start: float | torch.cuda.Event | None = None
 
     def start(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._start = time.perf_counter()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def _seconds(self) -> float:
+        if self.device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            return self._start.elapsed_time(end) / 1000
+        return time.perf_counter() - self._start
 
     def stop(self, global_tokens: int) -> dict[str, float]:
-        """End the step; return step time, global and per-device tokens/s, and peak memory."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - self._start
-        memory_name, memory = peak_memory_gb(self.device)
+        """End the step; return step time, global and per-device tokens/s, and peak memory since the last stop."""
+        seconds = self._seconds()
         return {
             "step_time_s": seconds,
             "tokens_per_s": global_tokens / seconds,
             "tokens_per_s_per_device": global_tokens / seconds / self.world_size,
             "tokens": global_tokens,
-            memory_name: memory,
+            **peak_memory_gb(self.device),
         }
 
 

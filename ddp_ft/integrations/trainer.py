@@ -124,7 +124,9 @@ class ThroughputCallback(TrainerCallback):
         step = self._meter.stop(state.num_input_tokens_seen - self._tokens_at_step)
         self._seconds += step["step_time_s"]
         self._tokens += step["tokens"]
-        self._memory = {k: v for k, v in step.items() if k.startswith("peak_")}
+        for k, v in step.items():  # the peak of the logging interval (a GPU's peaks are reset at every step)
+            if k.startswith("peak_"):
+                self._memory[k] = max(v, self._memory.get(k, 0.0))
         self._steps += 1
         model = self._wrapped_model() if self._wrapped_model else None
         if isinstance(model, BucketedDDP):
@@ -146,6 +148,7 @@ class ThroughputCallback(TrainerCallback):
             **self._memory,
             "samples_seen": self._samples(args, state),
         })  # fmt: skip
+        self._memory = {}
         if self._comm.synced_backwards:
             per_step = {k: v / self._steps for k, v in self._comm.as_dict().items() if k != "comm/overlap"}
             if self._comm.overlap is not None:
@@ -275,8 +278,9 @@ class BucketedTrainer(Trainer):
             total = torch.stack([self._local_tokens, torch.tensor(int(self._stop.local_flag), device=count.device)])
             if self.args.world_size > 1:
                 torch.distributed.all_reduce(total)
-            self.state.num_input_tokens_seen += int(total[0].item())
-            self._stop_verdict = (self.state.global_step + 1, bool(total[1].item()))
+            tokens, stops = total.tolist()  # one transfer
+            self.state.num_input_tokens_seen += int(tokens)
+            self._stop_verdict = (self.state.global_step + 1, bool(stops))
             self._local_tokens = None
 
     def stop_requested(self) -> bool:
