@@ -1,5 +1,11 @@
 import os
 
+# The suite is a CPU suite: it compares processes over gloo, reads CPU metrics (peak_rss_gb) and expects the CPU
+# defaults (preset tiny, MULTI_CPU). On a GPU host, CUDA is hidden from this process and every process a test starts
+# (set before torch initialises CUDA), or 2 processes on 1 GPU would fail and 2 on 2 GPUs would take NCCL. Tests
+# marked ``cuda`` start their processes with ``gpu_environment`` (the original value) and are skipped without CUDA.
+os.environ.setdefault("DDP_FT_TEST_CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -7,6 +13,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 import pytest  # noqa: E402
+
+
+def _gpu_environment() -> dict[str, str]:
+    """The environment with CUDA visible as it was before the suite hid it (for ``cuda`` tests' processes)."""
+    env = dict(os.environ)
+    original = env["DDP_FT_TEST_CUDA_VISIBLE_DEVICES"]
+    if original == "unset":
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = original
+    return env
+
+
+def _host_has_cuda() -> bool:
+    """Asked in a child process: this one has CUDA hidden for good (torch reads the variable once)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("nvidia-smi") is None:  # no NVIDIA driver: no need to start torch to know
+        return False
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], env=_gpu_environment(), timeout=120).returncode == 0
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_tests = [item for item in items if "cuda" in item.keywords]
+    if cuda_tests and not _host_has_cuda():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this host)")
+        for item in cuda_tests:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu_environment() -> dict[str, str]:
+    """For ``cuda`` tests: the environment to start GPU processes with (CUDA as the suite found it)."""
+    return _gpu_environment()
 
 
 @pytest.fixture(scope="session")

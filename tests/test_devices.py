@@ -108,3 +108,15 @@ def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):
     monkeypatch.setattr(BucketedAccelerator, "num_processes", property(lambda self: 2))
     accelerator.wait_for_everyone()
     assert barriers == [((), {})]
+
+
+def test_the_suite_hides_cuda_from_itself_and_every_process_it_starts():
+    """Item 2: on a GPU host the CPU suite's launches inherited CUDA (2 processes on 1 GPU failed with 'LOCAL_RANK=1
+    but only 1 CUDA devices'; on 2 GPUs they took NCCL and CUDA metrics). ``cuda`` tests get it back explicitly."""
+    import os
+    import subprocess
+    import sys
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+    probe = "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "''"
