@@ -137,6 +137,9 @@ ROWS = {
                                         "accelerate config mixed_precision='fp16'"),
     "accelerate mixed_precision bf16 on CPU": ("recipe", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ValueError,
                                                "mixed_precision='bf16' (ACCELERATE_MIXED_PRECISION): the recipe sets"),
+    "recipe: float16 on the CPU": ("recipe", ["--compute-dtype", "float16"], ValueError,
+                                   "--compute-dtype float16 on the CPU with the Trainer recipe: Accelerate has no "
+                                   "float16 autocast or loss scaler on the CPU"),
     "accelerate use_cpu with CUDA": ("cuda-launch", {"ACCELERATE_USE_CPU": "True"}, ValueError,
                                      "accelerate config use_cpu=true (ACCELERATE_USE_CPU) while CUDA is available"),
     "config: 'NO' with num_processes 2": ("config", _config("distributed_type: 'NO'\nnum_machines: 1\n"
@@ -212,7 +215,7 @@ def test_bad_input_is_refused_naming_the_setting_before_the_model_loads_leaving_
     with pytest.raises(error) as raised:
         if entry in ("parse", "train", "recipe", "train-launch"):
             argv = [*BASE, "--output-dir", str(run_dir)]
-            if entry in ("recipe", "train-launch"):
+            if entry in ("recipe", "train-launch") and isinstance(flags, dict):  # what accelerate launch exported
                 for name, value in flags.items():
                     monkeypatch.setenv(name, value)
             else:
