@@ -30,6 +30,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import nullcontext
@@ -39,6 +40,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from .bench import compute_setup, synchronize
+from .ddp import BucketedDDP
+from .distributed import DEVICE_CHOICES, destroy_distributed, device_and_backend
+from .precision import BF16_MIN_CAPABILITY, DTYPES
 
 INJECT_ENV = "DDP_FT_GPU_CHECK_INJECT"  # test-only: "grad" perturbs one BucketedDDP gradient on the last rank
 # Tolerance of BucketedDDP's gradients against torch DDP's (rtol, atol as a fraction of the largest gradient): the
@@ -68,9 +76,6 @@ class GpuCheckSettings:
     timeout_s: float = field(default=240.0, metadata={"help": "Seconds one phase (one process count) may take."})
 
     def __post_init__(self) -> None:
-        from .distributed import DEVICE_CHOICES
-        from .precision import DTYPES
-
         if self.device not in DEVICE_CHOICES:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}.")
         if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
@@ -107,8 +112,6 @@ def plan_world_sizes(device_type: str, gpu_count: int, requested: list[int]) -> 
 
 def check_dtype(precision, requested: str, capability: tuple[int, int] | None, bf16_reported: bool | None) -> Check:
     """The dtype ``precision_for`` picked, held to the rule: bfloat16 only on compute capability >= 8.0."""
-    from .precision import BF16_MIN_CAPABILITY
-
     old_gpu = capability is not None and tuple(capability) < BF16_MIN_CAPABILITY
     if requested == "auto":
         expected = torch.float32 if capability is None else torch.float16 if old_gpu else torch.bfloat16
@@ -137,7 +140,7 @@ def _gather_flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _build(model_path: str, setup, lora_dropout: float):
-    from .model import LoraSettings, ModelSettings, load_qlora_model
+    from .model import LoraSettings, ModelSettings, load_qlora_model  # transformers and peft: in the workers only
 
     torch.manual_seed(0)
     settings = ModelSettings(model_name_or_path=model_path, compute_dtype=setup.precision.name)
@@ -152,10 +155,6 @@ def _batch(seed: int, vocab: int, shape: tuple[int, int], device: torch.device) 
 
 def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list[Check]:
     """``grads_equal_torch_ddp`` and ``no_sync``: both DDPs, one no_sync micro-step and one synced."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    from .ddp import BucketedDDP
-
     info, precision = setup.info, setup.precision
     models = []
     for _ in range(2):
@@ -242,9 +241,6 @@ def _peak_memory(device: torch.device) -> dict[str, float]:
 
 def qlora_run(setup, model_path: str, settings: GpuCheckSettings) -> Check:
     """A short QLoRA run with the project's defaults under BucketedDDP: throughput, memory, exposed communication."""
-    from .bench import synchronize
-    from .ddp import BucketedDDP
-
     info, precision = setup.info, setup.precision
     gc.collect()  # the comparison's models go, and on CUDA their cached blocks, so peak reserved is this run's own
     if info.device.type == "cuda":
@@ -343,9 +339,6 @@ def run_checks(settings: GpuCheckSettings, setup) -> list[Check]:
 
 def _worker(rank: int, world_size: int, settings: GpuCheckSettings, port: int, out_dir: str) -> None:
     """One spawned process: join the group the orchestrator's store hosts, run the checks, rank 0 writes them."""
-    from .bench import compute_setup
-    from .distributed import destroy_distributed
-
     env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": True}  # fmt: skip
     os.environ.update({k: str(v) for k, v in env.items()})
@@ -399,10 +392,6 @@ def run_phase(world_size: int, settings: GpuCheckSettings) -> dict:
     The processes rendezvous on a TCPStore this process hosts on a port the OS chose, as torchrun's agent does
     (``TORCHELASTIC_USE_AGENT_STORE``): no port to collide on.
     """
-    import tempfile
-
-    import torch.multiprocessing as mp
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=settings.timeout_s))  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -437,8 +426,6 @@ def run_phase(world_size: int, settings: GpuCheckSettings) -> dict:
 
 def run_gpu_check(settings: GpuCheckSettings) -> dict:
     """Every phase, in order; the report that the table and the JSON show. ``report["passed"]`` is the verdict."""
-    from .distributed import device_and_backend
-
     device_type, backend = device_and_backend(settings.device, torch.cuda.is_available())
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
     sizes = plan_world_sizes(device_type, len(gpus), settings.world_sizes)

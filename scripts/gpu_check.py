@@ -34,7 +34,11 @@ def parse_args() -> tuple[GpuCheckSettings, Path]:
 
 def main() -> int:
     settings, out = parse_args()
-    report = run_gpu_check(settings)
+    try:
+        report = run_gpu_check(settings)
+    except ValueError as error:  # --device cuda without CUDA, more processes than GPUs
+        print(f"gpu_check: {error}", file=sys.stderr)
+        return 1
     print(format_report(report))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
