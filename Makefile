@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench train-reference
+.PHONY: install test lint demo bench gpu-check train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: install
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
+
+# The first thing to run on a CUDA host (under 5 minutes, exit status 1 on any failure): BucketedDDP against torch DDP,
+# no communication under no_sync, the compute dtype for these GPUs, a short 4-bit QLoRA run; 1 process, then 2 on 2+ GPUs.
+gpu-check: install
+	$(PY) scripts/gpu_check.py --out bench_results/gpu_check.json
 
 # The reference run on a machine with 2 GPUs and hub access (Qwen/Qwen3-4B, knkarthick/AMI).
 train-reference: install

@@ -77,7 +77,35 @@ def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> i
     )
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+
+
+def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
+    """The device type and process-group backend for ``--device requested``, chosen together.
+
+    ``auto`` is CUDA when it is available, the CPU otherwise; ``cpu`` ignores any GPU. CUDA always goes with NCCL and
+    the CPU with gloo: an NCCL group cannot reduce CPU tensors, and gloo on CUDA tensors copies through the host.
+
+    Args:
+        requested (str): ``auto``, ``cuda`` or ``cpu``.
+        cuda_available (bool): ``torch.cuda.is_available()``.
+
+    Returns:
+        tuple[str, str]: (``cuda`` or ``cpu``, ``nccl`` or ``gloo``).
+
+    Raises:
+        ValueError: an unknown device, or ``cuda`` where CUDA is not available, naming ``--device`` and the fix.
+    """
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"--device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}.")
+    if requested == "cuda" and not cuda_available:
+        raise ValueError("--device cuda but torch.cuda.is_available() is False: use --device cpu (gloo), or check "
+                         "the driver, the torch build (torch.version.cuda) and CUDA_VISIBLE_DEVICES.")  # fmt: skip
+    use_cuda = requested == "cuda" or (requested == "auto" and cuda_available)
+    return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0, device_type: str | None = None) -> DistInfo:
     """Join the process group that torchrun / accelerate launch describe in the environment.
 
     A single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) gets no process group. With CUDA each
@@ -89,6 +117,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     Args:
         backend (str | None): override the backend ("nccl" or "gloo"). Default: chosen by device.
         timeout_s (float): collective timeout; a dead rank fails the others after this long. Default: 600.
+        device_type (str | None): ``cpu`` keeps this process off CUDA even when a GPU is visible (no CUDA context
+            is created); ``cuda`` requires one. Default: CUDA when available (``device_and_backend``).
 
     Returns:
         DistInfo: this process' rank facts.
@@ -97,7 +127,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
     local_rank = _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    if torch.cuda.is_available():
+    device_type, _ = device_and_backend(device_type or "auto", torch.cuda.is_available())
+    if device_type == "cuda":
         index = cuda_device_index(local_rank, local_world_size, torch.cuda.device_count())
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)

@@ -2,12 +2,14 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
 
-Each rank is pinned to one CPU thread, the CPU analogue of one GPU per rank; the single-process baseline
-runs on rank 0 alone with the same one thread while rank 1 waits. Modes are repeated and interleaved
-(their order rotates every repeat) so drift on the machine hits all of them alike; medians are reported, and
-the BucketedDDP / torch DDP ratio also as the median of per-repeat (paired) ratios with a bootstrap 95%
-interval. Every optimizer step accumulates ``--grad-accum`` micro-batches per rank, under ``no_sync``
-for all but the last.
+Device, backend and compute dtype are chosen together: ``--device auto`` is each rank's GPU with NCCL on a CUDA host
+(bfloat16 from compute capability 8.0, float16 with a loss scaler below, ``--compute-dtype`` to override), and
+``--device cpu`` gloo with float32, CUDA ignored. On the CPU each rank is pinned to one thread, the analogue of one
+GPU per rank; on CUDA the timed region is bracketed by device synchronisations. The single-process baseline runs on
+rank 0 alone while rank 1 waits. Modes are repeated and interleaved (their order rotates every repeat) so drift on
+the machine hits all of them alike; medians are reported, and the BucketedDDP / torch DDP ratio also as the median of
+per-repeat (paired) ratios with a bootstrap 95% interval. Every optimizer step accumulates ``--grad-accum``
+micro-batches per rank, under ``no_sync`` for all but the last.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from ddp_ft.bench import ComputeSetup, ExposedWaitProbe, compute_setup, synchronize
 from ddp_ft.ddp import BucketedDDP
-from ddp_ft.distributed import destroy_distributed, init_distributed
+from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed
 from ddp_ft.model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
+from ddp_ft.precision import DTYPES, Precision
 
 MODES = ("single", "torch_ddp", "bucketed_ddp")
 
@@ -47,6 +51,18 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    p.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="cuda: each rank's GPU with NCCL; cpu: gloo, CUDA ignored; auto: cuda when available",
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bfloat16 on GPUs of compute capability >= 8.0, float16 below, float32 on the CPU",
+    )
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_ddp.json"), help="JSON result file")
     p.add_argument(
         "--pool",
@@ -55,30 +71,6 @@ def parse_args() -> argparse.Namespace:
         help="no benchmark: pool the per-repeat ratios of these earlier result files (plain python, no torchrun)",
     )
     return p.parse_args()
-
-
-class ExposedWaitProbe:
-    """Wall time from the last trainable gradient of a backward to ``backward()`` returning.
-
-    In a synced backward that is the communication (and the wait for the slower rank) that the backward could not
-    hide. It is measured from outside, by the same hooks, for torch DDP and BucketedDDP alike, so the part of a step
-    where communication shows is compared directly, without the compute that dominates the tokens/s noise.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.last_grad = 0.0
-        self.seconds: list[float] = []
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._stamp)
-
-    def _stamp(self, param: torch.Tensor) -> None:
-        self.last_grad = time.perf_counter()
-
-    def backward(self, loss: torch.Tensor, record: bool) -> None:
-        loss.backward()
-        if record:
-            self.seconds.append(time.perf_counter() - self.last_grad)
 
 
 def caps_of(bucket_cap_mb: float | None) -> dict[str, dict[str, float]]:
@@ -100,8 +92,11 @@ def bucket_bytes(models) -> dict[str, list[int]]:
     }
 
 
-def run_steps(model, optimizer, probe, batches, steps: int, grad_accum: int, distributed: bool) -> float:
+def run_steps(model, optimizer, scaler, probe, batches, steps: int, grad_accum: int, distributed: bool,
+              precision: Precision) -> float:  # fmt: skip
     """Run ``steps`` optimizer steps; return the wall seconds (of the slowest rank when distributed)."""
+    device = batches[0].device
+    synchronize(device)
     if distributed:
         dist.barrier()
     start = time.perf_counter()
@@ -110,10 +105,14 @@ def run_steps(model, optimizer, probe, batches, steps: int, grad_accum: int, dis
             ids = batches[(step * grad_accum + micro) % len(batches)]
             accumulate_only = distributed and micro < grad_accum - 1
             with model.no_sync() if accumulate_only else nullcontext():
-                probe.backward(model(input_ids=ids, labels=ids).loss, record=distributed and not accumulate_only)
-        optimizer.step()
+                with precision.autocast_context():
+                    loss = model(input_ids=ids, labels=ids).loss
+                probe.backward(scaler.scale(loss), record=distributed and not accumulate_only)
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
-    elapsed = torch.tensor(time.perf_counter() - start)
+    synchronize(device)
+    elapsed = torch.tensor(time.perf_counter() - start, device=device)
     if distributed:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
@@ -123,7 +122,8 @@ def main() -> None:
     args = parse_args()
     if args.pool:
         return pool(args.pool)
-    info = init_distributed()
+    setup = compute_setup(args.device, args.compute_dtype)
+    info, precision = setup.info, setup.precision
     torch.set_num_threads(args.threads)
     try:
         if info.world_size != 2:
@@ -135,8 +135,8 @@ def main() -> None:
 
         def build():
             torch.manual_seed(0)
-            settings = ModelSettings(model_name_or_path=str(model_dir))
-            return load_qlora_model(settings, LoraSettings(), {"": "cpu"}, info.world_size).train()
+            settings = ModelSettings(model_name_or_path=str(model_dir), compute_dtype=args.compute_dtype)
+            return load_qlora_model(settings, LoraSettings(), setup.device_map, info.world_size).train()
 
         models = {
             "single": build(),
@@ -148,20 +148,23 @@ def main() -> None:
         optimizers = {
             k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()
         }
-        probes = {k: ExposedWaitProbe(m) for k, m in models.items()}
+        scalers = {k: precision.grad_scaler() for k in models}  # no-ops unless float16
+        probes = {k: ExposedWaitProbe(m, info.device) for k, m in models.items()}
         g = torch.Generator().manual_seed(info.rank)
-        batches = [torch.randint(0, args.vocab_size, (args.micro_batch, args.seq_len), generator=g) for _ in range(8)]
+        batches = [torch.randint(0, args.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(info.device)
+                   for _ in range(8)]  # fmt: skip
         tokens_per_rank_step = args.micro_batch * args.seq_len * args.grad_accum
 
         def measure(mode: str, steps: int) -> float | None:
-            model, optimizer, probe = models[mode], optimizers[mode], probes[mode]
+            model, optimizer, scaler, probe = models[mode], optimizers[mode], scalers[mode], probes[mode]
             if mode == "single":
                 seconds = None
                 if info.is_main_process:
-                    seconds = run_steps(model, optimizer, probe, batches, steps, args.grad_accum, distributed=False)
+                    seconds = run_steps(model, optimizer, scaler, probe, batches, steps, args.grad_accum, False,
+                                        precision)  # fmt: skip
                 dist.barrier()
                 return seconds
-            return run_steps(model, optimizer, probe, batches, steps, args.grad_accum, distributed=True)
+            return run_steps(model, optimizer, scaler, probe, batches, steps, args.grad_accum, True, precision)
 
         # warm-up: first-iteration allocations; torch DDP rebuilds its buckets in the forward after its first
         # synced backward, so it needs two optimizer steps
@@ -172,7 +175,7 @@ def main() -> None:
         if layouts["torch_ddp"] != layouts["bucketed_ddp"]:
             raise SystemExit(f"the two DDPs have different bucket layouts, the comparison would be unfair: {layouts}")
         for probe in probes.values():
-            probe.seconds.clear()
+            probe.samples.clear()
 
         samples: dict[str, list[float]] = {m: [] for m in MODES}
         for repeat in range(args.repeats):
@@ -188,7 +191,7 @@ def main() -> None:
         dist.all_gather_object(waits, {m: probes[m].seconds for m in ("torch_ddp", "bucketed_ddp")})
         exposed_ms = {m: 1e3 * statistics.mean([s for w in waits for s in w[m]]) for m in ("torch_ddp", "bucketed_ddp")}
         if info.is_main_process:
-            report(args, samples, comm, exposed_ms, layouts, tokens_per_rank_step)
+            report(args, setup, samples, comm, exposed_ms, layouts, tokens_per_rank_step)
     finally:
         destroy_distributed()
 
@@ -235,12 +238,21 @@ def cpu_name() -> str:
     return platform.processor() or "CPU"
 
 
-def report(args, samples, comm, exposed_ms, layouts, tokens_per_rank_step) -> None:
+def report(args, setup: ComputeSetup, samples, comm, exposed_ms, layouts, tokens_per_rank_step) -> None:
     optimizer_steps = args.repeats * args.steps
     median = {m: statistics.median(v) for m, v in samples.items()}
     paired = [b / t for b, t in zip(samples["bucketed_ddp"], samples["torch_ddp"], strict=True)]
+    info = setup.info
+    if info.device.type == "cuda":
+        hardware = f"{info.world_size} x {torch.cuda.get_device_name(info.device)}, {setup.backend}"
+    else:
+        hardware = f"{cpu_name()}, {info.world_size} ranks x {args.threads} thread(s), {setup.backend}"
     result = {
-        "hardware": f"{cpu_name()}, 2 ranks x {args.threads} thread(s), gloo",
+        "hardware": hardware,
+        "device": info.device.type,
+        "backend": setup.backend,
+        "compute_dtype": setup.precision.name,
+        "compute_dtype_reason": setup.precision.reason,
         "torch": torch.__version__,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "tokens_per_s": median,
@@ -271,6 +283,7 @@ def report(args, samples, comm, exposed_ms, layouts, tokens_per_rank_step) -> No
         lo, hi = min(samples[m]), max(samples[m])
         rows.append(f"| {m:<13} | {median[m]:>9.0f} | {result['step_time_s'][m]:>7.3f} | {lo:>8.0f}..{hi:<9.0f} |")
     per_step = result["bucketed_ddp_per_optimizer_step"]
+    print(f"{setup.describe()}; {hardware}")
     print("\n".join(rows))
     print(
         f"BucketedDDP / torch DDP: {result['bucketed_over_torch_ddp']:.3f} "

@@ -1,0 +1,87 @@
+"""Benchmarks pick device, backend and compute dtype together (issue 11, item 1), checked on CPU with torch.cuda's
+queries monkeypatched: bench_ddp.py joined NCCL on a CUDA host with its model on the CPU, and computed in bf16 on
+any GPU."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_ft.bench import compute_setup
+from ddp_ft.distributed import device_and_backend
+
+
+@pytest.mark.parametrize(
+    ("requested", "cuda_available", "expected"),
+    [
+        ("auto", True, ("cuda", "nccl")),
+        ("auto", False, ("cpu", "gloo")),
+        ("cuda", True, ("cuda", "nccl")),
+        ("cpu", True, ("cpu", "gloo")),  # CUDA visible but ignored
+        ("cpu", False, ("cpu", "gloo")),
+    ],
+)
+def test_device_and_backend_go_together(requested, cuda_available, expected):
+    assert device_and_backend(requested, cuda_available) == expected
+
+
+@pytest.mark.parametrize(("requested", "match"), [("cuda", "--device cuda but torch.cuda.is_available"),
+                                                  ("gpu", "--device 'gpu': choose one of auto, cuda, cpu")])  # fmt: skip
+def test_an_impossible_device_is_an_error_naming_the_flag(requested, match):
+    with pytest.raises(ValueError, match=match):
+        device_and_backend(requested, cuda_available=False)
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch):
+    """Rank 1 of 2 with init_process_group recorded instead of run; CUDA absent unless a test mocks it."""
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return calls
+
+
+def _mock_cuda(monkeypatch, capability, set_device=None):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device or (lambda index: None))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+@pytest.mark.parametrize(("capability", "dtype"), [((8, 0), torch.bfloat16), ((7, 5), torch.float16)])
+def test_on_a_cuda_host_the_model_goes_to_this_rank_s_gpu_with_nccl_and_a_dtype_the_card_has(
+    rank_1_of_2, monkeypatch, capability, dtype
+):
+    _mock_cuda(monkeypatch, capability)
+    setup = compute_setup("auto", "auto")
+    (call,) = rank_1_of_2
+    assert call["backend"] == "nccl" == setup.backend and call["device_id"] == torch.device("cuda", 1)
+    assert setup.info.device == torch.device("cuda", 1) and setup.device_map == {"": 1}
+    assert setup.precision.dtype == dtype and setup.precision.autocast
+
+
+def test_device_cpu_on_a_cuda_host_is_gloo_float32_and_never_touches_cuda(rank_1_of_2, monkeypatch):
+    touched = []
+    _mock_cuda(monkeypatch, (9, 0), set_device=touched.append)
+    setup = compute_setup("cpu", "auto")
+    (call,) = rank_1_of_2
+    assert call["backend"] == "gloo" == setup.backend and "device_id" not in call
+    assert setup.info.device == torch.device("cpu") and setup.device_map == {"": "cpu"}
+    assert setup.precision.dtype == torch.float32 and not setup.precision.autocast
+    assert touched == []
+
+
+def test_without_cuda_auto_is_the_cpu_with_gloo(rank_1_of_2, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    setup = compute_setup("auto", "auto")
+    assert rank_1_of_2[0]["backend"] == "gloo" and setup.device_map == {"": "cpu"}
+    assert setup.precision.dtype == torch.float32
+
+
+def test_bfloat16_asked_on_an_older_gpu_is_refused_naming_the_fix(rank_1_of_2, monkeypatch):
+    _mock_cuda(monkeypatch, (7, 5))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    with pytest.raises(ValueError, match="compute capability 7.5.*--compute-dtype float16"):
+        compute_setup("cuda", "bfloat16")

@@ -1,0 +1,141 @@
+"""scripts/gpu_check.py (issue 11, item 9): its logic on 2 CPU processes (gloo), a broken comparison failing its exit
+status, the pure parts on their own, and the real thing on CUDA when there is a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_ft.gpu_check import INJECT_ENV, check_dtype, format_report, merge_ranks, plan_world_sizes
+from ddp_ft.precision import Precision, choose_precision
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+SMALLEST = ["--seq-len", "16", "--micro-batch", "1", "--grad-accum", "2", "--warmup-steps", "0", "--steps", "1"]
+CHECKS = ["dtype", "grads_equal_torch_ddp", "no_sync", "qlora_run"]
+
+
+def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_gpu_check_passes_on_two_cpu_processes_and_reports_every_check(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    run = _run(["--device", "cpu", "--world-sizes", "2", *SMALLEST, "--out", str(out)])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and (report["device"], report["backend"]) == ("cpu", "gloo")
+    (phase,) = report["phases"]
+    assert phase["world_size"] == 2 and phase["compute_dtype"] == "float32"
+    checks = {c["name"]: c for c in phase["checks"]}
+    assert list(checks) == CHECKS and all(c["passed"] for c in checks.values())
+    grads = checks["grads_equal_torch_ddp"]["values"]
+    assert grads["bitwise_equal"] and grads["same_on_all_ranks"] and grads["buckets"] > 1  # on CPU: bitwise
+    quiet = checks["no_sync"]["values"]
+    assert quiet["no_sync_allreduce_calls"] == 0 and quiet["grads_differ_across_ranks"]
+    assert quiet["step_allreduce_calls"] == quiet["buckets"]
+    run_values = report["runs"]["2"]
+    assert (
+        run_values["tokens_per_s"] > 0 and run_values["peak_rss_gb"] > 0 and run_values["exposed_comm_ms_per_step"] >= 0
+    )
+    assert run_values["allreduce_calls_per_step"] == run_values["buckets"]
+    assert "| 2 | grads_equal_torch_ddp | PASS |" in run.stdout and run.stdout.count("PASS") >= 5
+
+
+@pytest.mark.distributed
+def test_a_gradient_differing_from_torch_ddp_fails_the_check_and_the_exit_status(tmp_path):
+    """The comparison bites: a BucketedDDP gradient off by its largest value (injected after the reduction, test-only
+    variable) is a FAIL row and exit status 1, on the one-process path (its own group of one)."""
+    out = tmp_path / "gpu_check.json"
+    run = _run(["--device", "cpu", "--world-sizes", "1", *SMALLEST, "--out", str(out)], env={INJECT_ENV: "grad"})
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    checks = {c["name"]: c for c in report["phases"][0]["checks"]}
+    assert not report["passed"] and not checks["grads_equal_torch_ddp"]["passed"]
+    assert "differs from torch DDP" in checks["grads_equal_torch_ddp"]["detail"]
+    assert all(checks[name]["passed"] for name in ("dtype", "no_sync", "qlora_run"))
+    assert "| 1 | grads_equal_torch_ddp | FAIL |" in run.stdout and "FAIL (1 failed)" in run.stdout
+
+
+def test_one_process_then_two_where_two_devices_exist():
+    assert plan_world_sizes("cuda", 1, []) == [1]
+    assert plan_world_sizes("cuda", 8, []) == [1, 2]
+    assert plan_world_sizes("cpu", 0, []) == [1, 2]
+    assert plan_world_sizes("cpu", 0, [2]) == [2]
+    with pytest.raises(ValueError, match="2 processes but 1 GPU"):
+        plan_world_sizes("cuda", 1, [2])
+
+
+@pytest.mark.parametrize(("capability", "reported", "name"), [((7, 5), True, "float16"), ((8, 0), True, "bfloat16")])
+def test_the_dtype_check_passes_the_choice_the_card_supports(capability, reported, name):
+    check = check_dtype(choose_precision("auto", "cuda", capability), "auto", capability, reported)
+    assert check.passed and check.values["dtype"] == name
+    assert ("emulated: not used" in check.detail) == (capability < (8, 0))
+
+
+def test_the_dtype_check_fails_bfloat16_below_compute_capability_8():
+    forged = Precision(torch.bfloat16, "cuda", "forged")
+    assert not check_dtype(forged, "auto", (7, 0), True).passed
+    assert not check_dtype(forged, "bfloat16", (7, 5), True).passed
+
+
+def test_a_check_failing_on_one_rank_fails_the_row_and_a_crashed_phase_fails_the_verdict():
+    row = {"name": "no_sync", "passed": True, "detail": "fine", "values": {}}
+    merged = merge_ranks([[row], [{**row, "passed": False, "detail": "2 all-reduces"}]])
+    assert merged == [{**row, "passed": False, "detail": "rank 1: 2 all-reduces"}]
+    report = {"passed": False, "gpus": [], "torch": "t", "cuda": None, "runs": {}, "seconds": 1.0,
+              "phases": [{"world_size": 2, "error": "rank1: RuntimeError: boom"}]}  # fmt: skip
+    text = format_report(report)
+    assert "| 2 | (phase) | FAIL | rank1: RuntimeError: boom |" in text and "FAIL (1 failed)" in text
+
+
+# ---------------------------------------------------------------------------------------------- on a real GPU
+
+ORIGINAL_CUDA_DEVICES = "DDP_FT_TEST_CUDA_VISIBLE_DEVICES"  # set by conftest when it hides CUDA from the suite
+
+
+def _gpu_env() -> dict:
+    """The suite's environment with the GPUs it hid given back: CUDA_VISIBLE_DEVICES as it was before the suite
+    (``DDP_FT_TEST_CUDA_VISIBLE_DEVICES``; empty: it was unset, every GPU visible)."""
+    env = dict(os.environ)
+    if ORIGINAL_CUDA_DEVICES in env:
+        original = env[ORIGINAL_CUDA_DEVICES]
+        if original:
+            env["CUDA_VISIBLE_DEVICES"] = original
+        else:
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _cuda_for_children() -> bool:
+    if torch.cuda.is_available():
+        return True
+    if ORIGINAL_CUDA_DEVICES not in os.environ or not Path("/dev/nvidiactl").exists():
+        return False  # no CUDA here, and none hidden (or no NVIDIA driver): no child process needed to know
+    probe = [sys.executable, "-c", "import sys, torch; sys.exit(not torch.cuda.is_available())"]
+    return subprocess.run(probe, env=_gpu_env(), timeout=120).returncode == 0
+
+
+@pytest.mark.cuda
+def test_gpu_check_passes_on_this_host_s_gpus(tmp_path):
+    if not _cuda_for_children():
+        pytest.skip("no CUDA device")
+    out = tmp_path / "gpu_check.json"
+    run = _run(["--out", str(out)], env=_gpu_env(), timeout=600)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["device"] == "cuda" and report["backend"] == "nccl"
+    assert [p["world_size"] for p in report["phases"]] == ([1, 2] if len(report["gpus"]) >= 2 else [1])
+    for phase in report["phases"]:
+        assert [c["name"] for c in phase["checks"]] == CHECKS
+        run_values = next(c["values"] for c in phase["checks"] if c["name"] == "qlora_run")
+        assert run_values["peak_allocated_gb"] > 0 and run_values["peak_reserved_gb"] >= run_values["peak_allocated_gb"]
+    assert report["seconds"] < 300
