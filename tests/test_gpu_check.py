@@ -98,37 +98,12 @@ def test_a_check_failing_on_one_rank_fails_the_row_and_a_crashed_phase_fails_the
 
 # ---------------------------------------------------------------------------------------------- on a real GPU
 
-ORIGINAL_CUDA_DEVICES = "DDP_FT_TEST_CUDA_VISIBLE_DEVICES"  # set by conftest when it hides CUDA from the suite
-
-
-def _gpu_env() -> dict:
-    """The suite's environment with the GPUs it hid given back: CUDA_VISIBLE_DEVICES as it was before the suite
-    (``DDP_FT_TEST_CUDA_VISIBLE_DEVICES``; empty: it was unset, every GPU visible)."""
-    env = dict(os.environ)
-    if ORIGINAL_CUDA_DEVICES in env:
-        original = env[ORIGINAL_CUDA_DEVICES]
-        if original:
-            env["CUDA_VISIBLE_DEVICES"] = original
-        else:
-            env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
-
-
-def _cuda_for_children() -> bool:
-    if torch.cuda.is_available():
-        return True
-    if ORIGINAL_CUDA_DEVICES not in os.environ or not Path("/dev/nvidiactl").exists():
-        return False  # no CUDA here, and none hidden (or no NVIDIA driver): no child process needed to know
-    probe = [sys.executable, "-c", "import sys, torch; sys.exit(not torch.cuda.is_available())"]
-    return subprocess.run(probe, env=_gpu_env(), timeout=120).returncode == 0
-
 
 @pytest.mark.cuda
-def test_gpu_check_passes_on_this_host_s_gpus(tmp_path):
-    if not _cuda_for_children():
-        pytest.skip("no CUDA device")
+def test_gpu_check_passes_on_this_host_s_gpus(tmp_path, gpu_environment):
+    """On a GPU host (skipped elsewhere by conftest): the script's own run, with the GPUs the suite hid given back."""
     out = tmp_path / "gpu_check.json"
-    run = _run(["--out", str(out)], env=_gpu_env(), timeout=600)
+    run = _run(["--out", str(out)], env=gpu_environment, timeout=600)
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     report = json.loads(out.read_text())
