@@ -436,8 +436,13 @@ def make_collator(tokenizer):
 
 
 def count_tokens(batch: dict) -> int:
-    """Non-padding tokens of a collated batch (the sum of its attention mask)."""
+    """Non-padding tokens of a collated batch (the sum of its attention mask): what throughput counts."""
     return int(batch["attention_mask"].sum())
+
+
+def answer_tokens(batch: dict) -> int:
+    """Tokens of a collated batch that carry loss: labels other than IGNORE_INDEX after the causal shift."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 @dataclass(frozen=True)

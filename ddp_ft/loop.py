@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -29,18 +28,16 @@ from .checkpoint import (
     saved_position,
     verify_checkpoint,
 )
-from .config import RunSettings, gradient_accumulation_steps
-from .data import IGNORE_INDEX, EpochLoader, check_resume, load_raw_splits, make_collator, tokenize_dataset
+from .config import RunSettings
+from .data import EpochLoader, answer_tokens, check_resume, count_tokens
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
-from .faults import FaultInjector
-from .integrations.launch import check_accelerate_launch
 from .metrics import ThroughputMeter, open_metric_sink
-from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .precision import Precision
 from .preemption import StopSignal
+from .records import STOP, config_record, eval_record, run_identity, train_record
+from .setup import build_model, check_run_settings, prepare_run
 from .shared_fs import check_shared_resume, prepare_output_dir
-from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,37 +55,11 @@ class TrainResult:
     stopped_by: str | None = None  # the signal that stopped the run early (a checkpoint was saved), else None
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("DDP_FT_CACHE", Path.home() / ".cache" / "ddp_ft"))
-
-
-def resolve_model_and_tokenizer(model_name_or_path: str, info: DistInfo) -> tuple[str, str]:
-    """Hub ids and folders pass through; the embedded default is built here once (local rank 0 builds,
-    the others wait), then loaded through ``from_pretrained`` like any hub model."""
-    if model_name_or_path != EMBEDDED_MODEL:
-        return model_name_or_path, model_name_or_path
-    tokenizer_dir = cache_dir() / "tiny-tokenizer"
-    if info.local_rank == 0:
-        build_tiny_tokenizer(tokenizer_dir)
-    _barrier(info)
-    vocab_size = len(load_tokenizer(str(tokenizer_dir)))
-    model_dir = cache_dir() / f"tiny-qwen3-v{vocab_size}"
-    if info.local_rank == 0:
-        build_tiny_qwen3(model_dir, vocab_size=vocab_size, seed=0)
-    _barrier(info)
-    return str(model_dir), str(tokenizer_dir)
-
-
-def _barrier(info: DistInfo) -> None:
-    if info.is_distributed:
-        dist.barrier()
-
-
 def _count_tokens(group: list[dict], device: torch.device) -> torch.Tensor:
     """[answer tokens that carry loss, non-padding input tokens] of a list of micro-batches."""
-    labels = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in group)
-    inputs = sum(int(b["attention_mask"].sum()) for b in group)
-    return torch.tensor([labels, inputs], dtype=torch.float64, device=device)
+    answers = sum(answer_tokens(b) for b in group)
+    inputs = sum(count_tokens(b) for b in group)
+    return torch.tensor([answers, inputs], dtype=torch.float64, device=device)
 
 
 def _sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
@@ -164,101 +135,13 @@ def evaluate(
     for start in range(0, len(indices), micro_batch):
         batch = collate_fn([dataset[i] for i in indices[start : start + micro_batch]])
         batch = {k: v.to(info.device) for k, v in batch.items()}
-        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        tokens = answer_tokens(batch)
         with autocast:
             totals[0] += model(**batch, num_items_in_batch=1).loss.double()  # summed token loss
         totals[1] += tokens
     _sum_over_ranks(totals, info)
     model.train(was_training)
     return (totals[0] / totals[1].clamp(min=1)).item()
-
-
-@dataclass
-class RunParts:
-    """What both entry points (this loop, the Trainer recipe) build before the model."""
-
-    accumulation: int
-    device_map: dict | str
-    model_path: str
-    tokenizer: object
-    train_set: object
-    eval_set: object
-    collate: object
-    report: object
-    faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
-
-
-def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict | str]:
-    """The checks that need nothing but the settings and the world size; both entry points run them first.
-
-    Returns:
-        tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
-
-    Raises:
-        ValueError: an Accelerate launch setting no entry point can honour, impossible batch arithmetic, a
-            model-splitting device map under DDP, or a compute dtype this device cannot run, each naming the setting
-            to change.
-    """
-    precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
-    check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
-    t = settings.train
-    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
-    device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
-    check_device_map(device_map, info.world_size)
-    return accumulation, device_map
-
-
-def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
-    """Check the settings against the world size, then build tokenizer and data; every check before the model.
-
-    Raises:
-        ValueError: impossible batch arithmetic, a model-splitting device map under DDP, bad data, or fewer
-            training samples than one effective batch, each naming the setting to change.
-    """
-    t = settings.train
-    accumulation, device_map = check_run_settings(settings, info)
-    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
-    tokenizer = load_tokenizer(tokenizer_path)
-    splits = load_raw_splits(settings.data)
-    train_set, report = tokenize_dataset(splits["train"], tokenizer, settings.data)
-    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
-    if len(train_set) < t.effective_batch:
-        least = t.micro_batch * info.world_size  # the smallest effective batch this world size can train
-        fix = (f"fewer than the {least} one micro-batch on each of world_size={info.world_size} ranks needs: run "
-               "fewer processes, lower --micro-batch, or use more data" if len(train_set) < least else
-               "lower --effective-batch or use more data")  # fmt: skip
-        raise ValueError(
-            f"the training set has {len(train_set)} samples, fewer than one effective batch "
-            f"(effective_batch={t.effective_batch}): {fix}."
-        )
-    faults = FaultInjector.from_env(info.rank)
-    return RunParts(accumulation, device_map, model_path, tokenizer, train_set, eval_set, make_collator(tokenizer),
-                    report, faults)  # fmt: skip
-
-
-def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
-    """The QLoRA model on this rank's device, seeded by ``settings.train.seed``, checked against the tokenizer."""
-    _seed(settings.train.seed)
-    model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": parts.model_path})
-    model = load_qlora_model(model_settings, settings.lora, parts.device_map, info.world_size)
-    embeddings = model.get_input_embeddings().num_embeddings
-    if len(parts.tokenizer) > embeddings:
-        raise ValueError(
-            f"the tokenizer has {len(parts.tokenizer)} tokens but the model's embedding only {embeddings}: "
-            "use the tokenizer that belongs to --model-name-or-path."
-        )
-    parts.faults.attach(model)
-    return model
-
-
-def _seed(seed: int) -> None:
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _check_resume(path: Path, layout) -> None:
@@ -330,25 +213,32 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     if info.is_distributed:
         dist.all_gather_object(all_first, first_indices)
 
-    job_type = f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
-    run_name = t.run_name or job_type
-    config = {"run_name": run_name, "world_size": info.world_size, "micro_batch": t.micro_batch,
-              "accumulation": accumulation, "effective_batch": t.effective_batch, "total_steps": total_steps,
-              "bucket_cap_mb": settings.ddp.bucket_cap_mb, "comm_hook": settings.ddp.comm_hook,
-              "buckets": len(wrapped.bucket_sizes) if isinstance(wrapped, BucketedDDP) else 0,
-              "train_samples": len(train_set), "eval_samples": len(eval_set), "truncation": str(parts.report),
-              "resumed_from_step": state.global_step, "preset": settings.preset, "first_batch_indices": all_first,
-              "tokens_counted": "non-padding input tokens (attention mask)"}  # fmt: skip
-    group = t.wandb_group or settings.preset or "custom"
-    wandb_run = {"project": t.wandb_project, "group": group, "job_type": job_type, "name": f"{group}-{run_name}",
-                 "config": config}  # fmt: skip
+    identity = run_identity(t.wandb_project, t.wandb_group, t.run_name, settings.preset, info.world_size)
+    config = config_record(
+        run_name=identity.name,
+        world_size=info.world_size,
+        micro_batch=t.micro_batch,
+        accumulation=accumulation,
+        total_steps=total_steps,
+        resumed_from_step=state.global_step,
+        bucket_cap_mb=settings.ddp.bucket_cap_mb,
+        comm_hook=settings.ddp.comm_hook,
+        buckets=len(wrapped.bucket_sizes) if isinstance(wrapped, BucketedDDP) else 0,
+        train_samples=len(train_set),
+        eval_samples=len(eval_set),
+        truncation=str(parts.truncation),
+        preset=settings.preset,
+        first_batch_indices=all_first,
+    )
+    wandb_run = {"project": identity.project, "group": identity.group, "job_type": identity.job_type,
+                 "name": identity.name, "config": {k: v for k, v in config.items() if k != "type"}}  # fmt: skip
     sink = open_metric_sink(info, output_dir, wandb_run if t.report_to == "wandb" else None)
-    sink.log({"type": "config", **config})
-    logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", run_name,
-                total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, parts.report)  # fmt: skip
+    sink.log(config)
+    logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", identity.name,
+                total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, parts.truncation)  # fmt: skip
 
     meter = ThroughputMeter(info.world_size, info.device)
-    progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=run_name)
+    progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=identity.name)
     first_loss = last_loss = eval_loss = None
     checkpoint = None
     stopped_by = None
@@ -400,9 +290,15 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 state.global_step += 1
                 state.sample_in_epoch += t.effective_batch
                 state.samples_seen += t.effective_batch
-                record = {"type": "train", "step": state.global_step, "epoch": state.epoch,
-                          "samples_seen": state.samples_seen, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                          **meter.stop(int(input_tokens))}  # fmt: skip
+                record = train_record(
+                    step=state.global_step,
+                    samples_seen=state.samples_seen,
+                    loss=loss,
+                    lr=lr,
+                    grad_norm=grad_norm,
+                    epoch=state.epoch,
+                    **meter.stop(int(input_tokens)),
+                )
                 if precision.loss_scaling:
                     record.update({"loss_scale": scale[0], "skipped": int(skipped)})
                 if isinstance(wrapped, BucketedDDP):
@@ -419,15 +315,14 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                     and state.global_step < total_steps
                 ):
                     eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info, precision)
-                    sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
-                              "eval_loss": eval_loss})  # fmt: skip
+                    sink.log(eval_record(step=state.global_step, samples_seen=state.samples_seen, eval_loss=eval_loss))
                 if t.save_every and state.global_step % t.save_every == 0 and state.global_step < total_steps:
                     save()
         if stopped_by is not None:
             # Preempted: one checkpoint of the last finished step (unless one holds it already), no final eval.
             new_work = state.global_step > saved_step
             checkpoint = save() if new_work else None
-            sink.log({"type": "stop", "step": state.global_step, "samples_seen": state.samples_seen,
+            sink.log({"type": STOP, "step": state.global_step, "samples_seen": state.samples_seen,
                       "signal": stopped_by, "checkpoint": str(checkpoint) if checkpoint else None})  # fmt: skip
             logger.warning("stopped by %s after step %d of %d: %s; continue with --resume latest", stopped_by,
                            state.global_step, total_steps, "checkpoint saved" if new_work else
@@ -435,8 +330,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
         else:
             if has_eval:
                 eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info, precision)
-                sink.log({"type": "eval", "step": state.global_step, "samples_seen": state.samples_seen,
-                          "eval_loss": eval_loss})  # fmt: skip
+                sink.log(eval_record(step=state.global_step, samples_seen=state.samples_seen, eval_loss=eval_loss))
             checkpoint = save()
             logger.info(
                 "done: %d steps, loss %s -> %s, eval loss %s", state.global_step, first_loss, last_loss, eval_loss

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .distributed import DistInfo
+from .records import CONFIG, define_step_metrics, wandb_payload
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def timeline(records: list[dict]) -> list[dict]:
     So every step appears once, from the attempt whose checkpoint the run continued from."""
     kept: list[dict] = []
     for record in records:
-        if record.get("type") == "config" and record.get("resumed_from_step") is not None:
+        if record.get("type") == CONFIG and record.get("resumed_from_step") is not None:
             resumed = record["resumed_from_step"]
             kept = [r for r in kept if r.get("step") is None or r["step"] <= resumed]
         kept.append(record)
@@ -217,22 +218,15 @@ class WandbLogger:
         import wandb
 
         run = wandb.init(**init_kwargs, reinit="finish_previous")
-        run.define_metric("train/samples_seen")
-        run.define_metric("train/*", step_metric="train/samples_seen")
-        run.define_metric("eval/*", step_metric="train/samples_seen")
+        define_step_metrics(run)
         return run
 
     def log(self, record: dict) -> None:
         if self._run is None:
             return
-        kind = record.get("type")
-        if kind == "train":
-            payload = {f"train/{k}": v for k, v in record.items() if k != "type" and isinstance(v, int | float)}
-        elif kind == "eval":
-            payload = {"eval/loss": record["eval_loss"], "train/samples_seen": record["samples_seen"]}
-        else:
-            return
-        self._switch.call("run.log", self._run.log, payload)
+        payload = wandb_payload(record)
+        if payload is not None:
+            self._switch.call("run.log", self._run.log, payload)
 
     def close(self) -> None:
         if self._run is not None:  # after a failure the switch is off: the run is left, its service may be gone

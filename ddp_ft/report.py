@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ddp_ft.metrics import read_jsonl, resolve_wandb_mode, timeline
+from .metrics import read_jsonl, resolve_wandb_mode, timeline
+from .records import CONFIG, EVAL, STEP_METRIC, TRAIN, eval_record, of_type
 
 logger = logging.getLogger(__name__)
 
@@ -162,23 +163,22 @@ def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
     """
     if skip_first < 0:
         raise ValueError(f"skip_first must be >= 0, got {skip_first}")
-    configs = [r for r in records if r.get("type") == "config"]
-    trains = [r for r in records if r.get("type") == "train"]
+    configs, trains = of_type(records, CONFIG), of_type(records, TRAIN)
     if not configs:
         raise ValueError("no config record (type 'config'): is this a ddp_ft metrics.jsonl?")
     if not trains:
         raise ValueError(f"run {configs[0].get('run_name')!r} has no train record")
     timed, since_config = [], 0
     for record in records:
-        if record.get("type") == "config":
+        if record.get("type") == CONFIG:
             since_config = 0
-        elif record.get("type") == "train":
+        elif record.get("type") == TRAIN:
             if since_config >= skip_first:
                 timed.append(record)
             since_config += 1
     timed = timed or trains
     memory_metric = next((m for m in MEMORY_METRICS if any(m in r for r in trains)), None)
-    evals = [r for r in records if r.get("type") == "eval" and r.get("eval_loss") is not None]
+    evals = [r for r in of_type(records, EVAL) if r.get("eval_loss") is not None]
     first = configs[0]
     return RunSummary(
         run_name=str(first.get("run_name", "run")),
@@ -200,8 +200,8 @@ def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
 
 def loss_curve(records: list[dict]) -> LossCurve:
     """Train and eval loss against samples seen; where a resumed run logged a point twice, the later wins."""
-    train = {r["samples_seen"]: r["loss"] for r in records if r.get("type") == "train" and r.get("loss") is not None}
-    evals = {r["samples_seen"]: r["eval_loss"] for r in records if r.get("type") == "eval"}
+    train = {r["samples_seen"]: r["loss"] for r in of_type(records, TRAIN) if r.get("loss") is not None}
+    evals = {r["samples_seen"]: r["eval_loss"] for r in of_type(records, EVAL)}
     evals = {k: v for k, v in evals.items() if v is not None}
     return LossCurve(sorted(train), [train[k] for k in sorted(train)], sorted(evals), [evals[k] for k in sorted(evals)])
 
@@ -411,15 +411,14 @@ def records_from_wandb(run_path: str, api: object | None = None) -> list[dict]:
 
         api = wandb.Api()
     run = api.run(run_path)
-    records: list[dict] = [{"type": "config", "run_name": run.name, **dict(run.config)}]
+    records: list[dict] = [{"type": CONFIG, "run_name": run.name, **dict(run.config)}]
     for row in run.scan_history():
-        samples = row.get("train/samples_seen")
+        samples = row.get(STEP_METRIC)
         if row.get("train/loss") is not None:
             train = {k.removeprefix("train/"): v for k, v in row.items() if k.startswith("train/") and v is not None}
-            records.append({"type": "train", "step": train.get("step", row.get("_step")), **train})
+            records.append({"type": TRAIN, "step": train.get("step", row.get("_step")), **train})
         if row.get("eval/loss") is not None:
-            records.append({"type": "eval", "step": row.get("_step"), "samples_seen": samples,
-                            "eval_loss": row["eval/loss"]})  # fmt: skip
+            records.append(eval_record(step=row.get("_step"), samples_seen=samples, eval_loss=row["eval/loss"]))
     return records
 
 

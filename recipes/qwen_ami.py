@@ -25,7 +25,7 @@ from ddp_ft.distributed import (
     setup_logging,
 )
 from ddp_ft.integrations.recipe import build_trainer, trainer_checkpoint, trainer_resume_target
-from ddp_ft.loop import check_run_settings
+from ddp_ft.setup import check_run_settings
 from ddp_ft.shared_fs import check_shared_resume, prepare_output_dir
 
 logger = logging.getLogger("ddp_ft.recipe")

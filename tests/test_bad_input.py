@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft import loop
+from ddp_ft import loop, setup
 from ddp_ft.checkpoint import FORMAT_VERSION, TrainState, save_checkpoint
 from ddp_ft.config import parse_settings
 from ddp_ft.data import DataLayout, load_raw_splits
@@ -195,7 +195,7 @@ def run_dir(tmp_path, tiny_cache, monkeypatch):
 
     for module in (loop, recipe):
         monkeypatch.setattr(module, "build_model", loaded)
-    monkeypatch.setattr(loop, "load_qlora_model", loaded)
+    monkeypatch.setattr(setup, "load_qlora_model", loaded)
     run = tmp_path / "run"
     samples = len(load_raw_splits(parse_settings(BASE).data)["train"])
     layout = DataLayout(train_samples=samples, world_size=1, **SAVED)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddp_ft.metrics import read_jsonl, timeline
+from ddp_ft.report import load_run
 
 from .meetings import write_mixed_length_meetings
 
@@ -65,6 +66,10 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     _run(loop, tmp_path)
     recipe_steps, loop_steps = _train_records(tmp_path / "recipe-ddp"), _train_records(tmp_path / "loop-ddp")
     assert len(recipe_steps) == len(loop_steps) == 8
+    # one run identity for both entry points (ddp_ft.records), and records the report reads alike
+    summaries = [load_run(tmp_path / run)[0] for run in ("recipe-ddp", "loop-ddp")]
+    assert [s.run_name for s in summaries] == ["tiny-ddp-2", "tiny-ddp-2"]
+    assert all(s.exposed_comm_ms is not None and s.tokens_per_s and s.peak_memory_gb for s in summaries), summaries
     # measured: within 7e-8 relative (with dropout on, 2e-4: the masks differ)
     assert [r["loss"] for r in recipe_steps] == pytest.approx([r["loss"] for r in loop_steps], rel=1e-6, abs=0)
     # the same non-padding tokens each step (the data has padding: counting it would differ between the paths)

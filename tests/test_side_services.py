@@ -16,6 +16,7 @@ from ddp_ft.integrations.recipe import build_trainer, wandb_report_to
 from ddp_ft.integrations.trainer import GuardedWandbCallback, ThroughputCallback
 from ddp_ft.loop import train
 from ddp_ft.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
+from ddp_ft.records import run_identity
 
 STEPS = 2
 SECRETS = {  # fake values shaped like the real ones (a wandb key is 40 characters)
@@ -192,12 +193,14 @@ def test_ranks_other_than_0_never_start_wandb_in_either_entry_point(tmp_path, ru
     rank_1 = DistInfo(rank=1, local_rank=1, world_size=2)
     wandb_run = {"project": "p", "group": "g", "job_type": "ddp-2", "name": "n", "config": {}}
     assert isinstance(open_metric_sink(rank_1, tmp_path / "run", wandb_run), NullLogger)
-    assert wandb_report_to(settings, "ddp-2", rank_1) == []
+    identity = run_identity(settings.train.wandb_project, "", "", settings.preset, world_size=2)
+    assert wandb_report_to(settings, identity, rank_1) == []
     assert not inits and not (tmp_path / "run").exists() and "WANDB_PROJECT" not in os.environ
     rank_0 = DistInfo(rank=0, local_rank=0, world_size=2)
     open_metric_sink(rank_0, tmp_path / "run", wandb_run).close()  # its wandb.init fails: one warning, no raise
     assert len(inits) == 1 and (tmp_path / "run" / "metrics.jsonl").exists()
-    assert wandb_report_to(settings, "ddp-2", rank_0) == ["wandb"] and os.environ["WANDB_PROJECT"] == "ddp_ft"
+    assert wandb_report_to(settings, identity, rank_0) == ["wandb"] and os.environ["WANDB_PROJECT"] == "ddp_ft"
+    assert os.environ["WANDB_JOB_TYPE"] == "ddp-2"
 
 
 @pytest.mark.parametrize("entry", ["loop", "trainer"])

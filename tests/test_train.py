@@ -24,8 +24,8 @@ def _setup(world_size, rank, cache, source):
     from transformers import DataCollatorForSeq2Seq
 
     from ddp_ft.data import load_raw_splits, tokenize_dataset
-    from ddp_ft.loop import resolve_model_and_tokenizer
     from ddp_ft.model import ModelSettings, load_qlora_model
+    from ddp_ft.setup import resolve_model_and_tokenizer
     from ddp_ft.tokenizer import load_tokenizer
 
     os.environ["DDP_FT_CACHE"] = cache

@@ -10,15 +10,16 @@ import torch
 
 from ..config import RunSettings
 from ..distributed import DistInfo
-from ..loop import build_model, prepare_run
 from ..metrics import resolve_wandb_mode
 from ..precision import Precision
+from ..records import RunIdentity, run_identity
+from ..setup import build_model, prepare_run
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
 
 
-def wandb_report_to(settings: RunSettings, job_type: str, info: DistInfo) -> list[str]:
+def wandb_report_to(settings: RunSettings, identity: RunIdentity, info: DistInfo) -> list[str]:
     """``["wandb"]`` (the Trainer's WandbCallback, configured through its environment variables) on rank 0, else
     ``[]``: no other rank ever starts wandb, or sets its variables.
 
@@ -28,9 +29,9 @@ def wandb_report_to(settings: RunSettings, job_type: str, info: DistInfo) -> lis
     if not info.is_main_process or t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
         return []
     os.environ["WANDB_MODE"] = resolve_wandb_mode()
-    os.environ.setdefault("WANDB_PROJECT", t.wandb_project)
-    os.environ.setdefault("WANDB_RUN_GROUP", t.wandb_group or settings.preset or "custom")
-    os.environ.setdefault("WANDB_JOB_TYPE", job_type)
+    os.environ.setdefault("WANDB_PROJECT", identity.project)
+    os.environ.setdefault("WANDB_RUN_GROUP", identity.group)
+    os.environ.setdefault("WANDB_JOB_TYPE", identity.job_type)
     os.environ.setdefault("WANDB_DIR", t.output_dir)
     Path(os.environ["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
     return ["wandb"]
@@ -48,14 +49,14 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
     t = settings.train
     precision = trainer_precision(settings, info)
     parts = prepare_run(settings, info)
-    logger.info("data: %s", parts.report)
+    logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
 
     cuda = info.device.type == "cuda"
-    job_type = f"{'ddp' if info.is_distributed else 'single'}-{info.world_size}"
+    identity = run_identity(t.wandb_project, t.wandb_group, t.run_name, settings.preset, info.world_size)
     args = TrainingArguments(
         output_dir=t.output_dir,
-        run_name=t.run_name or f"{t.wandb_group or settings.preset or 'custom'}-{job_type}",
+        run_name=identity.name,  # the wandb run's name too
         per_device_train_batch_size=t.micro_batch,
         per_device_eval_batch_size=t.micro_batch,
         gradient_accumulation_steps=parts.accumulation,
@@ -77,7 +78,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         bf16=precision.dtype == torch.bfloat16,  # Accelerate's autocast, in the dtype of the 4-bit layers
         fp16=precision.dtype == torch.float16,  # autocast and Accelerate's loss scaler
         use_cpu=not cuda,
-        report_to=wandb_report_to(settings, job_type, info),
+        report_to=wandb_report_to(settings, identity, info),
         remove_unused_columns=False,
         gradient_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
         include_num_input_tokens_seen="non_padding",

@@ -28,6 +28,7 @@ from ..ddp import BucketedDDP, CommStats
 from ..faults import FaultInjector
 from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
 from ..preemption import StopSignal
+from ..records import config_record, define_step_metrics, eval_record, train_record
 from .accelerate import BucketedAccelerator
 
 logger = logging.getLogger(__name__)
@@ -78,17 +79,18 @@ class ThroughputCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         world_size = max(1, args.world_size)
-        config = {
-            "run_name": args.run_name, "world_size": world_size, "micro_batch": args.per_device_train_batch_size,
-            "accumulation": args.gradient_accumulation_steps,
-            "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
-            "total_steps": state.max_steps, "tokens_counted": "non-padding input tokens (attention mask)",
-            "resumed_from_step": state.global_step,
+        config = config_record(
+            run_name=args.run_name,
+            world_size=world_size,
+            micro_batch=args.per_device_train_batch_size,
+            accumulation=args.gradient_accumulation_steps,
+            total_steps=state.max_steps,
+            resumed_from_step=state.global_step,
             **self._ddp_config,
-        }  # fmt: skip
+        )
         self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
-        self._sink.log({"type": "config", **config})
-        self._wandb_config = config
+        self._sink.log(config)
+        self._wandb_config = {k: v for k, v in config.items() if k != "type"}
         if self._wandb_switch is None:
             self._wandb_switch = WandbSwitch(self._sink.path)
 
@@ -106,10 +108,7 @@ class ThroughputCallback(TrainerCallback):
 
     @staticmethod
     def _point_wandb_at_samples(wandb, config: dict) -> None:
-        # Curves of different world sizes overlay when plotted against samples seen, not steps.
-        wandb.define_metric("train/samples_seen")
-        wandb.define_metric("train/*", step_metric="train/samples_seen")
-        wandb.define_metric("eval/*", step_metric="train/samples_seen")
+        define_step_metrics(wandb)  # curves of different world sizes overlay against samples seen, not steps
         wandb.config.update(config, allow_val_change=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -135,8 +134,11 @@ class ThroughputCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         self._setup_wandb()
         if logs is not None and "eval_loss" in logs and self._sink is not None:
-            self._sink.log({"type": "eval", "step": state.global_step, "samples_seen": self._samples(args, state),
-                            "eval_loss": logs["eval_loss"]})  # fmt: skip
+            self._sink.log(
+                eval_record(
+                    step=state.global_step, samples_seen=self._samples(args, state), eval_loss=logs["eval_loss"]
+                )
+            )
         if logs is None or self._steps == 0 or "loss" not in logs:
             return
         world_size = max(1, args.world_size)
@@ -156,9 +158,17 @@ class ThroughputCallback(TrainerCallback):
             logs.update(per_step)
         self._reset()
         if self._sink is not None:
-            self._sink.log({"type": "train", "step": state.global_step, "loss": logs["loss"],
-                            "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
-                            **{k: v for k, v in logs.items() if k not in ("loss", "learning_rate", "grad_norm")}})  # fmt: skip
+            named = ("loss", "learning_rate", "grad_norm", "samples_seen")
+            self._sink.log(
+                train_record(
+                    step=state.global_step,
+                    samples_seen=logs["samples_seen"],
+                    loss=logs["loss"],
+                    lr=logs.get("learning_rate"),
+                    grad_norm=logs.get("grad_norm"),
+                    **{k: v for k, v in logs.items() if k not in named},
+                )
+            )
 
     @staticmethod
     def _samples(args, state) -> int:

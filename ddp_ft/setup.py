@@ -1,0 +1,157 @@
+"""Run setup shared by both entry points (the plain loop and the Trainer recipe): every check, then data, then model.
+
+``check_run_settings`` needs only the settings and the world size and runs before anything is touched;
+``prepare_run`` builds tokenizer and data (every data check before the model loads); ``build_model`` loads the
+QLoRA model on this rank's device. Neither entry point builds its model any other way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .config import RunSettings, gradient_accumulation_steps
+from .data import TruncationReport, load_raw_splits, make_collator, tokenize_dataset
+from .distributed import DistInfo
+from .faults import FaultInjector
+from .integrations.launch import check_accelerate_launch
+from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
+from .tokenizer import build_tiny_tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class RunParts:
+    """What both entry points (the plain loop, the Trainer recipe) build before the model."""
+
+    accumulation: int  # micro-batches per rank per optimizer step
+    device_map: dict[str, int | str] | str  # this rank's ``from_pretrained`` device map
+    model_path: str  # a hub id or folder (the embedded default already built)
+    tokenizer: PreTrainedTokenizerBase
+    train_set: Dataset  # tokenized: input_ids, labels, attention_mask
+    eval_set: Dataset
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]]
+    truncation: TruncationReport  # how many training samples had to be cut
+    faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
+
+
+def cache_dir() -> Path:
+    """Where the embedded default's tokenizer and model are built (``DDP_FT_CACHE``, else ``~/.cache/ddp_ft``)."""
+    return Path(os.environ.get("DDP_FT_CACHE", Path.home() / ".cache" / "ddp_ft"))
+
+
+def resolve_model_and_tokenizer(model_name_or_path: str, info: DistInfo) -> tuple[str, str]:
+    """Hub ids and folders pass through; the embedded default is built here once (local rank 0 builds,
+    the others wait), then loaded through ``from_pretrained`` like any hub model."""
+    if model_name_or_path != EMBEDDED_MODEL:
+        return model_name_or_path, model_name_or_path
+    tokenizer_dir = cache_dir() / "tiny-tokenizer"
+    if info.local_rank == 0:
+        build_tiny_tokenizer(tokenizer_dir)
+    _barrier(info)
+    vocab_size = len(load_tokenizer(str(tokenizer_dir)))
+    model_dir = cache_dir() / f"tiny-qwen3-v{vocab_size}"
+    if info.local_rank == 0:
+        build_tiny_qwen3(model_dir, vocab_size=vocab_size, seed=0)
+    _barrier(info)
+    return str(model_dir), str(tokenizer_dir)
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.is_distributed:
+        dist.barrier()
+
+
+def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict | str]:
+    """The checks that need nothing but the settings and the world size; both entry points run them first.
+
+    Returns:
+        tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
+
+    Raises:
+        ValueError: an Accelerate launch setting no entry point can honour, impossible batch arithmetic, a
+            model-splitting device map under DDP, or a compute dtype this device cannot run, each naming the setting
+            to change.
+    """
+    precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
+    check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
+    t = settings.train
+    accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
+    device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
+    check_device_map(device_map, info.world_size)
+    return accumulation, device_map
+
+
+def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
+    """Check the settings against the world size, then build tokenizer and data; every check before the model.
+
+    Raises:
+        ValueError: impossible batch arithmetic, a model-splitting device map under DDP, bad data, or fewer
+            training samples than one effective batch, each naming the setting to change.
+    """
+    t = settings.train
+    accumulation, device_map = check_run_settings(settings, info)
+    model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
+    tokenizer = load_tokenizer(tokenizer_path)
+    splits = load_raw_splits(settings.data)
+    train_set, truncation = tokenize_dataset(splits["train"], tokenizer, settings.data)
+    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
+    if len(train_set) < t.effective_batch:
+        least = t.micro_batch * info.world_size  # the smallest effective batch this world size can train
+        if len(train_set) < least:
+            fix = (
+                f"fewer than the {least} one micro-batch on each of world_size={info.world_size} ranks needs: run "
+                "fewer processes, lower --micro-batch, or use more data"
+            )
+        else:
+            fix = "lower --effective-batch or use more data"
+        raise ValueError(
+            f"the training set has {len(train_set)} samples, fewer than one effective batch "
+            f"(effective_batch={t.effective_batch}): {fix}."
+        )
+    return RunParts(
+        accumulation=accumulation,
+        device_map=device_map,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        train_set=train_set,
+        eval_set=eval_set,
+        collate=make_collator(tokenizer),
+        truncation=truncation,
+        faults=FaultInjector.from_env(info.rank),
+    )
+
+
+def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
+    """The QLoRA model on this rank's device, seeded by ``settings.train.seed``, checked against the tokenizer."""
+    seed_everything(settings.train.seed)
+    model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": parts.model_path})
+    model = load_qlora_model(model_settings, settings.lora, parts.device_map, info.world_size)
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(parts.tokenizer) > embeddings:
+        raise ValueError(
+            f"the tokenizer has {len(parts.tokenizer)} tokens but the model's embedding only {embeddings}: "
+            "use the tokenizer that belongs to --model-name-or-path."
+        )
+    parts.faults.attach(model)
+    return model
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the LoRA initialisation draws from torch's)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

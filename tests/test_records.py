@@ -1,0 +1,51 @@
+"""One run identity and one record format for both entry points, read back by the report (``ddp_ft.records``)."""
+
+import os
+from dataclasses import fields
+
+import pytest
+import wandb
+
+from ddp_ft.records import RunIdentity, run_identity
+from ddp_ft.report import RunSummary, load_run
+
+from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+
+
+def test_run_identity_names_group_and_job_type():
+    assert run_identity("p", "", "", "tiny", 2) == RunIdentity("p", "tiny", "ddp-2", "tiny-ddp-2")
+    assert run_identity("p", "", "", None, 1) == RunIdentity("p", "custom", "single-1", "custom-single-1")
+    assert run_identity("p", "exp", "mine", "tiny", 4) == RunIdentity("p", "exp", "ddp-4", "mine")
+
+
+def _identity_seen_by_wandb(monkeypatch) -> list[tuple]:
+    """Each ``wandb.init``'s (project, group, job type, name), from its arguments or, as the Trainer's
+    WandbCallback passes group and job type, from the WANDB_* variables it reads; the run itself is disabled."""
+    real_init, seen = wandb.init, []
+
+    def init(**kwargs):
+        seen.append((kwargs.get("project"), kwargs.get("group") or os.environ.get("WANDB_RUN_GROUP"),
+                     kwargs.get("job_type") or os.environ.get("WANDB_JOB_TYPE"), kwargs.get("name")))  # fmt: skip
+        return real_init(**{**kwargs, "mode": "disabled"})
+
+    monkeypatch.setattr(wandb, "init", init)
+    return seen
+
+
+@pytest.mark.usefixtures("run_env")
+def test_the_loop_and_the_trainer_name_a_run_alike_and_write_records_the_report_reads(tmp_path, monkeypatch):
+    """The same single-process experiment through both entry points: wandb sees the same project, group, job type
+    and run name, ``metrics.jsonl`` records that name, and the report summarises both runs with the same fields."""
+    seen = _identity_seen_by_wandb(monkeypatch)
+    summaries = {}
+    for entry in ("loop", "trainer"):
+        assert _run(entry, tmp_path / entry, eval_every=1) == 2
+        summaries[entry], records = load_run(tmp_path / entry, skip_first=0)
+        assert {r["type"] for r in records} == {"config", "train", "eval"}, entry
+    expected = ("ddp_ft", "tiny", "single-1", "tiny-single-1")
+    assert seen == [expected, expected]
+    assert summaries["loop"].run_name == summaries["trainer"].run_name == "tiny-single-1"
+    present = {e: {f.name for f in fields(RunSummary) if getattr(s, f.name) is not None} for e, s in summaries.items()}
+    assert present["loop"] == present["trainer"], present
+    assert {"tokens_per_s", "step_time_s", "peak_memory_gb", "final_eval_loss", "effective_batch"} <= present["loop"]
+    assert summaries["loop"].effective_batch == summaries["trainer"].effective_batch == 1
