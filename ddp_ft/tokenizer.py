@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .data import generate_synthetic_meetings
+from .synthetic import generate_synthetic_meetings
 
 logger = logging.getLogger(__name__)
 

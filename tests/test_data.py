@@ -16,16 +16,16 @@ from ddp_ft.data import (
     DataSettings,
     EpochLoader,
     TruncationReport,
-    _id_lists,
     check_resume,
     count_tokens,
-    generate_synthetic_meetings,
     load_raw_splits,
     make_collator,
     template_overhead,
     tokenize_dataset,
     truncate_example,
 )
+from ddp_ft.data.formatting import _id_lists
+from ddp_ft.synthetic import generate_synthetic_meetings
 from ddp_ft.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -499,3 +499,12 @@ def test_check_resume_accepts_any_split_of_the_same_effective_batch_and_refuses_
     assert "2 ranks x micro-batch 2 x accumulation 2" in saved.describe()
     with pytest.raises(ValueError, match="effective_batch=8 is not divisible by micro_batch=3 x world_size=2"):
         DataLayout(61, 0, 8, 2, 3)
+
+
+def test_the_tokenizer_builds_from_the_synthetic_generator_without_importing_the_data_pipeline():
+    import subprocess
+    import sys
+
+    code = "import sys, ddp_ft.tokenizer; assert 'ddp_ft.data' not in sys.modules, sorted(sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -1,0 +1,51 @@
+"""Meeting transcripts -> ChatML prompt/answer ids -> truncated, label-masked samples -> per-rank batches.
+
+The pipeline, one module per stage:
+
+* ``sources``: ``load_raw_splits`` (hub id, local file or the embedded synthetic meetings; columns renamed to
+  ``dialogue``/``summary``, empty rows dropped, an eval split found or held out);
+* ``formatting``: ``tokenize_dataset`` (chat template, loss only on the answer, ``truncate_example`` to
+  ``max_seq_len``);
+* ``loader``: ``make_collator`` (right padding, labels padded with -100), the token counts, and ``EpochLoader`` (a
+  ``DistributedSampler`` that cannot be iterated without choosing the epoch; the same steps on every world size, no
+  sample twice; exact resume inside an epoch on any world size, see ``DataLayout``).
+
+``settings`` holds ``DataSettings`` and the constants the stages share.
+"""
+
+from .formatting import (
+    TruncatedExample,
+    TruncationReport,
+    template_overhead,
+    tokenize_dataset,
+    truncate_example,
+)
+from .loader import DataLayout, EpochLoader, answer_tokens, check_resume, count_tokens, make_collator
+from .settings import (
+    FILE_BUILDERS,
+    IGNORE_INDEX,
+    MIN_MAX_SEQ_LEN,
+    SYNTHETIC,
+    DataSettings,
+)
+from .sources import load_raw_splits
+
+__all__ = [
+    "FILE_BUILDERS",
+    "IGNORE_INDEX",
+    "MIN_MAX_SEQ_LEN",
+    "SYNTHETIC",
+    "DataLayout",
+    "DataSettings",
+    "EpochLoader",
+    "TruncatedExample",
+    "TruncationReport",
+    "answer_tokens",
+    "check_resume",
+    "count_tokens",
+    "load_raw_splits",
+    "make_collator",
+    "template_overhead",
+    "tokenize_dataset",
+    "truncate_example",
+]

@@ -1,0 +1,225 @@
+"""Batches: the right-padding collator, token counts, and ``EpochLoader``, which reads one rank's share of each
+optimizer step from a ``DistributedSampler``'s global order (``DataLayout``: exact resume on any world size)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .settings import IGNORE_INDEX
+
+
+def make_collator(tokenizer):
+    """Right-padding collator: ``input_ids`` padded with the pad token, ``labels`` with -100, ``attention_mask``."""
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=None)
+
+
+def count_tokens(batch: dict) -> int:
+    """Non-padding tokens of a collated batch (the sum of its attention mask): what throughput counts."""
+    return int(batch["attention_mask"].sum())
+
+
+def answer_tokens(batch: dict) -> int:
+    """Tokens of a collated batch that carry loss: labels other than IGNORE_INDEX after the causal shift."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """What fixes an epoch's global order and how one optimizer step reads it; stored in every checkpoint.
+
+    Epoch ``e`` is one permutation of the training set (``DistributedSampler``'s, seeded by ``seed + e``), the same
+    for every world size. Step ``s`` trains its positions ``[s * E, (s + 1) * E)``, ``E`` the effective batch: rank
+    ``r`` reads positions ``r, r + world_size, ...`` of that range, ``micro_batch`` at a time. So the samples of a
+    step, and a resume position counted in samples, mean the same on any ``world_size x micro_batch`` that divides
+    ``E``; ``train_samples``, ``seed`` and ``effective_batch`` must not change within a run.
+
+    Args:
+        train_samples (int): samples in the training set.
+        seed (int): shuffle seed.
+        effective_batch (int): samples per optimizer step, over all ranks and micro-steps.
+        world_size (int): ranks.
+        micro_batch (int): samples per forward on one rank.
+
+    Raises:
+        ValueError: ``effective_batch`` not a multiple of ``micro_batch * world_size``, sizes below 1.
+    """
+
+    train_samples: int
+    seed: int
+    effective_batch: int
+    world_size: int
+    micro_batch: int
+
+    def __post_init__(self) -> None:
+        for name in ("train_samples", "effective_batch", "world_size", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DataLayout.{name}={getattr(self, name)}: must be >= 1.")
+        if self.effective_batch % (self.micro_batch * self.world_size):
+            raise ValueError(
+                f"effective_batch={self.effective_batch} is not divisible by micro_batch={self.micro_batch} x "
+                f"world_size={self.world_size}: the step would not be one effective batch."
+            )
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.effective_batch // (self.micro_batch * self.world_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """``floor(train_samples / effective_batch)``: the trailing partial batch is dropped, on every world size."""
+        return self.train_samples // self.effective_batch
+
+    def describe(self) -> str:
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        return (
+            f"effective batch {self.effective_batch} = {ranks} x micro-batch {self.micro_batch} x accumulation "
+            f"{self.accumulation}, {self.train_samples} training samples, seed {self.seed}"
+        )
+
+
+def check_resume(saved: DataLayout, current: DataLayout, sample_in_epoch: int) -> None:
+    """Refuse a resume that cannot continue the data exactly; any world size and micro-batch dividing the same
+    effective batch over the same training set and seed can.
+
+    Args:
+        saved (DataLayout): the checkpoint's.
+        current (DataLayout): this run's.
+        sample_in_epoch (int): the checkpoint's position in its epoch's global order.
+
+    Raises:
+        ValueError: naming both layouts and the setting to change.
+    """
+    if saved.effective_batch != current.effective_batch:
+        fix = (
+            f"the position ({sample_in_epoch} samples into the epoch) and every step after it are counted in steps of "
+            f"{saved.effective_batch} samples. Resume with --effective-batch {saved.effective_batch} (any "
+            f"--micro-batch and world size that divide it)"
+        )
+    elif saved.train_samples != current.train_samples:
+        fix = (
+            f"the training set changed ({saved.train_samples} -> {current.train_samples} samples), so the shuffled "
+            "order differs. Resume on the same data (--source, --eval-fraction, --max-seq-len, --data-seed)"
+        )
+    elif saved.seed != current.seed:
+        fix = f"the shuffle seed changed, so the order differs. Resume with --seed {saved.seed}"
+    else:
+        return
+    raise ValueError(
+        f"cannot resume exactly: the checkpoint was written with {saved.describe()}; this run has "
+        f"{current.describe()}: {fix}, or start a new run in another --output-dir."
+    )
+
+
+class EpochLoader:
+    """This rank's micro-batches, one epoch at a time: ``for batch in loader.epoch(n, start_sample=k)``.
+
+    Policy: **no sample trains twice in an epoch and every world size trains the same steps.** An epoch is
+    ``floor(len(dataset) / effective_batch)`` optimizer steps on any world size; the trailing partial batch (fewer
+    than ``effective_batch`` samples) is dropped, never padded with repeats. The global order is the permutation of a
+    ``DistributedSampler`` (``drop_last=True``, shuffled by ``seed + epoch``), the same for every world size: step
+    ``s`` is its positions ``[s * effective_batch, (s + 1) * effective_batch)``, of which this rank reads every
+    ``world_size``-th (see ``DataLayout``). Only ``epoch()`` iterates, and it always calls ``sampler.set_epoch``
+    first, so the classic bug of every epoch seeing the same order cannot happen (``iter(loader)`` raises).
+    ``start_sample`` (samples of the epoch already trained, over all ranks) resumes exactly, also on another world
+    size or micro-batch: skipped samples are skipped as indices, never loaded.
+
+    Args:
+        dataset: a map-style dataset of tokenized samples.
+        collate_fn: e.g. ``make_collator(tokenizer)``.
+        micro_batch (int): samples per batch.
+        rank (int): this rank.
+        world_size (int): number of ranks.
+        seed (int): shuffle seed, the same on every rank.
+        shuffle (bool): shuffle each epoch. Default: True
+        effective_batch (int | None): samples per optimizer step over all ranks, a multiple of
+            ``micro_batch * world_size``. Default: None (``micro_batch * world_size``, no accumulation)
+        pin_memory (bool): collate into page-locked memory, so the copy to a GPU with ``non_blocking=True``
+            overlaps instead of waiting. Default: False (set it when training on CUDA)
+
+    Raises:
+        ValueError: bad sizes, an empty dataset or one smaller than an effective batch.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        collate_fn,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        effective_batch: int | None = None,
+        pin_memory: bool = False,
+    ) -> None:
+        from torch.utils.data import DistributedSampler
+
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch={micro_batch}: must be >= 1.")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size.")
+        if len(dataset) == 0:
+            raise ValueError("EpochLoader got an empty dataset.")
+        effective_batch = micro_batch * world_size if effective_batch is None else effective_batch
+        self.layout = DataLayout(len(dataset), seed, effective_batch, world_size, micro_batch)
+        if self.layout.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples, fewer than one effective batch "
+                f"(effective_batch={effective_batch}): lower --effective-batch or use more data."
+            )
+        self.dataset, self.collate_fn, self.micro_batch = dataset, collate_fn, micro_batch
+        self.pin_memory = pin_memory
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples trained per epoch over all ranks: whole effective batches only."""
+        return self.layout.steps_per_epoch * self.layout.effective_batch
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch on this rank, all full: ``steps_per_epoch * accumulation``."""
+        return self.layout.steps_per_epoch * self.layout.accumulation
+
+    def __iter__(self):
+        raise TypeError(
+            "EpochLoader is not iterable: use `for batch in loader.epoch(epoch)` so the shuffle changes "
+            "every epoch (it calls sampler.set_epoch)."
+        )
+
+    def epoch(self, epoch: int, start_sample: int = 0) -> Iterator[dict]:
+        """The batches of ``epoch`` on this rank, from global position ``start_sample`` on (checked at the call).
+
+        Raises:
+            ValueError: ``start_sample`` off a step boundary or past the epoch's last step, negative ``epoch``.
+        """
+        import torch
+        from torch.utils.data import DataLoader
+
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch}: must be >= 0.")
+        layout = self.layout
+        if start_sample % layout.effective_batch or not 0 <= start_sample <= self.samples_per_epoch:
+            raise ValueError(
+                f"start_sample={start_sample}: a resume position must be a multiple of the effective batch "
+                f"({layout.effective_batch}) within the epoch's {layout.steps_per_epoch} steps of "
+                f"{layout.effective_batch} samples ({layout.train_samples} samples, the remainder dropped)."
+            )
+        self.sampler.set_epoch(epoch)
+        # The sampler's shard holds global positions rank, rank + world_size, ...: the epoch's steps from
+        # start_sample on are shard[start_sample / world_size : samples_per_epoch / world_size].
+        shard = list(self.sampler)
+        indices = shard[start_sample // layout.world_size : self.samples_per_epoch // layout.world_size]
+        # A private generator: a DataLoader otherwise draws its base seed from the global RNG, which would shift
+        # dropout masks by one draw in a resumed run (it builds this loader after restoring the RNG state).
+        generator = torch.Generator().manual_seed(self.sampler.seed + epoch)
+        loader = DataLoader(
+            self.dataset, batch_size=self.micro_batch, sampler=indices, collate_fn=self.collate_fn, num_workers=0,
+            generator=generator, pin_memory=self.pin_memory,
+        )  # fmt: skip
+        return iter(loader)
