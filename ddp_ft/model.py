@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,8 +177,8 @@ def load_qlora_model(
     """Load the base model (4-bit NF4 unless disabled) on this rank's device and add LoRA adapters.
 
     Steps: ``from_pretrained`` with a BitsAndBytesConfig and ``device_map``; peft's
-    ``prepare_model_for_kbit_training`` (casts norms to fp32, enables input gradients, gradient
-    checkpointing non-reentrant unless configured otherwise); ``get_peft_model``.
+    ``prepare_model_for_kbit_training`` (freezes the base, casts its non-quantized weights to fp32); activation
+    checkpointing, non-reentrant unless configured otherwise, with input gradients; ``get_peft_model``.
 
     Args:
         model (ModelSettings): which base model and how to load it.
@@ -193,14 +194,11 @@ def load_qlora_model(
     check_device_map(device_map, world_size)
     base = _load_base(model, device_map)
     base.config.use_cache = False
-    checkpointing = {"use_reentrant": model.use_reentrant}
     if model.load_in_4bit:
-        base = prepare_model_for_kbit_training(
-            base, use_gradient_checkpointing=model.gradient_checkpointing, gradient_checkpointing_kwargs=checkpointing
-        )
-    elif model.gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        # Checkpointing is enabled below, not here: peft would call the deprecated gradient_checkpointing_enable.
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     if model.gradient_checkpointing:
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": model.use_reentrant})
         # The frozen base's inputs carry no gradient; checkpointed segments need one to reach the adapters.
         base.enable_input_require_grads()
     config = LoraConfig(
@@ -210,7 +208,9 @@ def load_qlora_model(
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(base, config)
+    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing`: not the user's concern
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        peft_model = get_peft_model(base, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     logger.info(
         "loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable

@@ -80,7 +80,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         use_cpu=not cuda,
         report_to=wandb_report_to(settings, identity, info),
         remove_unused_columns=False,
-        gradient_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
+        activation_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
         include_num_input_tokens_seen="non_padding",
         average_tokens_across_devices=True,
         dataloader_drop_last=True,
