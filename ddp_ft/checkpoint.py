@@ -87,10 +87,14 @@ def rng_state() -> dict:
         raise RuntimeError(f"np.random.get_state() returned a {kind} state; ddp_ft checkpoints store MT19937 only.")
     state = {
         "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
-        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached_gaussian)},
+        "numpy": {
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
         "torch": torch.random.get_rng_state(),
-    }  # fmt: skip
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -263,8 +267,12 @@ def save_checkpoint(
         torch.save(states, tmp / "rng_states.pt")
         if scaler is not None and scaler.is_enabled():
             torch.save(scaler.state_dict(), tmp / SCALER_FILE)
-        saved = {"format_version": FORMAT_VERSION, **asdict(state), "world_size": info.world_size,
-                 "layout": asdict(layout) if layout else None}  # fmt: skip
+        saved = {
+            "format_version": FORMAT_VERSION,
+            **asdict(state),
+            "world_size": info.world_size,
+            "layout": asdict(layout) if layout else None,
+        }
         (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2))
         if before_publish is not None:
             before_publish(state.global_step)
@@ -422,8 +430,10 @@ def _load_tensors(file: Path, mmap: bool = False) -> object:
         ValueError: ``file`` holds something besides tensors and plain Python data (naming what), or is not a
             complete torch.save file.
     """
-    damaged = (f"checkpoint file {file} cannot be read as a torch.save file ({{}}); the checkpoint is damaged or was "
-               "not written by ddp_ft: resume from another checkpoint or start a new run in another --output-dir.")  # fmt: skip
+    damaged = (
+        f"checkpoint file {file} cannot be read as a torch.save file ({{}}); the checkpoint is damaged or was "
+        "not written by ddp_ft: resume from another checkpoint or start a new run in another --output-dir."
+    )
     if not zipfile.is_zipfile(file):  # torch.save's format since torch 1.6; torch's own error would name no file
         raise ValueError(damaged.format("not the zip archive torch.save writes"))
     try:
@@ -466,12 +476,16 @@ def verify_checkpoint(path: str | Path) -> None:
             "new run in another --output-dir, or re-save the adapter with save_pretrained(safe_serialization=True)."
         )
     if not (adapter / ADAPTER_WEIGHTS).is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no {ADAPTER_DIR}/{ADAPTER_WEIGHTS}; it is incomplete: resume "
-                                "from another checkpoint or start a new run in another --output-dir.")  # fmt: skip
+        raise FileNotFoundError(
+            f"checkpoint {path} has no {ADAPTER_DIR}/{ADAPTER_WEIGHTS}; it is incomplete: resume "
+            "from another checkpoint or start a new run in another --output-dir."
+        )
     for name in TENSOR_FILES:
         if not (path / name).is_file():
-            raise FileNotFoundError(f"checkpoint {path} has no {name}; it is incomplete: resume from another "
-                                    "checkpoint or start a new run in another --output-dir.")  # fmt: skip
+            raise FileNotFoundError(
+                f"checkpoint {path} has no {name}; it is incomplete: resume from another "
+                "checkpoint or start a new run in another --output-dir."
+            )
     for file in sorted([*path.rglob("*.pt"), *path.rglob("*.pth")]):
         _load_tensors(file, mmap=True)
 
@@ -513,8 +527,10 @@ def load_checkpoint(
         logger.warning(
             "checkpoint was written by %d ranks, resuming on %d: the data continues exactly, the RNG streams "
             "(dropout masks) cannot; rank r continues saved rank r %% %d's",
-            len(states), info.world_size, len(states),
-        )  # fmt: skip
+            len(states),
+            info.world_size,
+            len(states),
+        )
     set_rng_state(states[info.rank % len(states)])
     state, _ = saved_position(path)
     return state

@@ -99,8 +99,10 @@ def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     if requested not in DEVICE_CHOICES:
         raise ValueError(f"--device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}.")
     if requested == "cuda" and not cuda_available:
-        raise ValueError("--device cuda but torch.cuda.is_available() is False: use --device cpu (gloo), or check "
-                         "the driver, the torch build (torch.version.cuda) and CUDA_VISIBLE_DEVICES.")  # fmt: skip
+        raise ValueError(
+            "--device cuda but torch.cuda.is_available() is False: use --device cpu (gloo), or check "
+            "the driver, the torch build (torch.version.cuda) and CUDA_VISIBLE_DEVICES."
+        )
     use_cuda = requested == "cuda" or (requested == "auto" and cuda_available)
     return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
 
@@ -168,8 +170,13 @@ def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.St
             "restarted rank can read the failed attempt's addresses (pytorch#135712): export "
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun (or run without --max-restarts)."
         )
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return dist.PrefixStore(f"ddp_ft/attempt_{restart_count()}", store)
 
 

@@ -26,8 +26,18 @@ from dataclasses import dataclass
 import torch
 
 ENV = "DDP_FT_INJECT_FAULT"
-KINDS = ("forward", "backward", "data", "hang", "sigterm-launcher", "sigusr1-launcher", "sigterm-self",
-         "sigusr1-self", "kill-in-save", "overflow")  # fmt: skip
+KINDS = (
+    "forward",
+    "backward",
+    "data",
+    "hang",
+    "sigterm-launcher",
+    "sigusr1-launcher",
+    "sigterm-self",
+    "sigusr1-self",
+    "kill-in-save",
+    "overflow",
+)
 
 
 class InjectedFault(RuntimeError):
@@ -122,8 +132,9 @@ class FaultInjector:
     def _before_forward(self, module, args):
         if not module.training:
             return
-        fault = self._due(tuple(k for k in KINDS if k not in ("data", "backward", "overflow", "kill-in-save")),
-                          self._forwards)  # fmt: skip
+        fault = self._due(
+            tuple(k for k in KINDS if k not in ("data", "backward", "overflow", "kill-in-save")), self._forwards
+        )
         self._pending_backward = self._due(("backward", "overflow"), self._forwards)
         self._forwards += 1
         if fault is None:

@@ -105,8 +105,10 @@ def plan_world_sizes(device_type: str, gpu_count: int, requested: list[int]) -> 
     """
     sizes = requested or ([1, 2] if device_type == "cpu" or gpu_count >= 2 else [1])
     if device_type == "cuda" and max(sizes) > gpu_count:
-        raise ValueError(f"{max(sizes)} processes but {gpu_count} GPU(s) visible: one process per GPU; pass "
-                         f"--world-sizes with at most {gpu_count}, or --device cpu.")  # fmt: skip
+        raise ValueError(
+            f"{max(sizes)} processes but {gpu_count} GPU(s) visible: one process per GPU; pass "
+            f"--world-sizes with at most {gpu_count}, or --device cpu."
+        )
     return sizes
 
 
@@ -217,25 +219,40 @@ def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list
     ours.remove_hooks()
     equal = "bitwise equal" if bitwise else f"within rtol {rtol:g}, atol {atol_fraction:g} x the largest gradient"
     ranks = ", identical on all ranks" if info.world_size > 1 and same_on_ranks else ""
-    values = {"tensors": len(trainable), "buckets": buckets, "bitwise_equal": bitwise, "same_on_all_ranks":
-              same_on_ranks, "worst_excess_over_largest": worst, "worst_tensor": worst_name}  # fmt: skip
+    values = {
+        "tensors": len(trainable),
+        "buckets": buckets,
+        "bitwise_equal": bitwise,
+        "same_on_all_ranks": same_on_ranks,
+        "worst_excess_over_largest": worst,
+        "worst_tensor": worst_name,
+    }
     detail = f"{len(trainable)} LoRA tensors in {buckets} buckets, {precision.name}: {equal}{ranks}"
     grads = Check("grads_equal_torch_ddp", not problems, "; ".join(problems[:3]) or detail, values)
 
     silent = quiet.allreduce_calls == 0 and quiet.allreduce_bytes == 0
     one_per_bucket = step.allreduce_calls == buckets and step.synced_backwards == 1 and step.backwards == 2
     spread = {True: ", gradients differ across ranks", False: ", GRADIENTS EQUAL ACROSS RANKS", None: ""}[differ]
-    detail = (f"no_sync backward: {quiet.allreduce_calls} all-reduces, {quiet.allreduce_bytes} bytes{spread}; "
-              f"synced backward: {step.allreduce_calls} all-reduces for {buckets} buckets")  # fmt: skip
-    values = {"no_sync_allreduce_calls": quiet.allreduce_calls, "no_sync_allreduce_bytes": quiet.allreduce_bytes,
-              "grads_differ_across_ranks": differ, "step_allreduce_calls": step.allreduce_calls, "buckets": buckets}  # fmt: skip
+    detail = (
+        f"no_sync backward: {quiet.allreduce_calls} all-reduces, {quiet.allreduce_bytes} bytes{spread}; "
+        f"synced backward: {step.allreduce_calls} all-reduces for {buckets} buckets"
+    )
+    values = {
+        "no_sync_allreduce_calls": quiet.allreduce_calls,
+        "no_sync_allreduce_bytes": quiet.allreduce_bytes,
+        "grads_differ_across_ranks": differ,
+        "step_allreduce_calls": step.allreduce_calls,
+        "buckets": buckets,
+    }
     return [grads, Check("no_sync", silent and one_per_bucket and differ is not False, detail, values)]
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
-        return {"peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-                "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}  # fmt: skip
+        return {
+            "peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        }
     return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
 
 
@@ -311,11 +328,16 @@ def qlora_run(setup, model_path: str, settings: GpuCheckSettings) -> Check:
         problems.append(
             f"{comm.allreduce_calls} all-reduces in {settings.steps} steps of {len(model.bucket_sizes)} buckets"
         )
-    memory_text = (f"peak {memory['peak_allocated_gb']:.2f} GB allocated / {memory['peak_reserved_gb']:.2f} reserved"
-                   if "peak_allocated_gb" in memory else f"peak RSS {memory['peak_rss_gb']:.2f} GB")  # fmt: skip
-    detail = (f"{values['tokens_per_s']:,.0f} tokens/s, {values['step_time_s'] * 1e3:.0f} ms/step, {memory_text}, "
-              f"exposed comm {values['exposed_comm_ms_per_step']:.2f} ms/step, loss {values['loss_first']:.3f} -> "
-              f"{values['loss_last']:.3f}")  # fmt: skip
+    memory_text = (
+        f"peak {memory['peak_allocated_gb']:.2f} GB allocated / {memory['peak_reserved_gb']:.2f} reserved"
+        if "peak_allocated_gb" in memory
+        else f"peak RSS {memory['peak_rss_gb']:.2f} GB"
+    )
+    detail = (
+        f"{values['tokens_per_s']:,.0f} tokens/s, {values['step_time_s'] * 1e3:.0f} ms/step, {memory_text}, "
+        f"exposed comm {values['exposed_comm_ms_per_step']:.2f} ms/step, loss {values['loss_first']:.3f} -> "
+        f"{values['loss_last']:.3f}"
+    )
     model.remove_hooks()
     return Check("qlora_run", not problems, "; ".join(problems) or detail, values)
 
@@ -339,8 +361,15 @@ def run_checks(settings: GpuCheckSettings, setup) -> list[Check]:
 
 def _worker(rank: int, world_size: int, settings: GpuCheckSettings, port: int, out_dir: str) -> None:
     """One spawned process: join the group the orchestrator's store hosts, run the checks, rank 0 writes them."""
-    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "LOCAL_WORLD_SIZE": world_size,
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_USE_AGENT_STORE": True}  # fmt: skip
+    env = {
+        "RANK": rank,
+        "LOCAL_RANK": rank,
+        "WORLD_SIZE": world_size,
+        "LOCAL_WORLD_SIZE": world_size,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+        "TORCHELASTIC_USE_AGENT_STORE": True,
+    }
     os.environ.update({k: str(v) for k, v in env.items()})
     if Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
@@ -350,15 +379,26 @@ def _worker(rank: int, world_size: int, settings: GpuCheckSettings, port: int, o
             torch.set_num_threads(1)  # one thread per process: the CPU analogue of one GPU per process
         if world_size == 1:  # init_distributed makes no group for one process; both DDPs need one
             device_id = {"device_id": setup.info.device} if setup.info.device.type == "cuda" else {}
-            dist.init_process_group(setup.backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timedelta(seconds=settings.timeout_s), **device_id)  # fmt: skip
+            dist.init_process_group(
+                setup.backend,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timedelta(seconds=settings.timeout_s),
+                **device_id,
+            )
         checks = run_checks(settings, setup)
         every_rank: list = [None] * world_size
         dist.all_gather_object(every_rank, [asdict(c) for c in checks])
         if rank == 0:
-            result = {"world_size": world_size, "setup": setup.describe(), "device": setup.info.device.type,
-                      "backend": setup.backend, "compute_dtype": setup.precision.name,
-                      "checks": merge_ranks(every_rank)}  # fmt: skip
+            result = {
+                "world_size": world_size,
+                "setup": setup.describe(),
+                "device": setup.info.device.type,
+                "backend": setup.backend,
+                "compute_dtype": setup.precision.name,
+                "checks": merge_ranks(every_rank),
+            }
             Path(out_dir, "result.json").write_text(json.dumps(result))
     except BaseException:
         Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
@@ -392,11 +432,13 @@ def run_phase(world_size: int, settings: GpuCheckSettings) -> dict:
     The processes rendezvous on a TCPStore this process hosts on a port the OS chose, as torchrun's agent does
     (``TORCHELASTIC_USE_AGENT_STORE``): no port to collide on.
     """
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=settings.timeout_s))  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=settings.timeout_s)
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world_size, settings, store.port, tmp), nprocs=world_size,
-                                 join=False, start_method="spawn")  # fmt: skip
+        ctx = mp.start_processes(
+            _worker, args=(world_size, settings, store.port, tmp), nprocs=world_size, join=False, start_method="spawn"
+        )
         started = time.monotonic()
         deadline = started + settings.timeout_s
         error = None
@@ -420,8 +462,11 @@ def run_phase(world_size: int, settings: GpuCheckSettings) -> dict:
             return {**json.loads(result_file.read_text()), "seconds": time.monotonic() - started}
         if raised:
             error = " | ".join(f"{p.stem}: {p.read_text().strip().splitlines()[-1]}" for p in raised)
-        return {"world_size": world_size, "error": error or "a process exited without a result",
-                "traceback": "\n".join(f"--- {p.stem}:\n{p.read_text()}" for p in raised)}  # fmt: skip
+        return {
+            "world_size": world_size,
+            "error": error or "a process exited without a result",
+            "traceback": "\n".join(f"--- {p.stem}:\n{p.read_text()}" for p in raised),
+        }
 
 
 def run_gpu_check(settings: GpuCheckSettings) -> dict:
@@ -463,17 +508,28 @@ def format_report(report: dict) -> str:
             detail = c["detail"].replace("|", "/")
             lines.append(f"| {phase['world_size']} | {c['name']} | {'PASS' if c['passed'] else 'FAIL'} | {detail} |")
     if report["runs"]:
-        lines += ["", "| processes | tokens/s | tokens/s per device | step ms | peak memory GB | exposed comm ms/step |"
-                  " all-reduces/step |", "|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "| processes | tokens/s | tokens/s per device | step ms | peak memory GB | exposed comm ms/step |"
+            " all-reduces/step |",
+            "|---:|---:|---:|---:|---|---:|---:|",
+        ]
         for world, r in report["runs"].items():
-            memory = (f"{r['peak_allocated_gb']:.2f} allocated / {r['peak_reserved_gb']:.2f} reserved"
-                      if "peak_allocated_gb" in r else f"{r['peak_rss_gb']:.2f} RSS")  # fmt: skip
-            lines.append(f"| {world} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | "
-                         f"{r['step_time_s'] * 1e3:.1f} | {memory} | {r['exposed_comm_ms_per_step']:.2f} | "
-                         f"{r['allreduce_calls_per_step']:.0f} |")  # fmt: skip
+            memory = (
+                f"{r['peak_allocated_gb']:.2f} allocated / {r['peak_reserved_gb']:.2f} reserved"
+                if "peak_allocated_gb" in r
+                else f"{r['peak_rss_gb']:.2f} RSS"
+            )
+            lines.append(
+                f"| {world} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | "
+                f"{r['step_time_s'] * 1e3:.1f} | {memory} | {r['exposed_comm_ms_per_step']:.2f} | "
+                f"{r['allreduce_calls_per_step']:.0f} |"
+            )
     if "scaling_efficiency_2" in report:
-        lines.append(f"scaling efficiency, 2 processes: {report['scaling_efficiency_2']:.1%} (tiny model: launch- "
-                     "and communication-bound, not Qwen3-4B's)")  # fmt: skip
+        lines.append(
+            f"scaling efficiency, 2 processes: {report['scaling_efficiency_2']:.1%} (tiny model: launch- "
+            "and communication-bound, not Qwen3-4B's)"
+        )
     failed = sum(not c["passed"] for p in report["phases"] for c in p.get("checks", [])) + sum(
         "error" in p for p in report["phases"]
     )

@@ -74,8 +74,9 @@ def step_counts(group: list[dict], info: DistInfo, stop_flag: float = 0.0) -> to
     The one collective before a step's forward; the stop flag rides on it, so every rank learns at the same
     step boundary whether any rank received a stop signal (``ddp_ft.preemption``).
     """
-    local = torch.cat([_count_tokens(group, info.device), torch.tensor([stop_flag], dtype=torch.float64,
-                                                                       device=info.device)])  # fmt: skip
+    local = torch.cat(
+        [_count_tokens(group, info.device), torch.tensor([stop_flag], dtype=torch.float64, device=info.device)]
+    )
     return _sum_over_ranks(local, info)
 
 
@@ -149,8 +150,9 @@ def _check_resume(path: Path, layout) -> None:
     verify_checkpoint(path)  # every file loads without executing code, checked before the model loads
     state, saved = saved_position(path)
     if saved is None:
-        raise ValueError(f"--resume {path}: the checkpoint records no data layout; start a new run in another "
-                         "--output-dir.")  # fmt: skip
+        raise ValueError(
+            f"--resume {path}: the checkpoint records no data layout; start a new run in another --output-dir."
+        )
     try:
         check_resume(saved, layout, state.sample_in_epoch)
     except ValueError as err:
@@ -177,17 +179,25 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info)
     accumulation, train_set, eval_set, collate = parts.accumulation, parts.train_set, parts.eval_set, parts.collate
-    loader = EpochLoader(train_set, parts.faults.wrap_collate(collate), t.micro_batch, info.rank, info.world_size,
-                         seed=t.seed, effective_batch=t.effective_batch,
-                         pin_memory=info.device.type == "cuda")  # fmt: skip
+    loader = EpochLoader(
+        train_set,
+        parts.faults.wrap_collate(collate),
+        t.micro_batch,
+        info.rank,
+        info.world_size,
+        seed=t.seed,
+        effective_batch=t.effective_batch,
+        pin_memory=info.device.type == "cuda",
+    )
     # floor(samples / effective batch) steps per epoch, the same on every world size
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
     if resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model loads
         _check_resume(resume_from, loader.layout)
 
     precision = settings.model.precision(info.device)
-    logger.info("compute dtype %s (%s)%s", precision.name, precision.reason,
-                ", loss-scaled" if precision.loss_scaling else "")  # fmt: skip
+    logger.info(
+        "compute dtype %s (%s)%s", precision.name, precision.reason, ", loss-scaled" if precision.loss_scaling else ""
+    )
     model = build_model(settings, info, parts)
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
     scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
@@ -200,11 +210,18 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, info, scaler)
         if settings.ddp.comm_hook == "powersgd":
-            logger.warning("--comm-hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
-                           "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
-                           "the uninterrupted run exactly.")  # fmt: skip
-        logger.info("resumed from %s at step %d (epoch %d, sample %d of its global order)", resume_from,
-                    state.global_step, state.epoch, state.sample_in_epoch)  # fmt: skip
+            logger.warning(
+                "--comm-hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
+                "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
+                "the uninterrupted run exactly."
+            )
+        logger.info(
+            "resumed from %s at step %d (epoch %d, sample %d of its global order)",
+            resume_from,
+            state.global_step,
+            state.epoch,
+            state.sample_in_epoch,
+        )
 
     # Which samples each rank starts on: proof in the log that shards follow the global rank.
     loader.sampler.set_epoch(state.epoch)
@@ -230,12 +247,25 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
         preset=settings.preset,
         first_batch_indices=all_first,
     )
-    wandb_run = {"project": identity.project, "group": identity.group, "job_type": identity.job_type,
-                 "name": identity.name, "config": {k: v for k, v in config.items() if k != "type"}}  # fmt: skip
+    wandb_run = {
+        "project": identity.project,
+        "group": identity.group,
+        "job_type": identity.job_type,
+        "name": identity.name,
+        "config": {k: v for k, v in config.items() if k != "type"},
+    }
     sink = open_metric_sink(info, output_dir, wandb_run if t.report_to == "wandb" else None)
     sink.log(config)
-    logger.info("%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s", identity.name,
-                total_steps, t.effective_batch, info.world_size, t.micro_batch, accumulation, parts.truncation)  # fmt: skip
+    logger.info(
+        "%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s",
+        identity.name,
+        total_steps,
+        t.effective_batch,
+        info.world_size,
+        t.micro_batch,
+        accumulation,
+        parts.truncation,
+    )
 
     meter = ThroughputMeter(info.world_size, info.device)
     progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=identity.name)
@@ -249,9 +279,18 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     def save() -> Path | None:
         nonlocal saved_step
         saved_step = state.global_step
-        return save_checkpoint(output_dir, model, optimizer, scheduler, state, info, t.save_total_limit,
-                               loader.layout, before_publish=parts.faults.checkpoint_partly_written,
-                               scaler=scaler)  # fmt: skip
+        return save_checkpoint(
+            output_dir,
+            model,
+            optimizer,
+            scheduler,
+            state,
+            info,
+            t.save_total_limit,
+            loader.layout,
+            before_publish=parts.faults.checkpoint_partly_written,
+            scaler=scaler,
+        )
 
     model.train()
     try:
@@ -322,11 +361,22 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
             # Preempted: one checkpoint of the last finished step (unless one holds it already), no final eval.
             new_work = state.global_step > saved_step
             checkpoint = save() if new_work else None
-            sink.log({"type": STOP, "step": state.global_step, "samples_seen": state.samples_seen,
-                      "signal": stopped_by, "checkpoint": str(checkpoint) if checkpoint else None})  # fmt: skip
-            logger.warning("stopped by %s after step %d of %d: %s; continue with --resume latest", stopped_by,
-                           state.global_step, total_steps, "checkpoint saved" if new_work else
-                           "the latest checkpoint already holds this step")  # fmt: skip
+            sink.log(
+                {
+                    "type": STOP,
+                    "step": state.global_step,
+                    "samples_seen": state.samples_seen,
+                    "signal": stopped_by,
+                    "checkpoint": str(checkpoint) if checkpoint else None,
+                }
+            )
+            logger.warning(
+                "stopped by %s after step %d of %d: %s; continue with --resume latest",
+                stopped_by,
+                state.global_step,
+                total_steps,
+                "checkpoint saved" if new_work else "the latest checkpoint already holds this step",
+            )
         else:
             if has_eval:
                 eval_loss = evaluate(model, eval_set, collate, t.micro_batch, info, precision)
@@ -338,5 +388,12 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     finally:
         progress.close()
         sink.close()
-    return TrainResult(state.global_step, first_loss, last_loss, eval_loss, str(output_dir),
-                       str(checkpoint) if checkpoint else None, stopped_by)  # fmt: skip
+    return TrainResult(
+        state.global_step,
+        first_loss,
+        last_loss,
+        eval_loss,
+        str(output_dir),
+        str(checkpoint) if checkpoint else None,
+        stopped_by,
+    )

@@ -181,12 +181,14 @@ class WandbSwitch:
             return fn(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - wandb must never stop training
             self.on = False
-            logger.warning(redact_secrets(
-                f"wandb failed in {what} ({type(error).__name__}: {error}); wandb is off for the rest of this run. "
-                f"Training goes on and its metrics still go to {self.metrics_path}. For the next run, fix the cause "
-                "(WANDB_API_KEY, network, WANDB_DIR), set WANDB_MODE=offline (kept on disk for `wandb sync`), or pass "
-                "--report-to none."
-            ))  # fmt: skip
+            logger.warning(
+                redact_secrets(
+                    f"wandb failed in {what} ({type(error).__name__}: {error}); wandb is off for the rest of this run. "
+                    f"Training goes on and its metrics still go to {self.metrics_path}. For the next run, fix the cause "
+                    "(WANDB_API_KEY, network, WANDB_DIR), set WANDB_MODE=offline (kept on disk for `wandb sync`), or pass "
+                    "--report-to none."
+                )
+            )
             return None
 
 
@@ -209,9 +211,17 @@ class WandbLogger:
 
     def __init__(self, project: str, group: str, job_type: str, name: str, config: dict, output_dir: str | Path):
         self._switch = WandbSwitch(Path(output_dir) / "metrics.jsonl")
-        self._run = self._switch.call("wandb.init", self._start, project=project, group=group, job_type=job_type,
-                                      name=name, config=config, mode=resolve_wandb_mode(),
-                                      dir=os.environ.get("WANDB_DIR", str(output_dir)))  # fmt: skip
+        self._run = self._switch.call(
+            "wandb.init",
+            self._start,
+            project=project,
+            group=group,
+            job_type=job_type,
+            name=name,
+            config=config,
+            mode=resolve_wandb_mode(),
+            dir=os.environ.get("WANDB_DIR", str(output_dir)),
+        )
 
     @staticmethod
     def _start(**init_kwargs):

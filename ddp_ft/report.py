@@ -371,8 +371,15 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
         names, (comparison.baseline_curve, comparison.other_curve), styles, strict=True
     ):
         loss_ax.plot(curve.samples_seen, curve.loss, color=color, linestyle=line, marker=".", label=f"{name} train")
-        loss_ax.scatter(curve.eval_samples_seen, curve.eval_loss, color=color, marker=marker, zorder=3,
-                        edgecolors="black", label=f"{name} eval")  # fmt: skip
+        loss_ax.scatter(
+            curve.eval_samples_seen,
+            curve.eval_loss,
+            color=color,
+            marker=marker,
+            zorder=3,
+            edgecolors="black",
+            label=f"{name} eval",
+        )
     loss_ax.set(xlabel="samples seen", ylabel="loss", title="Loss vs samples seen")
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
@@ -461,8 +468,7 @@ def write_report(baseline_dir: str | Path, other_dir: str | Path, out_dir: str |
     Path(files["md"]).write_text(markdown)
     plot_comparison(comparison, files["png"])
     columns, rows = table_rows(comparison)
-    report = {**comparison.to_dict(), "table": {"columns": columns, "rows": rows}, "markdown": markdown,
-              "files": files}  # fmt: skip
+    report = {**comparison.to_dict(), "table": {"columns": columns, "rows": rows}, "markdown": markdown, "files": files}
     Path(files["json"]).write_text(json.dumps(report, indent=2))
     logger.info("wrote %s", ", ".join(files.values()))
     return report
@@ -491,10 +497,21 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
     try:
         run = wandb.init(project=project, group=group, job_type="compare", name=f"{group}-compare", mode=mode)
         table = report["table"]
-        run.log({"comparison/table": wandb.Table(columns=table["columns"], data=table["rows"]),
-                 "comparison/plot": wandb.Image(str(png_path))})  # fmt: skip
-        keys = ("speedup", "scaling_efficiency", "step_time_ratio", "loss_gap_max", "loss_gap_mean",
-                "matched_points", "eval_loss_delta")  # fmt: skip
+        run.log(
+            {
+                "comparison/table": wandb.Table(columns=table["columns"], data=table["rows"]),
+                "comparison/plot": wandb.Image(str(png_path)),
+            }
+        )
+        keys = (
+            "speedup",
+            "scaling_efficiency",
+            "step_time_ratio",
+            "loss_gap_max",
+            "loss_gap_mean",
+            "matched_points",
+            "eval_loss_delta",
+        )
         run.summary.update({f"comparison/{k}": report[k] for k in keys if report.get(k) is not None})
         logger.info("logged comparison to wandb (%s mode): %s", mode, run.dir)
     except Exception as error:  # a broken wandb must not cost the user the report already on disk

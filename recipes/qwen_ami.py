@@ -56,8 +56,12 @@ def _run(argv: list[str] | None) -> None:
         trainer = build_trainer(settings, info)
         trainer.train(resume_from_checkpoint=resume)
         if trainer.stopped_by:
-            logger.warning("stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
-                           "restart continues on its own)", trainer.stopped_by, trainer.state.global_step)  # fmt: skip
+            logger.warning(
+                "stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
+                "restart continues on its own)",
+                trainer.stopped_by,
+                trainer.state.global_step,
+            )
             return
         metrics = trainer.evaluate()
         trainer.save_model(f"{settings.train.output_dir}/final")  # the unwrapped adapter, on rank 0

@@ -26,12 +26,28 @@ BIN = Path(sys.executable).parent
 
 
 def _command(entry: str, out: Path) -> list[str]:
-    flags = ["--preset", "tiny", "--output-dir", str(out), "--max-steps", "40", "--save-every", "0", "--report-to",
-             "none"]  # fmt: skip
+    flags = [
+        "--preset",
+        "tiny",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "40",
+        "--save-every",
+        "0",
+        "--report-to",
+        "none",
+    ]
     if entry == "torchrun scripts/train.py":
         return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(ROOT / "scripts" / "train.py"), *flags]
-    return [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs" / "2cpu_gloo.yaml"),
-            str(ROOT / "recipes" / "qwen_ami.py"), *flags]  # fmt: skip
+    return [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "2cpu_gloo.yaml"),
+        str(ROOT / "recipes" / "qwen_ami.py"),
+        *flags,
+    ]
 
 
 def _steps_logged(out: Path) -> int:
@@ -46,8 +62,9 @@ def measure(entry: str, at_step: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
-        launcher = subprocess.Popen(_command(entry, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True)  # fmt: skip
+        launcher = subprocess.Popen(
+            _command(entry, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         while _steps_logged(out) < at_step:
             if launcher.poll() is not None:
                 raise RuntimeError(f"{entry} exited before step {at_step}: {launcher.stderr.read()[-3000:]}")
@@ -58,8 +75,13 @@ def measure(entry: str, at_step: int) -> dict:
         seconds = time.perf_counter() - start
         saved = sorted(p.name for p in out.glob("*checkpoint-*"))
         stopped = stderr.count("stopped by SIGTERM after step")
-        return {"entry": entry, "seconds": seconds, "launcher_exit": launcher.returncode, "checkpoints": saved,
-                "ranks_reporting_stop": stopped}  # fmt: skip
+        return {
+            "entry": entry,
+            "seconds": seconds,
+            "launcher_exit": launcher.returncode,
+            "checkpoints": saved,
+            "ranks_reporting_stop": stopped,
+        }
 
 
 def main() -> None:
@@ -74,13 +96,22 @@ def main() -> None:
     for entry in entries:
         seconds = [r["seconds"] for r in runs if r["entry"] == entry]
         ok = all(r["ranks_reporting_stop"] == 2 and len(r["checkpoints"]) == 1 for r in runs if r["entry"] == entry)
-        rows.append({"entry": entry, "median_s": statistics.median(seconds), "min_s": min(seconds),
-                     "max_s": max(seconds), "every_run_saved_one_checkpoint_on_both_ranks": ok})  # fmt: skip
+        rows.append(
+            {
+                "entry": entry,
+                "median_s": statistics.median(seconds),
+                "min_s": min(seconds),
+                "max_s": max(seconds),
+                "every_run_saved_one_checkpoint_on_both_ranks": ok,
+            }
+        )
     print(f"SIGTERM to the launcher at step {args.at_step} -> launcher exited ({args.repeats} repeats, alternated)")
     print(f"{'entry point':<42} {'median s':>9} {'range s':>14}  one checkpoint, both ranks stopped")
     for row in rows:
-        print(f"{row['entry']:<42} {row['median_s']:>9.2f} {row['min_s']:>6.2f}-{row['max_s']:<6.2f}  "
-              f"{row['every_run_saved_one_checkpoint_on_both_ranks']}")  # fmt: skip
+        print(
+            f"{row['entry']:<42} {row['median_s']:>9.2f} {row['min_s']:>6.2f}-{row['max_s']:<6.2f}  "
+            f"{row['every_run_saved_one_checkpoint_on_both_ranks']}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"at_step": args.at_step, "rows": rows, "runs": runs}, indent=2))
 

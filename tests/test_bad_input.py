@@ -84,83 +84,205 @@ _LONG_INSTRUCTION = "Summarize the meeting below in one short paragraph. " * 6
 #   the environment `accelerate launch` exports; config: an accelerate config file; cuda-launch: the exported
 #   environment checked as on a CUDA machine (none here).
 ROWS = {
-    "bucket_cap_mb<=0": ("parse", ["--bucket-cap-mb", "0"], ValueError,
-                         "bucket_cap_mb=0.0: must be a positive number of MiB"),
-    "first_bucket_cap_mb=nan": ("parse", ["--first-bucket-cap-mb", "nan"], ValueError,
-                                "first_bucket_cap_mb=nan: must be a positive number of MiB"),
-    "unknown comm_hook": ("parse", ["--comm-hook", "int8"], ValueError,
-                          "comm_hook='int8': choose one of allreduce, bf16, fp16, powersgd"),
-    "powersgd_start_iter<2": ("parse", ["--comm-hook", "powersgd", "--powersgd-start-iter", "1"], ValueError,
-                              "powersgd_start_iter=1"),
+    "bucket_cap_mb<=0": (
+        "parse",
+        ["--bucket-cap-mb", "0"],
+        ValueError,
+        "bucket_cap_mb=0.0: must be a positive number of MiB",
+    ),
+    "first_bucket_cap_mb=nan": (
+        "parse",
+        ["--first-bucket-cap-mb", "nan"],
+        ValueError,
+        "first_bucket_cap_mb=nan: must be a positive number of MiB",
+    ),
+    "unknown comm_hook": (
+        "parse",
+        ["--comm-hook", "int8"],
+        ValueError,
+        "comm_hook='int8': choose one of allreduce, bf16, fp16, powersgd",
+    ),
+    "powersgd_start_iter<2": (
+        "parse",
+        ["--comm-hook", "powersgd", "--powersgd-start-iter", "1"],
+        ValueError,
+        "powersgd_start_iter=1",
+    ),
     "unknown preset": ("parse", ["--preset", "qwen-huge"], SystemExit, "unknown --preset 'qwen-huge'; choose one of"),
     "effective_batch<1": ("parse", ["--effective-batch", "0"], ValueError, "effective_batch=0: must be >= 1"),
-    "max_seq_len below the floor": ("parse", ["--max-seq-len", "32"], ValueError,
-                                    "DataSettings.max_seq_len=32: must be >= 64"),
-    "effective batch not micro x world": ("train", ["--effective-batch", "7"], ValueError,
-                                          "effective_batch=7 is not divisible by micro_batch=2 x world_size=1"),
-    "max_seq_len below the template": ("train", ["--max-seq-len", "64", "--instruction", _LONG_INSTRUCTION],
-                                       ValueError, "DataSettings.max_seq_len=64 is too small for this tokenizer"),
-    "missing column": ("train", ["--source", _jsonl([{"transcript": "a b", "summary": "c"}] * 12)], ValueError,
-                       "missing column(s) 'dialogue' (--dialogue-column, DataSettings.dialogue_column)"),
+    "max_seq_len below the floor": (
+        "parse",
+        ["--max-seq-len", "32"],
+        ValueError,
+        "DataSettings.max_seq_len=32: must be >= 64",
+    ),
+    "effective batch not micro x world": (
+        "train",
+        ["--effective-batch", "7"],
+        ValueError,
+        "effective_batch=7 is not divisible by micro_batch=2 x world_size=1",
+    ),
+    "max_seq_len below the template": (
+        "train",
+        ["--max-seq-len", "64", "--instruction", _LONG_INSTRUCTION],
+        ValueError,
+        "DataSettings.max_seq_len=64 is too small for this tokenizer",
+    ),
+    "missing column": (
+        "train",
+        ["--source", _jsonl([{"transcript": "a b", "summary": "c"}] * 12)],
+        ValueError,
+        "missing column(s) 'dialogue' (--dialogue-column, DataSettings.dialogue_column)",
+    ),
     "empty file": ("train", ["--source", lambda d: d.write("empty.jsonl", "")], ValueError, "the file is empty"),
-    "only empty rows": ("train", ["--source", _jsonl([{"dialogue": " ", "summary": "x"}] * 12)], ValueError,
-                        "all 12 rows of split 'train' have an empty dialogue or summary"),
-    "fewer samples than one effective batch": ("train", ["--source", _jsonl([_MEETING] * 7), "--eval-fraction", "0"],
-                                               ValueError, "has 7 samples, fewer than one effective batch "
-                                               "(effective_batch=8): lower --effective-batch"),
-    "resume: a Trainer checkpoint": ("train", ["--resume", _trainer_folder], ValueError,
-                                     "is a Hugging Face Trainer checkpoint"),
-    "resume: not a checkpoint": ("train", ["--resume", _plain_folder], FileNotFoundError,
-                                 "is not a ddp_ft checkpoint (no ddp_ft_state.json)"),
-    "resume: another format_version": ("train", ["--resume", _checkpoint_copy(_other_format), "--effective-batch",
-                                       "4"], ValueError,
-                                       f"checkpoint format_version {FORMAT_VERSION + 1}, but this ddp_ft reads "
-                                       f"format_version {FORMAT_VERSION}"),
-    "resume: state file cut short": ("train", ["--resume", _checkpoint_copy(_cut("ddp_ft_state.json")),
-                                     "--effective-batch", "4"], ValueError,
-                                     "is damaged: ddp_ft_state.json is not a JSON object"),
-    "resume: optimizer.pt cut short": ("train", ["--resume", _checkpoint_copy(_cut("optimizer.pt")),
-                                       "--effective-batch", "4"], ValueError, "is damaged: optimizer.pt is cut short"),
-    "resume: another effective batch": ("train", ["--resume", "latest", "--effective-batch", "8"], ValueError,
-                                        "Resume with --effective-batch 4"),
-    "resume: other data": ("train", ["--resume", "latest", "--effective-batch", "4", "--num-synthetic", "40"],
-                           ValueError, "the training set changed (23 -> 38 samples)"),
-    "resume: another seed": ("train", ["--resume", "latest", "--effective-batch", "4", "--seed", "7"], ValueError,
-                             "Resume with --seed 42"),
-    "accelerate distributed_type FSDP": ("recipe", {"ACCELERATE_USE_FSDP": "true"}, ValueError,
-                                         "accelerate config distributed_type=FSDP"),
-    "accelerate distributed_type DEEPSPEED": ("recipe", {"ACCELERATE_USE_DEEPSPEED": "true"}, ValueError,
-                                              "accelerate config distributed_type=DEEPSPEED"),
-    "accelerate distributed_type FSDP, the loop": ("train-launch", {"ACCELERATE_USE_FSDP": "true"}, ValueError,
-                                                   "accelerate config distributed_type=FSDP (ACCELERATE_USE_FSDP"),
-    "accelerate mixed_precision fp16": ("recipe", {"ACCELERATE_MIXED_PRECISION": "fp16"}, ValueError,
-                                        "accelerate config mixed_precision='fp16'"),
-    "accelerate mixed_precision bf16 on CPU": ("recipe", {"ACCELERATE_MIXED_PRECISION": "bf16"}, ValueError,
-                                               "mixed_precision='bf16' (ACCELERATE_MIXED_PRECISION): the recipe sets"),
-    "recipe: float16 on the CPU": ("recipe", ["--compute-dtype", "float16"], ValueError,
-                                   "--compute-dtype float16 on the CPU with the Trainer recipe: Accelerate has no "
-                                   "float16 autocast or loss scaler on the CPU"),
-    "accelerate use_cpu with CUDA": ("cuda-launch", {"ACCELERATE_USE_CPU": "True"}, ValueError,
-                                     "accelerate config use_cpu=true (ACCELERATE_USE_CPU) while CUDA is available"),
-    "config: 'NO' with num_processes 2": ("config", _config("distributed_type: 'NO'\nnum_machines: 1\n"
-                                          "num_processes: 2\nmixed_precision: 'no'\nuse_cpu: false\n"), ValueError,
-                                          "num_processes=2 in"),
-    "config: use_cpu with num_processes 2": ("config", _config("distributed_type: MULTI_CPU\nnum_machines: 1\n"
-                                             "num_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n"), ValueError,
-                                             "with use_cpu: true accelerate launch starts one process"),
-    "config: MULTI_GPU with num_processes 1": ("config", _config("distributed_type: MULTI_GPU\nnum_machines: 1\n"
-                                               "num_processes: 1\nmixed_precision: 'no'\nuse_cpu: false\n"),
-                                               ValueError, "distributed_type MULTI_GPU needs at least 2"),
-    "config: num_processes not per machine": ("config", _config("distributed_type: MULTI_GPU\nnum_machines: 2\n"
-                                              "num_processes: 3\nmixed_precision: 'no'\nuse_cpu: false\n"),
-                                              ValueError, "is not divisible by num_machines=2"),
-    "config: distributed_type FSDP": ("config", _config("distributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\n"
-                                      "mixed_precision: 'no'\nuse_cpu: false\n"), ValueError,
-                                      "accelerate config distributed_type=FSDP in"),
-    "config: mixed_precision fp16": ("config", _config("distributed_type: MULTI_GPU\nnum_machines: 1\n"
-                                     "num_processes: 2\nmixed_precision: fp16\nuse_cpu: false\n"), ValueError,
-                                     "accelerate config mixed_precision='fp16' (in"),
-}  # fmt: skip
+    "only empty rows": (
+        "train",
+        ["--source", _jsonl([{"dialogue": " ", "summary": "x"}] * 12)],
+        ValueError,
+        "all 12 rows of split 'train' have an empty dialogue or summary",
+    ),
+    "fewer samples than one effective batch": (
+        "train",
+        ["--source", _jsonl([_MEETING] * 7), "--eval-fraction", "0"],
+        ValueError,
+        "has 7 samples, fewer than one effective batch (effective_batch=8): lower --effective-batch",
+    ),
+    "resume: a Trainer checkpoint": (
+        "train",
+        ["--resume", _trainer_folder],
+        ValueError,
+        "is a Hugging Face Trainer checkpoint",
+    ),
+    "resume: not a checkpoint": (
+        "train",
+        ["--resume", _plain_folder],
+        FileNotFoundError,
+        "is not a ddp_ft checkpoint (no ddp_ft_state.json)",
+    ),
+    "resume: another format_version": (
+        "train",
+        ["--resume", _checkpoint_copy(_other_format), "--effective-batch", "4"],
+        ValueError,
+        f"checkpoint format_version {FORMAT_VERSION + 1}, but this ddp_ft reads format_version {FORMAT_VERSION}",
+    ),
+    "resume: state file cut short": (
+        "train",
+        ["--resume", _checkpoint_copy(_cut("ddp_ft_state.json")), "--effective-batch", "4"],
+        ValueError,
+        "is damaged: ddp_ft_state.json is not a JSON object",
+    ),
+    "resume: optimizer.pt cut short": (
+        "train",
+        ["--resume", _checkpoint_copy(_cut("optimizer.pt")), "--effective-batch", "4"],
+        ValueError,
+        "is damaged: optimizer.pt is cut short",
+    ),
+    "resume: another effective batch": (
+        "train",
+        ["--resume", "latest", "--effective-batch", "8"],
+        ValueError,
+        "Resume with --effective-batch 4",
+    ),
+    "resume: other data": (
+        "train",
+        ["--resume", "latest", "--effective-batch", "4", "--num-synthetic", "40"],
+        ValueError,
+        "the training set changed (23 -> 38 samples)",
+    ),
+    "resume: another seed": (
+        "train",
+        ["--resume", "latest", "--effective-batch", "4", "--seed", "7"],
+        ValueError,
+        "Resume with --seed 42",
+    ),
+    "accelerate distributed_type FSDP": (
+        "recipe",
+        {"ACCELERATE_USE_FSDP": "true"},
+        ValueError,
+        "accelerate config distributed_type=FSDP",
+    ),
+    "accelerate distributed_type DEEPSPEED": (
+        "recipe",
+        {"ACCELERATE_USE_DEEPSPEED": "true"},
+        ValueError,
+        "accelerate config distributed_type=DEEPSPEED",
+    ),
+    "accelerate distributed_type FSDP, the loop": (
+        "train-launch",
+        {"ACCELERATE_USE_FSDP": "true"},
+        ValueError,
+        "accelerate config distributed_type=FSDP (ACCELERATE_USE_FSDP",
+    ),
+    "accelerate mixed_precision fp16": (
+        "recipe",
+        {"ACCELERATE_MIXED_PRECISION": "fp16"},
+        ValueError,
+        "accelerate config mixed_precision='fp16'",
+    ),
+    "accelerate mixed_precision bf16 on CPU": (
+        "recipe",
+        {"ACCELERATE_MIXED_PRECISION": "bf16"},
+        ValueError,
+        "mixed_precision='bf16' (ACCELERATE_MIXED_PRECISION): the recipe sets",
+    ),
+    "recipe: float16 on the CPU": (
+        "recipe",
+        ["--compute-dtype", "float16"],
+        ValueError,
+        "--compute-dtype float16 on the CPU with the Trainer recipe: Accelerate has no "
+        "float16 autocast or loss scaler on the CPU",
+    ),
+    "accelerate use_cpu with CUDA": (
+        "cuda-launch",
+        {"ACCELERATE_USE_CPU": "True"},
+        ValueError,
+        "accelerate config use_cpu=true (ACCELERATE_USE_CPU) while CUDA is available",
+    ),
+    "config: 'NO' with num_processes 2": (
+        "config",
+        _config("distributed_type: 'NO'\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: false\n"),
+        ValueError,
+        "num_processes=2 in",
+    ),
+    "config: use_cpu with num_processes 2": (
+        "config",
+        _config(
+            "distributed_type: MULTI_CPU\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: true\n"
+        ),
+        ValueError,
+        "with use_cpu: true accelerate launch starts one process",
+    ),
+    "config: MULTI_GPU with num_processes 1": (
+        "config",
+        _config(
+            "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 1\nmixed_precision: 'no'\nuse_cpu: false\n"
+        ),
+        ValueError,
+        "distributed_type MULTI_GPU needs at least 2",
+    ),
+    "config: num_processes not per machine": (
+        "config",
+        _config(
+            "distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 3\nmixed_precision: 'no'\nuse_cpu: false\n"
+        ),
+        ValueError,
+        "is not divisible by num_machines=2",
+    ),
+    "config: distributed_type FSDP": (
+        "config",
+        _config("distributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\nuse_cpu: false\n"),
+        ValueError,
+        "accelerate config distributed_type=FSDP in",
+    ),
+    "config: mixed_precision fp16": (
+        "config",
+        _config(
+            "distributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 2\nmixed_precision: fp16\nuse_cpu: false\n"
+        ),
+        ValueError,
+        "accelerate config mixed_precision='fp16' (in",
+    ),
+}
 
 
 class Inputs:
@@ -252,11 +374,31 @@ def test_torchrun_two_ranks_on_one_training_sample_exit_non_zero_naming_world_si
     before = _snapshot(run_dir)
     source = tmp_path / "one.jsonl"
     source.write_text(json.dumps(_MEETING) + "\n")
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node=2",
-               str(ROOT / "scripts" / "train.py"), *BASE, "--source", str(source), "--eval-fraction", "0",
-               "--effective-batch", "2", "--micro-batch", "1", "--output-dir", str(run_dir)]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": tiny_cache,
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    command = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "scripts" / "train.py"),
+        *BASE,
+        "--source",
+        str(source),
+        "--eval-fraction",
+        "0",
+        "--effective-batch",
+        "2",
+        "--micro-batch",
+        "1",
+        "--output-dir",
+        str(run_dir),
+    ]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": str(ROOT),
+        "DDP_FT_CACHE": tiny_cache,
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    }
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode != 0
     message = "the training set has 1 samples, fewer than one effective batch (effective_batch=2): fewer than the 2"

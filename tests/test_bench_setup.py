@@ -24,8 +24,10 @@ def test_device_and_backend_go_together(requested, cuda_available, expected):
     assert device_and_backend(requested, cuda_available) == expected
 
 
-@pytest.mark.parametrize(("requested", "match"), [("cuda", "--device cuda but torch.cuda.is_available"),
-                                                  ("gpu", "--device 'gpu': choose one of auto, cuda, cpu")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("requested", "match"),
+    [("cuda", "--device cuda but torch.cuda.is_available"), ("gpu", "--device 'gpu': choose one of auto, cuda, cpu")],
+)
 def test_an_impossible_device_is_an_error_naming_the_flag(requested, match):
     with pytest.raises(ValueError, match=match):
         device_and_backend(requested, cuda_available=False)

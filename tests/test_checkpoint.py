@@ -80,8 +80,15 @@ def test_resume_from_a_folder_that_is_not_a_checkpoint_is_a_clear_error(tmp_path
 def _trainer_checkpoint(folder):
     """A checkpoint as transformers.Trainer writes it: adapter files at the top, its own trainer_state.json."""
     folder.mkdir(parents=True)
-    state = {"global_step": 3, "epoch": 0.5, "log_history": [{"loss": 7.4, "step": 1}], "best_metric": None,
-             "max_steps": 16, "trial_params": None, "is_world_process_zero": True}  # fmt: skip
+    state = {
+        "global_step": 3,
+        "epoch": 0.5,
+        "log_history": [{"loss": 7.4, "step": 1}],
+        "best_metric": None,
+        "max_steps": 16,
+        "trial_params": None,
+        "is_world_process_zero": True,
+    }
     (folder / "trainer_state.json").write_text(json.dumps(state))
     for name in ("adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
         (folder / name).write_bytes(b"trainer " + name.encode())
@@ -174,8 +181,14 @@ def test_every_file_and_folder_is_fsynced_before_the_rename_that_publishes_it(tm
 
 def _draws():
     """The next values of every generator a resumed run continues, the cached Gaussians included."""
-    return (random.random(), random.gauss(0, 1), random.gauss(0, 1), np.random.rand(3).tolist(),
-            np.random.standard_normal(2).tolist(), torch.rand(3).tolist())  # fmt: skip
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        random.gauss(0, 1),
+        np.random.rand(3).tolist(),
+        np.random.standard_normal(2).tolist(),
+        torch.rand(3).tolist(),
+    )
 
 
 def _seed_with_cached_gaussians(seed):

@@ -14,6 +14,9 @@ def test_a_short_run_prints_no_deprecation_warning(entry, tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert _run(entry, tmp_path / entry, report_to="none") == 2
-    deprecations = [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught
-                    if issubclass(w.category, DeprecationWarning | FutureWarning) or "deprecat" in str(w.message)]  # fmt: skip
+    deprecations = [
+        f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})"
+        for w in caught
+        if issubclass(w.category, DeprecationWarning | FutureWarning) or "deprecat" in str(w.message)
+    ]
     assert not deprecations, deprecations

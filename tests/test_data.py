@@ -100,11 +100,13 @@ def test_long_answer_is_cut_at_its_end_leaving_min_prompt_tokens_and_is_never_em
     assert out.input_ids[32:] == answer[:32]  # answer keeps max_len - min_prompt_tokens, cut at its end
     assert out.input_ids[:32] == list(range(8)) + list(range(76, 100))
     assert out.prompt_cut and out.answer_cut
-    short_prompt = truncate_example(prompt[:10], answer, max_len=64, keep_prompt_head=8, keep_prompt_tail=4,
-                                    min_prompt_tokens=32)  # fmt: skip
+    short_prompt = truncate_example(
+        prompt[:10], answer, max_len=64, keep_prompt_head=8, keep_prompt_tail=4, min_prompt_tokens=32
+    )
     assert short_prompt.input_ids == prompt[:10] + answer[:54]  # a short prompt leaves the rest to the answer
-    squeezed = truncate_example(prompt, answer, max_len=13, keep_prompt_head=8, keep_prompt_tail=4,
-                                min_prompt_tokens=500)  # fmt: skip
+    squeezed = truncate_example(
+        prompt, answer, max_len=13, keep_prompt_head=8, keep_prompt_tail=4, min_prompt_tokens=500
+    )
     assert squeezed.input_ids == list(range(8)) + list(range(96, 100)) + [1000]
 
 
@@ -208,11 +210,14 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
 def test_local_files_load_with_configured_columns_dropping_empty_rows(tmp_path, hf_cache, suffix):
-    rows = ROWS + [{"transcript": "Nothing was summarised.", "abstract": None, "extra": 8},
-                   {"transcript": "   ", "abstract": "Empty meeting.", "extra": 9}]  # fmt: skip
+    rows = ROWS + [
+        {"transcript": "Nothing was summarised.", "abstract": None, "extra": 8},
+        {"transcript": "   ", "abstract": "Empty meeting.", "extra": 9},
+    ]
     path = write_rows(tmp_path / f"meetings{suffix}", rows)
-    settings = DataSettings(source=str(path), dialogue_column="transcript", summary_column="abstract",
-                            eval_fraction=0.25, data_seed=1)  # fmt: skip
+    settings = DataSettings(
+        source=str(path), dialogue_column="transcript", summary_column="abstract", eval_fraction=0.25, data_seed=1
+    )
     splits = load_raw_splits(settings, cache_dir=hf_cache)
     assert splits["train"].column_names == splits["eval"].column_names == ["dialogue", "summary"]
     assert (len(splits["train"]), len(splits["eval"])) == (6, 2)
@@ -317,8 +322,10 @@ def test_synthetic_through_tiny_tokenizer_matches_the_full_chat_encoding(tiny_to
     untruncated, report = tokenize_dataset(raw, tiny_tokenizer, long)
     assert report == TruncationReport(24, 0, 0, 8192)
     row = raw[0]
-    messages = [{"role": "user", "content": f"{long.instruction}\n\n{row['dialogue']}"},
-                {"role": "assistant", "content": row["summary"]}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": f"{long.instruction}\n\n{row['dialogue']}"},
+        {"role": "assistant", "content": row["summary"]},
+    ]
     full = tiny_tokenizer.apply_chat_template(messages, tokenize=False)
     assert tiny_tokenizer.decode(untruncated[0]["input_ids"]) == full
     n_answer = answer_counts(untruncated)[0]
@@ -351,8 +358,12 @@ def test_chat_template_output_as_list_or_batch_encoding_gives_the_same_ids():
 
 def test_collator_pads_right_labels_with_minus_100_and_count_tokens_skips_padding(tiny_tokenizer):
     collate = make_collator(tiny_tokenizer)
-    batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9, 10, 11, 12],
-                                                                        "labels": [-100, -100, 10, 11, 12]}])  # fmt: skip
+    batch = collate(
+        [
+            {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+            {"input_ids": [8, 9, 10, 11, 12], "labels": [-100, -100, 10, 11, 12]},
+        ]
+    )
     pad = tiny_tokenizer.pad_token_id
     assert batch["input_ids"].tolist() == [[5, 6, 7, pad, pad], [8, 9, 10, 11, 12]]
     assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100], [-100, -100, 10, 11, 12]]

@@ -25,8 +25,11 @@ def test_one_visible_gpu_is_cuda_0_otherwise_the_local_rank(local_rank, local_wo
 def test_fewer_gpus_than_processes_but_more_than_one_is_an_error_naming_the_variables(
     local_rank, local_world_size, visible
 ):
-    with pytest.raises(RuntimeError, match=rf"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size} but "
-                                           rf"{visible} CUDA devices .*--gpus-per-task=1"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=rf"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size} but "
+        rf"{visible} CUDA devices .*--gpus-per-task=1",
+    ):
         cuda_device_index(local_rank, local_world_size, visible)
 
 

@@ -25,11 +25,19 @@ def _trainer_eval_loss(model, data, collate, tokenizer, world_size):
     from ddp_ft.integrations import BucketedTrainer
 
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], per_device_eval_batch_size=1,
-                                 remove_unused_columns=False, disable_tqdm=True, average_tokens_across_devices=True,
-                                 ddp_backend="gloo" if world_size > 1 else None)  # fmt: skip
-        trainer = BucketedTrainer(model=model, args=args, eval_dataset=data, data_collator=collate,
-                                  processing_class=tokenizer)  # fmt: skip
+        args = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            per_device_eval_batch_size=1,
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            average_tokens_across_devices=True,
+            ddp_backend="gloo" if world_size > 1 else None,
+        )
+        trainer = BucketedTrainer(
+            model=model, args=args, eval_dataset=data, data_collator=collate, processing_class=tokenizer
+        )
         assert trainer.args.world_size == world_size
         return trainer.evaluate()["eval_loss"]
 
@@ -55,8 +63,10 @@ def _one_and_two_processes(rank, world_size, cache, source):
     model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, DistInfo())
     tokenizer = load_tokenizer(tokenizer_path)
     rows = load_raw_splits(settings.data)["train"]
-    sets = {name: tokenize_dataset(Dataset.from_list(list(rows.select(range(n)))), tokenizer, settings.data)[0]
-            for name, n in SIZES.items()}  # fmt: skip
+    sets = {
+        name: tokenize_dataset(Dataset.from_list(list(rows.select(range(n)))), tokenizer, settings.data)[0]
+        for name, n in SIZES.items()
+    }
     collate = make_collator(tokenizer)
     torch.manual_seed(0)  # the same LoRA initialisation on both ranks
     model = load_qlora_model(ModelSettings(model_name_or_path=model_path), settings.lora, {"": "cpu"}, world_size)

@@ -20,19 +20,44 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def _launch(tmp_path: Path, faults: str, *flags: str, launcher: tuple[str, ...] = (), recipe: bool = False,
-            env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:  # fmt: skip
+def _launch(
+    tmp_path: Path,
+    faults: str,
+    *flags: str,
+    launcher: tuple[str, ...] = (),
+    recipe: bool = False,
+    env: dict | None = None,
+) -> tuple[subprocess.CompletedProcess, float]:
     out = tmp_path / "run"
     if recipe:
         config = ROOT / "accelerate_configs" / "2cpu_gloo.yaml"
-        command = [str(BIN / "accelerate"), "launch", "--config_file", str(config), *launcher,
-                   str(ROOT / "recipes" / "qwen_ami.py")]  # fmt: skip
+        command = [
+            str(BIN / "accelerate"),
+            "launch",
+            "--config_file",
+            str(config),
+            *launcher,
+            str(ROOT / "recipes" / "qwen_ami.py"),
+        ]
     else:
-        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", *launcher,
-                   str(ROOT / "scripts" / "train.py"), "--preset", "tiny"]  # fmt: skip
+        command = [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            *launcher,
+            str(ROOT / "scripts" / "train.py"),
+            "--preset",
+            "tiny",
+        ]
     command += ["--output-dir", str(out), "--report-to", "none", "--save-every", "0", *flags]
-    environ = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT),
-               "TOKENIZERS_PARALLELISM": "false", "DDP_FT_INJECT_FAULT": faults, **(env or {})}  # fmt: skip
+    environ = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": str(ROOT),
+        "TOKENIZERS_PARALLELISM": "false",
+        "DDP_FT_INJECT_FAULT": faults,
+        **(env or {}),
+    }
     start = time.monotonic()
     run = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - start

@@ -21,8 +21,9 @@ CHECKS = ["dtype", "grads_equal_torch_ddp", "no_sync", "qlora_run"]
 
 def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.distributed
@@ -90,8 +91,15 @@ def test_a_check_failing_on_one_rank_fails_the_row_and_a_crashed_phase_fails_the
     row = {"name": "no_sync", "passed": True, "detail": "fine", "values": {}}
     merged = merge_ranks([[row], [{**row, "passed": False, "detail": "2 all-reduces"}]])
     assert merged == [{**row, "passed": False, "detail": "rank 1: 2 all-reduces"}]
-    report = {"passed": False, "gpus": [], "torch": "t", "cuda": None, "runs": {}, "seconds": 1.0,
-              "phases": [{"world_size": 2, "error": "rank1: RuntimeError: boom"}]}  # fmt: skip
+    report = {
+        "passed": False,
+        "gpus": [],
+        "torch": "t",
+        "cuda": None,
+        "runs": {},
+        "seconds": 1.0,
+        "phases": [{"world_size": 2, "error": "rank1: RuntimeError: boom"}],
+    }
     text = format_report(report)
     assert "| 2 | (phase) | FAIL | rank1: RuntimeError: boom |" in text and "FAIL (1 failed)" in text
 

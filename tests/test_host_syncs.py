@@ -28,9 +28,26 @@ def test_the_loop_reads_the_device_twice_per_step_the_stop_flag_and_one_transfer
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    settings = parse_settings(["--preset", "tiny", "--max-steps", "3", "--effective-batch", "2", "--micro-batch", "1",
-                               "--max-seq-len", "96", "--eval-fraction", "0", "--report-to", "none", "--output-dir",
-                               str(tmp_path)])  # fmt: skip
+    settings = parse_settings(
+        [
+            "--preset",
+            "tiny",
+            "--max-steps",
+            "3",
+            "--effective-batch",
+            "2",
+            "--micro-batch",
+            "1",
+            "--max-seq-len",
+            "96",
+            "--eval-fraction",
+            "0",
+            "--report-to",
+            "none",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     loop.train(settings, DistInfo())
     assert len(reads) == 2 * 3, reads
     assert sorted({kind for kind, _ in reads}) == ["item", "tolist"]

@@ -21,8 +21,14 @@ CONFIGS = ROOT / "accelerate_configs"
 
 
 def _env(tmp_path: Path) -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT),
-            "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    return {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": str(ROOT),
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _run(command: list[str], tmp_path: Path, timeout: int = 400) -> subprocess.CompletedProcess:
@@ -32,8 +38,9 @@ def _run(command: list[str], tmp_path: Path, timeout: int = 400) -> subprocess.C
 
 
 def _accelerate(config: str, script: Path, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
-    return _run([str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config), str(script), *flags],
-                tmp_path)  # fmt: skip
+    return _run(
+        [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / config), str(script), *flags], tmp_path
+    )
 
 
 def test_accelerator_wraps_in_bucketed_ddp_syncs_only_on_the_last_micro_step_and_unwraps(tmp_path):
@@ -48,8 +55,14 @@ def _train_records(run_dir: Path) -> list[dict]:
 def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_single_vs_ddp(tmp_path):
     recipe = ROOT / "recipes" / "qwen_ami.py"
     # padded micro-batches with uneven answers; LoRA dropout off, since the two paths draw their masks differently
-    data = ["--source", write_mixed_length_meetings(tmp_path / "mixed.jsonl", n=160), "--lora-dropout", "0",
-            "--max-steps", "8"]  # fmt: skip
+    data = [
+        "--source",
+        write_mixed_length_meetings(tmp_path / "mixed.jsonl", n=160),
+        "--lora-dropout",
+        "0",
+        "--max-steps",
+        "8",
+    ]
     ddp = _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(tmp_path / "recipe-ddp"), *data)
     assert "preset tiny (no CUDA" in ddp.stderr
     assert "wrapped the model in BucketedDDP" in ddp.stderr and "DistributedDataParallel(" not in ddp.stderr
@@ -61,8 +74,17 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert keys and not any("module." in k for k in keys)
 
     # the same experiment through the plain loop: the Trainer + plugin reproduces its loss curve
-    loop = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(ROOT / "scripts" / "train.py"),
-            "--preset", "tiny", "--output-dir", str(tmp_path / "loop-ddp"), *data]  # fmt: skip
+    loop = [
+        str(BIN / "torchrun"),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "scripts" / "train.py"),
+        "--preset",
+        "tiny",
+        "--output-dir",
+        str(tmp_path / "loop-ddp"),
+        *data,
+    ]
     _run(loop, tmp_path)
     recipe_steps, loop_steps = _train_records(tmp_path / "recipe-ddp"), _train_records(tmp_path / "loop-ddp")
     assert len(recipe_steps) == len(loop_steps) == 8
@@ -91,12 +113,22 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
         for key in (b"train/loss", b"train/tokens_per_s", b"train/step_time_s", b"train/samples_seen", b"tiny"):
             assert key in data, (run_dir.name, key)
     ddp_runs = [r for r in runs if b"ddp-2" in next(r.glob("run-*.wandb")).read_bytes()]
-    assert len(ddp_runs) == 2 and all(b"train/comm/exposed_comm_ms" in next(r.glob("run-*.wandb")).read_bytes()
-                                      for r in ddp_runs)  # fmt: skip
+    assert len(ddp_runs) == 2 and all(
+        b"train/comm/exposed_comm_ms" in next(r.glob("run-*.wandb")).read_bytes() for r in ddp_runs
+    )
 
     out = tmp_path / "comparison"
-    compare = _run([sys.executable, str(ROOT / "scripts" / "compare.py"), str(tmp_path / "recipe-single"),
-                    str(tmp_path / "recipe-ddp"), "--out", str(out)], tmp_path)  # fmt: skip
+    compare = _run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "compare.py"),
+            str(tmp_path / "recipe-single"),
+            str(tmp_path / "recipe-ddp"),
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+    )
     assert "speedup" in compare.stdout.lower()
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / "comparison.json").read_text())
@@ -117,10 +149,26 @@ def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigter
     _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(full), *flags)
 
     faults = "kill-in-save@4,rank=0,attempt=0; sigterm-launcher@5,rank=0,attempt=1"
-    command = [str(BIN / "accelerate"), "launch", "--config_file", str(CONFIGS / "2cpu_gloo.yaml"), "--max_restarts",
-               "1", str(recipe), "--output-dir", str(interrupted), *flags]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, env={**_env(tmp_path), "DDP_FT_INJECT_FAULT": faults},
-                         capture_output=True, text=True, timeout=400)  # fmt: skip
+    command = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        str(CONFIGS / "2cpu_gloo.yaml"),
+        "--max_restarts",
+        "1",
+        str(recipe),
+        "--output-dir",
+        str(interrupted),
+        *flags,
+    ]
+    run = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env={**_env(tmp_path), "DDP_FT_INJECT_FAULT": faults},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     log = run.stderr
     assert run.returncode == 1 and "death signal, shutting down workers" in log, log[-6000:]
     assert "/.staging/checkpoint-4: a checkpoint whose save did not finish" in log, log[-6000:]
@@ -130,7 +178,8 @@ def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigter
     ]
     assert len(stopped) == 2 and stopped[0] == stopped[1] and 5 <= stopped[0] < 8, log[-6000:]  # both ranks, one step
     assert sorted(p.name for p in interrupted.glob("*checkpoint-*")) == sorted(
-        {"checkpoint-2", "checkpoint-4", f"checkpoint-{stopped[0]}"})  # fmt: skip
+        {"checkpoint-2", "checkpoint-4", f"checkpoint-{stopped[0]}"}
+    )
     assert not (interrupted / ".staging").exists() and not (interrupted / "final").exists()
 
     _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(interrupted), *flags, "--resume", "latest")

@@ -110,8 +110,24 @@ def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp
     from ddp_ft.distributed import DistInfo
     from ddp_ft.metrics import read_jsonl
 
-    flags = ["--preset", "tiny", "--compute-dtype", "float16", "--max-steps", "3", "--effective-batch", "2",
-             "--micro-batch", "1", "--max-seq-len", "96", "--eval-fraction", "0", "--report-to", "none"]  # fmt: skip
+    flags = [
+        "--preset",
+        "tiny",
+        "--compute-dtype",
+        "float16",
+        "--max-steps",
+        "3",
+        "--effective-batch",
+        "2",
+        "--micro-batch",
+        "1",
+        "--max-seq-len",
+        "96",
+        "--eval-fraction",
+        "0",
+        "--report-to",
+        "none",
+    ]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     monkeypatch.setenv("DDP_FT_INJECT_FAULT", "overflow@1")
     loop.train(parse_settings([*flags, "--save-every", "2", "--output-dir", str(full)]), DistInfo())

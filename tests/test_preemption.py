@@ -71,8 +71,9 @@ def test_a_second_signal_during_a_save_does_not_interrupt_it(tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGUSR1)
 
-        path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo(),
-                               before_publish=signal_again)  # fmt: skip
+        path = save_checkpoint(
+            tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo(), before_publish=signal_again
+        )
         assert stop.received == "SIGTERM"
     assert resolve_checkpoint("latest", tmp_path) == path
     assert saved_position(path)[0] == TrainState(3, 0, 6, 24)
@@ -114,9 +115,14 @@ def test_the_fault_switch_is_parsed_strictly_and_fires_only_on_its_rank_and_atte
 
 
 def _elastic_env(monkeypatch, port: int, restart: int, nodes: int) -> None:
-    for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1",
-                        "TORCHELASTIC_RESTART_COUNT": str(restart), "GROUP_WORLD_SIZE": str(nodes),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+    for name, value in {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_MAX_RESTARTS": "1",
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(name, value)
 
 

@@ -24,8 +24,14 @@ def _identity_seen_by_wandb(monkeypatch) -> list[tuple]:
     real_init, seen = wandb.init, []
 
     def init(**kwargs):
-        seen.append((kwargs.get("project"), kwargs.get("group") or os.environ.get("WANDB_RUN_GROUP"),
-                     kwargs.get("job_type") or os.environ.get("WANDB_JOB_TYPE"), kwargs.get("name")))  # fmt: skip
+        seen.append(
+            (
+                kwargs.get("project"),
+                kwargs.get("group") or os.environ.get("WANDB_RUN_GROUP"),
+                kwargs.get("job_type") or os.environ.get("WANDB_JOB_TYPE"),
+                kwargs.get("name"),
+            )
+        )
         return real_init(**{**kwargs, "mode": "disabled"})
 
     monkeypatch.setattr(wandb, "init", init)

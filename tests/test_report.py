@@ -23,16 +23,35 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def config(run_name, world_size, effective_batch=8):
-    return {"type": "config", "run_name": run_name, "world_size": world_size, "micro_batch": 2,
-            "effective_batch": effective_batch, "total_steps": 4, "bucket_cap_mb": 25.0, "comm_hook": "allreduce",
-            "tokens_counted": "non-padding input tokens (attention mask)"}  # fmt: skip
+    return {
+        "type": "config",
+        "run_name": run_name,
+        "world_size": world_size,
+        "micro_batch": 2,
+        "effective_batch": effective_batch,
+        "total_steps": 4,
+        "bucket_cap_mb": 25.0,
+        "comm_hook": "allreduce",
+        "tokens_counted": "non-padding input tokens (attention mask)",
+    }
 
 
 def train(step, samples_seen, loss, tokens_per_s, step_time_s, memory, world_size=1, memory_key="peak_rss_gb", **comm):
-    return {"type": "train", "step": step, "epoch": 0, "samples_seen": samples_seen, "loss": loss, "lr": 1e-3,
-            "grad_norm": 1.0, "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / world_size, "tokens": 2000, memory_key: memory,
-            **{f"comm/{k}": v for k, v in comm.items()}}  # fmt: skip
+    return {
+        "type": "train",
+        "step": step,
+        "epoch": 0,
+        "samples_seen": samples_seen,
+        "loss": loss,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "step_time_s": step_time_s,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / world_size,
+        "tokens": 2000,
+        memory_key: memory,
+        **{f"comm/{k}": v for k, v in comm.items()},
+    }
 
 
 def single_run():
@@ -89,8 +108,12 @@ def test_summary_of_short_gpu_and_resumed_runs():
     assert (s.tokens_per_s, s.timed_steps, s.warmup_steps_skipped, s.peak_memory_metric) == (500.0, 1, 0, "peak_mem_gb")
     assert s.final_eval_loss is None
     # resumed at step 2: a second config record (world size ignored), its first step is warm-up again
-    resumed = [*single_run()[:3], config("single-1", 4), train(3, 24, 6.0, 10.0, 9.0, 0.4),
-               train(4, 32, 5.5, 1200.0, 2.4, 0.4)]  # fmt: skip
+    resumed = [
+        *single_run()[:3],
+        config("single-1", 4),
+        train(3, 24, 6.0, 10.0, 9.0, 0.4),
+        train(4, 32, 5.5, 1200.0, 2.4, 0.4),
+    ]
     r = summarize_run(resumed)
     assert (r.world_size, r.steps, r.timed_steps, r.tokens_per_s) == (1, 4, 2, 1100.0)
     with pytest.raises(ValueError, match="no config record"):
@@ -135,15 +158,23 @@ def test_disjoint_samples_seen_are_reported_as_not_comparable():
 
 def test_markdown_table_has_one_column_per_run_and_the_numbers():
     table = markdown_table(compare(single_run(), ddp_run()))
-    for row in ["| metric | single-1 | ddp-2 |", "| world size | 1 | 2 |", "| optimizer steps | 4 | 4 |",
-                "| tokens/s (global) | 1,100.0 | 1,900.0 |", "| tokens/s per device | 1,100.0 | 950.0 |",
-                "| step time (s) | 2.200 | 1.200 |", "| peak memory per device (GB) | 0.70 (RSS) | 0.90 (RSS) |",
-                "| final eval loss | 5.7500 | 5.5000 |", "| exposed comm / overlap (DDP) | - | 2.00 ms / 80% |",
-                "**Speedup** (global tokens/s, ddp-2 / single-1): 1.73x",
-                "**Scaling efficiency** (speedup / 2x devices): 86.4%",
-                "**Step time ratio** (ddp-2 / single-1): 0.545",
-                "**Loss-curve gap** (|delta loss| at equal samples seen): max 0.5 / mean 0.1875 at 4 matched points",
-                "**Eval loss delta** (ddp-2 - single-1): -0.2500", "non-padding tokens"]:  # fmt: skip
+    for row in [
+        "| metric | single-1 | ddp-2 |",
+        "| world size | 1 | 2 |",
+        "| optimizer steps | 4 | 4 |",
+        "| tokens/s (global) | 1,100.0 | 1,900.0 |",
+        "| tokens/s per device | 1,100.0 | 950.0 |",
+        "| step time (s) | 2.200 | 1.200 |",
+        "| peak memory per device (GB) | 0.70 (RSS) | 0.90 (RSS) |",
+        "| final eval loss | 5.7500 | 5.5000 |",
+        "| exposed comm / overlap (DDP) | - | 2.00 ms / 80% |",
+        "**Speedup** (global tokens/s, ddp-2 / single-1): 1.73x",
+        "**Scaling efficiency** (speedup / 2x devices): 86.4%",
+        "**Step time ratio** (ddp-2 / single-1): 0.545",
+        "**Loss-curve gap** (|delta loss| at equal samples seen): max 0.5 / mean 0.1875 at 4 matched points",
+        "**Eval loss delta** (ddp-2 - single-1): -0.2500",
+        "non-padding tokens",
+    ]:
         assert row in table, row
     gpu = [config("gpu-1", 1), train(1, 8, 7.0, 500.0, 1.0, 3.5, memory_key="peak_mem_gb")]
     gpu_table = markdown_table(compare(gpu, gpu))
@@ -182,17 +213,28 @@ def test_compare_script_prints_the_table_and_writes_the_files(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     assert "| tokens/s (global) | 1,100.0 | 1,900.0 |" in run.stdout and "not comparable" in run.stdout
     assert {p.name for p in (tmp_path / "o").iterdir()} == {"comparison.md", "comparison.png", "comparison.json"}
-    missing = subprocess.run([*command[:2], str(tmp_path / "nope"), *command[3:]], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    missing = subprocess.run(
+        [*command[:2], str(tmp_path / "nope"), *command[3:]],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode != 0 and "metrics.jsonl not found" in missing.stderr
 
 
 @pytest.mark.parametrize(
     ("env", "mode"),
-    [({}, "offline"), ({"WANDB_MODE": "online"}, "offline"), ({"WANDB_API_KEY": "k"}, "online"),
-     ({"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"), ({"WANDB_API_KEY": "k", "WANDB_MODE": "disabled"},
-     "disabled"), ({"WANDB_MODE": "dryrun"}, "offline")],
-)  # fmt: skip
+    [
+        ({}, "offline"),
+        ({"WANDB_MODE": "online"}, "offline"),
+        ({"WANDB_API_KEY": "k"}, "online"),
+        ({"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"),
+        ({"WANDB_API_KEY": "k", "WANDB_MODE": "disabled"}, "disabled"),
+        ({"WANDB_MODE": "dryrun"}, "offline"),
+    ],
+)
 def test_wandb_mode_is_offline_without_an_api_key_and_respects_wandb_mode(env, mode):
     assert resolve_wandb_mode(env) == mode
 

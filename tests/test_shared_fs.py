@@ -68,8 +68,11 @@ def test_ranks_that_cannot_see_rank_0s_output_dir_or_checkpoint_fail_on_every_ra
     for rank, results in enumerate(ranks):
         assert results["shared"] == ("ok", None), rank
         assert results["shared_resume"] == ("ok", "run/ddp_ft-checkpoint-4"), rank
-        for scenario, problem in [("apart", "cannot see it"), ("apart_resume", "FileNotFoundError"),
-                                  ("stale_resume", "sees other files")]:  # fmt: skip
+        for scenario, problem in [
+            ("apart", "cannot see it"),
+            ("apart_resume", "FileNotFoundError"),
+            ("stale_resume", "sees other files"),
+        ]:
             kind, message = results[scenario]
             assert kind == SharedFilesystemError.__name__, (rank, scenario, message)
             assert message == ranks[0][scenario][1], "every rank raises the same message"
@@ -77,8 +80,10 @@ def test_ranks_that_cannot_see_rank_0s_output_dir_or_checkpoint_fail_on_every_ra
             assert f"rank 0 on node 0 (host {host}): " not in message, "rank 0 is not among the failed"
             assert "filesystem shared by every node" in message
         # no checkpoint anywhere: rank 0's own error, on every rank
-        assert results["no_checkpoint"] == ("FileNotFoundError", "--resume latest: no checkpoint in run (no 'latest' "
-                                            "file)."), rank  # fmt: skip
+        assert results["no_checkpoint"] == (
+            "FileNotFoundError",
+            "--resume latest: no checkpoint in run (no 'latest' file).",
+        ), rank
     assert ranks[0]["left_behind"] == [], "rank 0 removes its check file"
     assert not [p for p in (tmp_path / "node0" / "run").iterdir() if p.name.startswith(MARKER_PREFIX)]
 

@@ -53,8 +53,16 @@ def run_env(tmp_path, monkeypatch, tiny_cache):
 
 def _settings(output_dir: Path, **overrides):
     """The tiny preset cut to two one-sample steps of short sequences, reporting to wandb: about a second on CPU."""
-    values = {"max_steps": STEPS, "effective_batch": 1, "micro_batch": 1, "num_synthetic": 16, "max_seq_len": 128,
-              "save_every": 0, "report_to": "wandb", **overrides}  # fmt: skip
+    values = {
+        "max_steps": STEPS,
+        "effective_batch": 1,
+        "micro_batch": 1,
+        "num_synthetic": 16,
+        "max_seq_len": 128,
+        "save_every": 0,
+        "report_to": "wandb",
+        **overrides,
+    }
     return settings_from_preset("tiny", output_dir=str(output_dir), **values)
 
 
@@ -111,9 +119,12 @@ def _assert_one_warning_naming(caplog, failure: str) -> None:
 
 @pytest.mark.parametrize(
     ("entry", "failure", "named"),
-    [("loop", "wandb.init", "wandb.init"), ("trainer", "wandb.init", "WandbCallback.on_train_begin"),
-     ("trainer", "wandb.log", "WandbCallback.on_log")],
-)  # fmt: skip
+    [
+        ("loop", "wandb.init", "wandb.init"),
+        ("trainer", "wandb.init", "WandbCallback.on_train_begin"),
+        ("trainer", "wandb.log", "WandbCallback.on_log"),
+    ],
+)
 def test_wandb_failing_at_init_or_mid_run_never_stops_training_warns_once_and_metrics_jsonl_has_every_step(
     entry, failure, named, tmp_path, run_env, monkeypatch, caplog
 ):
@@ -219,8 +230,12 @@ def test_no_secret_reaches_logs_metrics_checkpoints_or_the_offline_wandb_run(
     written = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     leaks = [(str(p), n) for p, data in written.items() for n, v in SECRETS.items() if v.encode() in data]
     out, err = capfd.readouterr()
-    leaks += [(where, n) for where, text in (("log", caplog.text), ("stdout", out), ("stderr", err))
-              for n, v in SECRETS.items() if v in text]  # fmt: skip
+    leaks += [
+        (where, n)
+        for where, text in (("log", caplog.text), ("stdout", out), ("stderr", err))
+        for n, v in SECRETS.items()
+        if v in text
+    ]
     assert not leaks, leaks
     # The search sees inside what it searched: the offline run holds our metrics in the clear, the Trainer's pickled
     # arguments their field names.

@@ -36,8 +36,14 @@ class _FakeTrainer:
 
 
 def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks, output_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     spec = importlib.util.spec_from_file_location(f"entry_{rank}", ROOT / entry_point)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,8 +73,9 @@ def test_every_rank_tears_the_process_group_down_whether_training_succeeds_or_fa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = run_distributed(_main_then_group_state, entry_point, port, failing_ranks, str(tmp_path / "run"),
-                              init_group=False, timeout=120)  # fmt: skip
+    results = run_distributed(
+        _main_then_group_state, entry_point, port, failing_ranks, str(tmp_path / "run"), init_group=False, timeout=120
+    )
     for rank, (was_initialized, outcome, still_initialized) in enumerate(results):
         assert was_initialized, f"rank {rank} trained without a 2-process group"
         assert outcome == ("raised" if rank in failing_ranks else "returned"), (rank, outcome)

@@ -21,15 +21,13 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _env() -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT),
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _train(tmp_path: Path, *flags: str, nproc: int = 2, timeout: int = 400) -> subprocess.CompletedProcess:
     launcher = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else [sys.executable]
     command = [*launcher, str(ROOT / "scripts" / "train.py"), "--preset", "tiny", *flags]
-    run = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
+    run = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-6000:]
     return run
 
@@ -63,8 +61,10 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
         assert key in train[-1], key
     # accumulation 2 under no_sync: every step is 2 backwards, 1 of them synced, 1 all-reduce per bucket
     assert config[0]["buckets"] > 1
-    assert all((r["comm/backwards"], r["comm/synced_backwards"], r["comm/allreduce_calls"]) == (2, 1, config[0]["buckets"])
-               for r in train), [(r["comm/backwards"], r["comm/allreduce_calls"]) for r in train]  # fmt: skip
+    assert all(
+        (r["comm/backwards"], r["comm/synced_backwards"], r["comm/allreduce_calls"]) == (2, 1, config[0]["buckets"])
+        for r in train
+    ), [(r["comm/backwards"], r["comm/allreduce_calls"]) for r in train]
 
     checkpoint = out / (out / "latest").read_text().strip()
     assert checkpoint.name == "ddp_ft-checkpoint-8"
@@ -77,8 +77,12 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
     logged_eval = _records(out, "eval")[-1]["eval_loss"]
     reloaded = subprocess.run(
         [sys.executable, "-c", _EVAL_SNIPPET, str(checkpoint / "adapter")],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert reloaded.returncode == 0, reloaded.stderr[-4000:]
     # measured: 2.5e-8 apart (one process with 2 threads vs two ranks' sums)
     assert float(reloaded.stdout.strip().splitlines()[-1]) == pytest.approx(logged_eval, rel=1e-6, abs=0)
@@ -123,10 +127,26 @@ def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repea
     full, interrupted, flags = reference_run, tmp_path / "interrupted", _REFERENCE
 
     faults = "kill-in-save@4,rank=0,attempt=0; sigterm-launcher@5,rank=0,attempt=1"
-    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", str(ROOT / "scripts" / "train.py"),
-               "--preset", "tiny", "--output-dir", str(interrupted), *flags]  # fmt: skip
-    run = subprocess.run(command, cwd=tmp_path, env={**_env(), "DDP_FT_INJECT_FAULT": faults},
-                         capture_output=True, text=True, timeout=400)  # fmt: skip
+    command = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        str(ROOT / "scripts" / "train.py"),
+        "--preset",
+        "tiny",
+        "--output-dir",
+        str(interrupted),
+        *flags,
+    ]
+    run = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env={**_env(), "DDP_FT_INJECT_FAULT": faults},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     log = run.stderr
     assert run.returncode == 1 and "death signal, shutting down workers" in log, log[-6000:]
     assert "removed" in log and ".tmp-ddp_ft-checkpoint-4: a checkpoint whose save did not finish" in log, log[-6000:]
@@ -168,8 +188,15 @@ def test_one_and_two_processes_follow_the_same_loss_curve_and_resume_on_each_oth
     _train(tmp_path, "--output-dir", str(tmp_path / "full1"), *saving, nproc=1)
     resumed = {"resumed1": ("full2", 1), "resumed2": ("full1", 2)}
     for run, (origin, nproc) in resumed.items():
-        _train(tmp_path, "--output-dir", str(tmp_path / run), *flags, "--resume", str(_checkpoint(tmp_path / origin, 6)),
-               nproc=nproc)  # fmt: skip
+        _train(
+            tmp_path,
+            "--output-dir",
+            str(tmp_path / run),
+            *flags,
+            "--resume",
+            str(_checkpoint(tmp_path / origin, 6)),
+            nproc=nproc,
+        )
     records = {run: _records(tmp_path / run, "train") for run in ("full2", "full1", *resumed)}
     assert [r["epoch"] for r in records["full2"]] == [0] * 7 + [1] * 2
     single, ddp = records["full1"], records["full2"]
@@ -195,16 +222,36 @@ def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_t
     sample dropped (a padding DistributedSampler gave 2 ranks 8 samples: a 4th step, one sample trained twice).
     Epochs-based: total_steps = 2 epochs x 3 on both. With --eval-fraction 0 there is no eval loss to log."""
     source = write_mixed_length_meetings(tmp_path / "seven.jsonl", n=7)
-    flags = ["--source", source, "--eval-fraction", "0", "--effective-batch", "2", "--micro-batch", "1",
-             "--max-steps=-1", "--epochs", "2", "--lora-dropout", "0", "--report-to", "none", "--save-every", "0"]  # fmt: skip
+    flags = [
+        "--source",
+        source,
+        "--eval-fraction",
+        "0",
+        "--effective-batch",
+        "2",
+        "--micro-batch",
+        "1",
+        "--max-steps=-1",
+        "--epochs",
+        "2",
+        "--lora-dropout",
+        "0",
+        "--report-to",
+        "none",
+        "--save-every",
+        "0",
+    ]
     _train(tmp_path, "--output-dir", str(tmp_path / "single"), *flags, nproc=1)
     _train(tmp_path, "--output-dir", str(tmp_path / "ddp"), *flags)
     for run in ("single", "ddp"):
         assert _records(tmp_path / run, "config")[0]["total_steps"] == 6, run
         assert not _records(tmp_path / run, "eval"), run  # no eval split: no eval loss (it was logged as 0.0)
     single, ddp = _records(tmp_path / "single", "train"), _records(tmp_path / "ddp", "train")
-    assert [(r["step"], r["epoch"]) for r in ddp] == [(r["step"], r["epoch"]) for r in single] == [
-        (1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]  # fmt: skip
+    assert (
+        [(r["step"], r["epoch"]) for r in ddp]
+        == [(r["step"], r["epoch"]) for r in single]
+        == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]
+    )
     assert [r["tokens"] for r in single] == [r["tokens"] for r in ddp]
     for a, b in zip(single, ddp, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
@@ -215,9 +262,13 @@ def test_two_process_runs_leave_a_trainer_checkpoint_alone(reference_run, tmp_pa
     checkpoints (--save-total-limit 2 kept 6 and 8 of 2, 4, 6, 8) and leaves the Trainer's checkpoint-1 as it was;
     ``--resume`` pointed at one is refused before training, naming it (``test_bad_input``)."""
     assert {p.name: p.read_bytes() for p in (reference_run / "checkpoint-1").iterdir()} == _trainer_checkpoint(
-        tmp_path / "pristine" / "checkpoint-1")  # fmt: skip
+        tmp_path / "pristine" / "checkpoint-1"
+    )
     assert sorted(p.name for p in reference_run.glob("*checkpoint-*")) == [
-        "checkpoint-1", "ddp_ft-checkpoint-6", "ddp_ft-checkpoint-8"]  # fmt: skip
+        "checkpoint-1",
+        "ddp_ft-checkpoint-6",
+        "ddp_ft-checkpoint-8",
+    ]
 
 
 def _free_port() -> int:
@@ -252,7 +303,7 @@ def test_two_nodes_on_loopback_keep_global_and_local_rank_apart(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for node in (0, 1)
     ]
     try:

@@ -219,7 +219,12 @@ class EpochLoader:
         # dropout masks by one draw in a resumed run (it builds this loader after restoring the RNG state).
         generator = torch.Generator().manual_seed(self.sampler.seed + epoch)
         loader = DataLoader(
-            self.dataset, batch_size=self.micro_batch, sampler=indices, collate_fn=self.collate_fn, num_workers=0,
-            generator=generator, pin_memory=self.pin_memory,
-        )  # fmt: skip
+            self.dataset,
+            batch_size=self.micro_batch,
+            sampler=indices,
+            collate_fn=self.collate_fn,
+            num_workers=0,
+            generator=generator,
+            pin_memory=self.pin_memory,
+        )
         return iter(loader)
