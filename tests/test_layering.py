@@ -1,0 +1,107 @@
+"""Imports only point down: each module of ddp_ft imports only from the layers below its own (README, Layout)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ddp_ft"
+
+# Lowest first; the README's layout table states the same floors. A module may import from any layer below its own,
+# and within its own layer without a cycle.
+LAYERS = [
+    {"ddp_ft.ddp", "ddp_ft.precision", "ddp_ft.distributed", "ddp_ft.preemption", "ddp_ft.records", "ddp_ft.synthetic"},
+    {
+        "ddp_ft.model",
+        "ddp_ft.tokenizer",
+        "ddp_ft.data",
+        "ddp_ft.metrics",
+        "ddp_ft.faults",
+        "ddp_ft.bench",
+        "ddp_ft.integrations.launch",
+    },
+    {"ddp_ft.config", "ddp_ft.checkpoint", "ddp_ft.shared_fs"},
+    {"ddp_ft.setup", "ddp_ft.report"},
+    {
+        "ddp_ft.loop",
+        "ddp_ft.integrations.accelerate",
+        "ddp_ft.integrations.trainer",
+        "ddp_ft.integrations.settings",
+        "ddp_ft.integrations.callbacks",
+    },
+    {"ddp_ft.integrations.recipe", "ddp_ft.gpu_check", "ddp_ft.integrations"},
+]
+
+
+def _unit(module: str) -> str | None:
+    """The layer entry a module belongs to: itself, or the nearest enclosing package listed."""
+    while module:
+        if any(module in layer for layer in LAYERS):
+            return module
+        module = module.rpartition(".")[0]
+    return None
+
+
+def _layer(unit: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                names = [f"{target}.{a.name}" for a in node.names]
+            else:
+                target, names = node.module or "", [f"{node.module}.{a.name}" for a in node.names]
+            # `from . import x` and `from ..pkg import module` name modules; else the target module itself
+            found.update(n for n in names if (PACKAGE.parent / (n.replace(".", "/") + ".py")).exists())
+            found.add(target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("ddp_ft")}
+
+
+def _graph() -> dict[str, set[str]]:
+    """Each module (a package's ``__init__`` under the package's name) and the ddp_ft modules it imports."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {m: {t for t in _imports(p, m) if t in modules and t != m} for m, p in modules.items()}
+
+
+def test_every_module_imports_only_from_layers_below_its_own():
+    graph = _graph()
+    unplaced = [m for m in graph if m != "ddp_ft" and _unit(m) is None]
+    assert not unplaced, f"modules missing from LAYERS (and the README's layout table): {unplaced}"
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module != "ddp_ft"
+        for target in targets
+        if _layer(_unit(target)) > _layer(_unit(module))
+    ]
+    assert not upward, upward
+
+
+def test_no_import_cycle_between_modules():
+    """A package's ``__init__`` re-exporting its modules is not a cycle: its modules import each other, not it."""
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
