@@ -257,8 +257,8 @@ def qlora_run(setup, model_path: str, settings: GpuCheckSettings) -> Check:
 
 def run_checks(settings: GpuCheckSettings, setup) -> list[Check]:
     """Every check on this process (collectives inside: all ranks call it)."""
-    from ..loop import resolve_model_and_tokenizer
     from ..model import EMBEDDED_MODEL
+    from ..setup import resolve_model_and_tokenizer
 
     info = setup.info
     capability, bf16 = None, None
