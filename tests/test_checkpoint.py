@@ -54,7 +54,7 @@ def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_and_latest_in
     def disk_full(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(6, 0, 12, 48), DistInfo())
     monkeypatch.undo()
@@ -134,14 +134,14 @@ def test_replacing_a_same_step_checkpoint_that_fails_half_way_keeps_latest_on_a_
     model, optimizer, scheduler = _parts()
     good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     before = {p.relative_to(good): p.read_bytes() for p in good.rglob("*") if p.is_file()}
-    real_replace = ckpt.os.replace
+    real_replace = os.replace
 
     def dies_moving_the_new_folder_in(src, dst):
         if Path(src).name.startswith(".tmp-") and Path(dst).name == good.name:
             raise OSError("killed")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", dies_moving_the_new_folder_in)
+    monkeypatch.setattr(os, "replace", dies_moving_the_new_folder_in)
     model.w.data += 1
     with pytest.raises(OSError, match="killed"):
         save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
@@ -157,7 +157,7 @@ def test_replacing_a_same_step_checkpoint_that_fails_half_way_keeps_latest_on_a_
 
 def test_every_file_and_folder_is_fsynced_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
     synced, events = set(), []
-    real_fsync, real_replace = ckpt.os.fsync, ckpt.os.replace
+    real_fsync, real_replace = os.fsync, os.replace
 
     def fsync(fd):
         synced.add(os.readlink(f"/proc/self/fd/{fd}"))
@@ -169,8 +169,8 @@ def test_every_file_and_folder_is_fsynced_before_the_rename_that_publishes_it(tm
         events.append((src.name, Path(dst).name, unsynced))
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "fsync", fsync)
-    monkeypatch.setattr(ckpt.os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     monkeypatch.undo()

@@ -1,299 +1,36 @@
-"""Atomic checkpoints of the plain loop: adapter, optimizer, scheduler, data position and every rank's RNG state.
-
-A checkpoint is ``output_dir/ddp_ft-checkpoint-N`` holding ``ddp_ft_state.json`` (with a ``format_version``),
-never the Hugging Face Trainer's ``checkpoint-N``/``trainer_state.json``: both entry points can share an
-output folder, and neither resumes nor prunes the other's checkpoints (the loop refuses a Trainer checkpoint
-by name). Rank 0 writes everything into a hidden temporary folder, fsyncs every file and folder, and renames it
-into place; ``latest`` is replaced atomically and names a complete checkpoint at every instant, also while a
-same-step checkpoint is being replaced. A crash mid-save loses nothing already saved. Every rank contributes
-its RNG state (gathered to rank 0), so dropout continues exactly on resume at the same world size; the data
-position is a sample count in the epoch's global order, so the data continues exactly on any world size
-(``ddp_ft.data.DataLayout``).
-
-Loading executes no code from the checkpoint: every ``.pt`` file holds tensors and plain Python data only (the RNG
-states too: Python's and numpy's Mersenne Twister keys are stored as int64 tensors, not pickled objects) and is
-read with ``torch.load(weights_only=True)``; the adapter is safetensors. ``verify_checkpoint`` reads all of it
-before the model is built and refuses a checkpoint holding anything else.
+"""Resuming: which checkpoint (:func:`checkpoint_to_resume`, :func:`resolve_checkpoint`), whether it is intact and
+holds nothing but tensors and plain data (:func:`verify_checkpoint`, before the model is built), its position
+(:func:`saved_position`), and restoring it (:func:`load_checkpoint`), all without executing code from the files.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
-import random
 import re
-import shutil
 import zipfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from .data import DataLayout
-from .distributed import DistInfo
+from ..data import DataLayout
+from ..distributed import DistInfo
+from .publish import LATEST, latest_name
+from .state import (
+    ADAPTER_DIR,
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_PREFIX,
+    FORMAT_VERSION,
+    SCALER_FILE,
+    STATE_FILE,
+    TENSOR_FILES,
+    TRAINER_STATE_FILE,
+    TrainState,
+    set_rng_state,
+)
 
 logger = logging.getLogger(__name__)
-
-ADAPTER_DIR = "adapter"
-CHECKPOINT_PREFIX = "ddp_ft-checkpoint"
-STATE_FILE = "ddp_ft_state.json"
-FORMAT_VERSION = 2  # 2: RNG states as tensors and plain data; 1 held pickled numpy arrays
-LATEST = "latest"
-STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written before they are renamed into place
-TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 0 used the same name
-# Files read by torch.load (weights_only=True), all of them written by save_checkpoint.
-TENSOR_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
-SCALER_FILE = "scaler.pt"  # only from float16 runs
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what peft's save_pretrained writes; its pickled form is .bin
-_OWN_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
-
-
-@dataclass
-class TrainState:
-    """Where training stands; enough to continue exactly.
-
-    Args:
-        global_step (int): optimizer steps done.
-        epoch (int): current epoch (the sampler's ``set_epoch`` value).
-        sample_in_epoch (int): samples of ``epoch``'s global order already trained, over all ranks (a multiple of
-            the effective batch; the same number on any world size).
-        samples_seen (int): samples consumed over all ranks (the x axis shared by all world sizes).
-    """
-
-    global_step: int = 0
-    epoch: int = 0
-    sample_in_epoch: int = 0
-    samples_seen: int = 0
-
-
-def rng_state() -> dict:
-    """This process's RNG states as tensors and plain Python data, so ``torch.load(weights_only=True)`` reads them.
-
-    ``random.getstate()`` is ``(version, 625 ints, gauss_next)``; ``np.random.get_state()`` holds a uint32 array,
-    which only a pickle of numpy objects can store, so both keys become int64 tensors (every word fits).
-
-    Returns:
-        dict: ``python``, ``numpy``, ``torch`` and, with CUDA, ``cuda`` (this device's generator); ``set_rng_state``
-        restores it.
-    """
-    version, words, gauss_next = random.getstate()
-    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    if kind != "MT19937":  # np.random's legacy generator is always MT19937; a changed numpy would need a new format
-        raise RuntimeError(f"np.random.get_state() returned a {kind} state; ddp_ft checkpoints store MT19937 only.")
-    state = {
-        "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
-        "numpy": {
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch": torch.random.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` returned: the next draws of ``random``, ``np.random``, torch (and CUDA) continue
-    exactly where they were when it was taken."""
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
-    numpy = state["numpy"]
-    key = numpy["key"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", key, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
-    torch.random.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Every file and folder under ``root``, then ``root``: the contents are on disk before a rename publishes them."""
-    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        _fsync(path)
-    _fsync(root)
-
-
-def _write_latest(output_dir: Path, name: str) -> None:
-    """Point ``latest`` at ``name`` atomically: readers see the old name or the new one, never a partial file."""
-    tmp = output_dir / f".{LATEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output_dir / LATEST)
-    _fsync(output_dir)
-
-
-def _latest_name(output_dir: Path) -> str | None:
-    pointer = output_dir / LATEST
-    return pointer.read_text().strip() if pointer.exists() else None
-
-
-def _remove(path: Path) -> None:
-    """Delete a folder atomically from a reader's view: renamed out of the way first, then removed."""
-    if not path.exists():
-        return
-    trash = path.with_name(f".trash-{path.name.lstrip('.')}")
-    shutil.rmtree(trash, ignore_errors=True)
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:  # checkpoint files are never modified in place, so a hard link is a safe copy
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Move the complete ``tmp`` to ``final`` and point ``latest`` at it; ``latest`` names a complete checkpoint
-    throughout. Replacing ``final`` (same step saved again): ``latest`` moves to a linked copy of the old one
-    while ``final`` is swapped, then back."""
-    output_dir = final.parent
-    if final.exists():
-        backup = output_dir / f".old-{final.name}"
-        if _latest_name(output_dir) == backup.name:  # left by a save that died mid-swap; final is complete
-            _write_latest(output_dir, final.name)
-        _remove(backup)
-        shutil.copytree(final, backup, copy_function=_link_or_copy)
-        _fsync_tree(backup)
-        _write_latest(output_dir, backup.name)
-        _remove(final)
-    os.replace(tmp, final)
-    _fsync(output_dir)
-    _write_latest(output_dir, final.name)
-
-
-def publish_folder(tmp: str | Path, final: str | Path) -> None:
-    """Move the fully written ``tmp`` to ``final`` atomically (everything fsynced first), replacing ``final``."""
-    tmp, final = Path(tmp), Path(final)
-    _fsync_tree(tmp)
-    _remove(final)
-    os.replace(tmp, final)
-    _fsync(final.parent)
-
-
-def _own_checkpoints(output_dir: Path) -> list[Path]:
-    """The loop's checkpoints in ``output_dir``, oldest step first: named ``ddp_ft-checkpoint-N`` and holding our
-    state file. Anything else (the HF Trainer's ``checkpoint-N``, a user's folder) is never listed."""
-    found = []
-    for path in output_dir.iterdir():
-        match = _OWN_NAME.match(path.name)
-        if match and path.is_dir() and (path / STATE_FILE).is_file():
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-def clean_partial_saves(output_dir: str | Path) -> list[str]:
-    """Remove the hidden folders of saves that died half-way (a SIGKILL mid-write), except one ``latest`` still
-    names; rank 0 calls it at the start of a run and after every save. Returns the names removed."""
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    latest = _latest_name(output_dir)
-    removed = []
-    for prefix in (".tmp-", ".old-", ".trash-"):
-        for path in output_dir.glob(f"{prefix}*{CHECKPOINT_PREFIX}-*"):
-            if path.name != latest:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path.name)
-    staging = output_dir / STAGING_DIR
-    if staging.is_dir():
-        removed += [f"{STAGING_DIR}/{p.name}" for p in staging.iterdir()]
-        shutil.rmtree(staging, ignore_errors=True)
-    return removed
-
-
-def save_checkpoint(
-    output_dir: str | Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: object,
-    state: TrainState,
-    info: DistInfo,
-    save_total_limit: int = 0,
-    layout: DataLayout | None = None,
-    before_publish: Callable[[int], None] | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-) -> Path | None:
-    """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
-
-    Call on every rank (the RNG states are gathered). ``model`` is the unwrapped peft model: the adapter
-    is saved with ``save_pretrained``, never the DDP wrapper.
-
-    Args:
-        save_total_limit (int): keep at most this many of the loop's own checkpoints (0: all). Default: 0
-        layout (DataLayout | None): how the run reads its data, checked on resume (the loop always gives it).
-            Default: None
-        before_publish (Callable[[int], None] | None): called with the step once every file is written, before
-            the folder is published (the fault tests kill the process there). Default: None
-        scaler (torch.amp.GradScaler | None): float16's loss scaler; its scale and growth tracker are saved as
-            ``scaler.pt`` when it is enabled, so a resumed run skips the same steps. Default: None
-
-    Returns:
-        Path | None: the checkpoint folder on rank 0, None elsewhere.
-    """
-    states = [None] * info.world_size
-    if info.is_distributed:
-        dist.all_gather_object(states, rng_state())
-    else:
-        states = [rng_state()]
-    output_dir = Path(output_dir)
-    final = output_dir / f"{CHECKPOINT_PREFIX}-{state.global_step}"
-    if info.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        tmp = output_dir / f".tmp-{final.name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        model.save_pretrained(tmp / ADAPTER_DIR)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(states, tmp / "rng_states.pt")
-        if scaler is not None and scaler.is_enabled():
-            torch.save(scaler.state_dict(), tmp / SCALER_FILE)
-        saved = {
-            "format_version": FORMAT_VERSION,
-            **asdict(state),
-            "world_size": info.world_size,
-            "layout": asdict(layout) if layout else None,
-        }
-        (tmp / STATE_FILE).write_text(json.dumps(saved, indent=2))
-        if before_publish is not None:
-            before_publish(state.global_step)
-        _fsync_tree(tmp)
-        _publish(tmp, final)
-        _prune(output_dir, save_total_limit, keep=final)
-        clean_partial_saves(output_dir)
-        logger.info("saved %s", final)
-    if info.is_distributed:
-        dist.barrier()
-    return final if info.is_main_process else None
-
-
-def _prune(output_dir: Path, limit: int, keep: Path) -> None:
-    """Delete the oldest of the loop's own checkpoints beyond ``limit``; never ``keep`` nor what ``latest`` names."""
-    if limit <= 0:
-        return
-    protected = {keep.name, _latest_name(output_dir)}
-    checkpoints = _own_checkpoints(output_dir)
-    for old in [c for c in checkpoints if c.name not in protected][: max(0, len(checkpoints) - limit)]:
-        _remove(old)
 
 
 def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int = 0) -> Path | None:
@@ -303,7 +40,7 @@ def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int
     run continues from the newest checkpoint in ``output_dir`` (the one the failed attempt got to), with no flag.
     Before any checkpoint exists a restart starts from ``--resume`` (or from scratch), as the first attempt did.
     """
-    if restart_count > 0 and _latest_name(Path(output_dir)) is not None:
+    if restart_count > 0 and latest_name(Path(output_dir)) is not None:
         path = resolve_checkpoint("latest", output_dir)
         logger.info("elastic restart %d: resuming from %s", restart_count, path)
         return path
@@ -325,7 +62,7 @@ def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
             format_version, a damaged one (state not JSON, a file cut short); naming the path and what it is.
     """
     if resume == "latest":
-        name = _latest_name(Path(output_dir))
+        name = latest_name(Path(output_dir))
         if name is None:
             raise FileNotFoundError(f"--resume latest: no checkpoint in {output_dir} (no '{LATEST}' file).")
         path = Path(output_dir) / name

@@ -1,0 +1,112 @@
+"""Atomic publishing on the file system: a fully written folder (under a hidden name) is fsynced file by file, then
+renamed into place; ``latest`` is replaced atomically and names a complete checkpoint at every instant; removal
+renames a folder out of sight before deleting it; :func:`clean_partial_saves` clears what a killed save left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from .state import CHECKPOINT_PREFIX
+
+LATEST = "latest"
+STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written before they are renamed into place
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Every file and folder under ``root``, then ``root``: the contents are on disk before a rename publishes them."""
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync(path)
+    _fsync(root)
+
+
+def _write_latest(output_dir: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` atomically: readers see the old name or the new one, never a partial file."""
+    tmp = output_dir / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output_dir / LATEST)
+    _fsync(output_dir)
+
+
+def latest_name(output_dir: Path) -> str | None:
+    """The checkpoint ``latest`` names in ``output_dir``; None before the first save."""
+    pointer = output_dir / LATEST
+    return pointer.read_text().strip() if pointer.exists() else None
+
+
+def remove_folder(path: Path) -> None:
+    """Delete a folder atomically from a reader's view: renamed out of the way first, then removed."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name.lstrip('.')}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:  # checkpoint files are never modified in place, so a hard link is a safe copy
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def publish_checkpoint(tmp: Path, final: Path) -> None:
+    """Move the complete ``tmp`` to ``final`` and point ``latest`` at it; ``latest`` names a complete checkpoint
+    throughout. Replacing ``final`` (same step saved again): ``latest`` moves to a linked copy of the old one
+    while ``final`` is swapped, then back."""
+    output_dir = final.parent
+    if final.exists():
+        backup = output_dir / f".old-{final.name}"
+        if latest_name(output_dir) == backup.name:  # left by a save that died mid-swap; final is complete
+            _write_latest(output_dir, final.name)
+        remove_folder(backup)
+        shutil.copytree(final, backup, copy_function=_link_or_copy)
+        fsync_tree(backup)
+        _write_latest(output_dir, backup.name)
+        remove_folder(final)
+    os.replace(tmp, final)
+    _fsync(output_dir)
+    _write_latest(output_dir, final.name)
+
+
+def publish_folder(tmp: str | Path, final: str | Path) -> None:
+    """Move the fully written ``tmp`` to ``final`` atomically (everything fsynced first), replacing ``final``."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_tree(tmp)
+    remove_folder(final)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def clean_partial_saves(output_dir: str | Path) -> list[str]:
+    """Remove the hidden folders of saves that died half-way (a SIGKILL mid-write), except one ``latest`` still
+    names; rank 0 calls it at the start of a run and after every save. Returns the names removed."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    latest = latest_name(output_dir)
+    removed = []
+    for prefix in (".tmp-", ".old-", ".trash-"):
+        for path in output_dir.glob(f"{prefix}*{CHECKPOINT_PREFIX}-*"):
+            if path.name != latest:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+    staging = output_dir / STAGING_DIR
+    if staging.is_dir():
+        removed += [f"{STAGING_DIR}/{p.name}" for p in staging.iterdir()]
+        shutil.rmtree(staging, ignore_errors=True)
+    return removed

@@ -1,0 +1,61 @@
+"""Run folders in, comparison files out: :func:`load_run` reads a run's ``metrics.jsonl`` (or a wandb run),
+:func:`write_report` writes ``comparison.md``, ``comparison.png`` and ``comparison.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ..metrics import read_jsonl, timeline
+from .render import markdown_table, plot_comparison, table_rows
+from .summary import RunSummary, compare_runs, summarize_run
+from .wandb_io import WANDB_PREFIX, records_from_wandb
+
+logger = logging.getLogger(__name__)
+
+
+def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list[dict]]:
+    """Read ``run_dir/metrics.jsonl`` (or the wandb run ``wandb:entity/project/run_id``); return summary and records.
+
+    Raises:
+        FileNotFoundError: if ``run_dir`` holds no ``metrics.jsonl``.
+    """
+    if str(run_dir).startswith(WANDB_PREFIX):
+        records = records_from_wandb(str(run_dir)[len(WANDB_PREFIX) :])
+        return summarize_run(records, skip_first), records
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: pass the output_dir of a training run")
+    records = timeline(read_jsonl(path))
+    return summarize_run(records, skip_first), records
+
+
+def write_report(baseline_dir: str | Path, other_dir: str | Path, out_dir: str | Path, skip_first: int = 1) -> dict:
+    """Compare two run directories; write ``comparison.md``, ``comparison.png`` and ``comparison.json``.
+
+    Args:
+        baseline_dir (str | Path): output_dir of the baseline run (1 device).
+        other_dir (str | Path): output_dir of the DDP run.
+        out_dir (str | Path): where the three files go (created).
+        skip_first (int): warm-up steps left out of the medians. Default: 1.
+
+    Returns:
+        dict: the content of ``comparison.json``: :meth:`Comparison.to_dict` plus ``table``
+        (``columns``, ``rows``), ``markdown`` and ``files`` (the three paths).
+    """
+    baseline, baseline_records = load_run(baseline_dir, skip_first)
+    other, other_records = load_run(other_dir, skip_first)
+    comparison = compare_runs(baseline, baseline_records, other, other_records)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    markdown = markdown_table(comparison)
+    files = {name: str(out / f"comparison.{name}") for name in ("md", "png", "json")}
+    Path(files["md"]).write_text(markdown)
+    plot_comparison(comparison, files["png"])
+    columns, rows = table_rows(comparison)
+    report = {**comparison.to_dict(), "table": {"columns": columns, "rows": rows}, "markdown": markdown, "files": files}
+    Path(files["json"]).write_text(json.dumps(report, indent=2))
+    logger.info("wrote %s", ", ".join(files.values()))
+    return report

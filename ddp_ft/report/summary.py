@@ -1,0 +1,261 @@
+"""Run summaries and the comparison: one run's records reduced to a :class:`RunSummary`, two runs to a
+:class:`Comparison` (speedup, scaling efficiency, step-time ratio, loss-curve gap). Pure: records in, dataclasses out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+from ..records import CONFIG, EVAL, TRAIN, of_type
+
+MEMORY_METRICS = ("peak_mem_gb", "peak_rss_gb")  # CUDA allocator peak (GPU), peak resident set size (CPU)
+
+
+@dataclass
+class RunSummary:
+    """One run reduced to the numbers the comparison needs.
+
+    Args:
+        run_name (str): ``run_name`` of the run's first config record.
+        world_size (int): devices (ranks) of the run, from its first config record.
+        effective_batch (int | None): samples per optimizer step, from the first config record.
+        steps (int): distinct optimizer steps logged.
+        timed_steps (int): train records the medians are taken over (warm-up excluded).
+        warmup_steps_skipped (int): train records left out of the medians as warm-up.
+        tokens_per_s (float | None): median global tokens/s (all ranks).
+        tokens_per_s_per_device (float | None): median tokens/s per device.
+        step_time_s (float | None): median seconds per optimizer step.
+        peak_memory_gb (float | None): max over all steps of rank 0's peak memory, in GB.
+        peak_memory_metric (str | None): which metric that is: ``peak_mem_gb`` (CUDA allocator, GPU) or
+            ``peak_rss_gb`` (resident set size, CPU).
+        final_eval_loss (float | None): eval loss of the last eval record.
+        exposed_comm_ms (float | None): median ms per step that backward waited on communication (DDP only).
+        overlap (float | None): median fraction of communication hidden behind compute (DDP on CPU/gloo only).
+    """
+
+    run_name: str
+    world_size: int
+    effective_batch: int | None
+    steps: int
+    timed_steps: int
+    warmup_steps_skipped: int
+    tokens_per_s: float | None
+    tokens_per_s_per_device: float | None
+    step_time_s: float | None
+    peak_memory_gb: float | None
+    peak_memory_metric: str | None
+    final_eval_loss: float | None
+    exposed_comm_ms: float | None
+    overlap: float | None
+
+    @property
+    def is_ddp(self) -> bool:
+        return self.exposed_comm_ms is not None
+
+
+@dataclass
+class LossCurve:
+    """Train and eval loss of one run against samples seen.
+
+    Args:
+        samples_seen (list[int]): ascending; one point per optimizer step.
+        loss (list[float]): train loss at each of ``samples_seen``.
+        eval_samples_seen (list[int]): samples seen at each eval.
+        eval_loss (list[float]): eval loss at each of ``eval_samples_seen``.
+    """
+
+    samples_seen: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    eval_samples_seen: list[int] = field(default_factory=list)
+    eval_loss: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """A baseline run against another run of the same experiment (usually 1 device against N with DDP).
+
+    Args:
+        baseline (RunSummary): the reference run (1 device).
+        other (RunSummary): the run being judged (DDP on N devices).
+        speedup (float | None): ``other.tokens_per_s / baseline.tokens_per_s`` (global rates).
+        scaling_efficiency (float | None): ``speedup / (other.world_size / baseline.world_size)``; 1.0 is
+            perfect linear scaling.
+        step_time_ratio (float | None): ``other.step_time_s / baseline.step_time_s``.
+        loss_gap_max (float | None): max |other loss - baseline loss| over matched points; None when the
+            curves share no ``samples_seen``.
+        loss_gap_mean (float | None): mean of the same; None likewise.
+        matched_points (int): train steps whose ``samples_seen`` appear in both runs.
+        eval_loss_delta (float | None): ``other.final_eval_loss - baseline.final_eval_loss``.
+        notes (list[str]): caveats a reader must see (no overlap, unequal lengths, different batches...).
+        baseline_curve (LossCurve): the baseline's loss curve, for the plot.
+        other_curve (LossCurve): the other run's loss curve, for the plot.
+    """
+
+    baseline: RunSummary
+    other: RunSummary
+    speedup: float | None
+    scaling_efficiency: float | None
+    step_time_ratio: float | None
+    loss_gap_max: float | None
+    loss_gap_mean: float | None
+    matched_points: int
+    eval_loss_delta: float | None
+    notes: list[str]
+    baseline_curve: LossCurve
+    other_curve: LossCurve
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Comparison:
+        """Rebuild from :meth:`to_dict` output (or a ``comparison.json``; keys other than the fields are ignored)."""
+        values = {f.name: data[f.name] for f in fields(cls)}
+        values["baseline"] = RunSummary(**values["baseline"])
+        values["other"] = RunSummary(**values["other"])
+        values["baseline_curve"] = LossCurve(**values["baseline_curve"])
+        values["other_curve"] = LossCurve(**values["other_curve"])
+        return cls(**values)
+
+
+def _median(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
+    """Reduce one run's ``metrics.jsonl`` records to a :class:`RunSummary`.
+
+    Medians (tokens/s, step time, exposed communication, overlap) skip the first ``skip_first`` train
+    steps as warm-up (first-iteration allocations, kernel selection, bucket rebuilds), counted from every
+    config record: a resumed run appends a config record and warms up again. When that would leave no step
+    at all (a run of ``skip_first`` steps or fewer), every step is used. Peak memory is the max over all
+    steps, warm-up included. Identity (run name, world size, effective batch) comes from the first config
+    record; train records of every segment are used.
+
+    Args:
+        records (list[dict]): the records of one ``metrics.jsonl``, in file order.
+        skip_first (int): warm-up train steps left out of the medians. Default: 1.
+
+    Returns:
+        RunSummary: the run's summary.
+
+    Raises:
+        ValueError: if ``skip_first`` is negative, or there is no config record or no train record.
+    """
+    if skip_first < 0:
+        raise ValueError(f"skip_first must be >= 0, got {skip_first}")
+    configs, trains = of_type(records, CONFIG), of_type(records, TRAIN)
+    if not configs:
+        raise ValueError("no config record (type 'config'): is this a ddp_ft metrics.jsonl?")
+    if not trains:
+        raise ValueError(f"run {configs[0].get('run_name')!r} has no train record")
+    timed, since_config = [], 0
+    for record in records:
+        if record.get("type") == CONFIG:
+            since_config = 0
+        elif record.get("type") == TRAIN:
+            if since_config >= skip_first:
+                timed.append(record)
+            since_config += 1
+    timed = timed or trains
+    memory_metric = next((m for m in MEMORY_METRICS if any(m in r for r in trains)), None)
+    evals = [r for r in of_type(records, EVAL) if r.get("eval_loss") is not None]
+    first = configs[0]
+    return RunSummary(
+        run_name=str(first.get("run_name", "run")),
+        world_size=int(first["world_size"]),
+        effective_batch=first.get("effective_batch"),
+        steps=len({r["step"] for r in trains}),
+        timed_steps=len(timed),
+        warmup_steps_skipped=len(trains) - len(timed),
+        tokens_per_s=_median(timed, "tokens_per_s"),
+        tokens_per_s_per_device=_median(timed, "tokens_per_s_per_device"),
+        step_time_s=_median(timed, "step_time_s"),
+        peak_memory_gb=max(r[memory_metric] for r in trains if memory_metric in r) if memory_metric else None,
+        peak_memory_metric=memory_metric,
+        final_eval_loss=evals[-1]["eval_loss"] if evals else None,
+        exposed_comm_ms=_median(timed, "comm/exposed_comm_ms"),
+        overlap=_median(timed, "comm/overlap"),
+    )
+
+
+def loss_curve(records: list[dict]) -> LossCurve:
+    """Train and eval loss against samples seen; where a resumed run logged a point twice, the later wins."""
+    train = {r["samples_seen"]: r["loss"] for r in of_type(records, TRAIN) if r.get("loss") is not None}
+    evals = {r["samples_seen"]: r["eval_loss"] for r in of_type(records, EVAL)}
+    evals = {k: v for k, v in evals.items() if v is not None}
+    return LossCurve(sorted(train), [train[k] for k in sorted(train)], sorted(evals), [evals[k] for k in sorted(evals)])
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def compare_runs(
+    baseline: RunSummary, baseline_records: list[dict], other: RunSummary, other_records: list[dict]
+) -> Comparison:
+    """Compare two summarized runs; the records supply the loss curves.
+
+    Loss curves are matched on ``samples_seen``: a point counts only where both runs logged a train step
+    after exactly that many samples, so runs of unequal length are compared over their common prefix.
+
+    Args:
+        baseline (RunSummary): the reference run (usually 1 device).
+        baseline_records (list[dict]): its ``metrics.jsonl`` records.
+        other (RunSummary): the run being judged (usually DDP on N devices).
+        other_records (list[dict]): its ``metrics.jsonl`` records.
+
+    Returns:
+        Comparison: speedup, scaling efficiency, step-time ratio, loss-curve gap, eval-loss delta and notes.
+    """
+    base_curve, other_curve = loss_curve(baseline_records), loss_curve(other_records)
+    base_loss = dict(zip(base_curve.samples_seen, base_curve.loss, strict=True))
+    other_loss = dict(zip(other_curve.samples_seen, other_curve.loss, strict=True))
+    matched = sorted(base_loss.keys() & other_loss.keys())
+    gaps = [abs(other_loss[s] - base_loss[s]) for s in matched]
+
+    notes = []
+    if not matched:
+        notes.append(
+            "loss curves not comparable: no train step has the same samples_seen in both runs "
+            f"(effective batch {baseline.effective_batch} vs {other.effective_batch})"
+        )
+    elif len(base_loss) != len(other_loss):
+        notes.append(
+            f"runs differ in length ({len(base_loss)} vs {len(other_loss)} logged steps): "
+            f"loss gap over the {len(matched)} shared points"
+        )
+    if baseline.effective_batch != other.effective_batch:
+        notes.append(
+            f"effective batch differs ({baseline.effective_batch} vs {other.effective_batch}): "
+            "equal samples seen means a different number of optimizer steps"
+        )
+    if baseline.peak_memory_metric != other.peak_memory_metric:
+        notes.append(f"peak memory measured differently: {baseline.peak_memory_metric} vs {other.peak_memory_metric}")
+    if baseline.tokens_per_s is None or other.tokens_per_s is None:
+        notes.append("tokens_per_s missing in a run: no speedup")
+
+    speedup = _ratio(other.tokens_per_s, baseline.tokens_per_s)
+    return Comparison(
+        baseline=baseline,
+        other=other,
+        speedup=speedup,
+        scaling_efficiency=_ratio(speedup, other.world_size / baseline.world_size),
+        step_time_ratio=_ratio(other.step_time_s, baseline.step_time_s),
+        loss_gap_max=max(gaps) if gaps else None,
+        loss_gap_mean=sum(gaps) / len(gaps) if gaps else None,
+        matched_points=len(matched),
+        eval_loss_delta=(
+            other.final_eval_loss - baseline.final_eval_loss
+            if other.final_eval_loss is not None and baseline.final_eval_loss is not None
+            else None
+        ),
+        notes=notes,
+        baseline_curve=base_curve,
+        other_curve=other_curve,
+    )
