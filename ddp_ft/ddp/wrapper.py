@@ -19,12 +19,9 @@ from torch.utils import _pytree as pytree
 from .buckets import ParamSpec, compute_bucket_assignment, describe_layout, first_layout_difference
 from .checksum import frozen_digest
 from .comm_hooks import CommHook, GradBucket, allreduce_hook, wire_dtype
-from .stats import CommStats, Measurement, elapsed_ms, start_timer, stop_timer
+from .stats import CommRecorder, CommStats, start_timer, stop_timer
 
 logger = logging.getLogger(__name__)
-
-# Synced backwards whose end-of-backward wait is kept as measured (a CUDA event pair each) until pop_comm_stats().
-MAX_PENDING_WAITS = 64
 
 _REENTRANT_HINT = (
     "If the model uses gradient checkpointing, enable it non-reentrant: "
@@ -182,10 +179,7 @@ class BucketedDDP(nn.Module):
         self._device = self._buckets[0].buffer.device
         # The window ends when the finalizer's wait returns, which on CUDA is not when the GPU finished.
         self._measure_window = self._device.type == "cpu"
-        # Counters of the latest backward and since the last pop; exposed waits are kept as measurements
-        # (CUDA events are read only when someone asks) and summed into the stats on read.
-        self._last_stats, self._last_waits = CommStats(), []
-        self._pending_stats, self._pending_waits = CommStats(), []
+        self._stats = CommRecorder()  # the latest backward's and since the last pop_comm_stats()
 
         # Per-iteration state, reset by forward (see _prepare_for_backward).
         self._armed = False
@@ -305,13 +299,17 @@ class BucketedDDP(nn.Module):
 
     def last_comm_stats(self) -> CommStats:
         """Communication of the most recent backward (zero calls if it ran under ``no_sync``)."""
-        return _with_waits(self._last_stats, self._last_waits)
+        return self._stats.last()
 
     def pop_comm_stats(self) -> CommStats:
         """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""
-        stats = _with_waits(self._pending_stats, self._pending_waits)
-        self._pending_stats, self._pending_waits = CommStats(), []
-        return stats
+        return self._stats.pop()
+
+    @property
+    def pending_comm_waits(self) -> int:
+        """End-of-backward wait measurements held for the next :meth:`pop_comm_stats`, bounded by
+        :data:`~ddp_ft.ddp.stats.MAX_PENDING_WAITS` however long nobody pops (older ones are folded)."""
+        return self._stats.held_waits
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -409,9 +407,7 @@ class BucketedDDP(nn.Module):
         for bucket in self._buckets:
             bucket.pending = len(bucket.params)
             bucket.future = None
-        self._last_stats, self._last_waits = CommStats(backwards=1, synced_backwards=int(sync)), []
-        self._pending_stats.backwards += 1
-        self._pending_stats.synced_backwards += int(sync)
+        self._stats.start_backward(synced=sync)
         if self.gradient_as_bucket_view:
             self._attach_grad_views()
 
@@ -490,9 +486,7 @@ class BucketedDDP(nn.Module):
             bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
             sent = bucket.grad_bucket.buffer()  # the hook may have replaced it with a compressed copy (set_buffer)
             nbytes = self._wire_bytes[self._next_launch] if sent is bucket.buffer else sent.nbytes
-            for stats in (self._last_stats, self._pending_stats):
-                stats.allreduce_calls += 1
-                stats.allreduce_bytes += nbytes
+            self._stats.add_allreduce(nbytes)
             self._next_launch += 1
 
     def _finalize_backward(self) -> None:
@@ -535,21 +529,11 @@ class BucketedDDP(nn.Module):
                 result = result[0]
             if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
                 bucket.buffer.copy_(result.view_as(bucket.buffer))
-        wait = stop_timer(self._device, token)
-        self._last_waits.append(wait)
-        self._pending_waits.append(wait)
-        if len(self._pending_waits) > MAX_PENDING_WAITS:
-            # Nobody is popping (a plain Accelerate user): fold the two oldest into milliseconds so the list, and the
-            # CUDA events it holds, stay bounded over a whole run. Events that old are complete: reading them waits
-            # for nothing.
-            first, second = self._pending_waits[:2]
-            self._pending_waits[:2] = [elapsed_ms(first) + elapsed_ms(second)]
+        self._stats.add_wait(stop_timer(self._device, token))
         if self._measure_window:
             # From the first launch to the end of the wait: the last completion when any communication was
             # exposed; when none was, the window also holds the compute after it and the overlap is ~100% anyway.
-            window_ms = (time.perf_counter() - self._window_start) * 1e3
-            self._last_stats.comm_window_ms += window_ms
-            self._pending_stats.comm_window_ms += window_ms
+            self._stats.add_window((time.perf_counter() - self._window_start) * 1e3)
         unused_everywhere: set[int] = set()
         if used_map is not None:
             used_work.wait()
@@ -616,10 +600,6 @@ def _remove_handles(handles: list) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
-
-
-def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
-    return CommStats(**{**vars(stats), "exposed_comm_ms": sum(elapsed_ms(w) for w in waits)})
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
