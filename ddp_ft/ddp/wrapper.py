@@ -16,10 +16,10 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from .buckets import ParamSpec, compute_bucket_assignment, describe_layout, first_layout_difference
-from .checksum import frozen_digest
+from .buckets import ParamSpec, compute_bucket_assignment
 from .comm_hooks import CommHook, GradBucket, allreduce_hook, wire_dtype
 from .stats import CommRecorder, CommStats, start_timer, stop_timer
+from .verify import verify_across_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class BucketedDDP(nn.Module):
           of the frozen parameters in order, with the quant state of bitsandbytes 4-bit weights
           (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
           raises on every rank naming the first differing parameter, instead of a hang or a silent
-          mis-reduction.
+          mis-reduction (:mod:`~ddp_ft.ddp.verify`).
         * Start state. Trainable parameters and buffers are broadcast from rank 0.
         * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
           is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
@@ -148,7 +148,7 @@ class BucketedDDP(nn.Module):
         self._params = [p for _, p in named]
         specs = [ParamSpec.of(name, p) for name, p in named]
         self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
-        self._verify_across_ranks(specs)
+        verify_across_ranks(module, specs, self._layout, self.world_size, process_group)
         self._module_buffers = list(module.buffers())  # fixed at construction, as torch DDP's modules_buffers
         self._broadcast_from_rank0([*self._params, *self._module_buffers])
 
@@ -312,38 +312,6 @@ class BucketedDDP(nn.Module):
         return self._stats.held_waits
 
     # ------------------------------------------------------------------ construction helpers
-
-    def _verify_across_ranks(self, specs: list[ParamSpec]) -> None:
-        """All ranks must reduce the same parameters in the same buckets and hold the same frozen base."""
-        frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad and p.device.type != "meta"]
-        local = {
-            "layout": describe_layout(specs, self._layout),
-            "frozen": [(n, frozen_digest(p)) for n, p in frozen],
-        }
-        gathered: list[dict | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, local, group=self.process_group)
-        reference = gathered[0]
-        for rank, other in enumerate(gathered[1:], start=1):
-            diff = first_layout_difference(reference["layout"], other["layout"], other_rank=rank)
-            if diff is not None:
-                raise RuntimeError(
-                    f"BucketedDDP: trainable parameters or buckets differ across ranks: {diff}. Every rank must "
-                    "build the same model with the same trainable parameters (same LoRA settings and target "
-                    "modules, same dtype) and the same bucket_cap_mb / first_bucket_cap_mb."
-                )
-            if reference["frozen"] != other["frozen"]:
-                for (name_ref, digest_ref), (name, digest) in zip(reference["frozen"], other["frozen"], strict=False):
-                    if (name_ref, digest_ref) != (name, digest):
-                        raise RuntimeError(
-                            f"BucketedDDP: frozen parameter {name_ref!r} (its bytes, or its 4-bit quant state) differs "
-                            f"between rank 0 and rank {rank} (SHA-256 {digest_ref[:12]} vs {digest[:12]} for {name!r}). "
-                            "Frozen weights are not broadcast; load the same base checkpoint on every rank (and seed "
-                            "any random initialisation)."
-                        )
-                raise RuntimeError(
-                    f"BucketedDDP: rank 0 has {len(reference['frozen'])} frozen parameters, rank {rank} "
-                    f"{len(other['frozen'])}. Every rank must load the same base model."
-                )
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         if self.world_size == 1:
