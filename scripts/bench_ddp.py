@@ -85,10 +85,9 @@ def caps_of(bucket_cap_mb: float | None) -> dict[str, dict[str, float]]:
 def bucket_bytes(models) -> dict[str, list[int]]:
     """Bucket sizes in bytes, in launch order: torch DDP's as rebuilt after its first iteration, and ours."""
     torch_sizes = models["torch_ddp"]._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
-    ours = models["bucketed_ddp"]
     return {
         "torch_ddp": [int(x) for x in torch_sizes.split(",") if x.strip()],
-        "bucketed_ddp": [n * b.buffer.element_size() for n, b in zip(ours.bucket_sizes, ours._buckets, strict=True)],
+        "bucketed_ddp": models["bucketed_ddp"].bucket_nbytes,
     }
 
 

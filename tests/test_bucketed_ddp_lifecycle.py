@@ -144,7 +144,7 @@ def test_state_dict_round_trips_for_a_model_with_a_child_named_module():
 
 
 def _never_popped(rank, world_size):
-    from ddp_ft.ddp.wrapper import MAX_PENDING_WAITS
+    from ddp_ft.ddp.stats import MAX_PENDING_WAITS
 
     torch.manual_seed(0)
     ours = BucketedDDP(Net(), bucket_cap_mb=5000 / 2**20, first_bucket_cap_mb=1000 / 2**20)
@@ -155,7 +155,7 @@ def _never_popped(rank, world_size):
         torch.nn.functional.mse_loss(ours(x[local]), y[local]).backward()
         per_backward.append(ours.last_comm_stats().exposed_comm_ms)
         ours.module.zero_grad(set_to_none=True)
-    held = len(ours._pending_waits)
+    held = ours.pending_comm_waits
     stats = ours.pop_comm_stats()
     return held, stats.synced_backwards, stats.exposed_comm_ms, sum(per_backward), MAX_PENDING_WAITS
 

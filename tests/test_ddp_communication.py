@@ -15,8 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing import assert_close
 
-from ddp_ft.config import DDPSettings
-from ddp_ft.ddp import BucketedDDP, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from ddp_ft.ddp import BucketedDDP, DDPSettings, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
 from .dist_harness import gather_tensors, run_distributed
 from .models import Net, local_slice, make_batch

@@ -5,7 +5,7 @@ import torch
 from accelerate.utils import DistributedDataParallelKwargs
 from transformers import TrainingArguments
 
-from ddp_ft.config import DDPSettings
+from ddp_ft.ddp import DDPSettings
 from ddp_ft.integrations.settings import describe_sources, resolve_ddp_settings
 
 from .dist_harness import run_distributed

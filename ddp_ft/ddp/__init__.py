@@ -2,14 +2,17 @@
 
 from .buckets import BucketSpec, ParamSpec, compute_bucket_assignment
 from .comm_hooks import COMM_HOOKS, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from .settings import COMM_HOOK_CHOICES, DDPSettings
 from .stats import CommStats
 from .wrapper import BucketedDDP
 
 __all__ = [
     "COMM_HOOKS",
+    "COMM_HOOK_CHOICES",
     "BucketSpec",
     "BucketedDDP",
     "CommStats",
+    "DDPSettings",
     "GradBucket",
     "ParamSpec",
     "allreduce_hook",

@@ -89,26 +89,28 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
     return dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
 
-def _compress_hook(dtype: torch.dtype) -> CommHook:
-    def hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
-        group = _group(process_group)
-        buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
-        # The future's value is [compressed]; BucketedDDP copies it back into the buffer (decompressing) after
-        # the wait, so no Python runs on the communication thread.
-        return dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    hook.wire_dtype = dtype
-    return hook
+def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average in bfloat16: half the bytes on the wire, bf16 precision (8 bits of mantissa)."""
+    return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
-bf16_compress_hook = _compress_hook(torch.bfloat16)
-bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
-bf16_compress_hook.__doc__ = "Average in bfloat16: half the bytes on the wire, bf16 precision (8 bits of mantissa)."
+def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average in float16: half the bytes on the wire; divides before the sum against overflow."""
+    return _compress_hook(torch.float16, process_group, bucket)
 
-fp16_compress_hook = _compress_hook(torch.float16)
-fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
-fp16_compress_hook.__doc__ = "Average in float16: half the bytes on the wire; divides before the sum against overflow."
+
+def _compress_hook(
+    dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: GradBucket
+) -> torch.futures.Future:
+    """Sum ``bucket``'s buffer, cast to ``dtype`` and divided by the world size, across ranks.
+
+    The future's value is ``[compressed]``; BucketedDDP copies it back into the buffer (decompressing) after the
+    wait, so no Python runs on the communication thread.
+    """
+    group = _group(process_group)
+    compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
 
 COMM_HOOKS: dict[str, CommHook] = {
     "allreduce": allreduce_hook,
@@ -118,14 +120,16 @@ COMM_HOOKS: dict[str, CommHook] = {
 """Built-in hooks by the name settings use (``comm_hook: bf16``)."""
 
 
+# The dtype each known hook sends (ours and torch's compress hooks); any other hook sends the buffer's dtype.
+_WIRE_DTYPES: tuple[tuple[CommHook, torch.dtype], ...] = (
+    (bf16_compress_hook, torch.bfloat16),
+    (fp16_compress_hook, torch.float16),
+    (torch_hooks.bf16_compress_hook, torch.bfloat16),
+    (torch_hooks.fp16_compress_hook, torch.float16),
+)
+
+
 def wire_dtype(hook: CommHook, buffer_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a hook sends, for byte counting: its ``wire_dtype`` if it declares one, torch's own
-    compress hooks recognised, else the buffer's dtype."""
-    declared = getattr(hook, "wire_dtype", None)
-    if declared is not None:
-        return declared
-    if hook is torch_hooks.bf16_compress_hook:
-        return torch.bfloat16
-    if hook is torch_hooks.fp16_compress_hook:
-        return torch.float16
-    return buffer_dtype
+    """The dtype ``hook`` sends, for byte counting: bf16 or fp16 for the compress hooks (ours and torch's
+    ``default_hooks``), else the buffer's dtype. Matched by identity, so any callable is accepted."""
+    return next((dtype for known, dtype in _WIRE_DTYPES if known is hook), buffer_dtype)

@@ -80,3 +80,62 @@ def elapsed_ms(measurement: Measurement) -> float:
         end.synchronize()
         return start.elapsed_time(end)
     return measurement
+
+
+# Synced backwards whose end-of-backward wait is kept as measured (a CUDA event pair each) until pop().
+MAX_PENDING_WAITS = 64
+
+
+class CommRecorder:
+    """The communication of the latest backward and of everything since the last :meth:`pop`, recorded in pairs.
+
+    Every count goes to both. Exposed waits are kept as measurements (CUDA events are read only when someone asks)
+    and summed into the stats on read. If nobody pops (a plain Accelerate user), the waits since the last pop stay
+    bounded: past ``MAX_PENDING_WAITS`` the two oldest are folded into milliseconds, so the list, and the CUDA
+    events it holds, stay bounded over a whole run. Events that old are complete: reading them waits for nothing.
+    """
+
+    def __init__(self) -> None:
+        self._last, self._last_waits = CommStats(), []
+        self._pending, self._pending_waits = CommStats(), []
+
+    def start_backward(self, synced: bool) -> None:
+        """A new backward begins: the latest one's record restarts, the pending one counts it."""
+        self._last, self._last_waits = CommStats(backwards=1, synced_backwards=int(synced)), []
+        self._pending.backwards += 1
+        self._pending.synced_backwards += int(synced)
+
+    def add_allreduce(self, nbytes: int) -> None:
+        for stats in (self._last, self._pending):
+            stats.allreduce_calls += 1
+            stats.allreduce_bytes += nbytes
+
+    def add_wait(self, wait: Measurement) -> None:
+        self._last_waits.append(wait)
+        self._pending_waits.append(wait)
+        if len(self._pending_waits) > MAX_PENDING_WAITS:
+            first, second = self._pending_waits[:2]
+            self._pending_waits[:2] = [elapsed_ms(first) + elapsed_ms(second)]
+
+    def add_window(self, window_ms: float) -> None:
+        self._last.comm_window_ms += window_ms
+        self._pending.comm_window_ms += window_ms
+
+    def last(self) -> CommStats:
+        """The most recent backward."""
+        return _with_waits(self._last, self._last_waits)
+
+    def pop(self) -> CommStats:
+        """Everything since the previous pop; resets."""
+        stats = _with_waits(self._pending, self._pending_waits)
+        self._pending, self._pending_waits = CommStats(), []
+        return stats
+
+    @property
+    def held_waits(self) -> int:
+        """Wait measurements kept until the next :meth:`pop`: at most ``MAX_PENDING_WAITS``."""
+        return len(self._pending_waits)
+
+
+def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
+    return CommStats(**{**vars(stats), "exposed_comm_ms": sum(elapsed_ms(w) for w in waits)})

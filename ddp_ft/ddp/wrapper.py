@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,40 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.autograd import Variable
-from torch.utils import _pytree as pytree
 
-from .buckets import ParamSpec, compute_bucket_assignment, describe_layout, first_layout_difference
-from .checksum import frozen_digest
-from .comm_hooks import CommHook, GradBucket, allreduce_hook, wire_dtype
-from .stats import CommStats, Measurement, elapsed_ms, start_timer, stop_timer
+from .buckets import ParamSpec, compute_bucket_assignment
+from .comm_hooks import CommHook
+from .reducer import Reducer
+from .stats import CommStats
+from .verify import verify_across_ranks
 
 logger = logging.getLogger(__name__)
-
-# Synced backwards whose end-of-backward wait is kept as measured (a CUDA event pair each) until pop_comm_stats().
-MAX_PENDING_WAITS = 64
-
-_REENTRANT_HINT = (
-    "If the model uses gradient checkpointing, enable it non-reentrant: "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
-)
-
-
-class _Bucket:
-    """Runtime state of one bucket: its flat buffer, the gradient views into it, and readiness."""
-
-    def __init__(
-        self, index: int, buffer: torch.Tensor, indices: list[int], params: list[nn.Parameter], offsets: list[int],
-        last: bool,
-    ):  # fmt: skip
-        self.buffer = buffer
-        self.indices = indices
-        self.params = params
-        self.views = [buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets, strict=True)]
-        self.view_ptrs = [v.data_ptr() for v in self.views]
-        self.grad_bucket = GradBucket(index, buffer, params, self.views, last)
-        self.pending = len(params)
-        self.future: torch.futures.Future | None = None
 
 
 class BucketedDDP(nn.Module):
@@ -64,17 +35,18 @@ class BucketedDDP(nn.Module):
           of the frozen parameters in order, with the quant state of bitsandbytes 4-bit weights
           (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
           raises on every rank naming the first differing parameter, instead of a hang or a silent
-          mis-reduction.
+          mis-reduction (:mod:`~ddp_ft.ddp.verify`).
         * Start state. Trainable parameters and buffers are broadcast from rank 0.
         * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
           is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
-          next forward re-attaches zeroed views.
+          next forward re-attaches zeroed views (:mod:`~ddp_ft.ddp.grad_buffers`).
         * Equality. When ``loss.backward()`` returns, every gradient is the average over ranks, as with
           torch DDP: no ``finish()`` call is needed, so HF Trainer and Accelerate work unchanged.
-        * Lifecycle. The gradient hooks hold the wrapper only weakly: a dropped wrapper is freed and its hooks
-          removed, so the module can train alone or be wrapped again; :meth:`remove_hooks` does it at once.
+        * Lifecycle. The gradient hooks hold the wrapper's reducer only weakly: a dropped wrapper is freed with its
+          reducer and its hooks removed, so the module can train alone or be wrapped again; :meth:`remove_hooks`
+          does it at once.
 
-    One synced backward, in phases:
+    One synced backward, in phases (phases 2 to 4 are the :class:`~ddp_ft.ddp.reducer.Reducer`'s):
         1. ``forward`` arms the iteration and puts a gradient hook on its outputs (leaving them untouched,
            so callers may still modify them in place, as the HF Trainer does with the loss).
         2. Backward reaches an output: the finalizer is queued on the autograd engine, in the outermost
@@ -151,73 +123,31 @@ class BucketedDDP(nn.Module):
         self._params = [p for _, p in named]
         specs = [ParamSpec.of(name, p) for name, p in named]
         self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
-        self._verify_across_ranks(specs)
+        verify_across_ranks(module, specs, self._layout, self.world_size, process_group)
         self._module_buffers = list(module.buffers())  # fixed at construction, as torch DDP's modules_buffers
         self._broadcast_from_rank0([*self._params, *self._module_buffers])
 
-        self._buckets: list[_Bucket] = []
-        self._slot: list[tuple[int, int]] = [(-1, -1)] * len(self._params)  # param index -> (bucket, position)
-        for b in self._layout:
-            params = [self._params[i] for i in b.param_indices]
-            buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-            last = b.index == len(self._layout) - 1
-            self._buckets.append(_Bucket(b.index, buffer, list(b.param_indices), params, list(b.offsets), last))
-            for pos, i in enumerate(b.param_indices):
-                self._slot[i] = (b.index, pos)
-        # find_unused_parameters: which parameters got a gradient since the last synced backward (under no_sync
-        # too), and which had none when a forward attached a zeroed bucket view. A parameter no rank used gets
-        # its None back after the reduction, as torch DDP leaves it untouched.
-        self._used_since_sync = [False] * len(self._params)
-        self._view_replaced_none = [False] * len(self._params)
-        if gradient_as_bucket_view:
-            self._attach_grad_views()
-        # Each parameter's AccumulateGrad node, kept alive (as torch DDP's reducer does) to ask the autograd engine
-        # whether a backward pass reaching the outputs accumulates into parameters (torch.autograd.grad does not).
-        self._grad_accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in reversed(self._params)]
-
-        self._comm_hook: CommHook = allreduce_hook
-        self._comm_state: object = process_group
+        # The per-backward half (readiness, ordered launch, finalizer, abort, unused parameters): see reducer.py.
+        self._reducer = Reducer(
+            self._names, self._params, self._layout, process_group, gradient_as_bucket_view, find_unused_parameters
+        )
         self._hook_registered = False
-        self._wire_bytes = self._bytes_on_wire()
-        self._device = self._buckets[0].buffer.device
-        # The window ends when the finalizer's wait returns, which on CUDA is not when the GPU finished.
-        self._measure_window = self._device.type == "cpu"
-        # Counters of the latest backward and since the last pop; exposed waits are kept as measurements
-        # (CUDA events are read only when someone asks) and summed into the stats on read.
-        self._last_stats, self._last_waits = CommStats(), []
-        self._pending_stats, self._pending_waits = CommStats(), []
-
-        # Per-iteration state, reset by forward (see _prepare_for_backward).
-        self._armed = False
-        self._sync = False
-        self._finalizer_queued = False
-        self._pass_accumulates = True
-        self._ready = [False] * len(self._params)
-        self._next_launch = 0
-        self._any_backward = False
-        self._window_start = 0.0
         # Buffers are broadcast by the first forward after a synced one (see broadcast_buffers). Broadcasting
         # before the synced micro-step instead adds a second meeting point per step, after the ranks have
         # drifted apart over the no_sync micro-steps.
         self._buffers_need_sync = True
-
-        # The hooks reach the wrapper through a weak reference, so the module (which holds them) does not keep a
-        # dropped wrapper alive; the finalizer removes them when it goes (or at remove_hooks()).
-        owner = weakref.ref(self)
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready_hook, owner, i))
-            for i, p in enumerate(self._params)
-        ]
-        self._release_hooks = weakref.finalize(self, _remove_handles, self._hook_handles)
         self._register_state_dict_hook(_strip_module_prefix)
         self.register_load_state_dict_pre_hook(_add_module_prefix)
         if self.rank == 0:
-            sizes = [f"{b.numel * self._buckets[b.index].buffer.element_size() / 2**20:.2f}" for b in self._layout]
+            sizes = [f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_nbytes]
             logger.info(
                 "BucketedDDP: %d trainable tensors (%d elements) in %d buckets [MiB: %s], world size %d",
-                len(self._params), sum(p.numel() for p in self._params), len(self._layout), ", ".join(sizes),
+                len(self._params),
+                sum(p.numel() for p in self._params),
+                len(self._layout),
+                ", ".join(sizes),
                 self.world_size,
-            )  # fmt: skip
+            )
 
     # ------------------------------------------------------------------ public API
 
@@ -228,13 +158,13 @@ class BucketedDDP(nn.Module):
             )
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            self._prepare_for_backward(sync=self.require_backward_grad_sync)
+            self._reducer.prepare_for_backward(sync=self.require_backward_grad_sync)
             if self._buffers_need_sync and self.broadcast_buffers:
                 self._broadcast_buffers()
             self._buffers_need_sync = self.require_backward_grad_sync
         output = self.module(*inputs, **kwargs)
         if grad_enabled and self.require_backward_grad_sync:
-            self._hook_backward_start(output)
+            self._reducer.hook_backward_start(output)
         return output
 
     @contextmanager
@@ -256,15 +186,12 @@ class BucketedDDP(nn.Module):
         this to be sure it happens now. Communication already launched is finished first. The wrapper cannot
         run forward afterwards.
         """
-        if self._armed and self._sync and self._next_launch > 0:
-            self._wait_launched()
-        self._armed = False
-        self._release_hooks()
+        self._reducer.remove_hooks()
 
     @property
     def hooks_removed(self) -> bool:
         """True once :meth:`remove_hooks` ran (the wrapper can no longer train)."""
-        return not self._release_hooks.alive
+        return not self._reducer.hooks_alive
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the default averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
@@ -284,14 +211,10 @@ class BucketedDDP(nn.Module):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
         if self._hook_registered:
             raise RuntimeError("register_comm_hook can only be called once (a comm hook is already registered).")
-        if self._any_backward:
+        if self._reducer.any_backward:
             raise RuntimeError("register_comm_hook must be called before the first backward.")
-        self._comm_hook, self._comm_state, self._hook_registered = hook, state, True
-        self._wire_bytes = self._bytes_on_wire()
-
-    def _bytes_on_wire(self) -> list[int]:
-        """Bytes each bucket hands to the collective under the current hook: fixed once the hook is."""
-        return [b.buffer.numel() * wire_dtype(self._comm_hook, b.buffer.dtype).itemsize for b in self._buckets]
+        self._reducer.set_comm_hook(state, hook)
+        self._hook_registered = True
 
     @property
     def bucket_sizes(self) -> list[int]:
@@ -300,52 +223,36 @@ class BucketedDDP(nn.Module):
 
     @property
     def bucket_param_names(self) -> list[list[str]]:
-        """Names of the parameters in each bucket, in launch order and buffer order."""
+        """Names of the parameters in each bucket, in launch order and buffer order: which bucket (and so which
+        all-reduce) a parameter's gradient travels in, e.g. to log or check the launch order against backward."""
         return [[self._names[i] for i in b.param_indices] for b in self._layout]
+
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        """Bytes of each bucket's flat buffer, in launch order (what the default hook sends per bucket)."""
+        return [b.buffer.nbytes for b in self._reducer.buckets]
+
+    @property
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """Each bucket's flat gradient buffer, in launch order, for inspection: with ``gradient_as_bucket_view``
+        every trainable ``param.grad`` is a view into one of them. Writing to them writes the gradients."""
+        return [b.buffer for b in self._reducer.buckets]
 
     def last_comm_stats(self) -> CommStats:
         """Communication of the most recent backward (zero calls if it ran under ``no_sync``)."""
-        return _with_waits(self._last_stats, self._last_waits)
+        return self._reducer.stats.last()
 
     def pop_comm_stats(self) -> CommStats:
         """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""
-        stats = _with_waits(self._pending_stats, self._pending_waits)
-        self._pending_stats, self._pending_waits = CommStats(), []
-        return stats
+        return self._reducer.stats.pop()
+
+    @property
+    def pending_comm_waits(self) -> int:
+        """End-of-backward wait measurements held for the next :meth:`pop_comm_stats`, bounded by
+        :data:`~ddp_ft.ddp.stats.MAX_PENDING_WAITS` however long nobody pops (older ones are folded)."""
+        return self._reducer.stats.held_waits
 
     # ------------------------------------------------------------------ construction helpers
-
-    def _verify_across_ranks(self, specs: list[ParamSpec]) -> None:
-        """All ranks must reduce the same parameters in the same buckets and hold the same frozen base."""
-        frozen = [(n, p) for n, p in self.module.named_parameters() if not p.requires_grad and p.device.type != "meta"]
-        local = {
-            "layout": describe_layout(specs, self._layout),
-            "frozen": [(n, frozen_digest(p)) for n, p in frozen],
-        }
-        gathered: list[dict | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, local, group=self.process_group)
-        reference = gathered[0]
-        for rank, other in enumerate(gathered[1:], start=1):
-            diff = first_layout_difference(reference["layout"], other["layout"], other_rank=rank)
-            if diff is not None:
-                raise RuntimeError(
-                    f"BucketedDDP: trainable parameters or buckets differ across ranks: {diff}. Every rank must "
-                    "build the same model with the same trainable parameters (same LoRA settings and target "
-                    "modules, same dtype) and the same bucket_cap_mb / first_bucket_cap_mb."
-                )
-            if reference["frozen"] != other["frozen"]:
-                for (name_ref, digest_ref), (name, digest) in zip(reference["frozen"], other["frozen"], strict=False):
-                    if (name_ref, digest_ref) != (name, digest):
-                        raise RuntimeError(
-                            f"BucketedDDP: frozen parameter {name_ref!r} (its bytes, or its 4-bit quant state) differs "
-                            f"between rank 0 and rank {rank} (SHA-256 {digest_ref[:12]} vs {digest[:12]} for {name!r}). "
-                            "Frozen weights are not broadcast; load the same base checkpoint on every rank (and seed "
-                            "any random initialisation)."
-                        )
-                raise RuntimeError(
-                    f"BucketedDDP: rank 0 has {len(reference['frozen'])} frozen parameters, rank {rank} "
-                    f"{len(other['frozen'])}. Every rank must load the same base model."
-                )
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         if self.world_size == 1:
@@ -364,262 +271,6 @@ class BucketedDDP(nn.Module):
     def _broadcast_buffers(self) -> None:
         if self._module_buffers:
             self._broadcast_from_rank0(self._module_buffers)
-
-    def _attach_grad_views(self) -> None:
-        """Make every ``param.grad`` its bucket view, zeroed where the gradient was None.
-
-        Runs every forward: after ``zero_grad(set_to_none=True)`` a whole bucket is zeroed in one op.
-        """
-        track = self.find_unused_parameters
-        with torch.no_grad():
-            for bucket in self._buckets:
-                grads = [p.grad for p in bucket.params]
-                if all(g is None for g in grads):
-                    bucket.buffer.zero_()
-                    for p, view in zip(bucket.params, bucket.views, strict=True):
-                        p.grad = view
-                    if track:
-                        for i in bucket.indices:
-                            self._view_replaced_none[i] = True
-                    continue
-                for i, p, grad, view, ptr in zip(
-                    bucket.indices, bucket.params, grads, bucket.views, bucket.view_ptrs, strict=True
-                ):
-                    if grad is None:
-                        view.zero_()
-                        p.grad = view
-                        if track:
-                            self._view_replaced_none[i] = True
-                    elif grad.data_ptr() != ptr:
-                        view.copy_(grad)
-                        p.grad = view
-
-    # ------------------------------------------------------------------ one iteration
-
-    def _prepare_for_backward(self, sync: bool) -> None:
-        if self._armed and self._sync and self._next_launch > 0:
-            # The previous synced backward stopped half-way (an exception elsewhere in it): drain its collectives.
-            self._wait_launched()
-        self._armed = True
-        self._sync = sync
-        self._finalizer_queued = False
-        self._pass_accumulates = True
-        self._ready = [False] * len(self._params)
-        self._next_launch = 0
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.params)
-            bucket.future = None
-        self._last_stats, self._last_waits = CommStats(backwards=1, synced_backwards=int(sync)), []
-        self._pending_stats.backwards += 1
-        self._pending_stats.synced_backwards += int(sync)
-        if self.gradient_as_bucket_view:
-            self._attach_grad_views()
-
-    def _hook_backward_start(self, output) -> None:
-        """Queue the finalizer when the outermost backward reaches any output (outputs are not modified)."""
-        for leaf in pytree.tree_leaves(output):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        if self._armed and self._sync and not self._finalizer_queued:
-            self._queue_finalizer(accumulates=self._engine_accumulates_a_parameter())
-
-    def _engine_accumulates_a_parameter(self) -> bool:
-        """Whether the running backward pass will accumulate into a trainable parameter. False for
-        ``torch.autograd.grad`` (it runs no AccumulateGrad node), and also when every parameter is hidden behind
-        reentrant checkpoints (their nested passes accumulate); the finalizer tells these apart afterwards."""
-        try:
-            return any(map(torch._C._will_engine_execute_node, self._grad_accumulators))
-        except RuntimeError:  # torch.autograd.grad with a parameter among its inputs
-            return False
-
-    def _queue_finalizer(self, accumulates: bool = True) -> None:
-        if self._armed and self._sync and not self._finalizer_queued:
-            self._finalizer_queued = True
-            self._pass_accumulates = accumulates
-            Variable._execution_engine.queue_callback(self._finalize_backward)
-
-    def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: runs once ``param.grad`` holds this backward's gradient."""
-        if self._armed and not self._sync:  # accumulation micro-step: nothing to do (the common case first)
-            if self.find_unused_parameters:
-                self._used_since_sync[index] = True
-            return
-        self._any_backward = True
-        if not self._armed:
-            raise RuntimeError(
-                f"BucketedDDP: parameter {self._names[index]!r} got a gradient from a backward that did not "
-                "follow a forward through the wrapper: call the BucketedDDP model (not .module), once per "
-                "backward; for gradient accumulation run the micro-steps inside no_sync()."
-            )
-        if self._ready[index]:
-            self._abort_iteration()
-            raise RuntimeError(
-                f"BucketedDDP: parameter {self._names[index]!r} received its gradient twice in one backward, "
-                "after its bucket may already have been reduced; reducing it would double-count or miss part "
-                "of the gradient. A parameter reused across reentrant checkpointed segments, or two backward "
-                f"passes through one forward, do this. {_REENTRANT_HINT}"
-            )
-        if not self._finalizer_queued:  # backward did not start at the wrapper's outputs
-            self._queue_finalizer()
-        self._ready[index] = True
-        bucket_index, position = self._slot[index]
-        bucket = self._buckets[bucket_index]
-        grad = param.grad
-        if grad.data_ptr() != bucket.view_ptrs[position]:
-            view = bucket.views[position]
-            with torch.no_grad():
-                view.copy_(grad)
-            if self.gradient_as_bucket_view:
-                param.grad = view
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self) -> None:
-        """Launch every consecutive ready bucket from the next unlaunched one: index order on all ranks."""
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            bucket = self._buckets[self._next_launch]
-            if self._next_launch == 0:
-                self._window_start = time.perf_counter()
-            # No Python callback (Future.then) on the communication thread: its destructor needs the GIL and,
-            # if it runs there while the interpreter exits, aborts the process ("terminate called without an
-            # active exception"). The window is stamped in the finalizer instead.
-            bucket.grad_bucket.reset_buffer()  # a hook may have replaced it last time (set_buffer)
-            bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
-            sent = bucket.grad_bucket.buffer()  # the hook may have replaced it with a compressed copy (set_buffer)
-            nbytes = self._wire_bytes[self._next_launch] if sent is bucket.buffer else sent.nbytes
-            for stats in (self._last_stats, self._pending_stats):
-                stats.allreduce_calls += 1
-                stats.allreduce_bytes += nbytes
-            self._next_launch += 1
-
-    def _finalize_backward(self) -> None:
-        """Queued on the autograd engine: runs once the whole backward is done."""
-        if not (self._armed and self._sync):
-            return
-        if not self._pass_accumulates and self._no_gradient_yet():
-            # A pass that accumulated into no parameter, e.g. torch.autograd.grad(loss, inputs): not the iteration's
-            # backward (torch DDP's hooks run on AccumulateGrad only, which it does not execute). Wait for the next.
-            self._finalizer_queued = False
-            return
-        token = start_timer(self._device)
-        used_map = None
-        if self.find_unused_parameters:
-            used = [r or u for r, u in zip(self._ready, self._used_since_sync, strict=True)]
-        if self._next_launch < len(self._buckets):
-            if not self.find_unused_parameters:
-                unready = [self._names[i] for i, ready in enumerate(self._ready) if not ready]
-                self._abort_iteration()
-                shown = ", ".join(repr(n) for n in unready[:5]) + (" ..." if len(unready) > 5 else "")
-                raise RuntimeError(
-                    f"BucketedDDP: {len(unready)} trainable parameter(s) received no gradient in this backward: "
-                    f"{shown}. Freeze parameters that are not used (requires_grad=False) or pass "
-                    f"find_unused_parameters=True (used on no rank: grad stays None). {_REENTRANT_HINT}"
-                )
-            self._reduce_unused()
-        if self.find_unused_parameters:  # after every bucket, so the collectives pair up in the same order
-            used_map = torch.tensor(used, dtype=torch.int32, device=self._device)
-            used_work = dist.all_reduce(used_map, group=self.process_group, async_op=True)
-        for index, bucket in enumerate(self._buckets):
-            try:
-                result = bucket.future.wait()
-            except RuntimeError as error:
-                raise RuntimeError(
-                    f"BucketedDDP rank {self.rank}: the all-reduce of bucket {index} failed: another rank failed, was "
-                    f"killed, or is stuck (a stuck rank is given up on after the process group's timeout, "
-                    f"--ddp-timeout). {error}"
-                ) from error
-            if isinstance(result, list | tuple):  # a collective's own future holds its output tensors
-                result = result[0]
-            if isinstance(result, torch.Tensor) and result.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(result.view_as(bucket.buffer))
-        wait = stop_timer(self._device, token)
-        self._last_waits.append(wait)
-        self._pending_waits.append(wait)
-        if len(self._pending_waits) > MAX_PENDING_WAITS:
-            # Nobody is popping (a plain Accelerate user): fold the two oldest into milliseconds so the list, and the
-            # CUDA events it holds, stay bounded over a whole run. Events that old are complete: reading them waits
-            # for nothing.
-            first, second = self._pending_waits[:2]
-            self._pending_waits[:2] = [elapsed_ms(first) + elapsed_ms(second)]
-        if self._measure_window:
-            # From the first launch to the end of the wait: the last completion when any communication was
-            # exposed; when none was, the window also holds the compute after it and the overlap is ~100% anyway.
-            window_ms = (time.perf_counter() - self._window_start) * 1e3
-            self._last_stats.comm_window_ms += window_ms
-            self._pending_stats.comm_window_ms += window_ms
-        unused_everywhere: set[int] = set()
-        if used_map is not None:
-            used_work.wait()
-            unused_everywhere = {i for i, n in enumerate(used_map.tolist()) if n == 0}
-            self._used_since_sync = [False] * len(self._params)
-        if not self.gradient_as_bucket_view:
-            with torch.no_grad():
-                for bucket in self._buckets:
-                    for i, p, view in zip(bucket.indices, bucket.params, bucket.views, strict=True):
-                        if p.grad is None:
-                            if i not in unused_everywhere:  # a parameter no rank used keeps grad None
-                                p.grad = view.clone()
-                        else:
-                            p.grad.copy_(view)
-        else:
-            for i in unused_everywhere:
-                if self._view_replaced_none[i]:  # a parameter no rank used gets back the None it had
-                    self._params[i].grad = None
-        if self.find_unused_parameters:
-            self._view_replaced_none = [False] * len(self._params)
-        self._armed = False
-
-    def _no_gradient_yet(self) -> bool:
-        return self._next_launch == 0 and all(b.pending == len(b.params) for b in self._buckets)
-
-    def _reduce_unused(self) -> None:
-        """find_unused_parameters=True: contribute what unused parameters hold locally (zero if nothing)."""
-        with torch.no_grad():
-            for index, ready in enumerate(self._ready):
-                if ready:
-                    continue
-                bucket_index, position = self._slot[index]
-                bucket = self._buckets[bucket_index]
-                view, grad = bucket.views[position], self._params[index].grad
-                if grad is None:
-                    view.zero_()
-                elif grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)
-                self._ready[index] = True
-                bucket.pending -= 1
-        self._launch_ready_buckets()
-
-    def _abort_iteration(self) -> None:
-        """Before raising mid-backward: finish the collectives already launched (every rank launched the same
-        ones, in the same order) so no rank is left with work in flight, and disarm."""
-        self._wait_launched()
-        self._armed = False
-
-    def _wait_launched(self) -> None:
-        for bucket in self._buckets[: self._next_launch]:
-            if bucket.future is not None:
-                bucket.future.wait()
-                bucket.future = None
-        self._next_launch = 0
-
-
-def _grad_ready_hook(owner: weakref.ref, index: int, param: nn.Parameter) -> None:
-    wrapper = owner()
-    if wrapper is not None:
-        wrapper._on_grad_ready(index, param)
-
-
-def _remove_handles(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
-def _with_waits(stats: CommStats, waits: list[Measurement]) -> CommStats:
-    return CommStats(**{**vars(stats), "exposed_comm_ms": sum(elapsed_ms(w) for w in waits)})
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -16,8 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..config import DDPSettings
-from ..ddp import BucketedDDP
+from ..ddp import BucketedDDP, DDPSettings
 from .settings import describe_sources, resolve_ddp_settings
 
 logger = logging.getLogger(__name__)

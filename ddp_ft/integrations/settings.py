@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from ..config import COMM_HOOK_CHOICES, DDPSettings
+from ..ddp import COMM_HOOK_CHOICES, DDPSettings
 
 _TRAINING_ARGUMENTS = {  # TrainingArguments field -> DDPSettings field
     "ddp_find_unused_parameters": "find_unused_parameters",

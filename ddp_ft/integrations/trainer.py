@@ -22,9 +22,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..checkpoint import STAGING_DIR, publish_folder
-from ..config import DDPSettings
-from ..ddp import BucketedDDP, CommStats
+from ..ddp import BucketedDDP, CommStats, DDPSettings
 from ..faults import FaultInjector
 from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
 from ..preemption import StopSignal
@@ -383,6 +381,8 @@ class BucketedTrainer(Trainer):
         all have, rank 0 fsyncs it and renames it into place, then prunes (``save_total_limit``). A save killed
         half-way leaves only the staging folder, which the next start removes; ``resume_from_checkpoint=True``
         (the newest ``checkpoint-N``) never picks a partial checkpoint."""
+        from ..checkpoint import STAGING_DIR, publish_folder  # here: ddp_ft.checkpoint imports ddp_ft.data
+
         run_dir = super()._get_output_dir(trial)
         staging = Path(run_dir) / STAGING_DIR
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"

@@ -1,0 +1,92 @@
+"""BucketedDDP's settings as one typed dataclass, beside the wrapper they configure (torch only, no transformers).
+
+``ddp_ft.config`` puts :class:`DDPSettings` in a run's settings and on the command line; the plugin
+(``ddp_ft.integrations``) resolves it from the Trainer's and Accelerate's own DDP knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .comm_hooks import COMM_HOOKS
+from .wrapper import BucketedDDP
+
+COMM_HOOK_CHOICES = (*COMM_HOOKS, "powersgd")
+"""``DDPSettings.comm_hook`` values: the built-in hooks by name, and torch's PowerSGD."""
+
+
+@dataclass
+class DDPSettings:
+    """BucketedDDP knobs (same names and meanings as torch DDP's)."""
+
+    bucket_cap_mb: float = field(default=25.0, metadata={"help": "Gradient bucket size cap in MiB."})
+    first_bucket_cap_mb: float = field(default=1.0, metadata={"help": "Cap of the first bucket (starts comm early)."})
+    gradient_as_bucket_view: bool = field(default=True, metadata={"help": "param.grad as views into the buckets."})
+    find_unused_parameters: bool = field(
+        default=False, metadata={"help": "Reduce trainable parameters that got no gradient as zero instead of failing."}
+    )
+    broadcast_buffers: bool = field(default=True, metadata={"help": "Broadcast buffers from rank 0 each synced step."})
+    comm_hook: str = field(
+        default="allreduce",
+        metadata={"help": f"Gradient averaging: {', '.join(COMM_HOOK_CHOICES)} (torch's PowerSGD, error feedback on)."},
+    )
+    powersgd_rank: int = field(default=4, metadata={"help": "PowerSGD: rank of the low-rank gradient approximation."})
+    powersgd_start_iter: int = field(
+        default=10, metadata={"help": "PowerSGD: plain all-reduce for this many synced steps first (torch: >= 2)."}
+    )
+    ddp_timeout: int = field(
+        default=600,
+        metadata={"help": "Process-group timeout in seconds: a dead or stuck rank fails the others after this long."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.comm_hook not in COMM_HOOK_CHOICES:
+            raise ValueError(f"comm_hook={self.comm_hook!r}: choose one of {', '.join(COMM_HOOK_CHOICES)}.")
+        if self.powersgd_rank < 1 or self.powersgd_start_iter < 2:
+            raise ValueError(
+                f"powersgd_rank={self.powersgd_rank}, powersgd_start_iter={self.powersgd_start_iter}: need a rank "
+                ">= 1 and start_iter >= 2 (torch's PowerSGD needs one plain step to build its buckets' state)."
+            )
+        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if not getattr(self, name) > 0:  # also NaN, which would put every gradient in one bucket
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: must be a positive number of MiB (torch DDP's defaults: "
+                    "bucket_cap_mb=25, first_bucket_cap_mb=1)."
+                )
+        if self.ddp_timeout <= 0:
+            raise ValueError(f"ddp_timeout={self.ddp_timeout}: must be a positive number of seconds.")
+
+    def wrap(self, module: torch.nn.Module) -> BucketedDDP:
+        """``module`` in a BucketedDDP configured by these settings (comm hook registered)."""
+        wrapped = BucketedDDP(
+            module,
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_cap_mb=self.first_bucket_cap_mb,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.broadcast_buffers,
+        )
+        if self.comm_hook == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+            if len(wrapped.bucket_sizes) > 1 and torch.distributed.get_backend(wrapped.process_group) != "nccl":
+                # Seen: a 2-bucket tiny run hung at its 4th step; 1 bucket trained to the end.
+                raise ValueError(
+                    f"comm_hook='powersgd' on {torch.distributed.get_backend(wrapped.process_group)} with "
+                    f"{len(wrapped.bucket_sizes)} buckets: PowerSGD launches its later all-reduces from callbacks, "
+                    "which gloo runs on its own thread, so with several buckets their order can differ across "
+                    "ranks and the run hangs. Use one bucket (--first-bucket-cap-mb and --bucket-cap-mb at least "
+                    f"{sum(wrapped.bucket_sizes) * 4 / 2**20:.2f}) or NCCL."
+                )
+
+            state = powersgd.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.powersgd_start_iter,
+            )
+            wrapped.register_comm_hook(state, powersgd.powerSGD_hook)
+        elif self.comm_hook != "allreduce":
+            wrapped.register_comm_hook(None, COMM_HOOKS[self.comm_hook])
+        return wrapped

@@ -1,0 +1,38 @@
+"""What importing a part of ddp_ft pulls in, each checked in a fresh interpreter.
+
+``ddp_ft.ddp`` wraps any ``nn.Module``: importing it must need torch alone, not ddp_ft's model, data or settings
+modules nor any Hugging Face library. The plugin (``ddp_ft.integrations``) subclasses ``Trainer`` and
+``Accelerator``, so it imports transformers and accelerate (and with ``transformers.Trainer``, whatever that imports:
+peft, datasets, bitsandbytes when installed), but not ddp_ft's model loading, data pipeline or synthetic generator.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}
+RUN_MODULES = {"ddp_ft.data", "ddp_ft.model", "ddp_ft.synthetic", "ddp_ft.config", "ddp_ft.checkpoint"}
+
+
+def _imported_by(statement: str) -> set[str]:
+    probe = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return set(run.stdout.split())
+
+
+def test_import_ddp_needs_only_torch():
+    modules = _imported_by("import ddp_ft.ddp")
+    assert "ddp_ft.ddp.settings" in modules  # DDPSettings lives beside the wrapper
+    assert not {m for m in modules if m.split(".")[0] in HF_LIBRARIES}, "ddp_ft.ddp imported a Hugging Face library"
+    assert not modules & RUN_MODULES, f"ddp_ft.ddp imported {sorted(modules & RUN_MODULES)}"
+
+
+def test_import_integrations_leaves_out_the_model_data_and_settings_modules():
+    modules = _imported_by("import ddp_ft.integrations")
+    assert {"ddp_ft.integrations.trainer", "ddp_ft.integrations.accelerate", "transformers", "accelerate"} <= modules
+    assert not modules & RUN_MODULES, f"ddp_ft.integrations imported {sorted(modules & RUN_MODULES)}"
+    assert "wandb" not in modules
