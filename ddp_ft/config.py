@@ -96,8 +96,13 @@ class RunSettings:
     preset: str = ""
 
 
-SECTIONS = {"model": ModelSettings, "lora": LoraSettings, "data": DataSettings, "ddp": DDPSettings,
-            "train": TrainSettings}  # fmt: skip
+SECTIONS = {
+    "model": ModelSettings,
+    "lora": LoraSettings,
+    "data": DataSettings,
+    "ddp": DDPSettings,
+    "train": TrainSettings,
+}
 
 PRESETS: dict[str, dict[str, object]] = {
     # The reference run: Qwen3-4B QLoRA on AMI, effective batch 16, AdamW 2e-4 cosine to 2e-5, 3 epochs.

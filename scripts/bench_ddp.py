@@ -91,8 +91,9 @@ def bucket_bytes(models) -> dict[str, list[int]]:
     }
 
 
-def run_steps(model, optimizer, scaler, probe, batches, steps: int, grad_accum: int, distributed: bool,
-              precision: Precision) -> float:  # fmt: skip
+def run_steps(
+    model, optimizer, scaler, probe, batches, steps: int, grad_accum: int, distributed: bool, precision: Precision
+) -> float:
     """Run ``steps`` optimizer steps; return the wall seconds (of the slowest rank when distributed)."""
     device = batches[0].device
     synchronize(device)
@@ -150,8 +151,10 @@ def main() -> None:
         scalers = {k: precision.grad_scaler() for k in models}  # no-ops unless float16
         probes = {k: ExposedWaitProbe(m, info.device) for k, m in models.items()}
         g = torch.Generator().manual_seed(info.rank)
-        batches = [torch.randint(0, args.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(info.device)
-                   for _ in range(8)]  # fmt: skip
+        batches = [
+            torch.randint(0, args.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(info.device)
+            for _ in range(8)
+        ]
         tokens_per_rank_step = args.micro_batch * args.seq_len * args.grad_accum
 
         def measure(mode: str, steps: int) -> float | None:
@@ -159,8 +162,9 @@ def main() -> None:
             if mode == "single":
                 seconds = None
                 if info.is_main_process:
-                    seconds = run_steps(model, optimizer, scaler, probe, batches, steps, args.grad_accum, False,
-                                        precision)  # fmt: skip
+                    seconds = run_steps(
+                        model, optimizer, scaler, probe, batches, steps, args.grad_accum, False, precision
+                    )
                 dist.barrier()
                 return seconds
             return run_steps(model, optimizer, scaler, probe, batches, steps, args.grad_accum, True, precision)

@@ -16,8 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_ddp_runs_under_torchrun_and_writes_its_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc_per_node=2", str(ROOT / "scripts" / "bench_ddp.py"),
-               "--steps", "1", "--repeats", "1", "--seq-len", "32", "--grad-accum", "2", "--out", str(out)]  # fmt: skip
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "scripts" / "bench_ddp.py"),
+        "--steps",
+        "1",
+        "--repeats",
+        "1",
+        "--seq-len",
+        "32",
+        "--grad-accum",
+        "2",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -94,8 +94,12 @@ def test_gradients_equal_torch_ddp_and_single_process_over_steps(caps, grad_view
 def _no_sync_accumulation(rank, world_size, grad_view, micro_steps=3):
     torch.manual_seed(0)
     reference = Net()
-    ours = BucketedDDP(copy.deepcopy(reference), bucket_cap_mb=5000 / MB, first_bucket_cap_mb=1000 / MB,
-                       gradient_as_bucket_view=grad_view)  # fmt: skip
+    ours = BucketedDDP(
+        copy.deepcopy(reference),
+        bucket_cap_mb=5000 / MB,
+        first_bucket_cap_mb=1000 / MB,
+        gradient_as_bucket_view=grad_view,
+    )
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, reference)]
     local = local_slice(rank, world_size)
     buckets = len(ours.bucket_sizes)
@@ -164,8 +168,13 @@ def test_parameter_unused_on_every_rank_keeps_no_gradient_with_find_unused_param
 def _unused_in_the_synced_step(rank, world_size, grad_view):
     torch.manual_seed(0)
     reference = Net(unused_branch=True)
-    ours = BucketedDDP(copy.deepcopy(reference), find_unused_parameters=True, gradient_as_bucket_view=grad_view,
-                       bucket_cap_mb=5000 / MB, first_bucket_cap_mb=1000 / MB)  # fmt: skip
+    ours = BucketedDDP(
+        copy.deepcopy(reference),
+        find_unused_parameters=True,
+        gradient_as_bucket_view=grad_view,
+        bucket_cap_mb=5000 / MB,
+        first_bucket_cap_mb=1000 / MB,
+    )
     theirs = TorchDDP(copy.deepcopy(reference), find_unused_parameters=True)
     local = local_slice(rank, world_size)
     (x0, y0), (x1, y1) = make_batch(0), make_batch(1)
@@ -177,8 +186,9 @@ def _unused_in_the_synced_step(rank, world_size, grad_view):
     torch.nn.functional.mse_loss(reference(x1), y1).backward()
     assert torch.count_nonzero(ours.module.unused.weight.grad) > 0
     assert_same_on_all_ranks(_grads(ours.module))
-    for (name, p_ours), p_torch, p_ref in zip(ours.module.named_parameters(), theirs.module.parameters(),
-                                              reference.parameters(), strict=True):  # fmt: skip
+    for (name, p_ours), p_torch, p_ref in zip(
+        ours.module.named_parameters(), theirs.module.parameters(), reference.parameters(), strict=True
+    ):
         if p_ours.requires_grad:
             assert_close(p_ours.grad, p_torch.grad, rtol=0, atol=0, msg=name)
             assert_close(p_ours.grad, p_ref.grad, rtol=1e-6, atol=1e-7, msg=name)
@@ -212,8 +222,13 @@ def test_parameter_used_on_one_rank_only_matches_torch_ddp():
 def _globally_unused_under_adamw(rank, world_size, grad_view):
     torch.manual_seed(0)
     reference = Net(unused_branch=True)
-    ours = BucketedDDP(copy.deepcopy(reference), find_unused_parameters=True, gradient_as_bucket_view=grad_view,
-                       bucket_cap_mb=5000 / MB, first_bucket_cap_mb=1000 / MB)  # fmt: skip
+    ours = BucketedDDP(
+        copy.deepcopy(reference),
+        find_unused_parameters=True,
+        gradient_as_bucket_view=grad_view,
+        bucket_cap_mb=5000 / MB,
+        first_bucket_cap_mb=1000 / MB,
+    )
     theirs = TorchDDP(copy.deepcopy(reference), find_unused_parameters=True, gradient_as_bucket_view=grad_view)
     models = (ours, theirs, reference)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in models]
@@ -240,8 +255,9 @@ def _globally_unused_under_adamw(rank, world_size, grad_view):
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        for (name, p_ours), p_torch, p_ref in zip(ours.module.named_parameters(), theirs.module.parameters(),
-                                                  reference.parameters(), strict=True):  # fmt: skip
+        for (name, p_ours), p_torch, p_ref in zip(
+            ours.module.named_parameters(), theirs.module.parameters(), reference.parameters(), strict=True
+        ):
             assert_close(p_ours, p_torch, rtol=0, atol=0, msg=f"step {step}: {name}")
             assert_close(p_ours, p_ref, rtol=1e-6, atol=1e-6, msg=f"step {step}: {name}")
 

@@ -41,8 +41,9 @@ def _rewrap(rank, world_size, explicit):
 
     first = BucketedDDP(ours_module, bucket_cap_mb=5000 / 2**20, first_bucket_cap_mb=1000 / 2**20)
     theirs = TorchDDP(theirs_module)
-    for g_ours, g_theirs in zip(_train_step(first, opt_ours, 0, local), _train_step(theirs, opt_theirs, 0, local),
-                                strict=True):  # fmt: skip
+    for g_ours, g_theirs in zip(
+        _train_step(first, opt_ours, 0, local), _train_step(theirs, opt_theirs, 0, local), strict=True
+    ):
         assert_close(g_ours, g_theirs, rtol=0, atol=0)
     alive = weakref.ref(first)
     if explicit:
@@ -64,8 +65,9 @@ def _rewrap(rank, world_size, explicit):
     second = BucketedDDP(ours_module)
     theirs = TorchDDP(theirs_module)
     for step in (2, 3):
-        for g_ours, g_theirs in zip(_train_step(second, opt_ours, step, local),
-                                    _train_step(theirs, opt_theirs, step, local), strict=True):  # fmt: skip
+        for g_ours, g_theirs in zip(
+            _train_step(second, opt_ours, step, local), _train_step(theirs, opt_theirs, step, local), strict=True
+        ):
             assert_close(g_ours, g_theirs, rtol=0, atol=0)
     for p_ours, p_theirs in zip(ours_module.parameters(), theirs_module.parameters(), strict=True):
         assert_close(p_ours, p_theirs, rtol=0, atol=0)

@@ -125,8 +125,9 @@ def _launch_order(rank, world_size):
     for r in range(world_size):
         part = slice(4 * r, 4 * (r + 1))
         (torch.nn.functional.mse_loss(reference(x[part], orders[r]), y[part]) / world_size).backward()
-    for p_ours, p_torch, p_ref in zip(ours.module.parameters(), theirs.module.parameters(), reference.parameters(),
-                                      strict=True):  # fmt: skip
+    for p_ours, p_torch, p_ref in zip(
+        ours.module.parameters(), theirs.module.parameters(), reference.parameters(), strict=True
+    ):
         assert_close(p_ours.grad, p_torch.grad, rtol=0, atol=0)
         assert_close(p_ours.grad, p_ref.grad, rtol=1e-6, atol=1e-7)
     readiness = [b for kind, b in events if kind == "grad"]

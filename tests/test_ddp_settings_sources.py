@@ -71,9 +71,18 @@ def _trainer_with_ddp_arguments(rank, world_size, arguments):
     from ddp_ft.integrations import BucketedTrainer
 
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=4,
-                                 save_strategy="no", disable_tqdm=True, remove_unused_columns=False, ddp_backend="gloo",
-                                 **arguments)  # fmt: skip
+        args = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            max_steps=1,
+            per_device_train_batch_size=4,
+            save_strategy="no",
+            disable_tqdm=True,
+            remove_unused_columns=False,
+            ddp_backend="gloo",
+            **arguments,
+        )
         torch.manual_seed(0)  # the same frozen weights on both ranks
         try:
             trainer = BucketedTrainer(model=_Regressor(), args=args, train_dataset=_dataset())
@@ -86,8 +95,11 @@ def _trainer_with_ddp_arguments(rank, world_size, arguments):
 
 @pytest.mark.distributed
 def test_trainer_ddp_arguments_reach_bucketed_ddp_or_stop_the_run_before_training():
-    honoured = run_distributed(_trainer_with_ddp_arguments, {"ddp_find_unused_parameters": True,
-                               "ddp_broadcast_buffers": False, "ddp_bucket_cap_mb": 1}, timeout=180)  # fmt: skip
+    honoured = run_distributed(
+        _trainer_with_ddp_arguments,
+        {"ddp_find_unused_parameters": True, "ddp_broadcast_buffers": False, "ddp_bucket_cap_mb": 1},
+        timeout=180,
+    )
     assert honoured == [(True, False, 1)] * 2
     refused = run_distributed(_trainer_with_ddp_arguments, {"ddp_static_graph": True}, timeout=180)
     assert all("static_graph" in message for message in refused)

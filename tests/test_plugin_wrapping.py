@@ -18,8 +18,13 @@ pytestmark = pytest.mark.distributed
 
 def _as_accelerate_rank(rank: int, world_size: int) -> None:
     """What `accelerate launch` sets, so Accelerate sees MULTI_CPU and joins the harness's group."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")  # fmt: skip
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
 
 
 def _same_on_all_ranks(module: nn.Module) -> bool:
@@ -99,12 +104,24 @@ def _trainer_run(rank, world_size, scenario):
     model = _Regressor(out_of_memory_once=scenario == "auto_batch_size_after_oom")
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, use_cpu=True, report_to=[], max_steps=3, per_device_train_batch_size=4,
-            per_device_eval_batch_size=4, gradient_accumulation_steps=2, learning_rate=0.1, logging_steps=1,
-            save_strategy="no", disable_tqdm=True, dataloader_drop_last=True, remove_unused_columns=False,
-            auto_find_batch_size=scenario == "auto_batch_size_after_oom", ddp_backend="gloo",
-            torch_compile=scenario.endswith("compile"), torch_compile_backend="aot_eager" if "compile" in scenario else None,
-        )  # fmt: skip
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            max_steps=3,
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=4,
+            gradient_accumulation_steps=2,
+            learning_rate=0.1,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_drop_last=True,
+            remove_unused_columns=False,
+            auto_find_batch_size=scenario == "auto_batch_size_after_oom",
+            ddp_backend="gloo",
+            torch_compile=scenario.endswith("compile"),
+            torch_compile_backend="aot_eager" if "compile" in scenario else None,
+        )
         trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(16))
         if scenario.startswith("evaluate_first"):
             trainer.evaluate()
@@ -159,8 +176,14 @@ def _padded_rows(n=32, length=12):
     for i in range(n):
         mask = torch.zeros(length, dtype=torch.long)
         mask[: 1 + i % length] = 1  # 1 to 12 real tokens, the rest padding
-        rows.append({"input_ids": torch.randint(0, 100, (length,), generator=g), "attention_mask": mask,
-                     "x": torch.randn(16, generator=g), "y": torch.randn(4, generator=g)})  # fmt: skip
+        rows.append(
+            {
+                "input_ids": torch.randint(0, 100, (length,), generator=g),
+                "attention_mask": mask,
+                "x": torch.randn(16, generator=g),
+                "y": torch.randn(4, generator=g),
+            }
+        )
     return rows
 
 
@@ -195,10 +218,20 @@ def _collectives_per_step(rank, world_size):
     rows = _padded_rows()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, use_cpu=True, report_to=[], max_steps=2, per_device_train_batch_size=2,
-            gradient_accumulation_steps=4, learning_rate=0.1, logging_steps=1, save_strategy="no", disable_tqdm=True,
-            dataloader_drop_last=True, remove_unused_columns=False, ddp_backend="gloo",
-        )  # fmt: skip
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            max_steps=2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            learning_rate=0.1,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_drop_last=True,
+            remove_unused_columns=False,
+            ddp_backend="gloo",
+        )
         trainer = BucketedTrainer(model=_Tokens(), args=args, train_dataset=rows, callbacks=[Marker()])
         trainer.train()
         buckets = len(trainer.model_wrapped.bucket_sizes)

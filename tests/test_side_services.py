@@ -12,8 +12,8 @@ from wandb.sdk.lib.noop_run import NoopRun
 
 from ddp_ft.config import settings_from_preset
 from ddp_ft.distributed import DistInfo
+from ddp_ft.integrations.callbacks import GuardedWandbCallback, ThroughputCallback
 from ddp_ft.integrations.recipe import build_trainer, wandb_report_to
-from ddp_ft.integrations.trainer import GuardedWandbCallback, ThroughputCallback
 from ddp_ft.loop import train
 from ddp_ft.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
 from ddp_ft.records import run_identity

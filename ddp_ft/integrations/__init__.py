@@ -1,6 +1,7 @@
 """BucketedDDP for Accelerate and the HF Trainer: one-line swaps for ``Accelerator`` and ``Trainer``."""
 
 from .accelerate import BucketedAccelerator
-from .trainer import BucketedTrainer, ThroughputCallback
+from .callbacks import ThroughputCallback
+from .trainer import BucketedTrainer
 
 __all__ = ["BucketedAccelerator", "BucketedTrainer", "ThroughputCallback"]

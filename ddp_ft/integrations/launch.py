@@ -24,8 +24,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED",
-            "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM"}  # fmt: skip
+_ENGINES = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DEEPSPEED",
+    "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM",
+}
 _DATA_PARALLEL = ("NO", "MULTI_GPU", "MULTI_CPU")
 _EXAMPLES = "accelerate_configs/2gpu.yaml (GPUs) or accelerate_configs/2cpu_gloo.yaml (CPU processes)"
 

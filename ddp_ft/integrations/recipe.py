@@ -114,8 +114,9 @@ def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
             "scaler on the CPU and would drop them. Use --compute-dtype float32 or bfloat16, or scripts/train.py "
             "(the plain loop scales the loss on the CPU too)."
         )
-    logger.info("compute dtype %s (%s)%s", precision.name, precision.reason,
-                ", loss-scaled" if precision.loss_scaling else "")  # fmt: skip
+    logger.info(
+        "compute dtype %s (%s)%s", precision.name, precision.reason, ", loss-scaled" if precision.loss_scaling else ""
+    )
     return precision
 
 

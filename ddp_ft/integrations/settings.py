@@ -18,8 +18,13 @@ _TRAINING_ARGUMENTS = {  # TrainingArguments field -> DDPSettings field
     "ddp_broadcast_buffers": "broadcast_buffers",
     "ddp_static_graph": "static_graph",
 }
-_DDP_KWARGS = ("find_unused_parameters", "bucket_cap_mb", "broadcast_buffers", "gradient_as_bucket_view",
-               "static_graph")  # fmt: skip
+_DDP_KWARGS = (
+    "find_unused_parameters",
+    "bucket_cap_mb",
+    "broadcast_buffers",
+    "gradient_as_bucket_view",
+    "static_graph",
+)
 _ACCELERATE_COMM_HOOKS = {"no": "allreduce", "fp16": "fp16", "bf16": "bf16"}
 
 STATIC_GRAPH_REFUSED = (
@@ -108,8 +113,11 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
                 f"(BucketedDDP's comm hooks are set with DDPSettings.comm_hook: {', '.join(COMM_HOOK_CHOICES)}; "
                 "PowerSGD with --comm-hook powersgd --powersgd-rank R)."
             )
-    found = [(knob, f"{name}.{knob}", getattr(kwargs, knob)) for knob in _DDP_KWARGS
-             if getattr(kwargs, knob) != getattr(defaults, knob)]  # fmt: skip
+    found = [
+        (knob, f"{name}.{knob}", getattr(kwargs, knob))
+        for knob in _DDP_KWARGS
+        if getattr(kwargs, knob) != getattr(defaults, knob)
+    ]
     hook = str(getattr(kwargs.comm_hook, "value", kwargs.comm_hook)).lower()
     if hook != str(getattr(defaults.comm_hook, "value", defaults.comm_hook)).lower():
         if hook not in _ACCELERATE_COMM_HOOKS:
@@ -124,5 +132,6 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
 
 def describe_sources(settings: DDPSettings, sources: dict[str, str]) -> str:
     """One log line: every knob with its value and where it came from (``default`` when nobody set it)."""
-    return ", ".join(f"{f.name}={getattr(settings, f.name)!r} ({sources.get(f.name, 'default')})"
-                     for f in fields(DDPSettings))  # fmt: skip
+    return ", ".join(
+        f"{f.name}={getattr(settings, f.name)!r} ({sources.get(f.name, 'default')})" for f in fields(DDPSettings)
+    )

@@ -1,4 +1,4 @@
-"""HF Trainer with BucketedDDP, and a throughput callback.
+"""HF Trainer with BucketedDDP (its callbacks: ``ddp_ft.integrations.callbacks``).
 
 ``BucketedTrainer`` is a drop-in for ``transformers.Trainer`` (and TRL-style subclasses: derive from it the
 same way). The Trainer builds its own ``Accelerator`` and lets it wrap the model; we adopt that accelerator
@@ -14,7 +14,6 @@ import functools
 import inspect
 import logging
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,191 +21,14 @@ from transformers import Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..ddp import BucketedDDP, CommStats, DDPSettings
+from ..ddp import BucketedDDP, DDPSettings
 from ..faults import FaultInjector
-from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
+from ..metrics import WandbSwitch
 from ..preemption import StopSignal
-from ..records import config_record, define_step_metrics, eval_record, train_record
 from .accelerate import BucketedAccelerator
+from .callbacks import GuardedWandbCallback, ThroughputCallback
 
 logger = logging.getLogger(__name__)
-
-
-class ThroughputCallback(TrainerCallback):
-    """Adds throughput, step time, peak memory and BucketedDDP communication stats to every Trainer log.
-
-    Tokens are the Trainer's ``num_input_tokens_seen`` (set ``include_num_input_tokens_seen="non_padding"``, as
-    :class:`BucketedTrainer` does, so padding is not counted), summed over all ranks. Values are averages over
-    the steps since the previous log. Register it before the reporting callbacks (``BucketedTrainer`` does) so
-    wandb and the console see the values.
-
-    On rank 0 it also writes ``<output_dir>/metrics.jsonl`` in the plain loop's format (so ``scripts/compare.py``
-    reads either), and points wandb's ``train/*`` and ``eval/*`` at ``train/samples_seen``.
-
-    Args:
-        wrapped_model (Callable[[], torch.nn.Module] | None): returns the (possibly wrapped) training model, for
-            communication stats. Default: None (no comm stats).
-        ddp_config (dict | None): BucketedDDP settings recorded in the run config (bucket cap, comm hook).
-        wandb_switch (WandbSwitch | None): shared with the reporting callback, so that a wandb failure in either turns
-            wandb off for both with one warning. Default: one of its own, made at train begin.
-    """
-
-    def __init__(
-        self,
-        wrapped_model: Callable[[], torch.nn.Module] | None = None,
-        ddp_config: dict | None = None,
-        wandb_switch: WandbSwitch | None = None,
-    ) -> None:
-        self._wrapped_model = wrapped_model
-        self._ddp_config = ddp_config or {}
-        self._wandb_switch = wandb_switch
-        self._reset()
-        self._meter: ThroughputMeter | None = None
-        self._memory: dict[str, float] = {}
-        self._sink: JsonlLogger | None = None
-        self._wandb_config: dict | None = None
-
-    def _reset(self) -> None:
-        self._seconds = 0.0
-        self._tokens = 0
-        self._steps = 0
-        self._comm = CommStats()
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._reset()
-        if not state.is_world_process_zero:
-            return
-        world_size = max(1, args.world_size)
-        config = config_record(
-            run_name=args.run_name,
-            world_size=world_size,
-            micro_batch=args.per_device_train_batch_size,
-            accumulation=args.gradient_accumulation_steps,
-            total_steps=state.max_steps,
-            resumed_from_step=state.global_step,
-            **self._ddp_config,
-        )
-        self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
-        self._sink.log(config)
-        self._wandb_config = {k: v for k, v in config.items() if k != "type"}
-        if self._wandb_switch is None:
-            self._wandb_switch = WandbSwitch(self._sink.path)
-
-    def _setup_wandb(self) -> None:
-        """Once the reporting callback has started the wandb run (rank 0), before it logs anything of ours."""
-        if self._wandb_config is None:
-            return
-        try:
-            import wandb
-        except ImportError:
-            return
-        if wandb.run is not None:
-            config, self._wandb_config = self._wandb_config, None
-            self._wandb_switch.call("define_metric/config.update", self._point_wandb_at_samples, wandb, config)
-
-    @staticmethod
-    def _point_wandb_at_samples(wandb, config: dict) -> None:
-        define_step_metrics(wandb)  # curves of different world sizes overlay against samples seen, not steps
-        wandb.config.update(config, allow_val_change=True)
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self._meter is None:
-            self._meter = ThroughputMeter(max(1, args.world_size), torch.device(args.device))
-        self._meter.start()
-        self._tokens_at_step = state.num_input_tokens_seen
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self._meter is None:
-            return
-        step = self._meter.stop(state.num_input_tokens_seen - self._tokens_at_step)
-        self._seconds += step["step_time_s"]
-        self._tokens += step["tokens"]
-        for k, v in step.items():  # the peak of the logging interval (a GPU's peaks are reset at every step)
-            if k.startswith("peak_"):
-                self._memory[k] = max(v, self._memory.get(k, 0.0))
-        self._steps += 1
-        model = self._wrapped_model() if self._wrapped_model else None
-        if isinstance(model, BucketedDDP):
-            self._comm = self._comm + model.pop_comm_stats()
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self._setup_wandb()
-        if logs is not None and "eval_loss" in logs and self._sink is not None:
-            self._sink.log(
-                eval_record(
-                    step=state.global_step, samples_seen=self._samples(args, state), eval_loss=logs["eval_loss"]
-                )
-            )
-        if logs is None or self._steps == 0 or "loss" not in logs:
-            return
-        world_size = max(1, args.world_size)
-        logs.update({
-            "step_time_s": self._seconds / self._steps,
-            "tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,
-            "tokens_per_s_per_device": self._tokens / self._seconds / world_size if self._seconds else 0.0,
-            "tokens": self._tokens,
-            **self._memory,
-            "samples_seen": self._samples(args, state),
-        })  # fmt: skip
-        self._memory = {}
-        if self._comm.synced_backwards:
-            per_step = {k: v / self._steps for k, v in self._comm.as_dict().items() if k != "comm/overlap"}
-            if self._comm.overlap is not None:
-                per_step["comm/overlap"] = self._comm.overlap
-            logs.update(per_step)
-        self._reset()
-        if self._sink is not None:
-            named = ("loss", "learning_rate", "grad_norm", "samples_seen")
-            self._sink.log(
-                train_record(
-                    step=state.global_step,
-                    samples_seen=logs["samples_seen"],
-                    loss=logs["loss"],
-                    lr=logs.get("learning_rate"),
-                    grad_norm=logs.get("grad_norm"),
-                    **{k: v for k, v in logs.items() if k not in named},
-                )
-            )
-
-    @staticmethod
-    def _samples(args, state) -> int:
-        world_size = max(1, args.world_size)
-        return state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
-
-
-class GuardedWandbCallback(WandbCallback):
-    """transformers' ``WandbCallback`` that never stops training.
-
-    Each of its events runs through ``switch``: an exception (``wandb.init`` in the setup at train begin: a bad key,
-    no network, wandb's service not starting; ``wandb.log`` once the network is gone) logs one warning and turns
-    wandb off for the rest of the run; training and ``metrics.jsonl`` go on. :class:`BucketedTrainer` puts it in
-    place of the ``WandbCallback`` that ``report_to=["wandb"]`` adds.
-
-    Args:
-        switch (WandbSwitch): shared with :class:`ThroughputCallback`, which calls wandb too.
-    """
-
-    def __init__(self, switch: WandbSwitch) -> None:
-        super().__init__()
-        self.switch = switch
-
-    def _event(self, name: str, args, state, control, **kwargs):
-        return self.switch.call(f"WandbCallback.{name}", getattr(super(), name), args, state, control, **kwargs)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        return self._event("on_train_begin", args, state, control, **kwargs)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        return self._event("on_train_end", args, state, control, **kwargs)
-
-    def on_log(self, args, state, control, **kwargs):
-        return self._event("on_log", args, state, control, **kwargs)
-
-    def on_save(self, args, state, control, **kwargs):
-        return self._event("on_save", args, state, control, **kwargs)
-
-    def on_predict(self, args, state, control, **kwargs):
-        return self._event("on_predict", args, state, control, **kwargs)
 
 
 class _StopCallback(TrainerCallback):
@@ -222,8 +44,9 @@ class _StopCallback(TrainerCallback):
         if self._trainer.stop_requested():
             control.should_save = True
             control.should_training_stop = True
-            logger.warning("stopping after step %d (%s): saving a checkpoint", state.global_step,
-                           self._trainer.stopped_by)  # fmt: skip
+            logger.warning(
+                "stopping after step %d (%s): saving a checkpoint", state.global_step, self._trainer.stopped_by
+            )
 
 
 class BucketedTrainer(Trainer):
@@ -357,9 +180,11 @@ class BucketedTrainer(Trainer):
         """The Trainer's ``train``, stopping gracefully on SIGTERM/SIGUSR1 to any rank: the ranks agree at the next
         optimizer step, the Trainer saves its checkpoint there and returns; ``stopped_by`` names the signal."""
         if resume_from_checkpoint and self.ddp_settings.comm_hook == "powersgd":
-            logger.warning("comm_hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
-                           "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
-                           "the uninterrupted run exactly.")  # fmt: skip
+            logger.warning(
+                "comm_hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
+                "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "
+                "the uninterrupted run exactly."
+            )
         self.stopped_by = None
         with self._stop:
             return super().train(resume_from_checkpoint, *args, **kwargs)
