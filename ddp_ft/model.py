@@ -216,14 +216,16 @@ def load_qlora_model(
             )
     elif model.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-    if model.gradient_checkpointing:
-        # The frozen base's inputs carry no gradient; checkpointed segments need one to reach the adapters.
-        base.enable_input_require_grads()
     if base.get_input_embeddings().weight.dtype == torch.float16:
         # fp16 tops out at 65,504, which a residual stream summed over 36 layers can pass: widen the embedding's
         # output and the stream stays fp32, as in peft's layout (each layer still computes in fp16 and its output is
-        # added in fp32). bf16 has fp32's range: its stream stays bf16, the dtype the model was trained in.
-        base.get_input_embeddings().register_forward_hook(_residual_stream_in_float32)
+        # added in fp32). bf16 has fp32's range: its stream stays bf16, the dtype the model was trained in. Run before
+        # the hooks of enable_input_require_grads (gradient_checkpointing_enable adds one too), so the fp32 output is
+        # the leaf that requires grad and the fp16 one is freed at once, not held by the graph until the backward.
+        base.get_input_embeddings().register_forward_hook(_residual_stream_in_float32, prepend=True)
+    if model.gradient_checkpointing:
+        # The frozen base's inputs carry no gradient; checkpointed segments need one to reach the adapters.
+        base.enable_input_require_grads()
     config = LoraConfig(
         r=lora.lora_r,
         lora_alpha=lora.lora_alpha,
