@@ -1,9 +1,13 @@
 """Memory of the 4-bit model (issue 11, item 8): the frozen weights that are not quantised stay in the compute dtype
-unless ``upcast_frozen_weights``, at no cost in accuracy. Tiny Qwen3 on the CPU, seconds."""
+unless ``upcast_frozen_weights``, at no cost in accuracy; the arithmetic of ``ddp_ft.memory`` is what a model
+measures. Tiny Qwen3 on the CPU, seconds."""
 
 import pytest
 import torch
 
+from ddp_ft.distributed import DistInfo
+from ddp_ft.loop import forward_backward
+from ddp_ft.memory import Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
 from ddp_ft.model import LoraSettings, ModelSettings, _frozen_weights_kept, build_tiny_qwen3, load_qlora_model
 
 VOCAB = 512
@@ -98,3 +102,25 @@ def test_hidden_weights_come_back_when_preparation_fails():
         assert layer.weight.numel() == 0
         raise RuntimeError("prepare_model_for_kbit_training failed")
     assert layer.weight.data_ptr() == storage and layer.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("upcast", [False, True])
+def test_memory_arithmetic_is_what_a_small_proxy_measures(tmp_path, upcast, compute_dtype):
+    """Parameters, buffers and 4-bit state to the byte; the training step's peak (the loop's forward_backward under
+    autocast, matmuls skipped) to within the small tensors the arithmetic leaves out (token ids, labels, norm
+    statistics: 16 KB at 4B width, see scripts/memory_4bit.py). A vocabulary of 8192 puts the peak in the loss's
+    backward, as Qwen3-4B's 151,936 does. fp16: an fp16 copy of the embedding output held until the backward
+    (131 KB here) would show."""
+    path = build_tiny_qwen3(tmp_path / "proxy", vocab_size=8192, num_hidden_layers=2)
+    model, precision = _load(str(path), compute_dtype, upcast)
+    shape = Qwen3Shape.from_config(model.config)
+    expected = estimate(shape, seq_len=128, micro_batch=2, compute_dtype=compute_dtype, upcast_frozen_weights=upcast)
+    assert parameter_bytes(model) == expected.parameter_bytes
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)  # BucketedDDP's buckets: the gradients exist before the backward
+    ids = torch.randint(0, 8192, (2, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    measured = step_peak_bytes(lambda: forward_backward(model, [batch], DistInfo(), precision=precision))
+    assert 0 <= measured - expected.step_peak <= 64 * 1024, (measured, expected.activations)
