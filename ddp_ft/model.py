@@ -10,6 +10,8 @@ import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,16 @@ class ModelSettings:
     use_reentrant: bool = field(
         default=False,
         metadata={"help": "Reentrant checkpointing breaks DDP gradient hooks; keep False unless you know why."},
+    )
+    upcast_frozen_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "Let peft's prepare_model_for_kbit_training upcast the frozen non-quantised weights (embedding, "
+            "tied lm_head, norms) to float32, as it does by default. Off: they stay in the compute dtype, which saves "
+            "about 1.6 GB per GPU on Qwen3-4B in bfloat16 (the fp32 copy, plus autocast's bf16 copy of the lm_head "
+            "every forward; docs/memory_4bit_cpu.json). Turn on to reproduce a run made with peft's defaults "
+            "(float32 residual stream in bfloat16), or for a model whose norms compute in their weight's dtype."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -177,8 +189,9 @@ def load_qlora_model(
     """Load the base model (4-bit NF4 unless disabled) on this rank's device and add LoRA adapters.
 
     Steps: ``from_pretrained`` with a BitsAndBytesConfig and ``device_map``; peft's
-    ``prepare_model_for_kbit_training`` (freezes the base, casts its non-quantized weights to fp32); activation
-    checkpointing, non-reentrant unless configured otherwise, with input gradients; ``get_peft_model``.
+    ``prepare_model_for_kbit_training`` (freezes the base; its float32 upcast of the frozen non-quantised weights
+    only with ``upcast_frozen_weights``, see ``_frozen_weights_kept``); activation checkpointing, non-reentrant unless
+    configured otherwise, with input gradients; ``get_peft_model``.
 
     Args:
         model (ModelSettings): which base model and how to load it.
@@ -196,7 +209,15 @@ def load_qlora_model(
     base.config.use_cache = False
     if model.load_in_4bit:
         # Checkpointing is enabled below, not here: peft would call the deprecated gradient_checkpointing_enable.
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+        with nullcontext() if model.upcast_frozen_weights else _frozen_weights_kept(base):
+            base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    if base.get_input_embeddings().weight.dtype == torch.float16:
+        # fp16 tops out at 65,504, which a residual stream summed over 36 layers can pass: widen the embedding's
+        # output and the stream stays fp32, as in peft's layout (each layer still computes in fp16 and its output is
+        # added in fp32). bf16 has fp32's range: its stream stays bf16, the dtype the model was trained in. Run before
+        # the hooks of enable_input_require_grads (activation_checkpointing_enable adds one too), so the fp32 output
+        # is the leaf that requires grad and the fp16 one is freed at once, not held by the graph until the backward.
+        base.get_input_embeddings().register_forward_hook(_residual_stream_in_float32, prepend=True)
     if model.gradient_checkpointing:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": model.use_reentrant})
         # The frozen base's inputs carry no gradient; checkpointed segments need one to reach the adapters.
@@ -216,6 +237,38 @@ def load_qlora_model(
         "loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable
     )
     return peft_model
+
+
+@contextmanager
+def _frozen_weights_kept(base: torch.nn.Module) -> Iterator[None]:
+    """Hide the frozen bf16/fp16 weights that are not quantised from peft's float32 upcast, while in the block.
+
+    ``prepare_model_for_kbit_training`` casts every fp16/bf16 parameter that is not ``Params4bit`` to float32
+    (peft/utils/other.py). For Qwen3-4B that is the tied embedding/lm_head, 151,936 x 2,560: +0.78 GB resident, and
+    autocast re-casts it to bf16 on every forward (+0.78 GB, not cached for a weight without gradient); the
+    residual stream becomes fp32 too. Kept in the compute dtype instead. The norms can stay there as well:
+    ``Qwen3RMSNorm.forward`` (transformers/models/qwen3/modeling_qwen3.py) normalises in fp32 whatever its input
+    and only multiplies by the weight in the input's dtype; the checkpoint stores that weight in bf16 anyway.
+
+    Their storage is swapped for empty fp32 placeholders, which peft leaves alone, and put back on exit (also on an
+    error), so no fp32 copy ever exists. Casting back after peft would be simpler, but the embedding's fp32 copy and
+    its bf16 cast would coexist (2.3 GB for the 0.78 GB kept): a load peak of about 4.2 GB on Qwen3-4B, as high as
+    the 4.3 GB the training step then peaks at (docs/memory_4bit_cpu.json), with 1.6 GB left cached by CUDA's
+    allocator.
+    """
+    kept = [(p, p.data) for p in base.parameters()
+            if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit"]  # fmt: skip
+    try:
+        for param, data in kept:
+            param.data = torch.empty(0, dtype=torch.float32, device=data.device)
+        yield
+    finally:
+        for param, data in kept:
+            param.data = data
+
+
+def _residual_stream_in_float32(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.float()
 
 
 def load_trained_adapter(model: ModelSettings, adapter_path: str, device_map: dict[str, object]) -> torch.nn.Module:

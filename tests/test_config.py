@@ -29,6 +29,7 @@ def test_preset_values_apply_and_command_line_flags_override_them():
     assert settings.train.max_steps == PRESETS["tiny"]["max_steps"]
     assert settings.train.micro_batch == 4 and settings.lora.lora_r == 8
     assert settings.ddp.gradient_as_bucket_view is False
+    assert parse_settings(["--preset", "tiny", "--upcast-frozen-weights"]).model.upcast_frozen_weights
 
 
 def test_reference_preset_is_the_reference_run():
@@ -38,7 +39,7 @@ def test_reference_preset_is_the_reference_run():
     assert (s.train.learning_rate, s.train.min_learning_rate, s.data.max_seq_len) == (2e-4, 2e-5, 512)
     assert (s.lora.lora_r, s.lora.lora_alpha, s.lora.lora_dropout, s.lora.lora_target_modules) == (
         16, 32, 0.05, "all-linear")  # fmt: skip
-    assert s.model.load_in_4bit and not s.model.use_reentrant
+    assert s.model.load_in_4bit and not s.model.use_reentrant and not s.model.upcast_frozen_weights
 
 
 def test_unknown_preset_is_refused_listing_the_known_ones(capsys):
@@ -51,7 +52,8 @@ def test_unknown_preset_is_refused_listing_the_known_ones(capsys):
 def test_help_documents_every_setting():
     text = build_parser().format_help()
     for flag in ["--effective_batch", "--micro_batch", "--max_steps", "--bucket_cap_mb", "--comm_hook", "--lora_r",
-                 "--model_name_or_path", "--source", "--dialogue_column", "--max_seq_len", "--resume", "--preset"]:  # fmt: skip
+                 "--model_name_or_path", "--upcast_frozen_weights", "--source", "--dialogue_column", "--max_seq_len",
+                 "--resume", "--preset"]:  # fmt: skip
         assert flag in text, flag
     assert "Samples per optimizer step over all ranks" in text
 
