@@ -5,16 +5,25 @@ A benchmark that joins NCCL must hold its model and batches on its rank's GPU, a
 gloo and leave CUDA alone: :func:`compute_setup` makes the three choices together, from ``--device`` and
 ``--compute-dtype``. On CUDA the host runs ahead of the device, so a timed region starts and ends with
 :func:`synchronize`, and intervals inside a step are CUDA events read after the region (:class:`ExposedWaitProbe`).
+
+Also the GPU benchmark's model and yardstick: a Qwen3 of any shape with random weights, built without a download
+(:func:`build_random_qwen3`), and the model FLOPs of QLoRA training per token (:func:`qlora_training_flops`,
+:data:`MFU_FORMULA`) with the peak FLOP/s of known GPUs (:func:`peak_tflops`) for the model FLOPs utilisation.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from .distributed import DistInfo, destroy_distributed, device_and_backend, init_distributed
+from .memory import Qwen3Shape, lora_parameters
+from .model import tiny_qwen3_config
 from .precision import Precision, precision_for
 
 
@@ -125,3 +134,120 @@ class ExposedWaitProbe:
 def _event_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
     end.synchronize()
     return start.elapsed_time(end) / 1e3
+
+
+# --- A Qwen3 of any shape with random weights, written once --------------------------------------------------------
+
+
+def build_random_qwen3(path: str | Path, shape: Qwen3Shape, dtype: torch.dtype, seed: int = 0) -> Path:
+    """A Qwen3 of ``shape`` with uniform random weights in ``dtype``, written with ``save_pretrained``, once.
+
+    Like ``ddp_ft.model.build_tiny_qwen3``, but made on the meta device and filled in one pass: transformers' own
+    initialisation of billions of parameters takes minutes, and only the shapes matter to memory and speed. The
+    weights are deterministic in ``seed``; the folder is written under a temporary name and renamed, so a reader never
+    sees half of it, and an existing one is kept.
+
+    Returns:
+        Path: the folder, loadable with ``from_pretrained`` (and so by ``load_qlora_model``).
+    """
+    from transformers import Qwen3ForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM._from_config(tiny_qwen3_config(**vars(shape)), dtype=dtype)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-0.05, 0.05, generator=generator)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "config.json").exists():
+            raise
+    return path
+
+
+def random_qwen3_name(shape: Qwen3Shape, dtype: torch.dtype) -> str:
+    """The cache folder name of :func:`build_random_qwen3`'s model: every size in it, so shapes never collide."""
+    s = shape
+    tied = "-tied" if s.tie_word_embeddings else ""
+    return (
+        f"random-qwen3-h{s.hidden_size}-i{s.intermediate_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}"
+        f"-kv{s.num_key_value_heads}-d{s.head_dim}-v{s.vocab_size}{tied}-{str(dtype).removeprefix('torch.')}"
+    )
+
+
+# --- Model FLOPs and utilisation -----------------------------------------------------------------------------------
+
+MFU_FORMULA = (
+    "model FLOPs per token = forward 2*N_base + 2*N_lora + 4*L*T*d_attn; backward 2*N_base (activation gradients "
+    "through the frozen weights, no weight gradients) + 4*N_lora (activation and weight gradients of the adapters) "
+    "+ 8*L*T*d_attn; total 4*N_base + 6*N_lora + 12*L*T*d_attn. N_base: weights of every matmul (the decoder's "
+    "linear layers and the lm_head; the embedding lookup is no matmul), N_lora: LoRA parameters, L layers, T sequence "
+    "length, d_attn = heads*head_dim (attention scores and weighted values, full T x T, causal mask not halved, as "
+    "PaLM counts). Not counted: the forward recomputed under gradient checkpointing, 4-bit dequantisation, norms, "
+    "softmax, optimizer (model FLOPs, not hardware FLOPs). MFU = tokens/s per device * FLOPs per token / peak FLOP/s."
+)
+
+
+@dataclass(frozen=True)
+class TrainingFlops:
+    """Model FLOPs per trained token of QLoRA on a Qwen3 (:data:`MFU_FORMULA`).
+
+    Args:
+        base_matmul_params (int): N_base, the frozen weights that multiply every token (decoder linears, lm_head).
+        lora_params (int): N_lora, the adapters' parameters.
+        attention_forward (int): 4*L*T*d_attn, the attention matmuls of one token's forward.
+    """
+
+    base_matmul_params: int
+    lora_params: int
+    attention_forward: int
+
+    @property
+    def forward(self) -> int:
+        return 2 * self.base_matmul_params + 2 * self.lora_params + self.attention_forward
+
+    @property
+    def backward(self) -> int:
+        return 2 * self.base_matmul_params + 4 * self.lora_params + 2 * self.attention_forward
+
+    @property
+    def per_token(self) -> int:
+        return self.forward + self.backward
+
+
+def qlora_training_flops(shape: Qwen3Shape, seq_len: int, lora_r: int = 16) -> TrainingFlops:
+    """:class:`TrainingFlops` of ``shape`` trained on sequences of ``seq_len`` tokens with LoRA rank ``lora_r`` on
+    every linear layer of the decoder (pure arithmetic)."""
+    linears = sum(out * inp for out, inp in shape.linear_shapes())
+    base = shape.num_hidden_layers * linears + shape.vocab_size * shape.hidden_size  # the lm_head, tied or not
+    d_attn = shape.num_attention_heads * shape.head_dim
+    return TrainingFlops(base, lora_parameters(shape, lora_r), 4 * shape.num_hidden_layers * seq_len * d_attn)
+
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks with fp32 accumulation, TFLOP/s, from NVIDIA's datasheets (H100,
+# H200, A100) and the Ada Lovelace whitepaper (RTX 4090), matched against torch.cuda.get_device_name in this order.
+# An assumption to check against the card's clocks: boards run below the datasheet's boost clock under load.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.0),
+    ("A100", 312.0),
+    ("RTX 4090", 165.0),
+)
+
+
+def peak_tflops(device_name: str, compute_dtype: torch.dtype) -> float | None:
+    """The table's peak for a device name in bfloat16/float16, or None when unknown (other cards, float32, CPU)."""
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return next((peak for key, peak in PEAK_TFLOPS if key in device_name), None)

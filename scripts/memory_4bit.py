@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
+from ddp_ft.bench import build_random_qwen3
 from ddp_ft.distributed import DistInfo
 from ddp_ft.loop import forward_backward
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
-from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model, tiny_qwen3_config
+from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES
 
 LAYOUTS = {"upcast": True, "kept": False}  # name -> upcast_frozen_weights
@@ -51,27 +52,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compute-dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--proxy-layers", type=int, default=2, help="decoder layers of the CPU proxy")
     return p.parse_args()
-
-
-def build_proxy(path: Path, shape: Qwen3Shape, dtype: torch.dtype) -> Path:
-    """A Qwen3 of ``shape`` with uniform random weights in ``dtype``, written with ``save_pretrained``.
-
-    Like ``ddp_ft.model.build_tiny_qwen3``, but made on the meta device and filled once: transformers' own
-    initialisation of 0.6B parameters takes ~20 s here, and only the shapes matter.
-    """
-    from transformers import Qwen3ForCausalLM
-
-    config = tiny_qwen3_config(**vars(shape))
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.uniform_(-0.05, 0.05, generator=generator)
-    model.save_pretrained(path)
-    return path
 
 
 def measure(path: Path, upcast: bool, args: argparse.Namespace) -> dict[str, int]:
@@ -107,7 +87,7 @@ def main() -> int:
                     "proxy_shape": vars(proxy), "shape": vars(QWEN3_4B), "proxy": {}, "qwen3_4b": {}}  # fmt: skip
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_proxy(Path(tmp) / "proxy", proxy, DTYPES[args.compute_dtype])
+        path = build_random_qwen3(Path(tmp) / "proxy", proxy, DTYPES[args.compute_dtype])
         for name, upcast in LAYOUTS.items():
             measured = measure(path, upcast, args)
             e = arithmetic(proxy, upcast, args)
