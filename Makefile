@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench gpu-check train-reference
+.PHONY: install test lint demo bench gpu-check bench-gpu train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ bench: install
 # no communication under no_sync, the compute dtype for these GPUs, a short 4-bit QLoRA run; 1 process, then 2 on 2+ GPUs.
 gpu-check: install
 	$(PY) scripts/gpu_check.py --out bench_results/gpu_check.json
+
+# Qwen3-4B-shaped QLoRA (random weights, no download) on this host's GPUs: tokens/s, step time, peak memory, MFU;
+# 1 process (BucketedDDP vs no wrapper), then 2 when there are 2+ GPUs (the scaling).
+bench-gpu: install
+	$(PY) scripts/bench_gpu.py --out bench_results/bench_gpu_1.json
+	if [ "$$($(PY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
+		$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_gpu.py --out bench_results/bench_gpu_2.json; fi
 
 # The reference run on a machine with 2 GPUs and hub access (Qwen/Qwen3-4B, knkarthick/AMI).
 train-reference: install

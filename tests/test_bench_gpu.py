@@ -1,0 +1,113 @@
+"""The GPU benchmark (issue 13): its FLOPs formula against a hand computation, its peak table, its random-weight
+model, and the script itself on the CPU with a tiny shape (one process, seconds; no speed asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_ft.bench import build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
+from ddp_ft.memory import QWEN3_4B, Qwen3Shape
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = Qwen3Shape(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    vocab_size=512,
+)
+
+
+def test_qwen3_4b_model_flops_per_token_by_hand():
+    # One decoder layer's linear weights (out x in): q 4096x2560, k and v 1024x2560, o 2560x4096, gate and up
+    # 9728x2560, down 2560x9728.
+    layer = 2 * 4096 * 2560 + 2 * 1024 * 2560 + 3 * 9728 * 2560
+    assert layer == 100_925_440
+    n_base = 36 * layer + 151_936 * 2560  # + the (tied) lm_head's matmul
+    n_lora = 36 * 16 * (2 * (4096 + 2560) + 2 * (1024 + 2560) + 3 * (9728 + 2560))  # r x (out + in) per linear
+    attention = 4 * 36 * 512 * (32 * 128)  # QK^T and AV, 2 FLOPs per multiply-add each, per token at T = 512
+    flops = qlora_training_flops(QWEN3_4B, seq_len=512, lora_r=16)
+    assert (flops.base_matmul_params, flops.lora_params, flops.attention_forward) == (n_base, n_lora, attention)
+    assert n_lora == 33_030_144  # the reference's ~33M trainable parameters
+    assert flops.forward == 2 * n_base + 2 * n_lora + attention
+    assert flops.backward == 2 * n_base + 4 * n_lora + 2 * attention
+    assert flops.per_token == 4 * n_base + 6 * n_lora + 3 * attention == 17_193_238_528
+    # The reference, 1,650 tokens/s on one RTX 4090 (165 TFLOP/s), is then about 17% MFU.
+    assert 1650 * flops.per_token / 165e12 == pytest.approx(0.172, abs=0.001)
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.0),
+        ("NVIDIA H200", torch.float16, 989.0),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0),
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, 165.0),
+        ("Tesla T4", torch.float16, None),  # not in the table: MFU unknown unless --peak-tflops
+        ("NVIDIA H100 80GB HBM3", torch.float32, None),  # the table holds tensor-core bf16/fp16 peaks only
+    ],
+)
+def test_peak_tflops_by_device_name(name, dtype, peak):
+    assert peak_tflops(name, dtype) == peak
+
+
+def test_random_qwen3_has_the_shape_and_is_built_once(tmp_path):
+    from transformers import AutoConfig
+
+    path = tmp_path / random_qwen3_name(TINY, torch.bfloat16)
+    build_random_qwen3(path, TINY, torch.bfloat16)
+    assert Qwen3Shape.from_config(AutoConfig.from_pretrained(path)) == TINY
+    stamp = (path / "config.json").stat().st_mtime_ns
+    build_random_qwen3(path, TINY, torch.bfloat16)
+    assert (path / "config.json").stat().st_mtime_ns == stamp
+    assert random_qwen3_name(TINY, torch.bfloat16) != random_qwen3_name(QWEN3_4B, torch.bfloat16)
+
+
+def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_json(tmp_path):
+    out = tmp_path / "bench_gpu.json"
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_gpu.py"),
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--accumulation",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--repeats",
+        "2",
+        "--out",
+        str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "| bucketed_ddp" in run.stdout and "BucketedDDP overhead at world size 1" in run.stdout
+    assert "4*N_base + 6*N_lora + 12*L*T*d_attn" in run.stdout and "1650 tokens/s" in run.stdout
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"single", "bucketed_ddp"} and result["world_size"] == 1
+    for mode in result["modes"].values():
+        assert mode["tokens_per_s"] > 0 and len(mode["tokens_per_s_all_repeats"]) == 2
+        assert len(mode["step_s_all"]) == 2 and mode["step_s_range"][0] <= mode["step_s"] <= mode["step_s_range"][1]
+        assert mode["mfu"] is None  # float32 on a CPU: no known peak
+    flops = qlora_training_flops(TINY, seq_len=32)
+    assert result["flops_per_token"]["total"] == flops.per_token and result["shape"]["hidden_size"] == 64
+    assert result["versions"]["bitsandbytes"] and result["command"].startswith("python ")
+    assert len(result["bucketed_ddp_overhead_per_repeat"]) == 2
+    assert any((tmp_path / "cache").glob("random-qwen3-h64-*"))  # built into DDP_FT_CACHE
