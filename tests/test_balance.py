@@ -7,6 +7,7 @@ import pytest
 from ddp_ft.data import (
     DataSettings,
     EpochLoader,
+    StepBatchSampler,
     balanced_plan,
     load_raw_splits,
     rank_costs,
@@ -15,6 +16,7 @@ from ddp_ft.data import (
 )
 from ddp_ft.tokenizer import build_tiny_tokenizer, load_tokenizer
 
+from .dist_harness import run_distributed
 from .meetings import write_mixed_length_meetings
 
 SHAPES = [(2, 1, 8), (2, 2, 4), (2, 4, 2), (3, 2, 2), (4, 1, 4), (1, 2, 8), (2, 1, 1)]  # world, micro, accumulation
@@ -134,3 +136,87 @@ def test_on_mixed_length_meetings_balanced_ranks_cut_the_slowest_rank_and_the_pa
     assert slowest[True] < 0.9 * slowest[False], slowest
     assert spread[True] < 0.25 * spread[False], spread
     assert padded[True] < padded[False], padded
+
+
+@pytest.mark.parametrize("world,micro", [(1, 2), (2, 1), (2, 2), (4, 1)])
+def test_the_trainer_shard_of_the_step_batch_sampler_is_the_loop_plan_also_resumed_and_in_later_epochs(world, micro):
+    """What ``BucketedTrainer(balance_ranks=True)`` feeds Accelerate: its shard (batch i to rank i % world) gives each
+    rank the batches ``EpochLoader`` gives that rank in the plain loop; skipping ``n * accumulation`` batches (the
+    Trainer's resume) is resuming ``n`` steps later."""
+    from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+
+    lengths = [random.Random(i).randint(10, 500) for i in range(45)]
+    data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
+    accumulation = 8 // (micro * world)
+    sampler = StepBatchSampler(EpochLoader(data, None, micro, 0, world, seed=5, effective_batch=8))
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        for rank in range(world):
+            loop = EpochLoader(data, _ids, micro, rank, world, seed=5, effective_batch=8)
+            shard = (
+                BatchSamplerShard(sampler, world, rank, split_batches=False, even_batches=True)
+                if world > 1
+                else sampler
+            )
+            assert len(shard) == len(loop) == 5 * accumulation
+            assert [[i for i in batch] for batch in shard] == list(loop.epoch(epoch)), (epoch, rank)
+            resumed = SkipBatchSampler(shard, skip_batches=2 * accumulation)
+            assert list(resumed) == list(loop.epoch(epoch, start_sample=2 * 8)), (epoch, rank)
+
+
+def _trainer_batches(rank, world_size):
+    import tempfile
+
+    import torch
+    from accelerate import skip_first_batches
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    from .test_plugin_wrapping import _as_accelerate_rank, _Regressor
+
+    _as_accelerate_rank(rank, world_size)
+    lengths = [random.Random(i).randint(10, 500) for i in range(45)]
+    data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            seed=5,
+            remove_unused_columns=False,
+            dataloader_drop_last=True,
+            ddp_backend="gloo",
+            disable_tqdm=True,
+        )
+        trainer = BucketedTrainer(
+            model=_Regressor(),
+            args=args,
+            train_dataset=data,
+            data_collator=lambda batch: {"index": torch.tensor([s["input_ids"][0] for s in batch])},
+            balance_ranks=True,
+        )
+        loader = trainer.get_train_dataloader()
+        loop = EpochLoader(data, _ids, 2, rank, world_size, seed=5, effective_batch=8)
+        assert len(loader) == len(loop) == 5 * 2
+        state, control = TrainerState(), TrainerControl()
+        for epoch in (0, 1):  # as the Trainer runs an epoch: callbacks, then set_epoch on the loader
+            state.global_step = epoch * 5
+            trainer.callback_handler.on_epoch_begin(args, state, control)
+            loader.set_epoch(epoch)
+            assert [b["index"].tolist() for b in loader] == list(loop.epoch(epoch)), (rank, epoch)
+        # a resume 2 steps into epoch 1: the Trainer skips 2 x accumulation batches of a loader it then re-epochs
+        loader = trainer.get_train_dataloader()  # a resumed train() builds its loader, then begins the epoch
+        state.global_step = 5 + 2
+        trainer.callback_handler.on_epoch_begin(args, state, control)
+        resumed = skip_first_batches(loader, 2 * 2)
+        resumed.set_epoch(1)
+        assert [b["index"].tolist() for b in resumed] == list(loop.epoch(1, start_sample=2 * 8)), rank
+    return True
+
+
+@pytest.mark.distributed
+def test_bucketed_trainer_with_balance_ranks_gives_each_rank_the_loop_plan_also_in_later_epochs_and_resumed():
+    assert run_distributed(_trainer_batches, timeout=180) == [True, True]

@@ -26,6 +26,7 @@ from .formatting import (
 from .loader import (
     DataLayout,
     EpochLoader,
+    StepBatchSampler,
     answer_tokens,
     check_resume,
     count_tokens,
@@ -49,6 +50,7 @@ __all__ = [
     "DataLayout",
     "DataSettings",
     "EpochLoader",
+    "StepBatchSampler",
     "TruncatedExample",
     "TruncationReport",
     "answer_tokens",

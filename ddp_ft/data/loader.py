@@ -261,3 +261,33 @@ def sample_lengths(dataset) -> list[int]:
     if hasattr(dataset, "column_names"):
         return [len(ids) for ids in dataset["input_ids"]]
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+class StepBatchSampler:
+    """Every rank's micro-batches of ``loader``'s plans, interleaved for a loader that deals batch ``i`` to rank
+    ``i % world_size`` (Accelerate's ``BatchSamplerShard`` with ``split_batches=False``, which ``Trainer`` gets from
+    ``accelerator.prepare``): per step, micro-step ``k`` of rank ``r`` at position ``k * world_size + r``. So each
+    rank of a Trainer reads exactly what ``loader.epoch`` gives that rank in the plain loop, and skipping the first
+    ``n`` of its batches (the Trainer's resume) skips ``n / accumulation`` whole steps.
+
+    Args:
+        loader (EpochLoader): the plans (its ``rank`` and ``collate_fn`` are not used).
+    """
+
+    def __init__(self, loader: EpochLoader) -> None:
+        self.loader = loader
+        self.batch_size, self.drop_last = loader.micro_batch, True  # read by BatchSamplerShard: whole batches only
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.loader.layout.world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        layout = self.loader.layout
+        for plan in self.loader.plans(self.epoch):
+            for k in range(layout.accumulation):
+                for rank in range(layout.world_size):
+                    yield plan[rank][k]
