@@ -74,7 +74,8 @@ class BucketedTrainer(Trainer):
         balance_ranks (bool): train each optimizer step's samples split over ranks and micro-batches by
             ``balanced_plan`` (``ddp_ft.data.balance``), exactly as the plain loop's ``EpochLoader`` does: the same
             global order (``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), the same
-            steps, the same per-rank micro-batches. Default: False (the stock Trainer's sampling)
+            steps (the trailing partial batch dropped, whatever ``dataloader_drop_last``), the same per-rank
+            micro-batches. Default: False (the stock Trainer's sampling)
         **kwargs: passed to ``Trainer``.
     """
 
