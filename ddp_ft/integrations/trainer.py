@@ -15,19 +15,22 @@ import inspect
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from ..data import EpochLoader, StepBatchSampler
 from ..ddp import BucketedDDP, DDPSettings
 from ..faults import FaultInjector
 from ..metrics import WandbSwitch
 from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 from .callbacks import GuardedWandbCallback, ThroughputCallback
+
+if TYPE_CHECKING:
+    from ..data import StepBatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,8 @@ class BucketedTrainer(Trainer):
         if not self.balance_ranks:
             return super().get_train_dataloader()
         from torch.utils.data import DataLoader
+
+        from ..data import EpochLoader, StepBatchSampler  # here: the plugin imports no data pipeline until it trains
 
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
