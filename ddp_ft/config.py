@@ -24,6 +24,13 @@ class TrainSettings:
         metadata={"help": "Samples per optimizer step over all ranks; accumulation = effective / (micro x world)."},
     )
     micro_batch: int = field(default=1, metadata={"help": "Samples per forward/backward per rank."})
+    balance_ranks: bool = field(
+        default=True,
+        metadata={
+            "help": "Within each optimizer step, group similar lengths into micro-batches and give every rank about "
+            "the same padded tokens (the step's samples, so its gradient, unchanged). --no-balance-ranks: strided."
+        },
+    )
     epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
     max_steps: int = field(default=-1, metadata={"help": "Stop after this many optimizer steps (-1: run all epochs)."})
     learning_rate: float = field(default=2e-4, metadata={"help": "Peak AdamW learning rate."})

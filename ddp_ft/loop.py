@@ -188,6 +188,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
         seed=t.seed,
         effective_batch=t.effective_batch,
         pin_memory=info.device.type == "cuda",
+        balance=t.balance_ranks,
     )
     # floor(samples / effective batch) steps per epoch, the same on every world size
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
@@ -224,8 +225,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
         )
 
     # Which samples each rank starts on: proof in the log that shards follow the global rank.
-    loader.sampler.set_epoch(state.epoch)
-    first_indices = [int(i) for i in list(loader.sampler)[: t.micro_batch]]
+    first_indices = next(loader.plans(state.epoch))[info.rank][0]
     all_first = [first_indices] * info.world_size
     if info.is_distributed:
         dist.all_gather_object(all_first, first_indices)

@@ -32,6 +32,14 @@ def test_preset_values_apply_and_command_line_flags_override_them():
     assert parse_settings(["--preset", "tiny", "--upcast-frozen-weights"]).model.upcast_frozen_weights
 
 
+def test_balanced_ranks_are_on_by_default_and_no_balance_ranks_turns_them_off():
+    assert parse_settings(["--preset", "tiny"]).train.balance_ranks is True
+    assert parse_settings(["--preset", "tiny", "--no-balance-ranks"]).train.balance_ranks is False
+    assert parse_settings(["--preset", "tiny", "--no_balance_ranks"]).train.balance_ranks is False
+    assert settings_from_preset("tiny", balance_ranks=False).train.balance_ranks is False
+    assert "--balance_ranks" in build_parser().format_help()
+
+
 def test_reference_preset_is_the_reference_run():
     s = settings_from_preset("qwen3-4b-ami")
     assert s.model.model_name_or_path == "Qwen/Qwen3-4B" and s.data.source == "knkarthick/AMI"

@@ -47,19 +47,25 @@ def _setup(world_size, rank, cache, source):
 def _effective_batch(rank, world_size, cache, source, k):
     from itertools import islice
 
-    from ddp_ft.data import EpochLoader
+    from ddp_ft.data import EpochLoader, strided_plan
     from ddp_ft.ddp import BucketedDDP
     from ddp_ft.loop import forward_backward
 
     model, data, collate, seed = _setup(world_size, rank, cache, source)
     single, _, _, _ = _setup(world_size, rank, cache, source)
-    # two processes, accumulation k each
+    # two processes, accumulation k each, balanced ranks (the default): the step's samples regrouped by length
     ddp = BucketedDDP(model)
-    group = list(islice(EpochLoader(data, collate, MICRO, rank, world_size, seed).epoch(0), k))
+    balanced = EpochLoader(data, collate, MICRO, rank, world_size, seed, effective_batch=world_size * k * MICRO)
+    unbalanced = EpochLoader(data, collate, MICRO, 0, 1, seed, effective_batch=world_size * k * MICRO, balance=False)
+    plan, strided = next(balanced.plans(0)), next(unbalanced.plans(0))
+    step = [i for batch in strided[0] for i in batch]  # the step's samples in global order
+    assert plan != strided_plan(step, world_size, MICRO, k), "the premise: balancing moved samples between ranks"
+    group = list(islice(balanced.epoch(0), k))
     ddp_loss, ddp_counts = forward_backward(ddp, group, DistInfo(rank, rank, world_size))
     comm = ddp.pop_comm_stats()
-    # one process, accumulation 2k, on the same global batch (run on every rank, no communication)
-    loader = EpochLoader(data, collate, MICRO, 0, 1, seed)
+    # one process, accumulation 2k, on the same global batch in its global order, unbalanced (on every rank, no
+    # communication)
+    loader = unbalanced
     group = list(islice(loader.epoch(0), world_size * k))
     single_loss, single_counts = forward_backward(single, group, DistInfo())
 
@@ -87,7 +93,8 @@ def _effective_batch(rank, world_size, cache, source, k):
 def test_two_processes_with_accumulation_k_equal_one_process_with_2k_on_padded_uneven_data(tmp_path):
     """The effective-batch guarantee on micro-batches with padding and uneven answer lengths: same token counts
     (non-padding, from the dataset), same loss and gradients as one process on the global batch, and only the last
-    micro-step communicates."""
+    micro-step communicates. The two ranks split the step by ``balanced_plan``, the one process reads it unbalanced
+    in global order: the step's samples, not their split, fix the gradient."""
     source = write_mixed_length_meetings(tmp_path / "mixed.jsonl")
     losses = run_distributed(_effective_batch, str(tmp_path), source, 2, timeout=300)
     assert losses[0] == losses[1]

@@ -8,11 +8,14 @@ The pipeline, one module per stage:
   ``max_seq_len``);
 * ``loader``: ``make_collator`` (right padding, labels padded with -100), the token counts, and ``EpochLoader`` (a
   ``DistributedSampler`` that cannot be iterated without choosing the epoch; the same steps on every world size, no
-  sample twice; exact resume inside an epoch on any world size, see ``DataLayout``).
+  sample twice; exact resume inside an epoch on any world size, see ``DataLayout``);
+* ``balance``: ``balanced_plan`` (a step's samples split over ranks and micro-batches: similar lengths together,
+  the same padded tokens on every rank, the step's samples unchanged).
 
 ``settings`` holds ``DataSettings`` and the constants the stages share.
 """
 
+from .balance import balanced_plan, rank_costs, strided_plan
 from .formatting import (
     TruncatedExample,
     TruncationReport,
@@ -20,7 +23,16 @@ from .formatting import (
     tokenize_dataset,
     truncate_example,
 )
-from .loader import DataLayout, EpochLoader, answer_tokens, check_resume, count_tokens, make_collator
+from .loader import (
+    DataLayout,
+    EpochLoader,
+    StepBatchSampler,
+    answer_tokens,
+    check_resume,
+    count_tokens,
+    make_collator,
+    sample_lengths,
+)
 from .settings import (
     FILE_BUILDERS,
     IGNORE_INDEX,
@@ -38,13 +50,18 @@ __all__ = [
     "DataLayout",
     "DataSettings",
     "EpochLoader",
+    "StepBatchSampler",
     "TruncatedExample",
     "TruncationReport",
     "answer_tokens",
+    "balanced_plan",
     "check_resume",
     "count_tokens",
     "load_raw_splits",
     "make_collator",
+    "rank_costs",
+    "sample_lengths",
+    "strided_plan",
     "template_overhead",
     "tokenize_dataset",
     "truncate_example",

@@ -1,11 +1,13 @@
 """Batches: the right-padding collator, token counts, and ``EpochLoader``, which reads one rank's share of each
-optimizer step from a ``DistributedSampler``'s global order (``DataLayout``: exact resume on any world size)."""
+optimizer step from a ``DistributedSampler``'s global order (``DataLayout``: exact resume on any world size), split
+over ranks by ``balanced_plan`` (``ddp_ft.data.balance``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from .balance import Plan, balanced_plan, strided_plan
 from .settings import IGNORE_INDEX
 
 
@@ -34,7 +36,9 @@ class DataLayout:
     for every world size. Step ``s`` trains its positions ``[s * E, (s + 1) * E)``, ``E`` the effective batch: rank
     ``r`` reads positions ``r, r + world_size, ...`` of that range, ``micro_batch`` at a time. So the samples of a
     step, and a resume position counted in samples, mean the same on any ``world_size x micro_batch`` that divides
-    ``E``; ``train_samples``, ``seed`` and ``effective_batch`` must not change within a run.
+    ``E``; ``train_samples``, ``seed`` and ``effective_batch`` must not change within a run. Balanced ranks
+    (``EpochLoader(balance=True)``) reorder the samples *within* a step, never across steps, so a resume is exact
+    with balancing on or off, whatever the checkpoint's run used: the layout does not record it.
 
     Args:
         train_samples (int): samples in the training set.
@@ -121,14 +125,19 @@ class EpochLoader:
     ``floor(len(dataset) / effective_batch)`` optimizer steps on any world size; the trailing partial batch (fewer
     than ``effective_batch`` samples) is dropped, never padded with repeats. The global order is the permutation of a
     ``DistributedSampler`` (``drop_last=True``, shuffled by ``seed + epoch``), the same for every world size: step
-    ``s`` is its positions ``[s * effective_batch, (s + 1) * effective_batch)``, of which this rank reads every
-    ``world_size``-th (see ``DataLayout``). Only ``epoch()`` iterates, and it always calls ``sampler.set_epoch``
-    first, so the classic bug of every epoch seeing the same order cannot happen (``iter(loader)`` raises).
-    ``start_sample`` (samples of the epoch already trained, over all ranks) resumes exactly, also on another world
-    size or micro-batch: skipped samples are skipped as indices, never loaded.
+    ``s`` is its positions ``[s * effective_batch, (s + 1) * effective_batch)`` (see ``DataLayout``). Only
+    ``epoch()`` iterates, and it always calls ``sampler.set_epoch`` first, so the classic bug of every epoch seeing
+    the same order cannot happen (``iter(loader)`` raises). ``start_sample`` (samples of the epoch already trained,
+    over all ranks) resumes exactly, also on another world size or micro-batch: skipped samples are skipped as
+    indices, never loaded.
+
+    Within a step, ``balance=True`` splits the samples over ranks and micro-batches by ``balanced_plan``: similar
+    lengths share a micro-batch and every rank pads to about the same number of tokens, so no rank waits for the one
+    that drew the longer samples. The step's samples, hence its gradient, are the same as unbalanced. With
+    ``balance=False`` rank ``r`` reads positions ``r, r + world_size, ...`` of the step (``strided_plan``).
 
     Args:
-        dataset: a map-style dataset of tokenized samples.
+        dataset: a map-style dataset of tokenized samples (``input_ids``).
         collate_fn: e.g. ``make_collator(tokenizer)``.
         micro_batch (int): samples per batch.
         rank (int): this rank.
@@ -139,9 +148,12 @@ class EpochLoader:
             ``micro_batch * world_size``. Default: None (``micro_batch * world_size``, no accumulation)
         pin_memory (bool): collate into page-locked memory, so the copy to a GPU with ``non_blocking=True``
             overlaps instead of waiting. Default: False (set it when training on CUDA)
+        balance (bool): balanced ranks and length-grouped micro-batches within each step. Default: True
+        lengths (Sequence[int] | None): token length of every sample, for ``balance``. Default: None (read from
+            the dataset's ``input_ids`` once, when ``balance``)
 
     Raises:
-        ValueError: bad sizes, an empty dataset or one smaller than an effective batch.
+        ValueError: bad sizes, an empty dataset or one smaller than an effective batch, lengths not one per sample.
     """
 
     def __init__(
@@ -155,6 +167,8 @@ class EpochLoader:
         shuffle: bool = True,
         effective_batch: int | None = None,
         pin_memory: bool = False,
+        balance: bool = True,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         from torch.utils.data import DistributedSampler
 
@@ -171,11 +185,14 @@ class EpochLoader:
                 f"the dataset has {len(dataset)} samples, fewer than one effective batch "
                 f"(effective_batch={effective_batch}): lower --effective-batch or use more data."
             )
-        self.dataset, self.collate_fn, self.micro_batch = dataset, collate_fn, micro_batch
+        self.dataset, self.collate_fn, self.micro_batch, self.rank = dataset, collate_fn, micro_batch, rank
         self.pin_memory = pin_memory
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        self.balance = balance
+        self.lengths = (list(lengths) if lengths is not None else sample_lengths(dataset)) if balance else None
+        if self.lengths is not None and len(self.lengths) != len(dataset):
+            raise ValueError(f"{len(self.lengths)} lengths for {len(dataset)} samples: give one length per sample.")
+        # The epoch's global order, the same on every rank (one replica: the whole permutation).
+        self.sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -191,6 +208,20 @@ class EpochLoader:
             "EpochLoader is not iterable: use `for batch in loader.epoch(epoch)` so the shuffle changes "
             "every epoch (it calls sampler.set_epoch)."
         )
+
+    def plans(self, epoch: int, start_step: int = 0) -> Iterator[Plan]:
+        """Every rank's micro-batches (``plan[rank][micro_step]``, sample indices) of each step of ``epoch`` from
+        ``start_step`` on; the same on every rank."""
+        layout = self.layout
+        self.sampler.set_epoch(epoch)
+        order = [int(i) for i in self.sampler]
+        E, W, m, A = layout.effective_batch, layout.world_size, layout.micro_batch, layout.accumulation
+        for step in range(start_step, layout.steps_per_epoch):
+            indices = order[step * E : (step + 1) * E]
+            if self.lengths is None:
+                yield strided_plan(indices, W, m, A)
+            else:
+                yield balanced_plan(indices, [self.lengths[i] for i in indices], W, m, A)
 
     def epoch(self, epoch: int, start_sample: int = 0) -> Iterator[dict]:
         """The batches of ``epoch`` on this rank, from global position ``start_sample`` on (checked at the call).
@@ -210,21 +241,53 @@ class EpochLoader:
                 f"({layout.effective_batch}) within the epoch's {layout.steps_per_epoch} steps of "
                 f"{layout.effective_batch} samples ({layout.train_samples} samples, the remainder dropped)."
             )
-        self.sampler.set_epoch(epoch)
-        # The sampler's shard holds global positions rank, rank + world_size, ...: the epoch's steps from
-        # start_sample on are shard[start_sample / world_size : samples_per_epoch / world_size].
-        shard = list(self.sampler)
-        indices = shard[start_sample // layout.world_size : self.samples_per_epoch // layout.world_size]
+        batches = [b for plan in self.plans(epoch, start_sample // layout.effective_batch) for b in plan[self.rank]]
         # A private generator: a DataLoader otherwise draws its base seed from the global RNG, which would shift
         # dropout masks by one draw in a resumed run (it builds this loader after restoring the RNG state).
         generator = torch.Generator().manual_seed(self.sampler.seed + epoch)
         loader = DataLoader(
             self.dataset,
-            batch_size=self.micro_batch,
-            sampler=indices,
+            batch_sampler=batches,
             collate_fn=self.collate_fn,
             num_workers=0,
             generator=generator,
             pin_memory=self.pin_memory,
         )
         return iter(loader)
+
+
+def sample_lengths(dataset) -> list[int]:
+    """Tokens of every sample (``len(input_ids)``), read once: a ``datasets.Dataset`` column, else sample by sample."""
+    if hasattr(dataset, "column_names"):
+        return [len(ids) for ids in dataset["input_ids"]]
+    return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+class StepBatchSampler:
+    """Every rank's micro-batches of ``loader``'s plans, interleaved for a loader that deals batch ``i`` to rank
+    ``i % world_size`` (Accelerate's ``BatchSamplerShard`` with ``split_batches=False``, which ``Trainer`` gets from
+    ``accelerator.prepare``): per step, micro-step ``k`` of rank ``r`` at position ``k * world_size + r``. So each
+    rank of a Trainer reads exactly what ``loader.epoch`` gives that rank in the plain loop, and skipping the first
+    ``n`` of its batches (the Trainer's resume) skips ``n / accumulation`` whole steps.
+
+    Args:
+        loader (EpochLoader): the plans (its ``rank`` and ``collate_fn`` are not used).
+    """
+
+    def __init__(self, loader: EpochLoader) -> None:
+        self.loader = loader
+        self.batch_size, self.drop_last = loader.micro_batch, True  # read by BatchSamplerShard: whole batches only
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.loader.layout.world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        layout = self.loader.layout
+        for plan in self.loader.plans(self.epoch):
+            for k in range(layout.accumulation):
+                for rank in range(layout.world_size):
+                    yield plan[rank][k]

@@ -97,6 +97,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         processing_class=parts.tokenizer,
         ddp_settings=settings.ddp,
         faults=parts.faults,
+        balance_ranks=t.balance_ranks,
     )
 
 

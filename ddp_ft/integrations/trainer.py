@@ -15,6 +15,7 @@ import inspect
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -27,6 +28,9 @@ from ..metrics import WandbSwitch
 from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 from .callbacks import GuardedWandbCallback, ThroughputCallback
+
+if TYPE_CHECKING:
+    from ..data import StepBatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +53,46 @@ class _StopCallback(TrainerCallback):
             )
 
 
+class _PlanEpochCallback(TrainerCallback):
+    """Sets the epoch of the balanced plan before each epoch's batches are drawn. ``Trainer`` calls ``set_epoch``
+    too, but not through the loader ``skip_first_batches`` builds on a resume mid-epoch on several ranks (its batch
+    sampler wraps Accelerate's shard, which wraps ours); the epoch is ``global_step // steps_per_epoch``, as the
+    Trainer counts the epochs it resumes past."""
+
+    def __init__(self, trainer: BucketedTrainer) -> None:
+        self._trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = self._trainer._plan_sampler
+        if sampler is not None:
+            sampler.set_epoch(state.global_step // sampler.loader.layout.steps_per_epoch)
+
+
 class BucketedTrainer(Trainer):
     """``transformers.Trainer`` that trains multi-process runs with BucketedDDP.
 
     Args:
         *args: passed to ``Trainer``.
         ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
+        balance_ranks (bool): train each optimizer step's samples split over ranks and micro-batches by
+            ``balanced_plan`` (``ddp_ft.data.balance``), exactly as the plain loop's ``EpochLoader`` does: the same
+            global order (``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), the same
+            steps (the trailing partial batch dropped, whatever ``dataloader_drop_last``), the same per-rank
+            micro-batches. Default: False (the stock Trainer's sampling)
         **kwargs: passed to ``Trainer``.
     """
 
     def __init__(
-        self, *args, ddp_settings: DDPSettings | None = None, faults: FaultInjector | None = None, **kwargs
+        self,
+        *args,
+        ddp_settings: DDPSettings | None = None,
+        faults: FaultInjector | None = None,
+        balance_ranks: bool = False,
+        **kwargs,
     ) -> None:
         self.ddp_settings = ddp_settings or DDPSettings()
+        self.balance_ranks = balance_ranks
+        self._plan_sampler: StepBatchSampler | None = None
         self._local_tokens: torch.Tensor | None = None  # this rank's input tokens since the last optimizer step
         self._stop = StopSignal()
         self._stop_verdict: tuple[int, bool] = (-1, False)  # (global step, any rank asked to stop)
@@ -80,6 +111,42 @@ class BucketedTrainer(Trainer):
         # First in line, so the reporting callbacks (wandb, console) log what it adds.
         callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config, wandb_switch))
         self.add_callback(_StopCallback(self))
+        if balance_ranks:
+            self.add_callback(_PlanEpochCallback(self))
+
+    def get_train_dataloader(self):
+        """With ``balance_ranks``, a loader over the plain loop's plans (``StepBatchSampler``), prepared by Accelerate:
+        its shard hands rank ``r`` the micro-batches ``EpochLoader(rank=r)`` reads, and the Trainer's
+        ``skip_first_batches`` skips whole steps on a resume. Otherwise the Trainer's own loader."""
+        if not self.balance_ranks:
+            return super().get_train_dataloader()
+        from torch.utils.data import DataLoader
+
+        from ..data import EpochLoader, StepBatchSampler  # here: the plugin imports no data pipeline until it trains
+
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        args = self.args
+        dataset = self._remove_unused_columns(self.train_dataset, description="Training")
+        micro, world = args.per_device_train_batch_size, args.world_size
+        plans = EpochLoader(
+            dataset,
+            None,
+            micro,
+            0,
+            world,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            effective_batch=micro * args.gradient_accumulation_steps * world,
+        )
+        self._plan_sampler = StepBatchSampler(plans)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=self._plan_sampler,
+            collate_fn=self.data_collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Count input tokens on this rank every micro-step; sum them over ranks once, at the optimizer step.

@@ -1,0 +1,222 @@
+"""Balanced ranks: a step's samples split over ranks and micro-batches by length, the step itself unchanged."""
+
+import random
+
+import pytest
+
+from ddp_ft.data import (
+    DataSettings,
+    EpochLoader,
+    StepBatchSampler,
+    balanced_plan,
+    load_raw_splits,
+    rank_costs,
+    strided_plan,
+    tokenize_dataset,
+)
+from ddp_ft.tokenizer import build_tiny_tokenizer, load_tokenizer
+
+from .dist_harness import run_distributed
+from .meetings import write_mixed_length_meetings
+
+SHAPES = [(2, 1, 8), (2, 2, 4), (2, 4, 2), (3, 2, 2), (4, 1, 4), (1, 2, 8), (2, 1, 1)]  # world, micro, accumulation
+
+
+def _step(rng: random.Random, world: int, micro: int, accumulation: int) -> tuple[list[int], dict[int, int]]:
+    n = world * micro * accumulation
+    indices = rng.sample(range(1000), n)
+    return indices, {i: int(rng.lognormvariate(5, 0.8)) + 1 for i in indices}
+
+
+def _plans(indices, length_of, world, micro, accumulation):
+    lengths = [length_of[i] for i in indices]
+    return balanced_plan(indices, lengths, world, micro, accumulation), strided_plan(
+        indices, world, micro, accumulation
+    )
+
+
+def _spread(costs: list[int]) -> int:
+    return max(costs) - min(costs)
+
+
+@pytest.mark.parametrize("world,micro,accumulation", SHAPES)
+def test_the_plan_is_a_partition_of_the_step_into_whole_micro_batches(world, micro, accumulation):
+    rng = random.Random(0)
+    for _ in range(50):
+        indices, length_of = _step(rng, world, micro, accumulation)
+        plan, _ = _plans(indices, length_of, world, micro, accumulation)
+        assert len(plan) == world and all(len(batches) == accumulation for batches in plan)
+        assert all(len(batch) == micro for batches in plan for batch in batches)
+        used = [i for batches in plan for batch in batches for i in batch]
+        assert sorted(used) == sorted(indices), "every sample of the step exactly once"
+
+
+@pytest.mark.parametrize("world,micro,accumulation", SHAPES)
+def test_balanced_ranks_pad_no_more_and_spread_no_wider_than_the_strided_split(world, micro, accumulation):
+    rng = random.Random(1)
+    for _ in range(200):
+        indices, length_of = _step(rng, world, micro, accumulation)
+        balanced, strided = (rank_costs(p, length_of) for p in _plans(indices, length_of, world, micro, accumulation))
+        assert max(balanced) <= max(strided), "the slowest rank is never slower"
+        assert sum(balanced) <= sum(strided), "no more padded tokens in all"
+
+
+def test_a_skewed_step_is_strictly_better_balanced():
+    # global order long, short, long, short...: strided gives rank 0 every long sample
+    indices = list(range(8))
+    length_of = {i: 500 if i % 2 == 0 else 50 for i in indices}
+    balanced, strided = (rank_costs(p, length_of) for p in _plans(indices, length_of, 2, 2, 2))
+    assert strided == [2000, 200]
+    assert balanced == [1100, 1100]
+
+
+def test_the_plan_is_deterministic_and_follows_length_then_position():
+    indices, lengths = [7, 3, 9, 1, 5, 2, 8, 4], [30, 10, 30, 20, 10, 40, 20, 30]
+    plan = balanced_plan(indices, lengths, 2, 2, 2)
+    assert plan == balanced_plan(list(indices), list(lengths), 2, 2, 2)
+    # by (length, position): 3 5 | 1 8 | 7 9 | 4 2, costs 20 40 60 80; LPT: 80->r0, 60->r1, 40->r1, 20->r0
+    assert plan == [[[4, 2], [3, 5]], [[7, 9], [1, 8]]]
+
+
+def test_one_rank_still_groups_similar_lengths_into_micro_batches():
+    indices = list(range(8))
+    length_of = {i: 400 if i % 2 else 40 for i in indices}
+    balanced, strided = (rank_costs(p, length_of) for p in _plans(indices, length_of, 1, 2, 4))
+    assert strided == [3200] and balanced == [1760]  # 2x400 + 2x400 + 2x40 + 2x40 is 1760 padded tokens
+
+
+def test_plan_sizes_that_do_not_make_the_step_are_refused():
+    with pytest.raises(ValueError, match="not world_size=2 x micro_batch=2 x accumulation=2"):
+        balanced_plan(list(range(6)), [1] * 6, 2, 2, 2)
+    with pytest.raises(ValueError, match="one length per sample"):
+        balanced_plan(list(range(8)), [1] * 7, 2, 2, 2)
+
+
+def _loader_steps(loader: EpochLoader, epoch: int) -> list[list[int]]:
+    return [sorted(i for batches in plan for batch in batches for i in batch) for plan in loader.plans(epoch)]
+
+
+def _ids(batch: list[dict]) -> list[int]:
+    return [sample["input_ids"][0] for sample in batch]
+
+
+def test_balanced_loader_trains_the_same_steps_as_the_unbalanced_one_on_any_world_size():
+    lengths = [random.Random(i).randint(10, 500) for i in range(61)]
+    data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
+    reference = _loader_steps(EpochLoader(data, _ids, 8, 0, 1, seed=3, effective_batch=8, balance=False), 2)
+    assert len(reference) == 7
+    for world, micro in [(1, 1), (1, 2), (2, 1), (2, 2), (4, 2)]:
+        loaders = [EpochLoader(data, _ids, micro, r, world, seed=3, effective_batch=8) for r in range(world)]
+        assert loaders[0].lengths == lengths
+        assert _loader_steps(loaders[0], 2) == reference, (world, micro)
+        accumulation = 8 // (micro * world)
+        for rank, loader in enumerate(loaders):  # each rank reads its part of the one plan every rank computes
+            assert list(loader.plans(2)) == list(loaders[0].plans(2))
+            assert list(loader.epoch(2)) == [b for plan in loader.plans(2) for b in plan[rank]]
+            resumed = list(loader.epoch(2, start_sample=3 * 8))
+            assert resumed == [b for plan in loader.plans(2, 3) for b in plan[rank]]
+            assert len(resumed) == 4 * accumulation
+
+
+def test_on_mixed_length_meetings_balanced_ranks_cut_the_slowest_rank_and_the_padding(tmp_path):
+    """Tokenized mixed-length meetings (60 to 256 tokens), 2 ranks, micro-batch 2, effective batch 16: per step,
+    the rank with the most padded tokens sets the step time."""
+    tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path / "tok")))
+    settings = DataSettings(source=write_mixed_length_meetings(tmp_path / "m.jsonl", n=96), max_seq_len=256)
+    data, _ = tokenize_dataset(load_raw_splits(settings)["train"], tokenizer, settings)
+    length_of = dict(enumerate(len(ids) for ids in data["input_ids"]))
+    costs = {}
+    for balance in (False, True):
+        loader = EpochLoader(data, None, 2, 0, 2, seed=0, effective_batch=16, balance=balance)
+        costs[balance] = [rank_costs(plan, length_of) for epoch in (0, 1) for plan in loader.plans(epoch)]
+    slowest = {b: sum(max(step) for step in steps) for b, steps in costs.items()}
+    spread = {b: sum(_spread(step) for step in steps) for b, steps in costs.items()}
+    padded = {b: sum(sum(step) for step in steps) for b, steps in costs.items()}
+    assert all(max(b) <= max(s) for b, s in zip(costs[True], costs[False], strict=True))
+    assert slowest[True] < 0.9 * slowest[False], slowest
+    assert spread[True] < 0.25 * spread[False], spread
+    assert padded[True] < padded[False], padded
+
+
+@pytest.mark.parametrize("world,micro", [(1, 2), (2, 1), (2, 2), (4, 1)])
+def test_the_trainer_shard_of_the_step_batch_sampler_is_the_loop_plan_also_resumed_and_in_later_epochs(world, micro):
+    """What ``BucketedTrainer(balance_ranks=True)`` feeds Accelerate: its shard (batch i to rank i % world) gives each
+    rank the batches ``EpochLoader`` gives that rank in the plain loop; skipping ``n * accumulation`` batches (the
+    Trainer's resume) is resuming ``n`` steps later."""
+    from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+
+    lengths = [random.Random(i).randint(10, 500) for i in range(45)]
+    data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
+    accumulation = 8 // (micro * world)
+    sampler = StepBatchSampler(EpochLoader(data, None, micro, 0, world, seed=5, effective_batch=8))
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        for rank in range(world):
+            loop = EpochLoader(data, _ids, micro, rank, world, seed=5, effective_batch=8)
+            shard = (
+                BatchSamplerShard(sampler, world, rank, split_batches=False, even_batches=True)
+                if world > 1
+                else sampler
+            )
+            assert len(shard) == len(loop) == 5 * accumulation
+            assert [[i for i in batch] for batch in shard] == list(loop.epoch(epoch)), (epoch, rank)
+            resumed = SkipBatchSampler(shard, skip_batches=2 * accumulation)
+            assert list(resumed) == list(loop.epoch(epoch, start_sample=2 * 8)), (epoch, rank)
+
+
+def _trainer_batches(rank, world_size):
+    import tempfile
+
+    import torch
+    from accelerate import skip_first_batches
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    from .test_plugin_wrapping import _as_accelerate_rank, _Regressor
+
+    _as_accelerate_rank(rank, world_size)
+    lengths = [random.Random(i).randint(10, 500) for i in range(45)]
+    data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            seed=5,
+            remove_unused_columns=False,
+            dataloader_drop_last=True,
+            ddp_backend="gloo",
+            disable_tqdm=True,
+        )
+        trainer = BucketedTrainer(
+            model=_Regressor(),
+            args=args,
+            train_dataset=data,
+            data_collator=lambda batch: {"index": torch.tensor([s["input_ids"][0] for s in batch])},
+            balance_ranks=True,
+        )
+        loader = trainer.get_train_dataloader()
+        loop = EpochLoader(data, _ids, 2, rank, world_size, seed=5, effective_batch=8)
+        assert len(loader) == len(loop) == 5 * 2
+        state, control = TrainerState(), TrainerControl()
+        for epoch in (0, 1):  # as the Trainer runs an epoch: callbacks, then set_epoch on the loader
+            state.global_step = epoch * 5
+            trainer.callback_handler.on_epoch_begin(args, state, control)
+            loader.set_epoch(epoch)
+            assert [b["index"].tolist() for b in loader] == list(loop.epoch(epoch)), (rank, epoch)
+        # a resume 2 steps into epoch 1: the Trainer skips 2 x accumulation batches of a loader it then re-epochs
+        loader = trainer.get_train_dataloader()  # a resumed train() builds its loader, then begins the epoch
+        state.global_step = 5 + 2
+        trainer.callback_handler.on_epoch_begin(args, state, control)
+        resumed = skip_first_batches(loader, 2 * 2)
+        resumed.set_epoch(1)
+        assert [b["index"].tolist() for b in resumed] == list(loop.epoch(1, start_sample=2 * 8)), rank
+    return True
+
+
+@pytest.mark.distributed
+def test_bucketed_trainer_with_balance_ranks_gives_each_rank_the_loop_plan_also_in_later_epochs_and_resumed():
+    assert run_distributed(_trainer_batches, timeout=180) == [True, True]
