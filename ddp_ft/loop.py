@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice
@@ -80,6 +81,33 @@ def step_counts(group: list[dict], info: DistInfo, stop_flag: float = 0.0) -> to
     return _sum_over_ranks(local, info)
 
 
+@dataclass
+class StepOutcome:
+    """What :func:`forward_backward_timed` leaves on the device for the caller's one transfer."""
+
+    loss: torch.Tensor  # the step's global token-mean loss (0-d)
+    counts: torch.Tensor  # [answer tokens, input tokens] summed over ranks
+    compute_ms: torch.Tensor  # each rank's forward+backward ms up to its last gradient, in rank order
+
+
+def rank_balance(compute_ms: list[float], rank: int) -> dict[str, float]:
+    """How unevenly the ranks computed one step, from each rank's compute ms (forward and backward up to the
+    last gradient, before the final wait).
+
+    Returns:
+        dict[str, float]: ``compute_max_ms``, ``compute_min_ms``; ``imbalance``, max / min (1.0: balanced; 1.5: the
+        slowest rank took 50% longer than the fastest); ``wait_for_slowest_ms``, max minus this rank's: what this
+        rank spent waiting for the slowest rank in the step's all-reduce (0 on the slowest rank).
+    """
+    slowest, fastest = max(compute_ms), min(compute_ms)
+    return {
+        "compute_max_ms": slowest,
+        "compute_min_ms": fastest,
+        "imbalance": slowest / fastest if fastest > 0 else 1.0,
+        "wait_for_slowest_ms": slowest - compute_ms[rank],
+    }
+
+
 def forward_backward(
     model: torch.nn.Module,
     group: list[dict],
@@ -105,6 +133,26 @@ def forward_backward(
         here: the caller reads every logged scalar in one transfer), and [answer tokens, input tokens] summed over
         ranks.
     """
+    outcome = forward_backward_timed(model, group, info, counts, precision, scaler)
+    return outcome.loss, outcome.counts
+
+
+def forward_backward_timed(
+    model: torch.nn.Module,
+    group: list[dict],
+    info: DistInfo,
+    counts: torch.Tensor | None = None,
+    precision: Precision | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> StepOutcome:
+    """:func:`forward_backward`, also gathering each rank's compute ms (see :func:`rank_balance`).
+
+    The loss and this rank's compute time travel together in the one collective after backward (an all-gather
+    of [loss, compute ms] per rank; the loss is their sum, as the all-reduce it replaces). Compute ends when
+    the wrapper's last gradient was ready (``BucketedDDP.last_gradient_ready_at``; host time), else when
+    backward returned.
+    """
+    started = time.perf_counter()
     counts = step_counts(group, info) if counts is None else counts
     answer_tokens = counts[0].clamp(min=1).to(torch.float32)
     local_loss = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -117,10 +165,18 @@ def forward_backward(
             scaled = loss * info.world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         local_loss += loss.detach().double()
-    return _sum_over_ranks(local_loss, info), counts[:2]
+    ready = getattr(model, "last_gradient_ready_at", None)
+    compute_ms = ((ready if ready is not None and ready > started else time.perf_counter()) - started) * 1e3
+    mine = torch.stack([local_loss, torch.tensor(compute_ms, dtype=torch.float64, device=info.device)])
+    if info.is_distributed:
+        per_rank = [torch.empty_like(mine) for _ in range(info.world_size)]
+        dist.all_gather(per_rank, mine)
+        gathered = torch.stack(per_rank)
+    else:
+        gathered = mine.unsqueeze(0)
+    return StepOutcome(gathered[:, 0].sum(), counts[:2], gathered[:, 1])
 
 
-@torch.no_grad()
 def evaluate(
     model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo, precision: Precision | None = None
 ) -> float:
@@ -306,7 +362,8 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 if counts[2].item() > 0:  # some rank received SIGTERM/SIGUSR1: all stop here, before this step
                     stopped_by = stop.received or "a stop signal on another rank"
                     break
-                loss, counts = forward_backward(wrapped, group, info, counts, precision, scaler)
+                outcome = forward_backward_timed(wrapped, group, info, counts, precision, scaler)
+                loss, counts = outcome.loss, outcome.counts
                 # The gradients are already averaged over the ranks, so every rank unscales the same numbers, and
                 # finds the same inf/nan: the scaler skips the same steps everywhere with no extra collective.
                 scaler.unscale_(optimizer)
@@ -319,10 +376,11 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 # Every logged scalar in one device-to-host transfer (the step's one wait for the device).
-                logged = [loss.double(), grad_norm.double(), counts[1].double()]
+                logged = [loss.double(), grad_norm.double(), counts[1].double(), *outcome.compute_ms]
                 if precision.loss_scaling:
                     logged.append(scaler._get_scale_async().double())  # the tensor behind get_scale(), unread
-                loss, grad_norm, input_tokens, *scale = torch.stack(logged).tolist()
+                loss, grad_norm, input_tokens, *rest = torch.stack(logged).tolist()
+                compute_ms, scale = rest[: info.world_size], rest[info.world_size :]
                 skipped = precision.loss_scaling and not math.isfinite(grad_norm)  # inf/nan: the scaler skipped
                 if not skipped:
                     scheduler.step()
@@ -337,6 +395,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                     grad_norm=grad_norm,
                     epoch=state.epoch,
                     **meter.stop(int(input_tokens)),
+                    **rank_balance(compute_ms, info.rank),
                 )
                 if precision.loss_scaling:
                     record.update({"loss_scale": scale[0], "skipped": int(skipped)})

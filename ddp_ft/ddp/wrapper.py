@@ -259,6 +259,16 @@ class BucketedDDP(nn.Module):
         """Communication of the most recent backward (zero calls if it ran under ``no_sync``)."""
         return self._reducer.stats.last()
 
+    @property
+    def last_gradient_ready_at(self) -> float | None:
+        """``time.perf_counter()`` when the latest synced backward had its last gradient ready, before the final
+        wait (host time: on CUDA, when the host queued the last gradient's kernels), or None before the first.
+
+        Forward and backward up to here is this rank's compute; the rest of the step is communication and
+        waiting for the slower rank (``ddp_ft.loop`` gathers it per step).
+        """
+        return getattr(self._reducer, "last_ready_at", None)
+
     def pop_comm_stats(self) -> CommStats:
         """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""
         return self._reducer.stats.pop()
