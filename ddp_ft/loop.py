@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice
@@ -30,6 +31,7 @@ from .checkpoint import (
 )
 from .config import RunSettings
 from .data import EpochLoader, answer_tokens, check_resume, count_tokens
+from .data.step_tokens import StepTokenCounts, global_order
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
 from .metrics import ThroughputMeter, open_metric_sink
@@ -71,13 +73,42 @@ def _sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def step_counts(group: list[dict], info: DistInfo, stop_flag: float = 0.0) -> torch.Tensor:
     """[answer tokens, input tokens, ranks asking to stop] of one optimizer step, summed over ranks.
 
-    The one collective before a step's forward; the stop flag rides on it, so every rank learns at the same
-    step boundary whether any rank received a stop signal (``ddp_ft.preemption``).
+    One collective, for callers that do not know the step's global samples (``forward_backward``'s default, the
+    benchmarks). The training loop needs none: it sums the step's samples' counts from the global order
+    (``ddp_ft.data.step_tokens``) and sends the stop flag with the loss after backward.
     """
     local = torch.cat(
         [_count_tokens(group, info.device), torch.tensor([stop_flag], dtype=torch.float64, device=info.device)]
     )
     return _sum_over_ranks(local, info)
+
+
+@dataclass
+class StepOutcome:
+    """What :func:`forward_backward_timed` leaves on the device for the caller's one transfer."""
+
+    loss: torch.Tensor  # the step's global token-mean loss (0-d)
+    counts: torch.Tensor  # [answer tokens, input tokens] summed over ranks
+    compute_ms: torch.Tensor  # each rank's forward+backward ms up to its last gradient, in rank order
+    stop_flags: torch.Tensor  # each rank's stop flag (``ddp_ft.preemption``), in rank order
+
+
+def rank_balance(compute_ms: list[float], rank: int) -> dict[str, float]:
+    """How unevenly the ranks computed one step, from each rank's compute ms (forward and backward up to the
+    last gradient, before the final wait).
+
+    Returns:
+        dict[str, float]: ``compute_max_ms``, ``compute_min_ms``; ``imbalance``, max / min (1.0: balanced; 1.5: the
+        slowest rank took 50% longer than the fastest); ``wait_for_slowest_ms``, max minus this rank's: what this
+        rank spent waiting for the slowest rank in the step's all-reduce (0 on the slowest rank).
+    """
+    slowest, fastest = max(compute_ms), min(compute_ms)
+    return {
+        "compute_max_ms": slowest,
+        "compute_min_ms": fastest,
+        "imbalance": slowest / fastest if fastest > 0 else 1.0,
+        "wait_for_slowest_ms": slowest - compute_ms[rank],
+    }
 
 
 def forward_backward(
@@ -105,6 +136,28 @@ def forward_backward(
         here: the caller reads every logged scalar in one transfer), and [answer tokens, input tokens] summed over
         ranks.
     """
+    outcome = forward_backward_timed(model, group, info, counts, precision, scaler)
+    return outcome.loss, outcome.counts
+
+
+def forward_backward_timed(
+    model: torch.nn.Module,
+    group: list[dict],
+    info: DistInfo,
+    counts: torch.Tensor | None = None,
+    precision: Precision | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    stop_flag: float = 0.0,
+) -> StepOutcome:
+    """:func:`forward_backward`, also gathering each rank's compute ms (see :func:`rank_balance`).
+
+    The loss, this rank's compute time and its stop flag travel together in the one collective after backward
+    (an all-gather of [loss, compute ms, stop flag] per rank; the loss is their sum, as the all-reduce it
+    replaces), so every rank learns at the same step boundary whether any rank received a stop signal. Compute
+    ends when the wrapper's last gradient was ready (``BucketedDDP.last_gradient_ready_at``; host time), else
+    when backward returned.
+    """
+    started = time.perf_counter()
     counts = step_counts(group, info) if counts is None else counts
     answer_tokens = counts[0].clamp(min=1).to(torch.float32)
     local_loss = torch.zeros((), dtype=torch.float64, device=info.device)
@@ -117,10 +170,19 @@ def forward_backward(
             scaled = loss * info.world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         local_loss += loss.detach().double()
-    return _sum_over_ranks(local_loss, info), counts[:2]
+    ready = getattr(model, "last_gradient_ready_at", None)
+    compute_ms = ((ready if ready is not None and ready > started else time.perf_counter()) - started) * 1e3
+    extra = torch.tensor([compute_ms, stop_flag], dtype=torch.float64, device=info.device)
+    mine = torch.cat([local_loss.unsqueeze(0), extra])
+    if info.is_distributed:
+        per_rank = [torch.empty_like(mine) for _ in range(info.world_size)]
+        dist.all_gather(per_rank, mine)
+        gathered = torch.stack(per_rank)
+    else:
+        gathered = mine.unsqueeze(0)
+    return StepOutcome(gathered[:, 0].sum(), counts[:2], gathered[:, 1], gathered[:, 2])
 
 
-@torch.no_grad()
 def evaluate(
     model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo, precision: Precision | None = None
 ) -> float:
@@ -268,6 +330,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     )
 
     meter = ThroughputMeter(info.world_size, info.device)
+    token_counts = StepTokenCounts(train_set)
     progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=identity.name)
     first_loss = last_loss = eval_loss = None
     checkpoint = None
@@ -296,17 +359,18 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     try:
         while state.global_step < total_steps and stopped_by is None:
             batches = loader.epoch(state.epoch, start_sample=state.sample_in_epoch)
+            order = global_order(len(train_set), t.seed, state.epoch)  # every rank sees every step's samples
             while state.global_step < total_steps:
                 group = list(islice(batches, accumulation))
                 if len(group) < accumulation:  # epoch done (EpochLoader yields whole steps; the remainder is dropped)
                     state.epoch, state.sample_in_epoch = state.epoch + 1, 0
                     break
                 meter.start()
-                counts = step_counts(group, info, stop.local_flag)
-                if counts[2].item() > 0:  # some rank received SIGTERM/SIGUSR1: all stop here, before this step
-                    stopped_by = stop.received or "a stop signal on another rank"
-                    break
-                loss, counts = forward_backward(wrapped, group, info, counts, precision, scaler)
+                # The step's global token counts, from its samples in the global order: no collective.
+                step_samples = order[state.sample_in_epoch : state.sample_in_epoch + t.effective_batch]
+                counts = torch.tensor(token_counts.totals(step_samples), dtype=torch.float64, device=info.device)
+                outcome = forward_backward_timed(wrapped, group, info, counts, precision, scaler, stop.local_flag)
+                loss, counts = outcome.loss, outcome.counts
                 # The gradients are already averaged over the ranks, so every rank unscales the same numbers, and
                 # finds the same inf/nan: the scaler skips the same steps everywhere with no extra collective.
                 scaler.unscale_(optimizer)
@@ -319,10 +383,13 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 # Every logged scalar in one device-to-host transfer (the step's one wait for the device).
-                logged = [loss.double(), grad_norm.double(), counts[1].double()]
+                logged = [loss.double(), grad_norm.double(), counts[1].double(), *outcome.compute_ms]
+                logged += list(outcome.stop_flags)
                 if precision.loss_scaling:
                     logged.append(scaler._get_scale_async().double())  # the tensor behind get_scale(), unread
-                loss, grad_norm, input_tokens, *scale = torch.stack(logged).tolist()
+                loss, grad_norm, input_tokens, *rest = torch.stack(logged).tolist()
+                compute_ms, stop_flags = rest[: info.world_size], rest[info.world_size : 2 * info.world_size]
+                scale = rest[2 * info.world_size :]
                 skipped = precision.loss_scaling and not math.isfinite(grad_norm)  # inf/nan: the scaler skipped
                 if not skipped:
                     scheduler.step()
@@ -337,6 +404,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                     grad_norm=grad_norm,
                     epoch=state.epoch,
                     **meter.stop(int(input_tokens)),
+                    **rank_balance(compute_ms, info.rank),
                 )
                 if precision.loss_scaling:
                     record.update({"loss_scale": scale[0], "skipped": int(skipped)})
@@ -347,6 +415,11 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 last_loss = loss
                 progress.update(1)
                 progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if any(stop_flags) and state.global_step < total_steps:
+                    # Some rank received SIGTERM/SIGUSR1 by this step's gather: every rank read the same flags, so
+                    # all stop here, after this step, with one checkpoint.
+                    stopped_by = stop.received or "a stop signal on another rank"
+                    break
                 if (
                     has_eval
                     and t.eval_every

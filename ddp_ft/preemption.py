@@ -3,8 +3,8 @@
 SIGTERM (what torchrun, Kubernetes and SLURM send) and SIGUSR1 (SLURM's ``--signal`` warning) may reach one rank,
 some, or all (torchrun forwards what it receives to every rank it started). The handler only records the signal:
 a rank cannot save alone, since saving gathers RNG states from every rank. At the next optimizer-step boundary
-the ranks sum their flags in a reduction that already happens there (the loop's token counts, the Trainer's
-input-token count), so they all see the same verdict at the same step, save one checkpoint and stop. A second
+the ranks share their flags in a collective that already happens there (the loop's post-backward gather of
+loss and compute time, the Trainer's input-token count), so they all see the same verdict at the same step, save one checkpoint and stop. A second
 signal while saving only sets the flag again: nothing is interrupted half-way.
 
 The launcher's own grace period bounds all this: torchrun sends SIGKILL ``--shutdown-timeout`` seconds (default

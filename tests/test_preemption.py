@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,6 @@ from ddp_ft.checkpoint import (
 )
 from ddp_ft.distributed import DistInfo
 from ddp_ft.faults import ENV, Fault, FaultInjector, parse_faults
-from ddp_ft.loop import step_counts
 from ddp_ft.preemption import StopSignal
 
 from .dist_harness import run_distributed
@@ -40,26 +40,56 @@ def test_a_stop_signal_is_recorded_not_fatal_and_the_previous_handlers_come_back
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+class _TinyLM(torch.nn.Module):
+    """Called as the loop calls a causal LM."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, labels, attention_mask, num_items_in_batch):
+        return SimpleNamespace(loss=self.linear(labels.float().unsqueeze(-1)).sum() / num_items_in_batch)
+
+
 def _agree(rank, world_size):
+    import torch.distributed as dist
+
+    from ddp_ft.ddp import BucketedDDP
+    from ddp_ft.loop import forward_backward_timed
+
     info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
     group = [{"labels": torch.tensor([[-100, 5, 6]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}]
+    counts = torch.tensor([4.0, 6.0], dtype=torch.float64)  # the loop's: from the global order, no collective
+    torch.manual_seed(0)
+    model = BucketedDDP(_TinyLM())
+    blocking = []  # the collectives a step waits on (the buckets' all-reduces are async)
+    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_object"):
+        original = getattr(dist, name)
+
+        def recording(*args, _name=name, _original=original, **kwargs):
+            if not kwargs.get("async_op", False):
+                blocking.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, recording)
     with StopSignal() as stop:
-        before = step_counts(group, info, stop.local_flag).tolist()
+        before = forward_backward_timed(model, group, info, counts, stop_flag=stop.local_flag).stop_flags.tolist()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
-        after = step_counts(group, info, stop.local_flag).tolist()
-        return before, after, stop.received
+        after = forward_backward_timed(model, group, info, counts, stop_flag=stop.local_flag).stop_flags.tolist()
+        return before, after, stop.received, blocking
 
 
 @pytest.mark.distributed
-def test_a_signal_to_one_rank_reaches_every_rank_in_the_step_counts_all_reduce():
-    """The flag rides on the token counts every step reduces anyway: the signalled rank and the other see the same
-    verdict at the same step boundary, with no extra collective."""
+def test_a_signal_to_one_rank_reaches_every_rank_in_the_steps_one_collective():
+    """The flag rides on the gather of loss and compute time every step makes anyway: the signalled rank and the
+    other see the same verdict at the same step boundary, and a step waits on that one collective only."""
     results = run_distributed(_agree)
-    for rank, (before, after, received) in enumerate(results):
-        assert before == [4.0, 6.0, 0.0], rank  # 2 answer tokens x 2 ranks, 3 input tokens x 2, nobody stopping
-        assert after == [4.0, 6.0, 1.0], rank
+    for rank, (before, after, received, blocking) in enumerate(results):
+        assert before == [0.0, 0.0], rank
+        assert after == [0.0, 1.0], rank
         assert received == (None if rank == 0 else "SIGUSR1")
+        assert blocking == ["all_gather", "all_gather"], blocking  # one per step
 
 
 def test_a_second_signal_during_a_save_does_not_interrupt_it(tmp_path):

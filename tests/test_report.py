@@ -256,3 +256,16 @@ def test_log_report_to_wandb_warns_and_returns_without_wandb(tmp_path, monkeypat
     with caplog.at_level(logging.WARNING, logger="ddp_ft.report"):
         log_report_to_wandb({}, tmp_path / "x.png", project="p", group="g")
     assert "wandb is not installed" in caplog.text
+
+
+def test_rank_imbalance_and_wait_get_a_row_for_runs_that_logged_them():
+    records = ddp_run()
+    for record, (imbalance, wait) in zip(
+        records[1:5], [(3.0, 90.0), (1.2, 10.0), (1.5, 30.0), (1.1, 5.0)], strict=True
+    ):
+        record.update(imbalance=imbalance, wait_for_slowest_ms=wait)
+    d = summarize_run(records)
+    assert (d.imbalance, d.wait_for_slowest_ms) == (1.2, 10.0)  # medians, the warm-up step left out
+    table = markdown_table(compare(single_run(), records))
+    assert "| rank imbalance (max/min compute) / wait for slowest | - | 1.20x / 10.0 ms |" in table
+    assert "rank imbalance" not in markdown_table(compare(single_run(), ddp_run()))  # older runs: no row

@@ -241,6 +241,7 @@ class Reducer:
             # backward (torch DDP's hooks run on AccumulateGrad only, which it does not execute). Wait for the next.
             self._finalizer_queued = False
             return
+        self.last_ready_at = time.perf_counter()  # this rank's compute is done; what follows is waiting
         token = start_timer(self._device)
         used_map = None
         if self.find_unused_parameters:

@@ -36,7 +36,9 @@ class BucketedDDP(nn.Module):
           (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
           raises on every rank naming the first differing parameter, instead of a hang or a silent
           mis-reduction (:mod:`~ddp_ft.ddp.verify`).
-        * Start state. Trainable parameters and buffers are broadcast from rank 0.
+        * Start state. Trainable parameters and buffers are broadcast from rank 0. Afterwards a buffer is
+          re-broadcast only if it changed since the last broadcast (see ``broadcast_buffers``), so a constant
+          buffer such as a rotary ``inv_freq`` costs no meeting point per step.
         * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
           is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
           next forward re-attaches zeroed views (:mod:`~ddp_ft.ddp.grad_buffers`).
@@ -82,7 +84,20 @@ class BucketedDDP(nn.Module):
         broadcast_buffers (bool): broadcast the module's buffers from rank 0 at the first forward after a
             synced one (and the first forward), i.e. once per optimizer step at its first micro-step, where the
             ranks have just met in the all-reduce: torch DDP's schedule. A no-grad forward never communicates
-            (torch DDP's may), so evaluation on uneven shards cannot hang. Default: True.
+            (torch DDP's may), so evaluation on uneven shards cannot hang. Only the buffers whose version
+            counter (``tensor._version``, bumped by every in-place write) moved since the last broadcast are
+            sent, with the other buffers of their submodule, and none at all if none moved: the values are
+            torch DDP's, without its per-step meeting point for buffers that never change. The submodule rule
+            is there because some kernels write buffers without bumping their version (``batch_norm``
+            updates ``running_mean``/``running_var`` in place unseen; ``num_batches_tracked``, bumped by
+            ``add_``, reveals it). The decision is local, so it assumes what it needs to be
+            the same on every rank: the same code mutates the same buffers on every rank (BatchNorm running
+            stats updated by the same forward, a counter bumped by the same step); a buffer written on one
+            rank only would make the ranks call different collectives. As a guard, each broadcast is preceded
+            by a broadcast of the number of buffers it sends, and a rank whose count differs from rank 0's
+            raises naming the buffers instead of mis-reducing (a rank that sends none while another sends
+            some still waits until the process group's timeout). Writes through ``.data`` or ``set_()`` are not seen, as they
+            do not bump the version. Default: True.
         process_group (ProcessGroup | None): group to reduce over. Default: the default group.
 
     Raises:
@@ -124,8 +139,10 @@ class BucketedDDP(nn.Module):
         specs = [ParamSpec.of(name, p) for name, p in named]
         self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
         verify_across_ranks(module, specs, self._layout, self.world_size, process_group)
-        self._module_buffers = list(module.buffers())  # fixed at construction, as torch DDP's modules_buffers
-        self._broadcast_from_rank0([*self._params, *self._module_buffers])
+        # Fixed at construction, as torch DDP's modules_buffers.
+        self._module_buffers = list(module.named_buffers())
+        self._broadcast_from_rank0([*self._params, *(b for _, b in self._module_buffers)])
+        self._buffer_versions = [b._version for _, b in self._module_buffers]
 
         # The per-backward half (readiness, ordered launch, finalizer, abort, unused parameters): see reducer.py.
         self._reducer = Reducer(
@@ -242,6 +259,16 @@ class BucketedDDP(nn.Module):
         """Communication of the most recent backward (zero calls if it ran under ``no_sync``)."""
         return self._reducer.stats.last()
 
+    @property
+    def last_gradient_ready_at(self) -> float | None:
+        """``time.perf_counter()`` when the latest synced backward had its last gradient ready, before the final
+        wait (host time: on CUDA, when the host queued the last gradient's kernels), or None before the first.
+
+        Forward and backward up to here is this rank's compute; the rest of the step is communication and
+        waiting for the slower rank (``ddp_ft.loop`` gathers it per step).
+        """
+        return getattr(self._reducer, "last_ready_at", None)
+
     def pop_comm_stats(self) -> CommStats:
         """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""
         return self._reducer.stats.pop()
@@ -269,8 +296,30 @@ class BucketedDDP(nn.Module):
                     t.copy_(synced)
 
     def _broadcast_buffers(self) -> None:
-        if self._module_buffers:
-            self._broadcast_from_rank0(self._module_buffers)
+        """Broadcast from rank 0 the buffers written since the last broadcast (none: no collective)."""
+        moved = {
+            _owner(name)
+            for (name, b), seen in zip(self._module_buffers, self._buffer_versions, strict=True)
+            if b._version != seen
+        }
+        changed = [(name, b) for name, b in self._module_buffers if _owner(name) in moved]
+        if not changed or self.world_size == 1:
+            return
+        count = torch.tensor([len(changed)], dtype=torch.int64, device=changed[0][1].device)
+        self._broadcast_from_rank0([count])
+        if int(count) != len(changed):
+            raise RuntimeError(
+                f"BucketedDDP: rank {self.rank} changed {len(changed)} buffer(s) since the last broadcast "
+                f"({[name for name, _ in changed]}), rank 0 changed {int(count)}: buffers must be written by the "
+                "same code on every rank (see broadcast_buffers)."
+            )
+        self._broadcast_from_rank0([b for _, b in changed])
+        self._buffer_versions = [b._version for _, b in self._module_buffers]
+
+
+def _owner(buffer_name: str) -> str:
+    """The submodule a buffer belongs to: its buffers are sent together when any of them was written."""
+    return buffer_name.rpartition(".")[0]
 
 
 def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -38,6 +38,11 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             return "-"
         return f"{_fmt(run.exposed_comm_ms, '.2f')} ms / {_fmt(run.overlap, '.0%')}"
 
+    def balance(run: RunSummary) -> str:
+        if run.imbalance is None or run.world_size == 1:
+            return "-"
+        return f"{_fmt(run.imbalance, '.2f')}x / {_fmt(run.wait_for_slowest_ms, '.1f')} ms"
+
     rows = [
         ["world size", *(str(r.world_size) for r in runs)],
         ["optimizer steps", *(str(r.steps) for r in runs)],
@@ -49,6 +54,8 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     ]
     if any(r.is_ddp for r in runs):
         rows.append(["exposed comm / overlap (DDP)", *(comm(r) for r in runs)])
+    if any(r.imbalance is not None and r.world_size > 1 for r in runs):
+        rows.append(["rank imbalance (max/min compute) / wait for slowest", *(balance(r) for r in runs)])
     return ["metric", *_column_names(comparison)], rows
 
 

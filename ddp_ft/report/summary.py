@@ -33,6 +33,9 @@ class RunSummary:
         final_eval_loss (float | None): eval loss of the last eval record.
         exposed_comm_ms (float | None): median ms per step that backward waited on communication (DDP only).
         overlap (float | None): median fraction of communication hidden behind compute (DDP on CPU/gloo only).
+        imbalance (float | None): median over steps of the slowest rank's compute over the fastest's (1.0:
+            balanced; runs logged before it was recorded: None).
+        wait_for_slowest_ms (float | None): median ms per step rank 0 waited for the slowest rank.
     """
 
     run_name: str
@@ -49,6 +52,8 @@ class RunSummary:
     final_eval_loss: float | None
     exposed_comm_ms: float | None
     overlap: float | None
+    imbalance: float | None = None
+    wait_for_slowest_ms: float | None = None
 
     @property
     def is_ddp(self) -> bool:
@@ -179,6 +184,8 @@ def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
         final_eval_loss=evals[-1]["eval_loss"] if evals else None,
         exposed_comm_ms=_median(timed, "comm/exposed_comm_ms"),
         overlap=_median(timed, "comm/overlap"),
+        imbalance=_median(timed, "imbalance"),
+        wait_for_slowest_ms=_median(timed, "wait_for_slowest_ms"),
     )
 
 

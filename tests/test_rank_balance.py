@@ -1,0 +1,71 @@
+"""Seeing the wait: each rank's compute per step gathered with the loss, a slow rank's delay shown on the fast one."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ddp_ft.distributed import DistInfo
+from ddp_ft.loop import rank_balance
+
+from .dist_harness import run_distributed
+
+DELAY_S = 0.3
+
+
+def test_rank_balance_defines_imbalance_as_max_over_min_and_the_wait_as_max_minus_own():
+    assert rank_balance([100.0, 150.0], rank=0) == {
+        "compute_max_ms": 150.0,
+        "compute_min_ms": 100.0,
+        "imbalance": 1.5,
+        "wait_for_slowest_ms": 50.0,
+    }
+    assert rank_balance([100.0, 150.0], rank=1)["wait_for_slowest_ms"] == 0.0
+    assert rank_balance([0.0], rank=0)["imbalance"] == 1.0
+
+
+class _SlowOnRank1(torch.nn.Module):
+    """A model called as the loop calls a causal LM; rank 1 sleeps in every forward."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, input_ids, labels, attention_mask, num_items_in_batch):
+        if self.rank == 1:
+            time.sleep(DELAY_S)
+        out = self.linear(input_ids.float().unsqueeze(-1)).squeeze(-1)
+        return SimpleNamespace(loss=((out - labels.float()) ** 2).sum() / num_items_in_batch)
+
+
+def _slow_rank(rank, world_size):
+    from ddp_ft.ddp import BucketedDDP
+    from ddp_ft.loop import forward_backward_timed
+
+    torch.manual_seed(0)
+    ddp = BucketedDDP(_SlowOnRank1(rank))
+    batch = {
+        "input_ids": torch.ones(2, 4, dtype=torch.long),
+        "labels": torch.ones(2, 4, dtype=torch.long),
+        "attention_mask": torch.ones(2, 4, dtype=torch.long),
+    }
+    info = DistInfo(rank, rank, world_size)
+    ddp.pop_comm_stats()
+    outcome = forward_backward_timed(ddp, [batch, batch], info)
+    exposed = ddp.pop_comm_stats().exposed_comm_ms
+    return rank_balance(outcome.compute_ms.tolist(), rank), exposed, outcome.loss.item()
+
+
+@pytest.mark.distributed
+def test_a_slow_rank_shows_as_imbalance_and_as_the_fast_ranks_wait():
+    fast, slow = run_distributed(_slow_rank)
+    delay_ms = 2 * DELAY_S * 1e3  # two micro-batches, each forward sleeps on rank 1
+    assert fast[0] == slow[0] | {"wait_for_slowest_ms": fast[0]["wait_for_slowest_ms"]}  # the same numbers
+    assert fast[0]["imbalance"] > 1.5
+    assert fast[0]["wait_for_slowest_ms"] == pytest.approx(delay_ms, rel=0.3)
+    assert slow[0]["wait_for_slowest_ms"] == 0.0
+    # the fast rank's wait is where it shows in the comm stats: the exposed wait after its last gradient
+    assert fast[1] == pytest.approx(delay_ms, rel=0.3) and slow[1] < 0.5 * delay_ms
+    assert fast[2] == slow[2]
