@@ -82,7 +82,7 @@ def train_record(
     *, step: int, samples_seen: int, loss: float, lr: float | None, grad_norm: float | None, **metrics: object
 ) -> dict:
     """A ``train`` record: one logged optimizer step; ``metrics`` holds throughput, memory, ``comm/*`` and the ranks'
-    balance (``compute_max_ms``, ``compute_min_ms``, ``imbalance``, ``wait_for_slowest_ms``: ``loop.rank_balance``)."""
+    balance (``compute_max_ms``, ``compute_min_ms``, ``imbalance``, ``wait_for_slowest_ms``: ``steps.rank_balance``)."""
     return {
         "type": TRAIN,
         "step": step,

@@ -48,11 +48,11 @@ from ddp_ft.bench import (
 )
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
-from ddp_ft.loop import forward_backward, step_counts
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES, Precision
 from ddp_ft.setup import cache_dir, seed_everything
+from ddp_ft.steps import forward_backward, step_counts
 
 SHAPES = {
     "qwen3-4b": QWEN3_4B,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ddp_ft.distributed import DistInfo
-from ddp_ft.loop import forward_backward
 from ddp_ft.memory import Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
 from ddp_ft.model import LoraSettings, ModelSettings, _frozen_weights_kept, build_tiny_qwen3, load_qlora_model
+from ddp_ft.steps import forward_backward
 
 VOCAB = 512
 

@@ -23,6 +23,7 @@ LAYERS = [
     {"ddp_ft.setup", "ddp_ft.report"},
     {
         "ddp_ft.loop",
+        "ddp_ft.steps",
         "ddp_ft.integrations.accelerate",
         "ddp_ft.integrations.trainer",
         "ddp_ft.integrations.settings",

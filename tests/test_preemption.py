@@ -55,7 +55,7 @@ def _agree(rank, world_size):
     import torch.distributed as dist
 
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.loop import forward_backward_timed
+    from ddp_ft.steps import forward_backward_timed
 
     info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
     group = [{"labels": torch.tensor([[-100, 5, 6]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddp_ft.distributed import DistInfo
-from ddp_ft.loop import rank_balance
+from ddp_ft.steps import rank_balance
 
 from .dist_harness import run_distributed
 
@@ -42,7 +42,7 @@ class _SlowOnRank1(torch.nn.Module):
 
 def _slow_rank(rank, world_size):
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.loop import forward_backward_timed
+    from ddp_ft.steps import forward_backward_timed
 
     torch.manual_seed(0)
     ddp = BucketedDDP(_SlowOnRank1(rank))

@@ -49,7 +49,7 @@ def _effective_batch(rank, world_size, cache, source, k):
 
     from ddp_ft.data import EpochLoader, strided_plan
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.loop import forward_backward
+    from ddp_ft.steps import forward_backward
 
     model, data, collate, seed = _setup(world_size, rank, cache, source)
     single, _, _, _ = _setup(world_size, rank, cache, source)

@@ -95,7 +95,7 @@ from transformers import DataCollatorForSeq2Seq
 from ddp_ft.config import settings_from_preset
 from ddp_ft.data import load_raw_splits, tokenize_dataset
 from ddp_ft.distributed import DistInfo
-from ddp_ft.loop import evaluate
+from ddp_ft.steps import evaluate
 from ddp_ft.setup import resolve_model_and_tokenizer
 from ddp_ft.model import ModelSettings, load_trained_adapter
 from ddp_ft.tokenizer import load_tokenizer
