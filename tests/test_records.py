@@ -52,6 +52,9 @@ def test_the_loop_and_the_trainer_name_a_run_alike_and_write_records_the_report_
     assert seen == [expected, expected]
     assert summaries["loop"].run_name == summaries["trainer"].run_name == "tiny-single-1"
     present = {e: {f.name for f in fields(RunSummary) if getattr(s, f.name) is not None} for e, s in summaries.items()}
-    assert present["loop"] == present["trainer"], present
+    # Per-rank compute balance is the loop's alone so far: the Trainer's one collective per step comes before its last
+    # micro-batch, so it cannot carry that step's compute time (issue 13 leaves it open). Everything else matches.
+    loop_only = {"imbalance", "wait_for_slowest_ms"}
+    assert present["loop"] - loop_only == present["trainer"], present
     assert {"tokens_per_s", "step_time_s", "peak_memory_gb", "final_eval_loss", "effective_batch"} <= present["loop"]
     assert summaries["loop"].effective_batch == summaries["trainer"].effective_batch == 1
