@@ -61,7 +61,12 @@ def measure(entry: str, at_step: int) -> dict:
     """One run: SIGTERM to the launcher once ``at_step`` steps are logged; seconds until it exited, and what it saved."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+        env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": "lo",
+            "WANDB_MODE": "disabled",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        }
         launcher = subprocess.Popen(
             _command(entry, out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )

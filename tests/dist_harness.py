@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+ROOT = Path(__file__).resolve().parents[1]
+# For the scripts a test starts: this checkout first, then whatever PYTHONPATH the suite was started with (a host whose
+# packages come from PYTHONPATH, as on the GPU machine where the suite first ran, keeps them).
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
 
 def _entry(
     rank: int, fn: Callable, world_size: int, init_file: str, out_dir: str, args: tuple, init_group: bool

@@ -24,6 +24,7 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.integrations import recipe
 from ddp_ft.integrations.launch import check_accelerate_config, check_accelerate_launch
 
+from .dist_harness import PYTHONPATH
 from .test_checkpoint import _parts, _trainer_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,7 +395,7 @@ def test_torchrun_two_ranks_on_one_training_sample_exit_non_zero_naming_world_si
     env = {
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHONPATH,
         "DDP_FT_CACHE": tiny_cache,
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "1",

@@ -13,6 +13,8 @@ import torch
 from ddp_ft.bench import build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape
 
+from .dist_harness import PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = Qwen3Shape(
     hidden_size=64,
@@ -93,7 +95,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_js
         "--out",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DDP_FT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "DDP_FT_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .dist_harness import PYTHONPATH
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +34,7 @@ def test_bench_ddp_runs_under_torchrun_and_writes_its_table_and_json(tmp_path):
         "--out",
         str(out),
     ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "BucketedDDP / torch DDP" in run.stdout and "| bucketed_ddp" in run.stdout

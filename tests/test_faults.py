@@ -14,6 +14,8 @@ import pytest
 
 from ddp_ft.metrics import read_jsonl
 
+from .dist_harness import PYTHONPATH
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +55,7 @@ def _launch(
     environ = {
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHONPATH,
         "TOKENIZERS_PARALLELISM": "false",
         "DDP_FT_INJECT_FAULT": faults,
         **(env or {}),

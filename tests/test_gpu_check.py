@@ -13,6 +13,8 @@ import torch
 from ddp_ft.gpu_check import INJECT_ENV, check_dtype, format_report, merge_ranks, plan_world_sizes
 from ddp_ft.precision import Precision, choose_precision
 
+from .dist_harness import PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 SMALLEST = ["--seq-len", "16", "--micro-batch", "1", "--grad-accum", "2", "--warmup-steps", "0", "--steps", "1"]
@@ -20,7 +22,7 @@ CHECKS = ["dtype", "grads_equal_torch_ddp", "no_sync", "qlora_run"]
 
 
 def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})}
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout
     )

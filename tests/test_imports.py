@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .dist_harness import PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[1]
 HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}
 RUN_MODULES = {"ddp_ft.data", "ddp_ft.model", "ddp_ft.synthetic", "ddp_ft.config", "ddp_ft.checkpoint"}
@@ -18,7 +20,7 @@ RUN_MODULES = {"ddp_ft.data", "ddp_ft.model", "ddp_ft.synthetic", "ddp_ft.config
 
 def _imported_by(statement: str) -> set[str]:
     probe = f"import sys\n{statement}\nprint('\\n'.join(sorted(sys.modules)))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     return set(run.stdout.split())

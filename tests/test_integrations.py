@@ -11,6 +11,7 @@ import pytest
 from ddp_ft.metrics import read_jsonl, timeline
 from ddp_ft.report import load_run
 
+from .dist_harness import PYTHONPATH
 from .meetings import write_mixed_length_meetings
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -24,7 +25,7 @@ def _env(tmp_path: Path) -> dict:
     return {
         **os.environ,
         "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": PYTHONPATH,
         "WANDB_MODE": "offline",
         "WANDB_DIR": str(tmp_path),
         "TOKENIZERS_PARALLELISM": "false",

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +23,7 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.faults import ENV, Fault, FaultInjector, parse_faults
 from ddp_ft.preemption import StopSignal
 
-from .dist_harness import run_distributed
+from .dist_harness import PYTHONPATH, run_distributed
 from .test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults
@@ -207,7 +206,7 @@ def test_a_rank_whose_launcher_dies_without_forwarding_a_signal_still_gets_sigte
     single-process ``accelerate launch`` of anything) would leave its rank training on alone; the rank asks Linux for
     SIGTERM when its parent dies, so it stops with a checkpoint instead."""
     marker = tmp_path / "child.txt"
-    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "test", "PYTHONPATH": PYTHONPATH}
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _CHILD, str(marker)], env=env)
     deadline = time.monotonic() + 60
     while not (marker.exists() and marker.read_text() == "ready") and time.monotonic() < deadline:

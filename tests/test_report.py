@@ -19,6 +19,8 @@ from ddp_ft.report import (
     write_report,
 )
 
+from .dist_harness import PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -208,7 +210,7 @@ def test_compare_script_prints_the_table_and_writes_the_files(tmp_path):
         "--out",
         str(tmp_path / "o"),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "| tokens/s (global) | 1,100.0 | 1,900.0 |" in run.stdout and "not comparable" in run.stdout

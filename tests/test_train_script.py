@@ -11,6 +11,7 @@ import torch
 
 from ddp_ft.metrics import read_jsonl, timeline
 
+from .dist_harness import PYTHONPATH
 from .meetings import write_mixed_length_meetings
 from .test_checkpoint import _trainer_checkpoint
 
@@ -21,7 +22,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _env() -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _train(tmp_path: Path, *flags: str, nproc: int = 2, timeout: int = 400) -> subprocess.CompletedProcess:
