@@ -60,8 +60,16 @@ class Qwen3Shape:
 
 
 # Qwen/Qwen3-4B's config.json (hub revision of 2025-04; no network here, so written out).
-QWEN3_4B = Qwen3Shape(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+QWEN3_4B = Qwen3Shape(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 
 
 def nf4_bytes(numel: int, double_quant: bool = True) -> int:
@@ -199,9 +207,14 @@ def skipped_matmuls_mode():
     from torch.utils._pytree import tree_map
 
     aten = torch.ops.aten
-    skipped = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-               aten._scaled_dot_product_flash_attention_for_cpu.default,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward.default}  # fmt: skip
+    skipped = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    }
     try:
         import bitsandbytes  # noqa: F401  (registers its ops)
 

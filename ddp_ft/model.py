@@ -256,8 +256,11 @@ def _frozen_weights_kept(base: torch.nn.Module) -> Iterator[None]:
     the 4.3 GB the training step then peaks at (docs/memory_4bit_cpu.json), with 1.6 GB left cached by CUDA's
     allocator.
     """
-    kept = [(p, p.data) for p in base.parameters()
-            if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit"]  # fmt: skip
+    kept = [
+        (p, p.data)
+        for p in base.parameters()
+        if p.dtype in (torch.float16, torch.bfloat16) and p.__class__.__name__ != "Params4bit"
+    ]
     try:
         for param, data in kept:
             param.data = torch.empty(0, dtype=torch.float32, device=data.device)

@@ -70,8 +70,12 @@ def measure(path: Path, upcast: bool, args: argparse.Namespace) -> dict[str, int
     optimizer = torch.optim.AdamW(trainable)
     optimizer.step()  # zero gradients: only the moments' allocation matters here
     moments = sum(t.nbytes for s in optimizer.state.values() for k, t in s.items() if k != "step")
-    return {"parameters": parameter_bytes(model), "lora_gradients": sum(p.grad.nbytes for p in trainable),
-            "adamw_moments": moments, "step_peak": peak}  # fmt: skip
+    return {
+        "parameters": parameter_bytes(model),
+        "lora_gradients": sum(p.grad.nbytes for p in trainable),
+        "adamw_moments": moments,
+        "step_peak": peak,
+    }
 
 
 def arithmetic(shape: Qwen3Shape, upcast: bool, args: argparse.Namespace):
@@ -82,9 +86,16 @@ def main() -> int:
     args = parse_args()
     start = time.perf_counter()
     proxy = Qwen3Shape(**{**vars(QWEN3_4B), "num_hidden_layers": args.proxy_layers})
-    report: dict = {"command": "python scripts/memory_4bit.py " + " ".join(sys.argv[1:]),
-                    "seq_len": args.seq_len, "micro_batch": args.micro_batch, "compute_dtype": args.compute_dtype,
-                    "proxy_shape": vars(proxy), "shape": vars(QWEN3_4B), "proxy": {}, "qwen3_4b": {}}  # fmt: skip
+    report: dict = {
+        "command": "python scripts/memory_4bit.py " + " ".join(sys.argv[1:]),
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "compute_dtype": args.compute_dtype,
+        "proxy_shape": vars(proxy),
+        "shape": vars(QWEN3_4B),
+        "proxy": {},
+        "qwen3_4b": {},
+    }
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_qwen3(Path(tmp) / "proxy", proxy, DTYPES[args.compute_dtype])
@@ -97,10 +108,15 @@ def main() -> int:
             report["proxy"][name] = {"measured": measured, "arithmetic": computed, "measured_minus_arithmetic": diff}
     for name, upcast in LAYOUTS.items():
         e = arithmetic(QWEN3_4B, upcast, args)
-        report["qwen3_4b"][name] = {"parameters": e.parameters, "training_state": e.training_state,
-                                    "activations_at_step_peak": e.activations, "parameter_bytes": e.parameter_bytes,
-                                    "resident_bytes": e.resident, "step_peak_bytes": e.step_peak,
-                                    "peak_bytes": e.peak}  # fmt: skip
+        report["qwen3_4b"][name] = {
+            "parameters": e.parameters,
+            "training_state": e.training_state,
+            "activations_at_step_peak": e.activations,
+            "parameter_bytes": e.parameter_bytes,
+            "resident_bytes": e.resident,
+            "step_peak_bytes": e.step_peak,
+            "peak_bytes": e.peak,
+        }
     report["wall_s"] = round(time.perf_counter() - start, 1)
     report["max_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)
     report["machine"] = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
@@ -114,19 +130,29 @@ def main() -> int:
 def print_table(report: dict) -> None:
     gb = 1e9
     q = report["qwen3_4b"]
-    print(f"\nQwen3-4B, NF4 + LoRA r=16 all-linear, {report['compute_dtype']}, seq {report['seq_len']}, "
-          f"micro-batch {report['micro_batch']}, non-reentrant checkpointing (GB = 1e9 bytes)")  # fmt: skip
+    print(
+        f"\nQwen3-4B, NF4 + LoRA r=16 all-linear, {report['compute_dtype']}, seq {report['seq_len']}, "
+        f"micro-batch {report['micro_batch']}, non-reentrant checkpointing (GB = 1e9 bytes)"
+    )
     print(f"{'':34} {'upcast (peft)':>14} {'kept (ours)':>12}")
-    rows = [("resident: parameters", "parameter_bytes"), ("resident: + grads and AdamW", "resident_bytes"),
-            ("step peak (activations)", "step_peak_bytes"), ("expected peak per GPU", "peak_bytes")]  # fmt: skip
+    rows = [
+        ("resident: parameters", "parameter_bytes"),
+        ("resident: + grads and AdamW", "resident_bytes"),
+        ("step peak (activations)", "step_peak_bytes"),
+        ("expected peak per GPU", "peak_bytes"),
+    ]
     for label, key in rows:
         print(f"{label:34} {q['upcast'][key] / gb:14.3f} {q['kept'][key] / gb:12.3f}")
     print(f"\nCPU proxy ({report['proxy_shape']['num_hidden_layers']} layers at full width), measured - arithmetic:")
     for name, r in report["proxy"].items():
-        print(f"  {name:7} " + ", ".join(f"{k} {r['measured'][k]:,} ({v:+,})" for k, v in
-                                         r["measured_minus_arithmetic"].items()))  # fmt: skip
-    print(f"\narithmetic matches the proxy: {report['arithmetic_matches_proxy']}; "
-          f"{report['wall_s']} s, max RSS {report['max_rss_gb']} GB")  # fmt: skip
+        print(
+            f"  {name:7} "
+            + ", ".join(f"{k} {r['measured'][k]:,} ({v:+,})" for k, v in r["measured_minus_arithmetic"].items())
+        )
+    print(
+        f"\narithmetic matches the proxy: {report['arithmetic_matches_proxy']}; "
+        f"{report['wall_s']} s, max RSS {report['max_rss_gb']} GB"
+    )
 
 
 if __name__ == "__main__":

@@ -46,7 +46,11 @@ def test_reference_preset_is_the_reference_run():
     assert (s.train.effective_batch, s.train.micro_batch, s.train.epochs) == (16, 1, 3)
     assert (s.train.learning_rate, s.train.min_learning_rate, s.data.max_seq_len) == (2e-4, 2e-5, 512)
     assert (s.lora.lora_r, s.lora.lora_alpha, s.lora.lora_dropout, s.lora.lora_target_modules) == (
-        16, 32, 0.05, "all-linear")  # fmt: skip
+        16,
+        32,
+        0.05,
+        "all-linear",
+    )
     assert s.model.load_in_4bit and not s.model.use_reentrant and not s.model.upcast_frozen_weights
 
 
@@ -59,9 +63,21 @@ def test_unknown_preset_is_refused_listing_the_known_ones(capsys):
 
 def test_help_documents_every_setting():
     text = build_parser().format_help()
-    for flag in ["--effective_batch", "--micro_batch", "--max_steps", "--bucket_cap_mb", "--comm_hook", "--lora_r",
-                 "--model_name_or_path", "--upcast_frozen_weights", "--source", "--dialogue_column", "--max_seq_len",
-                 "--resume", "--preset"]:  # fmt: skip
+    for flag in [
+        "--effective_batch",
+        "--micro_batch",
+        "--max_steps",
+        "--bucket_cap_mb",
+        "--comm_hook",
+        "--lora_r",
+        "--model_name_or_path",
+        "--upcast_frozen_weights",
+        "--source",
+        "--dialogue_column",
+        "--max_seq_len",
+        "--resume",
+        "--preset",
+    ]:
         assert flag in text, flag
     assert "Samples per optimizer step over all ranks" in text
 

@@ -30,8 +30,9 @@ def tiny_qwen3(tmp_path_factory):
 
 def _load(path, compute_dtype, upcast=False, **model_overrides):
     torch.manual_seed(0)
-    settings = ModelSettings(model_name_or_path=path, compute_dtype=compute_dtype, upcast_frozen_weights=upcast,
-                             **model_overrides)  # fmt: skip
+    settings = ModelSettings(
+        model_name_or_path=path, compute_dtype=compute_dtype, upcast_frozen_weights=upcast, **model_overrides
+    )
     model = load_qlora_model(settings, LoraSettings(lora_dropout=0.0), {"": "cpu"}).train()
     with torch.no_grad():  # LoRA B starts at zero, which would leave every lora_A gradient zero
         for name, p in model.named_parameters():

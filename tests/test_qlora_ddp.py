@@ -76,8 +76,13 @@ def _qlora_against_references(rank, world_size, path, compute_dtype, steps=2):
         ):
             assert torch.count_nonzero(g_ours) > 0, name
             assert_close(g_ours, g_torch, rtol=0, atol=0, msg=lambda m, n=name: f"vs torch DDP, {n}: {m}")
-            assert_close(g_ours, g_ref, rtol=rtol, atol=atol_fraction * g_ref.abs().max().item(),
-                         msg=lambda m, n=name: f"vs global batch, {n}: {m}")  # fmt: skip
+            assert_close(
+                g_ours,
+                g_ref,
+                rtol=rtol,
+                atol=atol_fraction * g_ref.abs().max().item(),
+                msg=lambda m, n=name: f"vs global batch, {n}: {m}",
+            )
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
