@@ -6,8 +6,10 @@ the decisions, so the summary is learnable from the transcript. Deterministic by
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 _ROLES = ("project manager", "industrial designer", "marketing expert", "user interface designer")
 _NAMES = tuple(
@@ -285,3 +287,22 @@ def generate_synthetic_meetings(n: int, seed: int = 0) -> list[dict[str, str]]:
         raise ValueError(f"n={n}: must be >= 0.")
     rng = random.Random(seed)
     return [_meeting(i, seed, rng) for i in range(n)]
+
+
+def write_mixed_length_meetings(path: str | Path, n: int = 64, seed: int = 1) -> str:
+    """A jsonl of ``n`` synthetic meetings with transcripts cut to 10-160 words and summaries to 5-60 words.
+
+    Through the tiny tokenizer at ``max_seq_len=256``: samples of about 60 to 256 tokens (a few still cut) with 8 to
+    70 answer tokens, so micro-batches pad and ranks draw different amounts of work, as with real transcripts. (The
+    tiny preset's own meetings all fill 256 tokens.) Used by the tests and ``scripts/bench_e2e.py``.
+
+    Returns:
+        str: ``path``, for ``--source``.
+    """
+    rng = random.Random(seed)
+    rows = generate_synthetic_meetings(n, seed=seed)
+    for row in rows:
+        row["dialogue"] = " ".join(row["dialogue"].split()[: rng.randint(10, 160)])
+        row["summary"] = " ".join(row["summary"].split()[: rng.randint(5, 60)])
+    Path(path).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)

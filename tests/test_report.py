@@ -271,3 +271,35 @@ def test_rank_imbalance_and_wait_get_a_row_for_runs_that_logged_them():
     table = markdown_table(compare(single_run(), records))
     assert "| rank imbalance (max/min compute) / wait for slowest | - | 1.20x / 10.0 ms |" in table
     assert "rank imbalance" not in markdown_table(compare(single_run(), ddp_run()))  # older runs: no row
+
+
+def test_ddp_is_measured_against_independent_single_runs_side_by_side(tmp_path):
+    """The limit is the summed median tokens/s of one single-device run per DDP device, run at the same time; the
+    DDP run's share of it appears in the summary, the JSON, the plot and through compare.py --independent."""
+    base = write_run(tmp_path / "single", single_run())
+    other = write_run(tmp_path / "ddp", ddp_run())
+    alone = [write_run(tmp_path / f"alone{i}", single_run()) for i in range(2)]
+    report = write_report(base, other, tmp_path / "out", independent_dirs=alone)
+    assert report["limit_tokens_per_s"] == 2 * 1100.0  # each alone run's median after the warm-up step
+    assert report["of_limit"] == 1900.0 / 2200.0
+    assert (
+        "**Against the limit** (2 independent single-device runs side by side, no communication: 2,200.0 "
+        in (report["markdown"])
+    )
+    assert "reaches 86.4% of it" in report["markdown"]
+    assert Comparison.from_dict(report).of_limit == report["of_limit"]
+    assert "Against the limit" not in markdown_table(compare(single_run(), ddp_run()))  # none given: no line
+    with pytest.raises(ValueError, match="must be 2 single-device runs"):
+        write_report(base, other, tmp_path / "bad", independent_dirs=alone[:1])
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    script = [sys.executable, str(ROOT / "scripts" / "compare.py"), str(base), str(other)]
+    run = subprocess.run(
+        [*script, "--out", str(tmp_path / "o"), "--independent", *map(str, alone)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "reaches 86.4% of it" in run.stdout
+    assert json.loads((tmp_path / "o" / "comparison.json").read_text())["limit_tokens_per_s"] == 2200.0

@@ -32,7 +32,13 @@ def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list
     return summarize_run(records, skip_first), records
 
 
-def write_report(baseline_dir: str | Path, other_dir: str | Path, out_dir: str | Path, skip_first: int = 1) -> dict:
+def write_report(
+    baseline_dir: str | Path,
+    other_dir: str | Path,
+    out_dir: str | Path,
+    skip_first: int = 1,
+    independent_dirs: list[str | Path] | None = None,
+) -> dict:
     """Compare two run directories; write ``comparison.md``, ``comparison.png`` and ``comparison.json``.
 
     Args:
@@ -40,6 +46,8 @@ def write_report(baseline_dir: str | Path, other_dir: str | Path, out_dir: str |
         other_dir (str | Path): output_dir of the DDP run.
         out_dir (str | Path): where the three files go (created).
         skip_first (int): warm-up steps left out of the medians. Default: 1.
+        independent_dirs (list[str | Path] | None): output_dirs of single-device runs of the same experiment that
+            ran side by side, one per device of the DDP run: the limit DDP is measured against. Default: None.
 
     Returns:
         dict: the content of ``comparison.json``: :meth:`Comparison.to_dict` plus ``table``
@@ -47,7 +55,8 @@ def write_report(baseline_dir: str | Path, other_dir: str | Path, out_dir: str |
     """
     baseline, baseline_records = load_run(baseline_dir, skip_first)
     other, other_records = load_run(other_dir, skip_first)
-    comparison = compare_runs(baseline, baseline_records, other, other_records)
+    independent = [load_run(d, skip_first)[0] for d in independent_dirs or []]
+    comparison = compare_runs(baseline, baseline_records, other, other_records, independent)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     markdown = markdown_table(comparison)

@@ -72,6 +72,15 @@ def summary_lines(comparison: Comparison) -> list[str]:
     return [
         f"- **Speedup** (global tokens/s, {other.run_name} / {base.run_name}): {_fmt(c.speedup, '.2f')}x",
         f"- **Scaling efficiency** (speedup / {devices:g}x devices): {_fmt(c.scaling_efficiency, '.1%')}",
+        *(
+            [
+                f"- **Against the limit** ({other.world_size:g} independent single-device runs side by side, no "
+                f"communication: {c.limit_tokens_per_s:,.1f} tokens/s): {other.run_name} reaches "
+                f"{_fmt(c.of_limit, '.1%')} of it"
+            ]
+            if c.limit_tokens_per_s is not None
+            else []
+        ),
         f"- **Step time ratio** ({other.run_name} / {base.run_name}): {_fmt(c.step_time_ratio, '.3f')}",
         f"- **Loss-curve gap** (|delta loss| at equal samples seen): {gap}",
         f"- **Eval loss delta** ({other.run_name} - {base.run_name}): {eval_delta}",
@@ -127,10 +136,19 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     loss_ax.grid(alpha=0.3)
 
     groups = ("global", "per device")
-    width = 0.38
-    for i, (name, run, color) in enumerate(zip(names, (base, other), ("tab:blue", "tab:orange"), strict=True)):
-        values = [run.tokens_per_s or 0.0, run.tokens_per_s_per_device or 0.0]
-        bars = bar_ax.bar([g + (i - 0.5) * width for g in range(len(groups))], values, width, color=color, label=name)
+    series = [
+        (name, run.tokens_per_s, run.tokens_per_s_per_device, color)
+        for name, run, color in zip(names, (base, other), ("tab:blue", "tab:orange"), strict=True)
+    ]
+    if comparison.limit_tokens_per_s is not None:
+        devices = other.world_size
+        limit = comparison.limit_tokens_per_s
+        series.append((f"limit: {devices} independent runs", limit, limit / devices, "tab:gray"))
+    width = 0.8 / len(series)
+    for i, (name, total, per_device, color) in enumerate(series):
+        values = [total or 0.0, per_device or 0.0]
+        offset = (i - (len(series) - 1) / 2) * width
+        bars = bar_ax.bar([g + offset for g in range(len(groups))], values, width, color=color, label=name)
         bar_ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=2)
     bar_ax.set_xticks(range(len(groups)), [f"tokens/s {g}" for g in groups])
     bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput (speedup {_fmt(comparison.speedup, '.2f')}x)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from ..records import CONFIG, EVAL, TRAIN, of_type
 
@@ -96,6 +96,10 @@ class Comparison:
         notes (list[str]): caveats a reader must see (no overlap, unequal lengths, different batches...).
         baseline_curve (LossCurve): the baseline's loss curve, for the plot.
         other_curve (LossCurve): the other run's loss curve, for the plot.
+        limit_tokens_per_s (float | None): what the devices allow with no communication at all: the summed
+            tokens/s of independent single-device runs of the same experiment, run at the same time (one per device
+            of ``other``); None when none were given.
+        of_limit (float | None): ``other.tokens_per_s / limit_tokens_per_s``: how close DDP came to that limit.
     """
 
     baseline: RunSummary
@@ -110,6 +114,8 @@ class Comparison:
     notes: list[str]
     baseline_curve: LossCurve
     other_curve: LossCurve
+    limit_tokens_per_s: float | None = None
+    of_limit: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +123,7 @@ class Comparison:
     @classmethod
     def from_dict(cls, data: Mapping) -> Comparison:
         """Rebuild from :meth:`to_dict` output (or a ``comparison.json``; keys other than the fields are ignored)."""
-        values = {f.name: data[f.name] for f in fields(cls)}
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING}
         values["baseline"] = RunSummary(**values["baseline"])
         values["other"] = RunSummary(**values["other"])
         values["baseline_curve"] = LossCurve(**values["baseline_curve"])
@@ -204,7 +210,11 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def compare_runs(
-    baseline: RunSummary, baseline_records: list[dict], other: RunSummary, other_records: list[dict]
+    baseline: RunSummary,
+    baseline_records: list[dict],
+    other: RunSummary,
+    other_records: list[dict],
+    independent: list[RunSummary] | None = None,
 ) -> Comparison:
     """Compare two summarized runs; the records supply the loss curves.
 
@@ -216,6 +226,8 @@ def compare_runs(
         baseline_records (list[dict]): its ``metrics.jsonl`` records.
         other (RunSummary): the run being judged (usually DDP on N devices).
         other_records (list[dict]): its ``metrics.jsonl`` records.
+        independent (list[RunSummary] | None): single-device runs of the same experiment that ran side by side,
+            one per device of ``other`` (the limit: what the devices do with no communication). Default: None.
 
     Returns:
         Comparison: speedup, scaling efficiency, step-time ratio, loss-curve gap, eval-loss delta and notes.
@@ -247,6 +259,18 @@ def compare_runs(
     if baseline.tokens_per_s is None or other.tokens_per_s is None:
         notes.append("tokens_per_s missing in a run: no speedup")
 
+    limit = None
+    if independent:
+        if len(independent) != other.world_size or any(r.world_size != 1 for r in independent):
+            raise ValueError(
+                f"the independent runs must be {other.world_size} single-device runs (one per device of "
+                f"{other.run_name}); got world sizes {[r.world_size for r in independent]}"
+            )
+        if any(r.tokens_per_s is None for r in independent):
+            notes.append("tokens_per_s missing in an independent run: no limit")
+        else:
+            limit = sum(r.tokens_per_s for r in independent)
+
     speedup = _ratio(other.tokens_per_s, baseline.tokens_per_s)
     return Comparison(
         baseline=baseline,
@@ -265,4 +289,6 @@ def compare_runs(
         notes=notes,
         baseline_curve=base_curve,
         other_curve=other_curve,
+        limit_tokens_per_s=limit,
+        of_limit=_ratio(other.tokens_per_s, limit),
     )

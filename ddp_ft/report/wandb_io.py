@@ -79,6 +79,8 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
             "loss_gap_mean",
             "matched_points",
             "eval_loss_delta",
+            "limit_tokens_per_s",
+            "of_limit",
         )
         run.summary.update({f"comparison/{k}": report[k] for k in keys if report.get(k) is not None})
         logger.info("logged comparison to wandb (%s mode): %s", mode, run.dir)
