@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench gpu-check bench-gpu train-reference
+.PHONY: install test lint demo bench bench-e2e gpu-check bench-gpu train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,16 +22,27 @@ lint: install
 	$(PY) -m ruff format --check ddp_ft scripts tests
 
 # The main job on the embedded default (tiny Qwen3, synthetic AMI-like data) with the HF Trainer + BucketedDDP:
-# one process, then two (gloo), then the comparison (table, PNG, wandb). One thread per process: the CPU
-# analogue of one GPU per process, so the single run is a fair baseline.
+# one process, then two (gloo), then two independent single processes side by side (no communication: the limit
+# two devices allow), then the comparison (table, PNG, wandb). One thread per process: the CPU analogue of one GPU
+# per process, so the single run is a fair baseline.
+DEMO_RUN = WANDB_DIR=runs/demo OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch
 demo: install
 	rm -rf runs/demo
-	WANDB_DIR=runs/demo OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/single --wandb-group demo
-	WANDB_DIR=runs/demo OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml recipes/qwen_ami.py --output-dir runs/demo/ddp --wandb-group demo
-	WANDB_DIR=runs/demo $(PY) scripts/compare.py runs/demo/single runs/demo/ddp --out runs/demo/comparison --wandb-project ddp_ft --wandb-group demo
+	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/single --wandb-group demo
+	$(DEMO_RUN) --config_file accelerate_configs/2cpu_gloo.yaml recipes/qwen_ami.py --output-dir runs/demo/ddp --wandb-group demo
+	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/alone0 --report-to none & \
+	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/alone1 --report-to none; \
+	status=$$?; wait $$! && exit $$status
+	WANDB_DIR=runs/demo $(PY) scripts/compare.py runs/demo/single runs/demo/ddp --independent runs/demo/alone0 runs/demo/alone1 \
+		--out runs/demo/comparison --wandb-project ddp_ft --wandb-group demo
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
+
+# End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
+# alternated, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).
+bench-e2e: install
+	$(PY) scripts/bench_e2e.py --repeats 3 --out bench_results/bench_e2e.json
 
 # The first thing to run on a CUDA host (under 5 minutes, exit status 1 on any failure): BucketedDDP against torch DDP,
 # no communication under no_sync, the compute dtype for these GPUs, a short 4-bit QLoRA run; 1 process, then 2 on 2+ GPUs.
