@@ -93,6 +93,7 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     summaries = [load_run(tmp_path / run)[0] for run in ("recipe-ddp", "loop-ddp")]
     assert [s.run_name for s in summaries] == ["tiny-ddp-2", "tiny-ddp-2"]
     assert all(s.exposed_comm_ms is not None and s.tokens_per_s and s.peak_memory_gb for s in summaries), summaries
+    assert all(s.imbalance is not None and s.wait_for_slowest_ms is not None for s in summaries), summaries
     # measured: within 7e-8 relative (with dropout on, 2e-4: the masks differ)
     assert [r["loss"] for r in recipe_steps] == pytest.approx([r["loss"] for r in loop_steps], rel=1e-6, abs=0)
     # the same non-padding tokens each step (the data has padding: counting it would differ between the paths)
@@ -111,7 +112,15 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert len(runs) == 3, [r.name for r in runs]
     for run_dir in runs:
         data = next(run_dir.glob("run-*.wandb")).read_bytes()
-        for key in (b"train/loss", b"train/tokens_per_s", b"train/step_time_s", b"train/samples_seen", b"tiny"):
+        for key in (
+            b"train/loss",
+            b"train/tokens_per_s",
+            b"train/step_time_s",
+            b"train/samples_seen",
+            b"tiny",
+            b"train/imbalance",
+            b"train/wait_for_slowest_ms",
+        ):
             assert key in data, (run_dir.name, key)
     ddp_runs = [r for r in runs if b"ddp-2" in next(r.glob("run-*.wandb")).read_bytes()]
     assert len(ddp_runs) == 2 and all(

@@ -260,19 +260,20 @@ def _collectives_per_step(rank, world_size):
 
 
 def test_trainer_steps_make_no_collective_per_micro_step_and_count_non_padding_tokens_once_per_step():
-    """Accumulation 4: per optimizer step, the bucket all-reduces and one reduction of the token count, whatever the
-    accumulation; no all-gather (the Trainer's per-micro-step token gather) at all, and nothing at all (collective
-    or ``.item()``/``.tolist()``) on the ``no_sync`` micro-steps. The token count is still exact: every non-padding
-    token of the epoch, once."""
+    """Accumulation 4: per optimizer step, the bucket all-reduces and one all-gather of the token count (with the stop
+    flag and the compute time), whatever the accumulation; nothing at all (collective or ``.item()``/``.tolist()``)
+    on the ``no_sync`` micro-steps, and on the synced one the buckets' all-reduces, then the all-gather, then one
+    host read (no ``all_gather_into_tensor``: the Trainer's per-micro-step token gather). The token count is still
+    exact: every non-padding token of the epoch, once."""
     for steps, buckets, seen, total in run_distributed(_collectives_per_step, timeout=180):
         assert len(steps) == 2
         for calls in steps:
-            assert calls.count("all_gather") + calls.count("all_gather_into_tensor") == 0, calls
-            assert calls.count("all_reduce") == buckets + 1, calls
+            assert sum(calls.count(name) for name in _COLLECTIVES) == buckets + 1, calls
             assert calls.count("broadcast") == 0, calls  # the model's buffers never change: no re-broadcast
             # The no_sync micro-steps (all but the last of 4): no collective and no host read (.item/.tolist).
             micro = " ".join(calls).split("substep_end")
             assert len(micro) == 4 and all(not m.strip() for m in micro[:3]), calls
+            assert micro[3].split() == ["all_reduce"] * buckets + ["all_gather", "tolist"], calls
         assert seen == total
 
 

@@ -1,6 +1,9 @@
-"""Seeing the wait: each rank's compute per step gathered with the loss, a slow rank's delay shown on the fast one."""
+"""Seeing the wait: each rank's compute per step gathered with the loss (the plain loop) or with the token count (the
+Trainer), a slow rank's delay shown on the fast one."""
 
+import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,8 +13,10 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.steps import rank_balance
 
 from .dist_harness import run_distributed
+from .test_plugin_wrapping import _as_accelerate_rank, _padded_rows, _Tokens
 
 DELAY_S = 0.3
+BALANCE = ("compute_max_ms", "compute_min_ms", "imbalance", "wait_for_slowest_ms")
 
 
 def test_rank_balance_defines_imbalance_as_max_over_min_and_the_wait_as_max_minus_own():
@@ -69,3 +74,70 @@ def test_a_slow_rank_shows_as_imbalance_and_as_the_fast_ranks_wait():
     # the fast rank's wait is where it shows in the comm stats: the exposed wait after its last gradient
     assert fast[1] == pytest.approx(delay_ms, rel=0.3) and slow[1] < 0.5 * delay_ms
     assert fast[2] == slow[2]
+
+
+class _TokensSlowOnRank1(_Tokens):
+    """A model the Trainer counts tokens for; rank 1 sleeps in every forward."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rank = rank
+
+    def forward(self, input_ids, attention_mask, x, y):
+        if self.rank == 1:
+            time.sleep(DELAY_S)
+        return super().forward(input_ids, attention_mask, x, y)
+
+
+def _slow_rank_trainer(rank, world_size):
+    _as_accelerate_rank(rank, world_size)
+    from transformers import TrainerCallback, TrainingArguments
+
+    from ddp_ft.integrations import BucketedTrainer
+    from ddp_ft.metrics import read_jsonl
+
+    logged = []
+
+    class Logs(TrainerCallback):  # after ThroughputCallback, which BucketedTrainer puts first
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in logs:
+                logged.append(dict(logs))
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            max_steps=3,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            dataloader_drop_last=True,
+            remove_unused_columns=False,
+            ddp_backend="gloo",
+        )
+        trainer = BucketedTrainer(
+            model=_TokensSlowOnRank1(rank), args=args, train_dataset=_padded_rows(), callbacks=[Logs()]
+        )
+        trainer.train()
+        records = [r for r in read_jsonl(Path(out) / "metrics.jsonl") if r["type"] == "train"] if rank == 0 else []
+    return logged, records
+
+
+@pytest.mark.distributed
+def test_the_trainer_shows_a_slow_rank_as_imbalance_and_as_the_fast_ranks_wait_every_step():
+    """The Trainer path records the loop's balance fields, from the token count's all-gather after the step's last
+    backward: every logged step, in the logs (wandb's ``train/``) and in rank 0's ``metrics.jsonl``."""
+    (fast, records), (slow, _) = run_distributed(_slow_rank_trainer, timeout=180)
+    delay_ms = 2 * DELAY_S * 1e3  # accumulation 2, each forward sleeps on rank 1
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert len(fast) == len(slow) == 3
+    for record, f, s in zip(records, fast, slow, strict=True):
+        assert {k: record.get(k) for k in BALANCE} == {k: f.get(k) for k in BALANCE}  # the record is rank 0's log
+        assert f["compute_max_ms"] == s["compute_max_ms"] and f["compute_min_ms"] == s["compute_min_ms"]
+        assert f["imbalance"] > 1.5
+        assert f["wait_for_slowest_ms"] == pytest.approx(delay_ms, rel=0.3)
+        assert s["wait_for_slowest_ms"] == 0.0

@@ -6,7 +6,7 @@ from dataclasses import fields
 import pytest
 import wandb
 
-from ddp_ft.records import RunIdentity, run_identity
+from ddp_ft.records import RunIdentity, of_type, run_identity
 from ddp_ft.report import RunSummary, load_run
 
 from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
@@ -43,18 +43,21 @@ def test_the_loop_and_the_trainer_name_a_run_alike_and_write_records_the_report_
     """The same single-process experiment through both entry points: wandb sees the same project, group, job type
     and run name, ``metrics.jsonl`` records that name, and the report summarises both runs with the same fields."""
     seen = _identity_seen_by_wandb(monkeypatch)
-    summaries = {}
+    summaries, trains = {}, {}
     for entry in ("loop", "trainer"):
         assert _run(entry, tmp_path / entry, eval_every=1) == 2
         summaries[entry], records = load_run(tmp_path / entry, skip_first=0)
         assert {r["type"] for r in records} == {"config", "train", "eval"}, entry
+        trains[entry] = of_type(records, "train")
     expected = ("ddp_ft", "tiny", "single-1", "tiny-single-1")
     assert seen == [expected, expected]
     assert summaries["loop"].run_name == summaries["trainer"].run_name == "tiny-single-1"
     present = {e: {f.name for f in fields(RunSummary) if getattr(s, f.name) is not None} for e, s in summaries.items()}
-    # Per-rank compute balance is the loop's alone so far: the Trainer's one collective per step comes before its last
-    # micro-batch, so it cannot carry that step's compute time (issue 13 leaves it open). Everything else matches.
-    loop_only = {"imbalance", "wait_for_slowest_ms"}
-    assert present["loop"] - loop_only == present["trainer"], present
+    assert present["loop"] == present["trainer"], present
     assert {"tokens_per_s", "step_time_s", "peak_memory_gb", "final_eval_loss", "effective_batch"} <= present["loop"]
+    assert {"imbalance", "wait_for_slowest_ms"} <= present["loop"]
+    for entry, records in trains.items():  # one process: its own compute is the slowest and the fastest, every step
+        for record in records:
+            assert record["compute_max_ms"] == record["compute_min_ms"] > 0, (entry, record)
+            assert (record["imbalance"], record["wait_for_slowest_ms"]) == (1.0, 0.0), (entry, record)
     assert summaries["loop"].effective_batch == summaries["trainer"].effective_batch == 1

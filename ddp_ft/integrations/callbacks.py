@@ -19,12 +19,15 @@ logger = logging.getLogger(__name__)
 
 
 class ThroughputCallback(TrainerCallback):
-    """Adds throughput, step time, peak memory and BucketedDDP communication stats to every Trainer log.
+    """Adds throughput, step time, peak memory, BucketedDDP communication stats and the ranks' balance to every
+    Trainer log.
 
     Tokens are the Trainer's ``num_input_tokens_seen`` (set ``include_num_input_tokens_seen="non_padding"``, as
     :class:`BucketedTrainer` does, so padding is not counted), summed over all ranks. Values are averages over
-    the steps since the previous log. Register it before the reporting callbacks (``BucketedTrainer`` does) so
-    wandb and the console see the values.
+    the steps since the previous log, the balance's too (``compute_max_ms``, ``compute_min_ms``, ``imbalance``,
+    ``wait_for_slowest_ms``: ``ddp_ft.steps.rank_balance``; the mean, like the rest, so a logged wait is still the
+    logged max minus this rank's mean compute), over the steps that had one. Register it before the reporting
+    callbacks (``BucketedTrainer`` does) so wandb and the console see the values.
 
     On rank 0 it also writes ``<output_dir>/metrics.jsonl`` in the plain loop's format (so ``scripts/compare.py``
     reads either), and points wandb's ``train/*`` and ``eval/*`` at ``train/samples_seen``.
@@ -35,6 +38,9 @@ class ThroughputCallback(TrainerCallback):
         ddp_config (dict | None): BucketedDDP settings recorded in the run config (bucket cap, comm hook).
         wandb_switch (WandbSwitch | None): shared with the reporting callback, so that a wandb failure in either turns
             wandb off for both with one warning. Default: one of its own, made at train begin.
+        step_balance (Callable[[], dict[str, float] | None] | None): returns, at each ``on_step_end``, the ranks'
+            balance of the step just finished, or None (``BucketedTrainer.pop_step_balance``). Default: None (no
+            balance).
     """
 
     def __init__(
@@ -42,8 +48,10 @@ class ThroughputCallback(TrainerCallback):
         wrapped_model: Callable[[], torch.nn.Module] | None = None,
         ddp_config: dict | None = None,
         wandb_switch: WandbSwitch | None = None,
+        step_balance: Callable[[], dict[str, float] | None] | None = None,
     ) -> None:
         self._wrapped_model = wrapped_model
+        self._step_balance = step_balance
         self._ddp_config = ddp_config or {}
         self._wandb_switch = wandb_switch
         self._reset()
@@ -57,6 +65,7 @@ class ThroughputCallback(TrainerCallback):
         self._tokens = 0
         self._steps = 0
         self._comm = CommStats()
+        self._balances: list[dict[str, float]] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._reset()
@@ -114,6 +123,9 @@ class ThroughputCallback(TrainerCallback):
         model = self._wrapped_model() if self._wrapped_model else None
         if isinstance(model, BucketedDDP):
             self._comm = self._comm + model.pop_comm_stats()
+        balance = self._step_balance() if self._step_balance else None
+        if balance is not None:
+            self._balances.append(balance)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self._setup_wandb()
@@ -142,6 +154,8 @@ class ThroughputCallback(TrainerCallback):
             if self._comm.overlap is not None:
                 per_step["comm/overlap"] = self._comm.overlap
             logs.update(per_step)
+        if self._balances:
+            logs.update({k: sum(b[k] for b in self._balances) / len(self._balances) for k in self._balances[0]})
         self._reset()
         if self._sink is not None:
             named = ("loss", "learning_rate", "grad_norm", "samples_seen")

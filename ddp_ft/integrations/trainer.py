@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +53,17 @@ class _StopCallback(TrainerCallback):
             logger.warning(
                 "stopping after step %d (%s): saving a checkpoint", state.global_step, self._trainer.stopped_by
             )
+
+
+class _StepClockCallback(TrainerCallback):
+    """Starts the clock of each optimizer step's compute, right before its first micro-step (the step's batches are
+    already drawn, as the plain loop's); ``BucketedTrainer.training_step`` stops it after the step's last backward."""
+
+    def __init__(self, trainer: BucketedTrainer) -> None:
+        self._trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._trainer._step_started = time.perf_counter()
 
 
 class _PlanEpochCallback(TrainerCallback):
@@ -94,6 +107,9 @@ class BucketedTrainer(Trainer):
         self.balance_ranks = balance_ranks
         self._plan_sampler: StepBatchSampler | None = None
         self._local_tokens: torch.Tensor | None = None  # this rank's input tokens since the last optimizer step
+        self._step_started = 0.0  # perf_counter() at the current optimizer step's begin (``_StepClockCallback``)
+        self._compute_ms: float | None = None  # this rank's compute of the current step, once its last backward is done
+        self._step_balance: dict[str, float] | None = None  # the ranks' balance of the step just finished
         self._stop = StopSignal()
         self._stop_verdict: tuple[int, bool] = (-1, False)  # (global step, any rank asked to stop)
         self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
@@ -109,8 +125,11 @@ class BucketedTrainer(Trainer):
         callbacks = self.callback_handler.callbacks
         callbacks[:] = [GuardedWandbCallback(wandb_switch) if type(c) is WandbCallback else c for c in callbacks]
         # First in line, so the reporting callbacks (wandb, console) log what it adds.
-        callbacks.insert(0, ThroughputCallback(lambda: self.model_wrapped, ddp_config, wandb_switch))
+        callbacks.insert(
+            0, ThroughputCallback(lambda: self.model_wrapped, ddp_config, wandb_switch, self.pop_step_balance)
+        )
         self.add_callback(_StopCallback(self))
+        self.add_callback(_StepClockCallback(self))
         if balance_ranks:
             self.add_callback(_PlanEpochCallback(self))
 
@@ -153,9 +172,18 @@ class BucketedTrainer(Trainer):
 
         The stock Trainer all-gathers the count and reads it on the host after every micro-step: a collective and a
         device sync on each ``no_sync`` micro-step. Here the count stays a local tensor until the synced micro-step
-        (the last of the step), whose single all-reduce updates ``state.num_input_tokens_seen`` before any
+        (the last of the step), whose single all-gather updates ``state.num_input_tokens_seen`` before any
         ``on_step_end`` callback reads it. Same counting rule as the Trainer: ``non_padding`` sums the attention
         mask, ``all`` counts every position.
+
+        The Trainer calls this after each micro-step's ``training_step``, so on the synced micro-step the step's
+        last backward is done: each rank's stop flag and compute ms of the step ride on the same all-gather
+        ([tokens, stop flag, compute ms] per rank, float64: exact for counts below 2**53), giving the ranks'
+        balance of this very step (``ddp_ft.steps.rank_balance``, as the plain loop), which
+        :meth:`pop_step_balance` hands to ``ThroughputCallback``. One collective and one host read per optimizer
+        step, none on the ``no_sync`` micro-steps; on one process neither collective nor extra read, and the
+        balance is the rank's own (imbalance 1.0, no wait). A step whose compute was not measured (the call came
+        before the step's backward) gets no balance, on every rank alike.
         """
         mode = self.args.include_num_input_tokens_seen
         if mode == "no":
@@ -172,19 +200,37 @@ class BucketedTrainer(Trainer):
         count = count.to(self.args.device, torch.int64)
         self._local_tokens = count if self._local_tokens is None else self._local_tokens + count
         if self.accelerator.sync_gradients:
-            # The stop flag rides on this all-reduce: [tokens, ranks that received a stop signal].
-            total = torch.stack([self._local_tokens, torch.tensor(int(self._stop.local_flag), device=count.device)])
+            from ..steps import rank_balance  # here: ddp_ft.steps imports ddp_ft.data
+
+            compute_ms = math.nan if self._compute_ms is None else self._compute_ms
+            extra = torch.tensor([float(self._stop.local_flag), compute_ms], dtype=torch.float64, device=count.device)
+            mine = torch.cat([self._local_tokens.to(torch.float64).unsqueeze(0), extra])
             if self.args.world_size > 1:
-                torch.distributed.all_reduce(total)
-            tokens, stops = total.tolist()  # one transfer
-            self.state.num_input_tokens_seen += int(tokens)
-            self._stop_verdict = (self.state.global_step + 1, bool(stops))
+                per_rank = [torch.empty_like(mine) for _ in range(self.args.world_size)]
+                torch.distributed.all_gather(per_rank, mine)
+                gathered = torch.stack(per_rank)
+            else:
+                gathered = mine.unsqueeze(0)
+            rows = gathered.tolist()  # one transfer
+            tokens, stops, compute = zip(*rows, strict=True)
+            self.state.num_input_tokens_seen += int(sum(tokens))
+            self._stop_verdict = (self.state.global_step + 1, any(stops))
+            measured = not any(math.isnan(ms) for ms in compute)
+            self._step_balance = rank_balance(list(compute), self.args.process_index) if measured else None
             self._local_tokens = None
+            self._compute_ms = None
+
+    def pop_step_balance(self) -> dict[str, float] | None:
+        """The ranks' balance of the optimizer step just finished (``compute_max_ms``, ``compute_min_ms``,
+        ``imbalance``, ``wait_for_slowest_ms``), then None until the next step's; None for a step that counted no
+        tokens here (token counting off, or no ``input_ids``/attention mask: the Trainer's own count ran)."""
+        balance, self._step_balance = self._step_balance, None
+        return balance
 
     def stop_requested(self) -> bool:
         """Whether any rank received SIGTERM/SIGUSR1 by the optimizer step just finished; the same on every rank.
 
-        Read from the token count's all-reduce of that step; a step that had none (token counting off) reduces the
+        Read from the token count's all-gather of that step; a step that had none (token counting off) reduces the
         flag on its own. Called by every rank at the same point (``on_step_end``).
         """
         step, verdict = self._stop_verdict
@@ -230,6 +276,10 @@ class BucketedTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The Trainer's step, refused for a multi-process run whose model is not BucketedDDP.
 
+        On the synced micro-step it also takes this rank's compute of the optimizer step: from the step's begin to
+        the wrapper's last gradient (``BucketedDDP.last_gradient_ready_at``, host time; on one process, or without
+        one, when backward returned), the plain loop's measure (``ddp_ft.steps.forward_backward_timed``).
+
         Raises:
             RuntimeError: world size > 1 and ``model`` is not a BucketedDDP: its gradients would not be averaged,
                 and the ranks would train apart while looking like a DDP run.
@@ -241,7 +291,12 @@ class BucketedTrainer(Trainer):
                 "unwrapped through some preparation path; prepare it with BucketedAccelerator.prepare (or report "
                 "the path to ddp_ft)."
             )
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            ready = getattr(model, "last_gradient_ready_at", None)
+            ended = ready if ready is not None and ready > self._step_started else time.perf_counter()
+            self._compute_ms = (ended - self._step_started) * 1e3
+        return loss
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """The Trainer's ``train``, stopping gracefully on SIGTERM/SIGUSR1 to any rank: the ranks agree at the next
