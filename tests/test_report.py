@@ -289,6 +289,11 @@ def test_ddp_is_measured_against_independent_single_runs_side_by_side(tmp_path):
     assert "reaches 86.4% of it" in report["markdown"]
     assert Comparison.from_dict(report).of_limit == report["of_limit"]
     assert "Against the limit" not in markdown_table(compare(single_run(), ddp_run()))  # none given: no line
+    assert report["notes"] == []  # same effective batch: nothing to warn about
+    other_batch = write_run(tmp_path / "ddp4", ddp_run(samples=(4, 12, 20, 28)))
+    assert "the limit is another experiment" in " ".join(
+        write_report(base, other_batch, tmp_path / "out4", independent_dirs=alone)["notes"]
+    )
     with pytest.raises(ValueError, match="must be 2 single-device runs"):
         write_report(base, other, tmp_path / "bad", independent_dirs=alone[:1])
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}

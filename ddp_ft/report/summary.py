@@ -266,6 +266,11 @@ def compare_runs(
                 f"the independent runs must be {other.world_size} single-device runs (one per device of "
                 f"{other.run_name}); got world sizes {[r.world_size for r in independent]}"
             )
+        if any(r.effective_batch != other.effective_batch for r in independent):
+            notes.append(
+                f"the independent runs' effective batch {[r.effective_batch for r in independent]} differs from "
+                f"{other.run_name}'s ({other.effective_batch}): the limit is another experiment"
+            )
         if any(r.tokens_per_s is None for r in independent):
             notes.append("tokens_per_s missing in an independent run: no limit")
         else:
