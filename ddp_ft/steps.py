@@ -145,6 +145,7 @@ def forward_backward_timed(
     return StepOutcome(gathered[:, 0].sum(), counts[:2], gathered[:, 1], gathered[:, 2])
 
 
+@torch.no_grad()
 def evaluate(
     model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo, precision: Precision | None = None
 ) -> float:

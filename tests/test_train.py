@@ -174,3 +174,29 @@ def test_resume_with_another_effective_batch_fails_before_training_naming_both_l
     assert "effective batch 8 = 1 rank x micro-batch 2 x accumulation 4" in message
     assert "--effective-batch 4" in message
     assert not (again / "metrics.jsonl").exists()
+
+
+def test_evaluation_runs_without_autograd_and_restores_the_training_mode():
+    """The loop's evaluate records no graph (no activations kept for a backward that never comes: on a GPU that is
+    the eval's memory several times over); c7075c5 dropped its ``torch.no_grad()`` and eval losses moved by 6e-5."""
+    from ddp_ft.steps import evaluate
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, input_ids, labels, num_items_in_batch):
+            seen.append((torch.is_grad_enabled(), self.training))
+            return type("Out", (), {"loss": self.weight * (labels != IGNORE_INDEX).sum()})()
+
+    model = Probe().train()
+    rows = [{"input_ids": [1, 2, 3], "labels": [IGNORE_INDEX, 2, 3]}] * 3
+
+    def collate(batch):
+        return {k: torch.tensor([r[k] for r in batch]) for k in ("input_ids", "labels")}
+
+    assert evaluate(model, rows, collate, micro_batch=2, info=DistInfo()) == 1.0  # summed token loss / tokens
+    assert seen == [(False, False), (False, False)] and model.training
