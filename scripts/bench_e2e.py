@@ -31,12 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ddp_ft.report import load_run
+from ddp_ft.synthetic import write_mixed_length_meetings
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ddp_ft.report import load_run  # noqa: E402
-from ddp_ft.synthetic import write_mixed_length_meetings  # noqa: E402
-
 BIN = Path(sys.executable).parent
 ENTRIES = ("loop", "recipe")
 CONFIGS = tuple(f"{kind}-{entry}" for entry in ENTRIES for kind in ("pair", "ddp"))
