@@ -16,6 +16,11 @@ of mixed lengths (``ddp_ft.synthetic.write_mixed_length_meetings``: 60 to 256 to
 median over its steps after the first (``ddp_ft.report.summarize_run``, as ``scripts/compare.py``). The ratio
 DDP / pair is taken within each repeat; the table gives its median and range, and tokens/s, rank imbalance and the
 wait for the slower rank of each configuration. Writes the JSON and a PNG beside it.
+
+Where DDP's step goes (``step_parts``): the ranks' compute per 1,000 tokens (the pair's too: same work, same speed?),
+the share of the step the ranks wait for the slower one, and DDP / pair had no rank waited, which is what
+communication, the optimizer and logging allow. A DDP step waits for the slower of its ranks and an independent
+process never waits, so on equal work the gap between the two ratios is the ranks' step-to-step compute noise.
 """
 
 from __future__ import annotations
@@ -84,7 +89,9 @@ def run_config(config: str, out: Path, source: str | None, max_steps: int) -> di
         tail = (out / f"{config}-0.log").read_text()[-3000:]
         raise RuntimeError(f"{config} failed (exit codes {codes}); log {out}:\n{tail}")
     folders = [out / "ddp"] if config.startswith("ddp") else [out / "alone0", out / "alone1"]
-    summaries = [load_run(f)[0] for f in folders]
+    loaded = [load_run(f) for f in folders]
+    summaries = [summary for summary, _ in loaded]
+    parts = [step_parts(records) for _, records in loaded]
     return {
         "tokens_per_s": sum(s.tokens_per_s for s in summaries),
         "tokens_per_s_each": [s.tokens_per_s for s in summaries],
@@ -92,7 +99,43 @@ def run_config(config: str, out: Path, source: str | None, max_steps: int) -> di
         "imbalance": summaries[0].imbalance if config.startswith("ddp") else None,
         "wait_for_slowest_ms": summaries[0].wait_for_slowest_ms if config.startswith("ddp") else None,
         "exposed_comm_ms": summaries[0].exposed_comm_ms,
+        # where a step's time goes (medians over the steps after the first; a pair: the mean of its two runs)
+        "compute_ms_per_1k_tokens": statistics.mean(x["compute_ms_per_1k_tokens"] for x in parts),
+        "wait_share": statistics.mean(x["wait_share"] for x in parts),
+        "no_wait_tokens_per_s": sum(x["no_wait_tokens_per_s"] for x in parts),
         "wall_s": wall,
+    }
+
+
+def step_parts(records: list[dict]) -> dict[str, float]:
+    """A run's step split into compute and waiting, from its train records (the first step left out).
+
+    - ``compute_ms_per_1k_tokens``: the ranks' mean compute (forward and backward up to the last gradient) per 1,000
+      of a rank's tokens: how fast each process computes, whatever it then waits for;
+    - ``wait_share``: the share of the step the ranks wait, on average, for the slowest one (its compute minus the
+      mean; 0 on one process);
+    - ``no_wait_tokens_per_s``: tokens/s had no rank waited (the step less that mean wait): what the rest of the
+      step (communication, optimizer, logging) allows.
+
+    Two ranks' mean is the mean of the slowest and the fastest (``compute_max_ms``, ``compute_min_ms``); the
+    benchmark runs 2 ranks or 1.
+    """
+    world = next(int(r["world_size"]) for r in records if r.get("type") == "config")
+    if world > 2:
+        raise ValueError(f"step_parts reads 1 or 2 ranks (max and min give the mean), got world size {world}")
+    trains = [r for r in records if r.get("type") == "train"]
+    steps = trains[1:] or trains
+    compute, wait, no_wait = [], [], []
+    for r in steps:
+        mean_ms = (r["compute_max_ms"] + r["compute_min_ms"]) / 2
+        waited_s = (r["compute_max_ms"] - mean_ms) / 1e3
+        compute.append(mean_ms / (r["tokens"] / world) * 1e3)
+        wait.append(waited_s / r["step_time_s"])
+        no_wait.append(r["tokens"] / (r["step_time_s"] - waited_s))
+    return {
+        "compute_ms_per_1k_tokens": statistics.median(compute),
+        "wait_share": statistics.median(wait),
+        "no_wait_tokens_per_s": statistics.median(no_wait),
     }
 
 
@@ -130,17 +173,21 @@ def main() -> None:
     for data, by_config in runs.items():
         summary[data] = {c: {"tokens_per_s": _spread([r["tokens_per_s"] for r in rs])} for c, rs in by_config.items()}
         for config, rs in by_config.items():
-            if config.startswith("ddp"):
-                for key in ("imbalance", "wait_for_slowest_ms", "exposed_comm_ms"):
-                    values = [r[key] for r in rs if r[key] is not None]
-                    summary[data][config][key] = statistics.median(values) if values else None
+            keys = ["compute_ms_per_1k_tokens", "wait_share"]
+            keys += ["imbalance", "wait_for_slowest_ms", "exposed_comm_ms"] if config.startswith("ddp") else []
+            for key in keys:
+                values = [r[key] for r in rs if r.get(key) is not None]
+                summary[data][config][key] = statistics.median(values) if values else None
         for entry in ENTRIES:
             if f"ddp-{entry}" in by_config and f"pair-{entry}" in by_config:
-                ratios = [
-                    d["tokens_per_s"] / q["tokens_per_s"]
-                    for d, q in zip(by_config[f"ddp-{entry}"], by_config[f"pair-{entry}"], strict=True)
-                ]
-                summary[data][f"ddp_over_pair_{entry}"] = _spread(ratios)
+                pairs = list(zip(by_config[f"ddp-{entry}"], by_config[f"pair-{entry}"], strict=True))
+                summary[data][f"ddp_over_pair_{entry}"] = _spread(
+                    [d["tokens_per_s"] / q["tokens_per_s"] for d, q in pairs]
+                )
+                # the same ratio had no rank waited for the slower one: what communication and the rest allow
+                summary[data][f"no_wait_ddp_over_pair_{entry}"] = _spread(
+                    [d["no_wait_tokens_per_s"] / q["tokens_per_s"] for d, q in pairs]
+                )
     result = {
         "command": " ".join(["python", *sys.argv]),
         "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, one thread per process",
@@ -159,8 +206,9 @@ def format_table(result: dict) -> str:
     lines = [
         f"{result['command']}  ({result['hardware']})",
         "",
-        "| data | run | tokens/s median (min..max) | DDP / pair median (min..max) | imbalance | wait for slower ms |",
-        "|---|---|---:|---:|---:|---:|",
+        "| data | run | tokens/s median (min..max) | DDP / pair median (min..max) | compute ms per 1k tokens "
+        "| ranks' wait, share of step | DDP / pair had no rank waited | imbalance |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for data, by_config in result["summary"].items():
         for config in CONFIGS:
@@ -169,14 +217,19 @@ def format_table(result: dict) -> str:
             s, entry = by_config[config], config.split("-")[1]
             t = s["tokens_per_s"]
             ratio = by_config.get(f"ddp_over_pair_{entry}") if config.startswith("ddp") else None
-            ratio_text = f"{ratio['median']:.3f} ({ratio['min']:.3f}..{ratio['max']:.3f})" if ratio else ""
+            no_wait = by_config.get(f"no_wait_ddp_over_pair_{entry}") if config.startswith("ddp") else None
             imbalance = f"{s['imbalance']:.3f}" if s.get("imbalance") is not None else ""
-            wait = f"{s['wait_for_slowest_ms']:.1f}" if s.get("wait_for_slowest_ms") is not None else ""
+            compute = f"{s['compute_ms_per_1k_tokens']:.0f}" if s.get("compute_ms_per_1k_tokens") is not None else ""
+            wait = f"{s['wait_share']:.1%}" if s.get("wait_share") is not None else ""
             lines.append(
-                f"| {data} | {config} | {t['median']:,.0f} ({t['min']:,.0f}..{t['max']:,.0f}) | {ratio_text} | "
-                f"{imbalance} | {wait} |"
+                f"| {data} | {config} | {t['median']:,.0f} ({t['min']:,.0f}..{t['max']:,.0f}) | {_ratio(ratio)} | "
+                f"{compute} | {wait} | {_ratio(no_wait)} | {imbalance} |"
             )
     return "\n".join(lines)
+
+
+def _ratio(spread: dict | None) -> str:
+    return f"{spread['median']:.3f} ({spread['min']:.3f}..{spread['max']:.3f})" if spread else ""
 
 
 def plot(result: dict, path: Path) -> Path:

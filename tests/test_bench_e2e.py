@@ -3,6 +3,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "scripts" / "bench_e2e.py")
 bench_e2e = importlib.util.module_from_spec(spec)
@@ -26,19 +28,59 @@ def test_a_pair_is_two_single_processes_and_ddp_one_two_rank_launch_on_the_same_
     assert "--source" not in recipe_ddp
 
 
-def test_the_table_gives_ddp_over_the_pair_per_data_set():
+def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_data_set():
     t = {"median": 100.0, "min": 90.0, "max": 110.0, "all": []}
     result = {
         "command": "python scripts/bench_e2e.py",
         "hardware": "cpu",
         "summary": {
             "mixed": {
-                "pair-loop": {"tokens_per_s": t},
-                "ddp-loop": {"tokens_per_s": t, "imbalance": 1.02, "wait_for_slowest_ms": 3.0},
+                "pair-loop": {"tokens_per_s": t, "compute_ms_per_1k_tokens": 640.0, "wait_share": 0.0},
+                "ddp-loop": {
+                    "tokens_per_s": t,
+                    "compute_ms_per_1k_tokens": 650.4,
+                    "wait_share": 0.031,
+                    "imbalance": 1.02,
+                    "wait_for_slowest_ms": 3.0,
+                },
                 "ddp_over_pair_loop": {"median": 0.97, "min": 0.95, "max": 0.99, "all": []},
+                "no_wait_ddp_over_pair_loop": {"median": 1.0, "min": 0.98, "max": 1.02, "all": []},
             }
         },
     }
     table = bench_e2e.format_table(result)
-    assert "| mixed | ddp-loop | 100 (90..110) | 0.970 (0.950..0.990) | 1.020 | 3.0 |" in table
-    assert "| mixed | pair-loop | 100 (90..110) |  |  |  |" in table
+    assert (
+        "| mixed | ddp-loop | 100 (90..110) | 0.970 (0.950..0.990) | 650 | 3.1% | 1.000 (0.980..1.020) | 1.020 |"
+        in table
+    )
+    assert "| mixed | pair-loop | 100 (90..110) |  | 640 | 0.0% |  |  |" in table
+
+
+def _records(world_size: int, steps: list[tuple[float, float, float]], tokens: int = 2000) -> list[dict]:
+    rows = [{"type": "config", "world_size": world_size}]
+    for step, (slowest_ms, fastest_ms, step_s) in enumerate(steps, 1):
+        rows.append(
+            {
+                "type": "train",
+                "step": step,
+                "tokens": tokens,
+                "step_time_s": step_s,
+                "compute_max_ms": slowest_ms,
+                "compute_min_ms": fastest_ms,
+            }
+        )
+    return rows
+
+
+def test_step_parts_splits_two_ranks_steps_into_compute_and_the_mean_wait_for_the_slower_rank():
+    # first step (warm-up) left out; then the slower rank computes 120 ms, the faster 80: they wait 20 ms on average
+    parts = bench_e2e.step_parts(_records(2, [(900.0, 100.0, 1.0), (120.0, 80.0, 0.13), (120.0, 80.0, 0.13)]))
+    assert parts["compute_ms_per_1k_tokens"] == pytest.approx(100.0)  # mean 100 ms for each rank's 1,000 tokens
+    assert parts["wait_share"] == pytest.approx(0.020 / 0.13)
+    assert parts["no_wait_tokens_per_s"] == pytest.approx(2000 / 0.11)
+    alone = bench_e2e.step_parts(_records(1, [(50.0, 50.0, 0.06), (100.0, 100.0, 0.11)]))
+    assert alone == pytest.approx(
+        {"compute_ms_per_1k_tokens": 50.0, "wait_share": 0.0, "no_wait_tokens_per_s": 2000 / 0.11}
+    )
+    with pytest.raises(ValueError, match="world size 4"):
+        bench_e2e.step_parts(_records(4, [(1.0, 1.0, 1.0)]))
