@@ -40,9 +40,9 @@ bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
 
 # End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
-# alternated, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).
+# alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~22 minutes on 2 cores).
 bench-e2e: install
-	$(PY) scripts/bench_e2e.py --repeats 3 --out bench_results/bench_e2e.json
+	$(PY) scripts/bench_e2e.py --repeats 5 --out bench_results/bench_e2e.json
 
 # The first thing to run on a CUDA host (under 5 minutes, exit status 1 on any failure): BucketedDDP against torch DDP,
 # no communication under no_sync, the compute dtype for these GPUs, a short 4-bit QLoRA run; 1 process, then 2 on 2+ GPUs.
