@@ -21,6 +21,8 @@ Where DDP's step goes (``step_parts``): the ranks' compute per 1,000 tokens (the
 the share of the step the ranks wait for the slower one, and DDP / pair had no rank waited, which is what
 communication, the optimizer and logging allow. A DDP step waits for the slower of its ranks and an independent
 process never waits, so on equal work the gap between the two ratios is the ranks' step-to-step compute noise.
+The plan ceiling (``plan_ceiling``, also ``--plan-ceiling`` alone, no runs) is DDP / pair at best on the data: a step's
+samples cannot always be split evenly over the ranks.
 """
 
 from __future__ import annotations
@@ -139,6 +141,30 @@ def step_parts(records: list[dict]) -> dict[str, float]:
     }
 
 
+def plan_ceiling(source: str | None, max_steps: int, workdir: Path) -> float:
+    """DDP / pair at best on this data, from the balanced plan alone: the median, over the run's steps after the
+    first, of the ranks' mean padded tokens over the most loaded rank's (the plan's cost model, micro-batch size
+    times longest sample). A DDP step lasts as long as its slowest rank; the pair's processes each train all of a
+    step's micro-batches, so their share per rank is the mean. 1.0 when every sample has the same length."""
+    from ddp_ft.config import parse_settings
+    from ddp_ft.data import EpochLoader
+    from ddp_ft.data.balance import rank_costs
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.setup import prepare_run
+
+    argv = ["--preset", "tiny", "--output-dir", str(workdir)] + (["--source", source] if source else [])
+    settings = parse_settings(argv)
+    t = settings.train
+    train_set = prepare_run(settings, DistInfo()).train_set
+    loader = EpochLoader(train_set, None, t.micro_batch, 0, 2, seed=t.seed, effective_batch=t.effective_batch)
+    length_of = dict(enumerate(loader.lengths))
+    ratios = []
+    for _, plan in zip(range(max_steps), loader.plans(0), strict=False):
+        costs = rank_costs(plan, length_of)
+        ratios.append(statistics.mean(costs) / max(costs))
+    return statistics.median(ratios[1:] or ratios)
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
@@ -150,11 +176,17 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="a subset of the runs")
     p.add_argument("--max-steps", type=int, default=16, help="optimizer steps per run (the tiny preset's 16)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_e2e.json"), help="JSON; the PNG goes beside")
+    p.add_argument("--plan-ceiling", action="store_true", help="only print each data set's plan ceiling (no runs)")
     args = p.parse_args()
 
     runs: dict[str, dict[str, list[dict]]] = {d: {c: [] for c in args.configs} for d in args.data}
     with tempfile.TemporaryDirectory(prefix="bench_e2e-") as tmp:
         source = {"tiny": None, "mixed": write_mixed_length_meetings(Path(tmp, "mixed.jsonl"), n=160)}
+        ceiling = {d: plan_ceiling(source[d], args.max_steps, Path(tmp, f"plan-{d}")) for d in args.data}
+        for data, value in ceiling.items():
+            print(f"{data:5} plan ceiling (DDP / pair at best, from padded tokens per rank): {value:.3f}", flush=True)
+        if args.plan_ceiling:
+            return
         for repeat in range(args.repeats):
             for data in args.data:
                 shift = repeat % len(args.configs)
@@ -172,6 +204,7 @@ def main() -> None:
     summary = {}
     for data, by_config in runs.items():
         summary[data] = {c: {"tokens_per_s": _spread([r["tokens_per_s"] for r in rs])} for c, rs in by_config.items()}
+        summary[data]["plan_ceiling"] = ceiling[data]
         for config, rs in by_config.items():
             keys = ["compute_ms_per_1k_tokens", "wait_share"]
             keys += ["imbalance", "wait_for_slowest_ms", "exposed_comm_ms"] if config.startswith("ddp") else []
@@ -225,6 +258,16 @@ def format_table(result: dict) -> str:
                 f"| {data} | {config} | {t['median']:,.0f} ({t['min']:,.0f}..{t['max']:,.0f}) | {_ratio(ratio)} | "
                 f"{compute} | {wait} | {_ratio(no_wait)} | {imbalance} |"
             )
+    ceilings = [
+        f"{data} {by_config['plan_ceiling']:.3f}"
+        for data, by_config in result["summary"].items()
+        if by_config.get("plan_ceiling") is not None
+    ]
+    if ceilings:
+        lines += [
+            "",
+            "plan ceiling (DDP / pair at best, from the padded tokens of the slowest rank): " + ", ".join(ceilings),
+        ]
     return "\n".join(lines)
 
 

@@ -45,6 +45,7 @@ def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_
                 },
                 "ddp_over_pair_loop": {"median": 0.97, "min": 0.95, "max": 0.99, "all": []},
                 "no_wait_ddp_over_pair_loop": {"median": 1.0, "min": 0.98, "max": 1.02, "all": []},
+                "plan_ceiling": 0.971,
             }
         },
     }
@@ -54,6 +55,7 @@ def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_
         in table
     )
     assert "| mixed | pair-loop | 100 (90..110) |  | 640 | 0.0% |  |  |" in table
+    assert table.endswith("slowest rank): mixed 0.971")
 
 
 def _records(world_size: int, steps: list[tuple[float, float, float]], tokens: int = 2000) -> list[dict]:
@@ -84,3 +86,11 @@ def test_step_parts_splits_two_ranks_steps_into_compute_and_the_mean_wait_for_th
     )
     with pytest.raises(ValueError, match="world size 4"):
         bench_e2e.step_parts(_records(4, [(1.0, 1.0, 1.0)]))
+
+
+def test_the_plan_ceiling_is_one_when_every_sample_fills_the_sequence_and_below_one_for_mixed_lengths(tmp_path):
+    from ddp_ft.synthetic import write_mixed_length_meetings
+
+    assert bench_e2e.plan_ceiling(None, 16, tmp_path / "tiny") == 1.0  # the tiny preset: every sample 256 tokens
+    mixed = write_mixed_length_meetings(tmp_path / "mixed.jsonl", n=160)
+    assert 0.9 < bench_e2e.plan_ceiling(str(mixed), 16, tmp_path / "mixed") < 1.0
