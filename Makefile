@@ -40,7 +40,7 @@ bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
 
 # End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
-# alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~22 minutes on 2 cores).
+# alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).
 bench-e2e: install
 	$(PY) scripts/bench_e2e.py --repeats 5 --out bench_results/bench_e2e.json
 
