@@ -96,29 +96,20 @@ def _dataset(n=64):
 
 def _trainer_run(rank, world_size, scenario):
     _as_accelerate_rank(rank, world_size)
-    from transformers import TrainingArguments
 
     from ddp_ft.integrations import BucketedTrainer
 
     torch.manual_seed(0)
     model = _Regressor(out_of_memory_once=scenario == "auto_batch_size_after_oom")
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            use_cpu=True,
-            report_to=[],
+        args = _gloo_trainer_args(
+            out,
             max_steps=3,
             per_device_train_batch_size=4,
             per_device_eval_batch_size=4,
             gradient_accumulation_steps=2,
             learning_rate=0.1,
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            dataloader_drop_last=True,
-            remove_unused_columns=False,
             auto_find_batch_size=scenario == "auto_batch_size_after_oom",
-            ddp_backend="gloo",
             torch_compile=scenario.endswith("compile"),
             torch_compile_backend="aot_eager" if "compile" in scenario else None,
         )
@@ -159,6 +150,24 @@ def test_a_multi_process_training_step_with_an_unwrapped_model_is_an_error():
         assert "not wrapped in BucketedDDP" in message and "world size 2" in message
 
 
+def _gloo_trainer_args(out: str, **arguments):
+    """TrainingArguments of the 2-process Trainer tests here: CPU, gloo, a log every step, no saves, whole batches."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        remove_unused_columns=False,
+        ddp_backend="gloo",
+        **arguments,
+    )
+
+
 class _Tokens(nn.Module):
     """Token-shaped inputs (the Trainer counts tokens from ``input_ids`` / ``attention_mask``) around the test Net."""
 
@@ -193,7 +202,7 @@ _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast
 def _collectives_per_step(rank, world_size):
     _as_accelerate_rank(rank, world_size)
     import torch.distributed as dist
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     from ddp_ft.integrations import BucketedTrainer
 
@@ -228,20 +237,8 @@ def _collectives_per_step(rank, world_size):
     torch.manual_seed(0)
     rows = _padded_rows()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            use_cpu=True,
-            report_to=[],
-            max_steps=2,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=4,
-            learning_rate=0.1,
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            dataloader_drop_last=True,
-            remove_unused_columns=False,
-            ddp_backend="gloo",
+        args = _gloo_trainer_args(
+            out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4, learning_rate=0.1
         )
         trainer = BucketedTrainer(model=_Tokens(), args=args, train_dataset=rows, callbacks=[Marker()])
         trainer.train()

@@ -13,7 +13,7 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.steps import rank_balance
 
 from .dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank, _padded_rows, _Tokens
+from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
 
 DELAY_S = 0.3
 BALANCE = ("compute_max_ms", "compute_min_ms", "imbalance", "wait_for_slowest_ms")
@@ -91,7 +91,7 @@ class _TokensSlowOnRank1(_Tokens):
 
 def _slow_rank_trainer(rank, world_size):
     _as_accelerate_rank(rank, world_size)
-    from transformers import TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     from ddp_ft.integrations import BucketedTrainer
     from ddp_ft.metrics import read_jsonl
@@ -105,20 +105,7 @@ def _slow_rank_trainer(rank, world_size):
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            use_cpu=True,
-            report_to=[],
-            max_steps=3,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            dataloader_drop_last=True,
-            remove_unused_columns=False,
-            ddp_backend="gloo",
-        )
+        args = _gloo_trainer_args(out, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
         trainer = BucketedTrainer(
             model=_TokensSlowOnRank1(rank), args=args, train_dataset=_padded_rows(), callbacks=[Logs()]
         )
