@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from .balance import Plan, balanced_plan, strided_plan
 from .settings import IGNORE_INDEX
+from .step_tokens import global_order
 
 
 def make_collator(tokenizer):
@@ -278,6 +279,19 @@ class StepBatchSampler:
         self.loader = loader
         self.batch_size, self.drop_last = loader.micro_batch, True  # read by BatchSamplerShard: whole batches only
         self.epoch = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its global order), for step_samples
+
+    def step_samples(self, step: int) -> list[int]:
+        """Every rank's samples of optimizer step ``step``, counted from the run's first (the Trainer's
+        ``global_step`` before the step): positions ``[s * E, (s + 1) * E)`` of epoch ``step // steps_per_epoch``'s
+        global order, ``s`` the step within the epoch, as ``loader.plans`` cuts them."""
+        layout = self.loader.layout
+        epoch, within = divmod(step, layout.steps_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            shuffle = self.loader.sampler.shuffle
+            self._order = (epoch, global_order(layout.train_samples, layout.seed, epoch, shuffle))
+        E = layout.effective_batch
+        return self._order[1][within * E : (within + 1) * E]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -110,6 +110,10 @@ class BucketedTrainer(Trainer):
         self._step_started = 0.0  # perf_counter() at the current optimizer step's begin (``_StepClockCallback``)
         self._compute_ms: float | None = None  # this rank's compute of the current step, once its last backward is done
         self._step_balance: dict[str, float] | None = None  # the ranks' balance of the step just finished
+        self._answer_counts = None  # StepTokenCounts of the planned train set, when its rows have labels
+        # (step, its answer tokens from the plan, this rank's by the Trainer's rule): checked in the step's gather
+        self._planned_answers: tuple[int, int, torch.Tensor] | None = None
+        self._step_flos: tuple[int, float] | None = None  # (step, the ranks' summed flos since the last store_flos)
         self._stop = StopSignal()
         self._stop_verdict: tuple[int, bool] = (-1, False)  # (global step, any rank asked to stop)
         self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
@@ -158,6 +162,10 @@ class BucketedTrainer(Trainer):
             effective_batch=micro * args.gradient_accumulation_steps * world,
         )
         self._plan_sampler = StepBatchSampler(plans)
+        if len(dataset) and "labels" in dataset[0]:
+            from ..data.step_tokens import StepTokenCounts
+
+            self._answer_counts = StepTokenCounts(dataset)
         loader = DataLoader(
             dataset,
             batch_sampler=self._plan_sampler,
@@ -167,71 +175,139 @@ class BucketedTrainer(Trainer):
         )
         return self.accelerator.prepare(loader)
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The step's loss-carrying tokens over all ranks, with no collective on a balanced run.
+
+        With ``average_tokens_across_devices`` on several processes, the Trainer all-gathers each rank's count
+        before every optimizer step: a collective, a host read, and a wait for the slowest rank before the step's
+        compute starts. With ``balance_ranks`` every rank knows every sample of the step
+        (``StepBatchSampler.step_samples``), so the count is summed from the training rows' labels
+        (``StepTokenCounts``: labels other than -100 after the causal shift, the Trainer's rule for a causal LM),
+        as the plain loop does. This rank's count by the Trainer's own rule, on the batches it drew, rides on the
+        step's one all-gather (:meth:`_gather_step`), which stops the run before its optimizer step if the two
+        differ (a collator that rewrites the labels, say). Elsewhere (no plan, rows without labels, a loss that
+        does not shift the labels, one process, averaging off) it is the Trainer's own count.
+        """
+        counts, sampler = self._answer_counts, self._plan_sampler
+        planned = (
+            self.args.average_tokens_across_devices
+            and self.args.world_size > 1
+            and self._loss_shifts_labels
+            and counts is not None
+            and sampler is not None
+        )
+        if not planned:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        self.args.average_tokens_across_devices = False
+        try:
+            local = super()._get_num_items_in_batch(batch_samples, device)  # this rank's batches, the Trainer's rule
+        finally:
+            self.args.average_tokens_across_devices = True
+        if local is None:  # the Trainer passes no count to this model's loss
+            return None
+        step = self.state.global_step
+        answers = counts.totals(sampler.step_samples(step))[0]
+        self._planned_answers = (step + 1, answers, local)
+        return torch.tensor(float(answers), device=device)  # the gathered int64 sum over 1, as the Trainer returns it
+
     def _track_num_input_tokens(self, inputs) -> None:
-        """Count input tokens on this rank every micro-step; sum them over ranks once, at the optimizer step.
+        """Count input tokens on this rank every micro-step; on the synced one, the step's one collective.
 
         The stock Trainer all-gathers the count and reads it on the host after every micro-step: a collective and a
         device sync on each ``no_sync`` micro-step. Here the count stays a local tensor until the synced micro-step
-        (the last of the step), whose single all-gather updates ``state.num_input_tokens_seen`` before any
-        ``on_step_end`` callback reads it. Same counting rule as the Trainer: ``non_padding`` sums the attention
-        mask, ``all`` counts every position.
-
-        The Trainer calls this after each micro-step's ``training_step``, so on the synced micro-step the step's
-        last backward is done: each rank's stop flag and compute ms of the step ride on the same all-gather
-        ([tokens, stop flag, compute ms] per rank, float64: exact for counts below 2**53), giving the ranks'
-        balance of this very step (``ddp_ft.steps.rank_balance``, as the plain loop), which
-        :meth:`pop_step_balance` hands to ``ThroughputCallback``. One collective and one host read per optimizer
-        step, none on the ``no_sync`` micro-steps; on one process neither collective nor extra read, and the
-        balance is the rank's own (imbalance 1.0, no wait). A step whose compute was not measured (the call came
-        before the step's backward) gets no balance, on every rank alike.
+        (the last of the step), whose single all-gather (:meth:`_gather_step`) updates
+        ``state.num_input_tokens_seen`` before any ``on_step_end`` callback reads it. Same counting rule as the
+        Trainer: ``non_padding`` sums the attention mask, ``all`` counts every position; without the main input or
+        (for ``non_padding``) a mask, the Trainer counts itself.
         """
         mode = self.args.include_num_input_tokens_seen
-        if mode == "no":
-            return
         main_input = getattr(self.model, "main_input_name", "input_ids")
-        if main_input not in inputs:
-            return super()._track_num_input_tokens(inputs)  # the Trainer's warning; nothing to count
-        if mode == "non_padding" and "attention_mask" in inputs:
-            count = inputs["attention_mask"].sum()
+        if mode == "no":
+            count = None
+        elif main_input not in inputs or (mode == "non_padding" and "attention_mask" not in inputs):
+            count = None
+            super()._track_num_input_tokens(inputs)  # the Trainer's fallbacks and warning
         elif mode == "non_padding":
-            return super()._track_num_input_tokens(inputs)  # no mask: the Trainer's own fallbacks
+            count = inputs["attention_mask"].sum()
         else:
             count = torch.tensor(inputs[main_input].numel())
-        count = count.to(self.args.device, torch.int64)
-        self._local_tokens = count if self._local_tokens is None else self._local_tokens + count
+        if count is not None:
+            count = count.to(self.args.device, torch.int64)
+            self._local_tokens = count if self._local_tokens is None else self._local_tokens + count
         if self.accelerator.sync_gradients:
-            from ..steps import rank_balance  # here: ddp_ft.steps imports ddp_ft.data
+            self._gather_step()
 
-            compute_ms = math.nan if self._compute_ms is None else self._compute_ms
-            extra = torch.tensor([float(self._stop.local_flag), compute_ms], dtype=torch.float64, device=count.device)
-            mine = torch.cat([self._local_tokens.to(torch.float64).unsqueeze(0), extra])
-            if self.args.world_size > 1:
-                per_rank = [torch.empty_like(mine) for _ in range(self.args.world_size)]
-                torch.distributed.all_gather(per_rank, mine)
-                gathered = torch.stack(per_rank)
-            else:
-                gathered = mine.unsqueeze(0)
-            rows = gathered.tolist()  # one transfer
-            tokens, stops, compute = zip(*rows, strict=True)
+    def _gather_step(self) -> None:
+        """The optimizer step's one collective besides the buckets' all-reduces, after its last backward.
+
+        Each rank sends [input tokens, its answer tokens, stop flag, compute ms, flos] (float64: exact for counts
+        below 2**53; NaN for what was not counted) and reads the gathered rows once: the Trainer's input-token
+        count, the check of the planned answer count (:meth:`_get_num_items_in_batch`), whether any rank was
+        asked to stop (:meth:`stop_requested`), the ranks' balance of this very step (``ddp_ft.steps.rank_balance``,
+        as the plain loop; :meth:`pop_step_balance` hands it to ``ThroughputCallback``) and the ranks' summed flos
+        (:meth:`store_flos`). The Trainer's ``_tr_loss`` and ``current_flos`` already hold the step's last
+        micro-step here. On one process: no collective, the rank's own numbers (imbalance 1.0, no wait). A step
+        whose compute was not measured gets no balance, on every rank alike.
+
+        Raises:
+            RuntimeError: the step's loss was divided by a planned answer-token count that differs from the
+                ranks' batches (before the optimizer step, on every rank).
+        """
+        from ..steps import rank_balance  # here: ddp_ft.steps imports ddp_ft.data
+
+        step, device = self.state.global_step + 1, self.args.device
+        planned = self._planned_answers if self._planned_answers and self._planned_answers[0] == step else None
+        nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
+        compute_ms = math.nan if self._compute_ms is None else self._compute_ms
+        extra = [float(self._stop.local_flag), compute_ms, float(self.current_flos)]
+        counted = [self._local_tokens, None if planned is None else planned[2]]
+        counted = [nan if t is None else t.to(device, torch.float64).reshape(()) for t in counted]
+        mine = torch.cat([torch.stack(counted), torch.tensor(extra, dtype=torch.float64, device=device)])
+        if self.args.world_size > 1:
+            per_rank = [torch.empty_like(mine) for _ in range(self.args.world_size)]
+            torch.distributed.all_gather(per_rank, mine)
+            gathered = torch.stack(per_rank)
+        else:
+            gathered = mine.unsqueeze(0)
+        tokens, answers, stops, compute, flos = zip(*gathered.tolist(), strict=True)  # one transfer
+        self._local_tokens, self._compute_ms, self._planned_answers = None, None, None
+        if planned is not None and sum(answers) != planned[1]:
+            raise RuntimeError(
+                f"BucketedTrainer: step {step}'s loss was averaged over {planned[1]} answer tokens, counted from the "
+                f"training rows' labels for the balanced plan, but the ranks' batches hold {int(sum(answers))} "
+                "(labels other than -100 after the shift). The collator changes the labels after the rows are "
+                "read; give the rows their final labels, or train with balance_ranks=False (--no-balance-ranks) "
+                "to count them on every step."
+            )
+        if not math.isnan(tokens[0]):
             self.state.num_input_tokens_seen += int(sum(tokens))
-            self._stop_verdict = (self.state.global_step + 1, any(stops))
-            measured = not any(math.isnan(ms) for ms in compute)
-            self._step_balance = rank_balance(list(compute), self.args.process_index) if measured else None
-            self._local_tokens = None
-            self._compute_ms = None
+        self._stop_verdict = (step, any(stops))
+        self._step_flos = (step, sum(flos))
+        measured = not any(math.isnan(ms) for ms in compute)
+        self._step_balance = rank_balance(list(compute), self.args.process_index) if measured else None
+
+    def store_flos(self) -> None:
+        """The Trainer's, with the ranks' flos from the step's all-gather (:meth:`_gather_step`) instead of an
+        all-gather of its own at every log; the Trainer's own on one process or at a step with no gather."""
+        step_flos = self._step_flos
+        if self.args.world_size > 1 and step_flos is not None and step_flos[0] == self.state.global_step:
+            self.state.total_flos += step_flos[1]
+            self.current_flos = 0
+            self._step_flos = (step_flos[0], 0.0)  # stored: a second store at this step adds nothing, as the Trainer's
+        else:
+            super().store_flos()
 
     def pop_step_balance(self) -> dict[str, float] | None:
         """The ranks' balance of the optimizer step just finished (``compute_max_ms``, ``compute_min_ms``,
-        ``imbalance``, ``wait_for_slowest_ms``), then None until the next step's; None for a step that counted no
-        tokens here (token counting off, or no ``input_ids``/attention mask: the Trainer's own count ran)."""
+        ``imbalance``, ``wait_for_slowest_ms``), then None until the next step's."""
         balance, self._step_balance = self._step_balance, None
         return balance
 
     def stop_requested(self) -> bool:
         """Whether any rank received SIGTERM/SIGUSR1 by the optimizer step just finished; the same on every rank.
 
-        Read from the token count's all-gather of that step; a step that had none (token counting off) reduces the
-        flag on its own. Called by every rank at the same point (``on_step_end``).
+        Read from that step's all-gather (:meth:`_gather_step`); a step that had none reduces the flag on its own.
+        Called by every rank at the same point (``on_step_end``).
         """
         step, verdict = self._stop_verdict
         if step != self.state.global_step:

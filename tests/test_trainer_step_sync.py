@@ -1,0 +1,135 @@
+"""The Trainer path's step boundary on a balanced run: the bucket all-reduces and one all-gather per optimizer step,
+plus the Trainer's loss gather when it logs. The loss is still divided by the step's answer tokens over all ranks
+(counted from the plan, checked against the batches), and a collator that rewrites the labels stops the run before
+its first optimizer step. 2 real gloo processes, the HF Trainer in-process."""
+
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from .dist_harness import run_distributed
+from .models import Net
+from .test_plugin_wrapping import _COLLECTIVES, _as_accelerate_rank, _gloo_trainer_args, _padded_rows
+
+pytestmark = pytest.mark.distributed
+
+STEPS, ACCUMULATION = 3, 2
+
+
+class _CausalTokens(nn.Module):
+    """What the Trainer treats as a causal LM: labels, loss kwargs (so it counts the step's answer tokens and passes
+    ``num_items_in_batch``) and a loss type that shifts the labels. Records, per micro-step, its batch's own answer
+    tokens and the count it was given."""
+
+    loss_type = "ForCausalLM"
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+        self.seen: list[tuple[int, float]] = []
+
+    def forward(self, input_ids, attention_mask, labels, x, y, num_items_in_batch=None, **kwargs):
+        answers = labels[..., 1:].ne(-100).sum()
+        self.seen.append((int(answers), float(num_items_in_batch)))
+        return {"loss": ((self.net(x) - y) ** 2).sum() * answers / num_items_in_batch}
+
+
+def _labelled_rows():
+    """The padded rows with causal-LM labels: the first 2 tokens a prompt (-100), padding -100."""
+    rows = _padded_rows()
+    for row in rows:
+        labels = row["input_ids"].clone()
+        labels[:2] = -100
+        labels[row["attention_mask"] == 0] = -100
+        row["labels"] = labels
+    return rows
+
+
+def _train(rank, world_size, rewrite_labels):
+    _as_accelerate_rank(rank, world_size)
+    import torch.distributed as dist
+    from transformers import TrainerCallback, default_data_collator
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    log: list[str] = []
+    for name in _COLLECTIVES:
+        original = getattr(dist, name)
+
+        def recorded(*args, _name=name, _original=original, **kwargs):
+            log.append(_name)
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, recorded)
+
+    class Marker(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            log.append("step_end")
+
+    def collate(rows):
+        batch = default_data_collator(rows)
+        if rewrite_labels:
+            batch["labels"][:, 2] = -100  # the first answer token of every row that has one
+        return batch
+
+    torch.manual_seed(0)
+    model = _CausalTokens()
+    before = [p.detach().clone() for p in model.parameters()]
+    with tempfile.TemporaryDirectory() as out:
+        args = _gloo_trainer_args(
+            out,
+            max_steps=STEPS,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=ACCUMULATION,
+            learning_rate=0.1,
+            average_tokens_across_devices=True,
+        )
+        trainer = BucketedTrainer(
+            model=model,
+            args=args,
+            train_dataset=_labelled_rows(),
+            data_collator=collate,
+            balance_ranks=True,
+            callbacks=[Marker()],
+        )
+        if rewrite_labels:
+            with pytest.raises(RuntimeError) as refused:
+                trainer.train()
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            return str(refused.value), unchanged
+        trainer.train()
+        buckets = len(trainer.model_wrapped.bucket_sizes)
+    return log, buckets, model.seen
+
+
+def test_a_balanced_trainer_step_makes_one_collective_besides_the_buckets_and_the_loss_log():
+    """Between two step ends: the Trainer's loss gather for the log of the step before (logging_steps=1), the
+    buckets' all-reduces, then the step's one all-gather. No gather of the answer-token count before the step's
+    compute (the Trainer's, with ``average_tokens_across_devices``), none of the flos at the log."""
+    for log, buckets, _ in run_distributed(_train, False, timeout=180):
+        steps = " ".join(log).split("step_end")
+        assert len(steps) == STEPS + 1
+        for calls in steps[1:STEPS]:  # (before the first step: the setup's collectives, and no log)
+            assert calls.split() == ["all_gather"] + ["all_reduce"] * buckets + ["all_gather"], log
+
+
+def test_the_balanced_trainer_divides_each_step_by_its_answer_tokens_over_all_ranks():
+    """``num_items_in_batch`` on every micro-step of both ranks is the sum, over both ranks' micro-batches of that
+    step, of their answer tokens (labels other than -100 after the shift): what the Trainer's all-gather gave."""
+    ranks = [seen for _, _, seen in run_distributed(_train, False, timeout=180)]
+    assert all(len(seen) == STEPS * ACCUMULATION for seen in ranks)
+    for step in range(STEPS):
+        micro = [entry for seen in ranks for entry in seen[step * ACCUMULATION : (step + 1) * ACCUMULATION]]
+        total = sum(answers for answers, _ in micro)
+        assert total > 0
+        assert all(given == total for _, given in micro), (step, micro)
+
+
+def test_a_collator_that_rewrites_the_labels_stops_the_balanced_trainer_before_its_first_optimizer_step():
+    """The planned count comes from the rows' labels; a collator that changes them makes the batches disagree, which
+    the step's all-gather finds: every rank raises, naming the fix, and no parameter has moved."""
+    for message, unchanged in run_distributed(_train, True, timeout=180):
+        assert "answer tokens" in message and "balance_ranks=False" in message, message
+        assert unchanged
