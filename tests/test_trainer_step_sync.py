@@ -1,7 +1,7 @@
 """The Trainer path's step boundary on a balanced run: the bucket all-reduces and one all-gather per optimizer step,
-plus the Trainer's loss gather when it logs. The loss is still divided by the step's answer tokens over all ranks
-(counted from the plan, checked against the batches), and a collator that rewrites the labels stops the run before
-its first optimizer step. 2 real gloo processes, the HF Trainer in-process."""
+also when it logs every step. The loss is still divided by the step's answer tokens over all ranks (counted from the
+plan, checked against the batches), the log shows the ranks' mean loss, and a collator that rewrites the labels
+stops the run before its first optimizer step. 2 real gloo processes, the HF Trainer in-process."""
 
 import tempfile
 
@@ -21,19 +21,20 @@ STEPS, ACCUMULATION = 3, 2
 class _CausalTokens(nn.Module):
     """What the Trainer treats as a causal LM: labels, loss kwargs (so it counts the step's answer tokens and passes
     ``num_items_in_batch``) and a loss type that shifts the labels. Records, per micro-step, its batch's own answer
-    tokens and the count it was given."""
+    tokens, the count it was given and the loss it returned."""
 
     loss_type = "ForCausalLM"
 
     def __init__(self):
         super().__init__()
         self.net = Net()
-        self.seen: list[tuple[int, float]] = []
+        self.seen: list[tuple[int, float, float]] = []
 
     def forward(self, input_ids, attention_mask, labels, x, y, num_items_in_batch=None, **kwargs):
         answers = labels[..., 1:].ne(-100).sum()
-        self.seen.append((int(answers), float(num_items_in_batch)))
-        return {"loss": ((self.net(x) - y) ** 2).sum() * answers / num_items_in_batch}
+        loss = ((self.net(x) - y) ** 2).sum() * answers / num_items_in_batch
+        self.seen.append((int(answers), float(num_items_in_batch), float(loss)))
+        return {"loss": loss}
 
 
 def _labelled_rows():
@@ -101,30 +102,36 @@ def _train(rank, world_size, rewrite_labels):
             return str(refused.value), unchanged
         trainer.train()
         buckets = len(trainer.model_wrapped.bucket_sizes)
-    return log, buckets, model.seen
+        logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return log, buckets, model.seen, logged
 
 
-def test_a_balanced_trainer_step_makes_one_collective_besides_the_buckets_and_the_loss_log():
-    """Between two step ends: the Trainer's loss gather for the log of the step before (logging_steps=1), the
-    buckets' all-reduces, then the step's one all-gather. No gather of the answer-token count before the step's
-    compute (the Trainer's, with ``average_tokens_across_devices``), none of the flos at the log."""
-    for log, buckets, _ in run_distributed(_train, False, timeout=180):
+def test_a_balanced_trainer_step_makes_one_collective_besides_the_buckets_also_when_it_logs():
+    """Between two step ends, with a log at every step: the buckets' all-reduces, then the step's one all-gather.
+    The Trainer's own gathers are gone: the answer-token count before the step's compute (with
+    ``average_tokens_across_devices``), the loss and the flos at every log."""
+    for log, buckets, _, _ in run_distributed(_train, False, timeout=180):
         steps = " ".join(log).split("step_end")
         assert len(steps) == STEPS + 1
-        for calls in steps[1:STEPS]:  # (before the first step: the setup's collectives, and no log)
-            assert calls.split() == ["all_gather"] + ["all_reduce"] * buckets + ["all_gather"], log
+        for calls in steps[1:STEPS]:  # (before the first step: the setup's collectives)
+            assert calls.split() == ["all_reduce"] * buckets + ["all_gather"], log
 
 
-def test_the_balanced_trainer_divides_each_step_by_its_answer_tokens_over_all_ranks():
+def test_the_balanced_trainer_divides_each_step_by_its_answer_tokens_over_all_ranks_and_logs_the_ranks_mean():
     """``num_items_in_batch`` on every micro-step of both ranks is the sum, over both ranks' micro-batches of that
-    step, of their answer tokens (labels other than -100 after the shift): what the Trainer's all-gather gave."""
-    ranks = [seen for _, _, seen in run_distributed(_train, False, timeout=180)]
+    step, of their answer tokens (labels other than -100 after the shift): what the Trainer's all-gather gave. The
+    logged loss of each step is the Trainer's: the mean over ranks of their summed micro-step losses, each scaled by
+    the world size (``average_tokens_across_devices``), so the sum of every returned loss of the step."""
+    results = run_distributed(_train, False, timeout=180)
+    ranks = [seen for _, _, seen, _ in results]
     assert all(len(seen) == STEPS * ACCUMULATION for seen in ranks)
     for step in range(STEPS):
         micro = [entry for seen in ranks for entry in seen[step * ACCUMULATION : (step + 1) * ACCUMULATION]]
-        total = sum(answers for answers, _ in micro)
+        total = sum(answers for answers, _, _ in micro)
         assert total > 0
-        assert all(given == total for _, given in micro), (step, micro)
+        assert all(given == total for _, given, _ in micro), (step, micro)
+        for _, _, _, logged in results:
+            assert logged[step] == pytest.approx(sum(loss for _, _, loss in micro), rel=1e-6), (step, logged)
 
 
 def test_a_collator_that_rewrites_the_labels_stops_the_balanced_trainer_before_its_first_optimizer_step():

@@ -114,6 +114,7 @@ class BucketedTrainer(Trainer):
         # (step, its answer tokens from the plan, this rank's by the Trainer's rule): checked in the step's gather
         self._planned_answers: tuple[int, int, torch.Tensor] | None = None
         self._step_flos: tuple[int, float] | None = None  # (step, the ranks' summed flos since the last store_flos)
+        self._step_loss: tuple[int, float] | None = None  # (step, the ranks' mean of the Trainer's running loss)
         self._stop = StopSignal()
         self._stop_verdict: tuple[int, bool] = (-1, False)  # (global step, any rank asked to stop)
         self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
@@ -240,13 +241,14 @@ class BucketedTrainer(Trainer):
     def _gather_step(self) -> None:
         """The optimizer step's one collective besides the buckets' all-reduces, after its last backward.
 
-        Each rank sends [input tokens, its answer tokens, stop flag, compute ms, flos] (float64: exact for counts
-        below 2**53; NaN for what was not counted) and reads the gathered rows once: the Trainer's input-token
-        count, the check of the planned answer count (:meth:`_get_num_items_in_batch`), whether any rank was
-        asked to stop (:meth:`stop_requested`), the ranks' balance of this very step (``ddp_ft.steps.rank_balance``,
-        as the plain loop; :meth:`pop_step_balance` hands it to ``ThroughputCallback``) and the ranks' summed flos
-        (:meth:`store_flos`). The Trainer's ``_tr_loss`` and ``current_flos`` already hold the step's last
-        micro-step here. On one process: no collective, the rank's own numbers (imbalance 1.0, no wait). A step
+        Each rank sends [input tokens, its answer tokens, stop flag, compute ms, flos, running loss] (float64: exact
+        for counts below 2**53; NaN for what was not counted) and reads the gathered rows once: the Trainer's
+        input-token count, the check of the planned answer count (:meth:`_get_num_items_in_batch`), whether any
+        rank was asked to stop (:meth:`stop_requested`), the ranks' balance of this very step
+        (``ddp_ft.steps.rank_balance``, as the plain loop; :meth:`pop_step_balance` hands it to
+        ``ThroughputCallback``), the ranks' summed flos (:meth:`store_flos`) and their mean loss for the log
+        (:meth:`_maybe_log_save_evaluate`). The Trainer's ``_tr_loss`` and ``current_flos`` already hold the step's
+        last micro-step here. On one process: no collective, the rank's own numbers (imbalance 1.0, no wait). A step
         whose compute was not measured gets no balance, on every rank alike.
 
         Raises:
@@ -260,7 +262,7 @@ class BucketedTrainer(Trainer):
         nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
         compute_ms = math.nan if self._compute_ms is None else self._compute_ms
         extra = [float(self._stop.local_flag), compute_ms, float(self.current_flos)]
-        counted = [self._local_tokens, None if planned is None else planned[2]]
+        counted = [self._local_tokens, None if planned is None else planned[2], self._tr_loss]
         counted = [nan if t is None else t.to(device, torch.float64).reshape(()) for t in counted]
         mine = torch.cat([torch.stack(counted), torch.tensor(extra, dtype=torch.float64, device=device)])
         if self.args.world_size > 1:
@@ -269,7 +271,7 @@ class BucketedTrainer(Trainer):
             gathered = torch.stack(per_rank)
         else:
             gathered = mine.unsqueeze(0)
-        tokens, answers, stops, compute, flos = zip(*gathered.tolist(), strict=True)  # one transfer
+        tokens, answers, losses, stops, compute, flos = zip(*gathered.tolist(), strict=True)  # one transfer
         self._local_tokens, self._compute_ms, self._planned_answers = None, None, None
         if planned is not None and sum(answers) != planned[1]:
             raise RuntimeError(
@@ -283,8 +285,36 @@ class BucketedTrainer(Trainer):
             self.state.num_input_tokens_seen += int(sum(tokens))
         self._stop_verdict = (step, any(stops))
         self._step_flos = (step, sum(flos))
+        self._step_loss = (step, math.fsum(losses) / len(losses))  # the Trainer's mean, in float64 (its: float32)
         measured = not any(math.isnan(ms) for ms in compute)
         self._step_balance = rank_balance(list(compute), self.args.process_index) if measured else None
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
+    ) -> None:
+        """The Trainer's, logging on several processes the ranks' mean loss from the step's all-gather
+        (:meth:`_gather_step`) instead of all-gathering it again at every log. The log is the Trainer's: the loss
+        averaged over the steps since the last log, the gradient norm and the learning rate."""
+        step_loss, state = self._step_loss, self.state
+        if (
+            self.args.world_size > 1
+            and self.control.should_log
+            and state.global_step > self._globalstep_last_logged
+            and step_loss is not None
+            and step_loss[0] == state.global_step
+        ):
+            logs = {"loss": step_loss[1] / (state.global_step - self._globalstep_last_logged)}
+            tr_loss -= tr_loss
+            if grad_norm is not None:
+                logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+            logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
+            self._total_loss_scalar += step_loss[1]
+            self._globalstep_last_logged = state.global_step
+            self.store_flos()
+            self.log(logs, start_time)  # the Trainer below then only evaluates and saves, as it would
+        super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
+        )
 
     def store_flos(self) -> None:
         """The Trainer's, with the ranks' flos from the step's all-gather (:meth:`_gather_step`) instead of an
