@@ -193,7 +193,7 @@ class BucketedTrainer(Trainer):
         planned = (
             self.args.average_tokens_across_devices
             and self.args.world_size > 1
-            and self._loss_shifts_labels
+            and getattr(self, "_loss_shifts_labels", False)  # a causal LM's rule (transformers 5.23)
             and counts is not None
             and sampler is not None
         )
