@@ -262,7 +262,8 @@ class BucketedTrainer(Trainer):
         nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
         compute_ms = math.nan if self._compute_ms is None else self._compute_ms
         extra = [float(self._stop.local_flag), compute_ms, float(self.current_flos)]
-        counted = [self._local_tokens, None if planned is None else planned[2], self._tr_loss]
+        running_loss = getattr(self, "_tr_loss", None)  # the Trainer's running loss (transformers 5.23)
+        counted = [self._local_tokens, None if planned is None else planned[2], running_loss]
         counted = [nan if t is None else t.to(device, torch.float64).reshape(()) for t in counted]
         mine = torch.cat([torch.stack(counted), torch.tensor(extra, dtype=torch.float64, device=device)])
         if self.args.world_size > 1:
@@ -302,6 +303,7 @@ class BucketedTrainer(Trainer):
             and state.global_step > self._globalstep_last_logged
             and step_loss is not None
             and step_loss[0] == state.global_step
+            and not math.isnan(step_loss[1])
         ):
             logs = {"loss": step_loss[1] / (state.global_step - self._globalstep_last_logged)}
             tr_loss -= tr_loss
