@@ -199,14 +199,10 @@ def _padded_rows(n=32, length=12):
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object", "barrier")
 
 
-def _collectives_per_step(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+def _record_collectives(log: list[str]) -> None:
+    """Append the name of every ``torch.distributed`` collective this process calls to ``log``."""
     import torch.distributed as dist
-    from transformers import TrainerCallback
 
-    from ddp_ft.integrations import BucketedTrainer
-
-    log: list[str] = []
     for name in _COLLECTIVES:
         original = getattr(dist, name)
 
@@ -215,6 +211,16 @@ def _collectives_per_step(rank, world_size):
             return _original(*args, **kwargs)
 
         setattr(dist, name, recorded)
+
+
+def _collectives_per_step(rank, world_size):
+    _as_accelerate_rank(rank, world_size)
+    from transformers import TrainerCallback
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    log: list[str] = []
+    _record_collectives(log)
     for name in ("item", "tolist"):  # host reads: each waits for the device
         original = getattr(torch.Tensor, name)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from .dist_harness import run_distributed
 from .models import Net
-from .test_plugin_wrapping import _COLLECTIVES, _as_accelerate_rank, _gloo_trainer_args, _padded_rows
+from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _record_collectives
 
 pytestmark = pytest.mark.distributed
 
@@ -50,20 +50,12 @@ def _labelled_rows():
 
 def _train(rank, world_size, rewrite_labels):
     _as_accelerate_rank(rank, world_size)
-    import torch.distributed as dist
     from transformers import TrainerCallback, default_data_collator
 
     from ddp_ft.integrations import BucketedTrainer
 
     log: list[str] = []
-    for name in _COLLECTIVES:
-        original = getattr(dist, name)
-
-        def recorded(*args, _name=name, _original=original, **kwargs):
-            log.append(_name)
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, recorded)
+    _record_collectives(log)
 
     class Marker(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
