@@ -7,7 +7,7 @@ No download: a Qwen3-4B-shaped model (``ddp_ft.memory.QWEN3_4B``) with random we
 ``$DDP_FT_CACHE`` (local rank 0 builds, the others wait) and loaded through ``load_qlora_model``: NF4 with double
 quantisation, LoRA r=16 on every linear layer, non-reentrant gradient checkpointing, the compute dtype for the device
 (``ddp_ft.bench.compute_setup``). Each optimizer step trains ``--accumulation`` random sequences of ``--seq-len``
-tokens per rank (micro-batch 1) with the loop's ``forward_backward``, clipping and AdamW. Modes, each with its own
+tokens per rank (``--micro-batch`` sequences each) with the loop's ``forward_backward``, clipping and AdamW. Modes, each with its own
 model, alternate within the run (order rotating every repeat) after ``--warmup`` steps each:
 
 - 1 process: ``single`` (no wrapper) and ``bucketed_ddp`` (BucketedDDP on a process group of size 1): the wrapper's
@@ -90,11 +90,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", choices=SHAPES, default="qwen3-4b", help="model sizes; tiny: the CPU smoke test")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override the shape's {field}")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (micro-batch 1)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward")
     p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step per rank")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per mode")
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per mode per repeat")
     p.add_argument("--repeats", type=int, default=5, help="alternations of the modes")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after the timed repeats, this many steps per mode under torch.profiler: device kernel time vs wall",
+    )
     p.add_argument(
         "--modes",
         nargs="+",
@@ -135,6 +142,33 @@ def train_steps(model, optimizer, scaler, batches, info: DistInfo, precision: Pr
     return seconds
 
 
+def device_busy(model, optimizer, scaler, batches, info: DistInfo, precision: Precision, steps: int) -> dict:
+    """``steps`` more optimizer steps under ``torch.profiler``: how much of the wall time the device spent in kernels.
+
+    A busy fraction far below 1 means the host (Python, autograd, kernel launches) sets the pace, not the GPU: longer
+    sequences or larger micro-batches then raise tokens/s almost for free, and no wrapper can hide it. Kernel time is
+    summed as ``torch.profiler``'s own table sums "Self CUDA" (device events, user annotations excluded); kernels on
+    other streams that overlap (NCCL) count in full. On the CPU there is no device: host time only.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = info.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        seconds = train_steps(model, optimizer, scaler, batches, info, precision, steps)
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    wall_ms = 1e3 * sum(seconds)
+    kernel_ms = sum(e.self_device_time_total for e in device_events) / 1e3
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms / steps,
+        "device_kernel_ms_per_step": kernel_ms / steps if cuda else None,
+        "device_busy_fraction": kernel_ms / wall_ms if cuda else None,
+        "device_ops_per_step": len(device_events) / steps if cuda else None,
+    }
+
+
 def main() -> None:
     args = parse_args()
     shape = Qwen3Shape(
@@ -170,7 +204,7 @@ def main() -> None:
         for _ in range(4):
             group = []
             for _ in range(args.accumulation):
-                ids = torch.randint(0, shape.vocab_size, (1, args.seq_len), generator=g).to(device)
+                ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(device)
                 group.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
             batches.append(group)
 
@@ -199,7 +233,7 @@ def main() -> None:
             ranks = 1 if mode == "single" else info.world_size
             return {
                 "seconds": seconds,
-                "tokens_per_s": ranks * args.accumulation * args.seq_len * steps / sum(seconds),
+                "tokens_per_s": ranks * args.accumulation * args.micro_batch * args.seq_len * steps / sum(seconds),
                 "resident_bytes": memory[0],
                 "peak_allocated_bytes": memory[1],
                 "peak_reserved_bytes": memory[2],
@@ -211,13 +245,27 @@ def main() -> None:
         for repeat in range(args.repeats):
             for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
                 samples[mode].append(measure(mode, args.steps))
+        profiles = {}
+        for mode in modes if args.profile_steps > 0 else []:
+            dist.barrier()
+            if mode != "single" or info.is_main_process:
+                job = info if mode == "bucketed_ddp" else DistInfo(device=device)
+                profiles[mode] = device_busy(
+                    models[mode], optimizers[mode], scalers[mode], batches, job, setup.precision, args.profile_steps
+                )
         if info.is_main_process:
-            report(args, setup, shape, samples)
+            report(args, setup, shape, samples, profiles)
     finally:
         destroy_distributed()
 
 
-def report(args: argparse.Namespace, setup: ComputeSetup, shape: Qwen3Shape, samples: dict[str, list[dict]]) -> None:
+def report(
+    args: argparse.Namespace,
+    setup: ComputeSetup,
+    shape: Qwen3Shape,
+    samples: dict[str, list[dict]],
+    profiles: dict[str, dict],
+) -> None:
     info, device = setup.info, setup.info.device
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -243,6 +291,7 @@ def report(args: argparse.Namespace, setup: ComputeSetup, shape: Qwen3Shape, sam
             "resident_gb": max(r["resident_bytes"] for r in runs) / gb if cuda else None,
             "peak_allocated_gb": max(r["peak_allocated_bytes"] for r in runs) / gb if cuda else None,
             "peak_reserved_gb": max(r["peak_reserved_bytes"] for r in runs) / gb if cuda else None,
+            "profile": profiles.get(mode),
         }
     result = {
         "command": launch_command(info),
@@ -309,8 +358,9 @@ def print_table(r: dict, setup: ComputeSetup) -> None:
     print(f"{setup.describe()}; world size {r['world_size']}")
     print(
         f"Qwen3 shape: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocab {s['vocab_size']}; NF4 + "
-        f"LoRA r=16 all-linear, seq {r['settings']['seq_len']}, micro-batch 1, accumulation "
-        f"{r['settings']['accumulation']}, {r['settings']['repeats']} repeats x {r['settings']['steps']} steps"
+        f"LoRA r=16 all-linear, seq {r['settings']['seq_len']}, micro-batch {r['settings']['micro_batch']}, "
+        f"accumulation {r['settings']['accumulation']}, {r['settings']['repeats']} repeats x "
+        f"{r['settings']['steps']} steps"
     )
     rows = [
         f"| {'mode':<12} | {'tokens/s':>9} | {'min..max':>17} | {'step s':>7} | {'min..max step s':>15} | "
@@ -332,6 +382,15 @@ def print_table(r: dict, setup: ComputeSetup) -> None:
             f"BucketedDDP overhead at world size 1 (paired median per repeat): {r['bucketed_ddp_overhead']:.2%} "
             "(target < 1%)"
         )
+    for mode, m in r["modes"].items():
+        if prof := m["profile"]:
+            busy = (
+                f"device kernels {prof['device_kernel_ms_per_step']:.0f} ms ({prof['device_busy_fraction']:.0%} busy), "
+                f"{prof['device_ops_per_step']:,.0f} device ops"
+                if prof["device_busy_fraction"] is not None
+                else "no device (host time only)"
+            )
+            print(f"profile {mode}: {prof['wall_ms_per_step']:.0f} ms per step, {busy} ({prof['steps']} steps)")
     if "speedup_over_1_process" in r:
         print(f"speedup of {r['world_size']} ranks over 1 process: {r['speedup_over_1_process']:.2f}x")
     if "bucketed_ddp_over_independent" in r:

@@ -86,6 +86,10 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_js
         "32",
         "--accumulation",
         "2",
+        "--micro-batch",
+        "3",
+        "--profile-steps",
+        "1",
         "--warmup",
         "1",
         "--steps",
@@ -100,6 +104,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_js
         env.pop(name, None)
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-4000:]
+    assert "micro-batch 3, accumulation 2" in run.stdout and "profile bucketed_ddp:" in run.stdout
     assert "| bucketed_ddp" in run.stdout and "BucketedDDP overhead at world size 1" in run.stdout
     assert "4*N_base + 6*N_lora + 12*L*T*d_attn" in run.stdout and "1650 tokens/s" in run.stdout
     result = json.loads(out.read_text())
@@ -108,6 +113,11 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_js
         assert mode["tokens_per_s"] > 0 and len(mode["tokens_per_s_all_repeats"]) == 2
         assert len(mode["step_s_all"]) == 2 and mode["step_s_range"][0] <= mode["step_s"] <= mode["step_s_range"][1]
         assert mode["mfu"] is None  # float32 on a CPU: no known peak
+        for tokens_per_s, seconds in zip(mode["tokens_per_s_all_repeats"], mode["step_s_all"], strict=True):
+            assert tokens_per_s == pytest.approx(2 * 3 * 32 / seconds)  # accumulation x micro-batch x seq per step
+        profile = mode["profile"]
+        assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0
+        assert profile["device_busy_fraction"] is None and profile["device_kernel_ms_per_step"] is None  # no GPU
     flops = qlora_training_flops(TINY, seq_len=32)
     assert result["flops_per_token"]["total"] == flops.per_token and result["shape"]["hidden_size"] == 64
     assert result["versions"]["bitsandbytes"] and result["command"].startswith("python ")
