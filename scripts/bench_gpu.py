@@ -7,8 +7,8 @@ No download: a Qwen3-4B-shaped model (``ddp_ft.memory.QWEN3_4B``) with random we
 ``$DDP_FT_CACHE`` (local rank 0 builds, the others wait) and loaded through ``load_qlora_model``: NF4 with double
 quantisation, LoRA r=16 on every linear layer, non-reentrant gradient checkpointing, the compute dtype for the device
 (``ddp_ft.bench.compute_setup``). Each optimizer step trains ``--accumulation`` random sequences of ``--seq-len``
-tokens per rank (``--micro-batch`` sequences each) with the loop's ``forward_backward``, clipping and AdamW. Modes, each with its own
-model, alternate within the run (order rotating every repeat) after ``--warmup`` steps each:
+tokens per rank (``--micro-batch`` sequences each) with the loop's ``forward_backward``, clipping and AdamW. Modes,
+each with its own model, alternate within the run (order rotating every repeat) after ``--warmup`` steps each:
 
 - 1 process: ``single`` (no wrapper) and ``bucketed_ddp`` (BucketedDDP on a process group of size 1): the wrapper's
   overhead, target under 1%.
@@ -85,20 +85,32 @@ REFERENCE = {
 }
 
 
+def at_least(low: int):
+    """An argparse type: an integer >= ``low``, else the flag's error names the bound."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=SHAPES, default="qwen3-4b", help="model sizes; tiny: the CPU smoke test")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override the shape's {field}")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward")
-    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step per rank")
-    p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per mode")
-    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per mode per repeat")
-    p.add_argument("--repeats", type=int, default=5, help="alternations of the modes")
+    p.add_argument("--seq-len", type=at_least(1), default=512, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=at_least(1), default=1, help="sequences per forward/backward")
+    p.add_argument("--accumulation", type=at_least(1), default=1, help="micro-batches per optimizer step per rank")
+    p.add_argument("--warmup", type=at_least(0), default=3, help="untimed optimizer steps per mode")
+    p.add_argument("--steps", type=at_least(1), default=5, help="timed optimizer steps per mode per repeat")
+    p.add_argument("--repeats", type=at_least(1), default=5, help="alternations of the modes")
     p.add_argument(
         "--profile-steps",
-        type=int,
+        type=at_least(0),
         default=0,
         help="after the timed repeats, this many steps per mode under torch.profiler: device kernel time vs wall",
     )
@@ -148,7 +160,8 @@ def device_busy(model, optimizer, scaler, batches, info: DistInfo, precision: Pr
     A busy fraction far below 1 means the host (Python, autograd, kernel launches) sets the pace, not the GPU: longer
     sequences or larger micro-batches then raise tokens/s almost for free, and no wrapper can hide it. Kernel time is
     summed as ``torch.profiler``'s own table sums "Self CUDA" (device events, user annotations excluded); kernels on
-    other streams that overlap (NCCL) count in full. On the CPU there is no device: host time only.
+    other streams that overlap (NCCL) count in full. The profiler slows the host, so the fraction is a lower bound of
+    an unprofiled step's. On the CPU there is no device: host time only.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

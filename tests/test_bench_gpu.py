@@ -1,6 +1,7 @@
 """The GPU benchmark (issue 13): its FLOPs formula against a hand computation, its peak table, its random-weight
 model, and the script itself on the CPU with a tiny shape (one process, seconds; no speed asserted)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -123,3 +124,17 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_js
     assert result["versions"]["bitsandbytes"] and result["command"].startswith("python ")
     assert len(result["bucketed_ddp_overhead_per_repeat"]) == 2
     assert any((tmp_path / "cache").glob("random-qwen3-h64-*"))  # built into DDP_FT_CACHE
+
+
+def test_bench_gpu_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    for flag, value in [("--micro-batch", "0"), ("--seq-len", "0"), ("--profile-steps", "-1"), ("--repeats", "0")]:
+        monkeypatch.setattr(sys, "argv", ["bench_gpu.py", flag, value])
+        with pytest.raises(SystemExit):
+            bench_gpu.parse_args()
+        assert f"argument {flag}: must be >=" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--micro-batch", "4", "--profile-steps", "0"])
+    args = bench_gpu.parse_args()
+    assert args.micro_batch == 4 and args.profile_steps == 0 and args.warmup == 3
