@@ -23,6 +23,12 @@ communication, the optimizer and logging allow. A DDP step waits for the slower 
 process never waits, so on equal work the gap between the two ratios is the ranks' step-to-step compute noise.
 The plan ceiling (``plan_ceiling``, also ``--plan-ceiling`` alone, no runs) is DDP / pair at best on the data: a step's
 samples cannot always be split evenly over the ranks.
+
+A change measured against the code before it (``--baseline DIR``, a checkout of that code, e.g. ``git worktree add
+/tmp/base HEAD~1``): each DDP configuration also runs from ``DIR`` (``ddp-loop@base``, ``ddp-recipe@base``) in the
+same rotation, with this environment's packages, and the table adds this checkout's DDP over the baseline's, paired
+within each repeat. On a shared machine whose speed drifts by more than the change, that paired ratio is the only
+fair comparison.
 """
 
 from __future__ import annotations
@@ -45,42 +51,53 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ENTRIES = ("loop", "recipe")
 CONFIGS = tuple(f"{kind}-{entry}" for entry in ENTRIES for kind in ("pair", "ddp"))
+BASE = "@base"  # suffix of a configuration run from the --baseline checkout
 
 
-def _command(config: str, out: Path, source: str | None, max_steps: int) -> list[list[str]]:
-    """The command lines of one configuration (two for a pair, started together)."""
-    kind, entry = config.split("-")
+def _parts(config: str) -> tuple[str, str, bool]:
+    """``ddp-recipe@base`` -> ("ddp", "recipe", True)."""
+    kind, entry = config.removesuffix(BASE).split("-")
+    return kind, entry, config.endswith(BASE)
+
+
+def _command(config: str, out: Path, source: str | None, max_steps: int, root: Path = ROOT) -> list[list[str]]:
+    """The command lines of one configuration (two for a pair, started together), from the checkout ``root``."""
+    kind, entry, _ = _parts(config)
     flags = ["--preset", "tiny", "--report-to", "none", "--max-steps", str(max_steps)]
     flags += ["--source", source] if source else []
-    script = str(ROOT / ("scripts/train.py" if entry == "loop" else "recipes/qwen_ami.py"))
+    script = str(root / ("scripts/train.py" if entry == "loop" else "recipes/qwen_ami.py"))
     if kind == "pair":
         if entry == "loop":
             return [[sys.executable, script, *flags, "--output-dir", str(out / f"alone{i}")] for i in range(2)]
-        launch = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/single.yaml")]
+        launch = [str(BIN / "accelerate"), "launch", "--config_file", str(root / "accelerate_configs/single.yaml")]
         return [[*launch, script, *flags, "--output-dir", str(out / f"alone{i}")] for i in range(2)]
     if entry == "loop":
         launch = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2"]
     else:
-        launch = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/2cpu_gloo.yaml")]
+        launch = [str(BIN / "accelerate"), "launch", "--config_file", str(root / "accelerate_configs/2cpu_gloo.yaml")]
     return [[*launch, script, *flags, "--output-dir", str(out / "ddp")]]
 
 
-def run_config(config: str, out: Path, source: str | None, max_steps: int) -> dict:
-    """Run one configuration; its tokens/s (a pair: the sum), per-run medians, balance and wall seconds."""
+def run_config(config: str, out: Path, source: str | None, max_steps: int, baseline: Path | None = None) -> dict:
+    """Run one configuration; its tokens/s (a pair: the sum), per-run medians, balance and wall seconds. A
+    ``...@base`` configuration runs from the ``baseline`` checkout (its code first on the path)."""
+    root = baseline if _parts(config)[2] else ROOT
+    if root is None:
+        raise ValueError(f"{config} runs from the baseline checkout: pass baseline")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "disabled",
         "TOKENIZERS_PARALLELISM": "false",
         "GLOO_SOCKET_IFNAME": "lo",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p),
     }
     started = time.perf_counter()
     logs = [open(out / f"{config}-{i}.log", "w") for i in range(2)]  # noqa: SIM115  (closed below)
     try:
         processes = [
-            subprocess.Popen(c, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            for c, log in zip(_command(config, out, source, max_steps), logs, strict=False)
+            subprocess.Popen(c, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+            for c, log in zip(_command(config, out, source, max_steps, root), logs, strict=False)
         ]
         codes = [p.wait(timeout=900) for p in processes]
     finally:
@@ -177,9 +194,16 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=16, help="optimizer steps per run (the tiny preset's 16)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_e2e.json"), help="JSON; the PNG goes beside")
     p.add_argument("--plan-ceiling", action="store_true", help="only print each data set's plan ceiling (no runs)")
+    p.add_argument("--baseline", type=Path, help="a checkout of other code: its DDP runs alternate with this one's")
     args = p.parse_args()
+    configs = list(args.configs)
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
+        if not (args.baseline / "scripts" / "train.py").is_file() or args.baseline == ROOT:
+            p.error(f"--baseline {args.baseline}: not another ddp_ft checkout (e.g. git worktree add /tmp/base HEAD~1)")
+        configs += [c + BASE for c in args.configs if c.startswith("ddp")]
 
-    runs: dict[str, dict[str, list[dict]]] = {d: {c: [] for c in args.configs} for d in args.data}
+    runs: dict[str, dict[str, list[dict]]] = {d: {c: [] for c in configs} for d in args.data}
     with tempfile.TemporaryDirectory(prefix="bench_e2e-") as tmp:
         source = {"tiny": None, "mixed": write_mixed_length_meetings(Path(tmp, "mixed.jsonl"), n=160)}
         ceiling = {d: plan_ceiling(source[d], args.max_steps, Path(tmp, f"plan-{d}")) for d in args.data}
@@ -189,14 +213,14 @@ def main() -> None:
             return
         for repeat in range(args.repeats):
             for data in args.data:
-                shift = repeat % len(args.configs)
-                for config in args.configs[shift:] + args.configs[:shift]:
+                shift = repeat % len(configs)
+                for config in configs[shift:] + configs[:shift]:
                     out = Path(tmp, f"{data}-{config}-{repeat}")
                     out.mkdir()
-                    result = run_config(config, out, source[data], args.max_steps)
+                    result = run_config(config, out, source[data], args.max_steps, args.baseline)
                     runs[data][config].append(result)
                     print(
-                        f"repeat {repeat + 1}/{args.repeats} {data:5} {config:11} {result['tokens_per_s']:8,.0f} "
+                        f"repeat {repeat + 1}/{args.repeats} {data:5} {config:16} {result['tokens_per_s']:8,.0f} "
                         f"tokens/s ({result['wall_s']:.0f} s)",
                         flush=True,
                     )
@@ -212,19 +236,29 @@ def main() -> None:
                 values = [r[key] for r in rs if r.get(key) is not None]
                 summary[data][config][key] = statistics.median(values) if values else None
         for entry in ENTRIES:
-            if f"ddp-{entry}" in by_config and f"pair-{entry}" in by_config:
-                pairs = list(zip(by_config[f"ddp-{entry}"], by_config[f"pair-{entry}"], strict=True))
-                summary[data][f"ddp_over_pair_{entry}"] = _spread(
+            for suffix in ("", BASE):
+                ddp, pair = by_config.get(f"ddp-{entry}{suffix}"), by_config.get(f"pair-{entry}")
+                if ddp is None or pair is None:
+                    continue
+                pairs = list(zip(ddp, pair, strict=True))
+                summary[data][f"ddp_over_pair_{entry}{suffix}"] = _spread(
                     [d["tokens_per_s"] / q["tokens_per_s"] for d, q in pairs]
                 )
                 # the same ratio had no rank waited for the slower one: what communication and the rest allow
-                summary[data][f"no_wait_ddp_over_pair_{entry}"] = _spread(
+                summary[data][f"no_wait_ddp_over_pair_{entry}{suffix}"] = _spread(
                     [d["no_wait_tokens_per_s"] / q["tokens_per_s"] for d, q in pairs]
+                )
+            if f"ddp-{entry}{BASE}" in by_config:
+                pairs = list(zip(by_config[f"ddp-{entry}"], by_config[f"ddp-{entry}{BASE}"], strict=True))
+                summary[data][f"ddp_over_baseline_{entry}"] = _spread(
+                    [new["tokens_per_s"] / old["tokens_per_s"] for new, old in pairs]
                 )
     result = {
         "command": " ".join(["python", *sys.argv]),
         "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, one thread per process",
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "commit": _commit(ROOT),
+        "baseline_commit": _commit(args.baseline) if args.baseline else None,
         "summary": summary,
         "runs": runs,
     }
@@ -233,6 +267,28 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     png = plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {png}")
+
+
+def _commit(root: Path) -> str | None:
+    """The checkout's commit (``git rev-parse HEAD``), with ``-dirty`` when it has uncommitted changes; None outside
+    git."""
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
+
+
+def _ordered(configs) -> list[str]:
+    """Configurations in table order: CONFIGS, each DDP one followed by its baseline run."""
+    order = [c for base in CONFIGS for c in (base, base + BASE)]
+    return [c for c in order if c in configs]
 
 
 def format_table(result: dict) -> str:
@@ -244,13 +300,12 @@ def format_table(result: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for data, by_config in result["summary"].items():
-        for config in CONFIGS:
-            if config not in by_config:
-                continue
-            s, entry = by_config[config], config.split("-")[1]
+        for config in _ordered(by_config):
+            s, (kind, entry, base) = by_config[config], _parts(config)
             t = s["tokens_per_s"]
-            ratio = by_config.get(f"ddp_over_pair_{entry}") if config.startswith("ddp") else None
-            no_wait = by_config.get(f"no_wait_ddp_over_pair_{entry}") if config.startswith("ddp") else None
+            suffix = BASE if base else ""
+            ratio = by_config.get(f"ddp_over_pair_{entry}{suffix}") if kind == "ddp" else None
+            no_wait = by_config.get(f"no_wait_ddp_over_pair_{entry}{suffix}") if kind == "ddp" else None
             imbalance = f"{s['imbalance']:.3f}" if s.get("imbalance") is not None else ""
             compute = f"{s['compute_ms_per_1k_tokens']:.0f}" if s.get("compute_ms_per_1k_tokens") is not None else ""
             wait = f"{s['wait_share']:.1%}" if s.get("wait_share") is not None else ""
@@ -268,6 +323,15 @@ def format_table(result: dict) -> str:
             "",
             "plan ceiling (DDP / pair at best, from the padded tokens of the slowest rank): " + ", ".join(ceilings),
         ]
+    against = [
+        f"{data} ddp-{entry} {_ratio(by_config[f'ddp_over_baseline_{entry}'])}"
+        for data, by_config in result["summary"].items()
+        for entry in ENTRIES
+        if f"ddp_over_baseline_{entry}" in by_config
+    ]
+    if against:
+        where = result.get("baseline_commit") or result.get("settings", {}).get("baseline")
+        lines += ["", f"this checkout's DDP / the baseline's ({where}), paired per repeat: " + "; ".join(against)]
     return "\n".join(lines)
 
 
@@ -284,9 +348,10 @@ def plot(result: dict, path: Path) -> Path:
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     datasets = list(result["summary"])
-    configs = [c for c in CONFIGS if any(c in result["summary"][d] for d in datasets)]
+    configs = _ordered({c for d in datasets for c in result["summary"][d]})
     width = 0.8 / len(configs)
     colors = {"pair-loop": "tab:gray", "ddp-loop": "tab:blue", "pair-recipe": "silver", "ddp-recipe": "tab:orange"}
+    colors |= {"ddp-loop" + BASE: "lightsteelblue", "ddp-recipe" + BASE: "navajowhite"}
     for i, config in enumerate(configs):
         stats = [result["summary"][d].get(config, {}).get("tokens_per_s") for d in datasets]
         medians = [s["median"] if s else 0.0 for s in stats]
@@ -296,8 +361,9 @@ def plot(result: dict, path: Path) -> Path:
         bars = ax.bar(xs, medians, width, yerr=errors, capsize=3, color=colors[config], label=config)
         labels = []
         for d in datasets:
-            ratio = result["summary"][d].get(f"ddp_over_pair_{config.split('-')[1]}")
-            labels.append(f"{ratio['median']:.0%}" if ratio and config.startswith("ddp") else "")
+            kind, entry, base = _parts(config)
+            ratio = result["summary"][d].get(f"ddp_over_pair_{entry}{BASE if base else ''}")
+            labels.append(f"{ratio['median']:.0%}" if ratio and kind == "ddp" else "")
         ax.bar_label(bars, labels=labels, padding=3)
     ax.set_xticks(range(len(datasets)), [f"data: {d}" for d in datasets])
     ax.set(ylabel="tokens/s (median over repeats)", title="2-rank DDP against two independent processes (the limit)")

@@ -58,6 +58,50 @@ def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_
     assert table.endswith("slowest rank): mixed 0.971")
 
 
+def test_a_baseline_run_launches_the_other_checkouts_scripts_and_the_table_pairs_it_with_this_ones(tmp_path):
+    base = tmp_path / "base"
+    (recipe,) = bench_e2e._command("ddp-recipe@base", tmp_path, None, 8, root=base)
+    assert recipe[3] == str(base / "accelerate_configs/2cpu_gloo.yaml") and recipe[4] == str(
+        base / "recipes/qwen_ami.py"
+    )
+    (loop,) = bench_e2e._command("ddp-loop@base", tmp_path, None, 8, root=base)
+    assert loop[3] == str(base / "scripts/train.py")
+    with pytest.raises(ValueError, match="baseline"):
+        bench_e2e.run_config("ddp-loop@base", tmp_path, None, 8, baseline=None)
+
+    t = {"median": 100.0, "min": 90.0, "max": 110.0, "all": []}
+    old = {"median": 95.0, "min": 85.0, "max": 105.0, "all": []}
+    result = {
+        "command": "python scripts/bench_e2e.py --baseline /tmp/base",
+        "hardware": "cpu",
+        "baseline_commit": "abc123",
+        "summary": {
+            "mixed": {
+                "pair-loop": {"tokens_per_s": t},
+                "ddp-loop@base": {"tokens_per_s": old},
+                "ddp-loop": {"tokens_per_s": t},
+                "ddp_over_pair_loop": {"median": 0.97, "min": 0.95, "max": 0.99, "all": []},
+                "ddp_over_pair_loop@base": {"median": 0.92, "min": 0.90, "max": 0.94, "all": []},
+                "ddp_over_baseline_loop": {"median": 1.05, "min": 1.01, "max": 1.08, "all": []},
+            }
+        },
+    }
+    rows = [line for line in bench_e2e.format_table(result).splitlines() if line.startswith("| mixed")]
+    assert [row.split(" | ")[1] for row in rows] == ["pair-loop", "ddp-loop", "ddp-loop@base"]
+    assert "| 0.970 (0.950..0.990) |" in rows[1] and "| 0.920 (0.900..0.940) |" in rows[2]
+    assert bench_e2e.format_table(result).endswith(
+        "this checkout's DDP / the baseline's (abc123), paired per repeat: mixed ddp-loop 1.050 (1.010..1.080)"
+    )
+
+
+def test_a_baseline_that_is_not_another_checkout_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    for baseline in (tmp_path, ROOT):
+        monkeypatch.setattr("sys.argv", ["bench_e2e.py", "--baseline", str(baseline)])
+        with pytest.raises(SystemExit):
+            bench_e2e.main()
+        assert "--baseline" in capsys.readouterr().err
+
+
 def _records(world_size: int, steps: list[tuple[float, float, float]], tokens: int = 2000) -> list[dict]:
     rows = [{"type": "config", "world_size": world_size}]
     for step, (slowest_ms, fastest_ms, step_s) in enumerate(steps, 1):
