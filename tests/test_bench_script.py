@@ -36,7 +36,7 @@ def test_bench_ddp_runs_under_torchrun_and_writes_its_table_and_json(tmp_path):
     ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
     assert "BucketedDDP / torch DDP" in run.stdout and "| bucketed_ddp" in run.stdout
     result = json.loads(out.read_text())
     assert set(result["tokens_per_s"]) == {"single", "torch_ddp", "bucketed_ddp"}
