@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .distributed import DistInfo, destroy_distributed, device_and_backend, init_distributed
-from .memory import Qwen3Shape, lora_parameters
+from .memory import QWEN3_4B, Qwen3Shape, lora_parameters
 from .model import tiny_qwen3_config
 from .precision import Precision, precision_for
 
@@ -137,6 +137,21 @@ def _event_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
 
 
 # --- A Qwen3 of any shape with random weights, written once --------------------------------------------------------
+
+
+# The model shapes of the GPU benchmark and of scripts/random_model.py; ``tiny`` is their CPU smoke test.
+BENCH_SHAPES: dict[str, Qwen3Shape] = {
+    "qwen3-4b": QWEN3_4B,
+    "tiny": Qwen3Shape(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=512,
+    ),
+}
 
 
 def build_random_qwen3(path: str | Path, shape: Qwen3Shape, dtype: torch.dtype, seed: int = 0) -> Path:

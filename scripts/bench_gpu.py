@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_ft.bench import (
+    BENCH_SHAPES,
     MFU_FORMULA,
     ComputeSetup,
     build_random_qwen3,
@@ -48,24 +49,12 @@ from ddp_ft.bench import (
 )
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
-from ddp_ft.memory import QWEN3_4B, Qwen3Shape
+from ddp_ft.memory import Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES, Precision
 from ddp_ft.setup import cache_dir, seed_everything
 from ddp_ft.steps import forward_backward, step_counts
 
-SHAPES = {
-    "qwen3-4b": QWEN3_4B,
-    "tiny": Qwen3Shape(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        vocab_size=512,
-    ),
-}
 OVERRIDES = {  # --flag -> Qwen3Shape field
     "layers": "num_hidden_layers",
     "hidden_size": "hidden_size",
@@ -99,7 +88,7 @@ def at_least(low: int):
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=SHAPES, default="qwen3-4b", help="model sizes; tiny: the CPU smoke test")
+    p.add_argument("--shape", choices=BENCH_SHAPES, default="qwen3-4b", help="model sizes; tiny: the CPU smoke test")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override the shape's {field}")
     p.add_argument("--seq-len", type=at_least(1), default=512, help="tokens per sequence")
@@ -186,7 +175,7 @@ def main() -> None:
     args = parse_args()
     shape = Qwen3Shape(
         **{
-            **vars(SHAPES[args.shape]),
+            **vars(BENCH_SHAPES[args.shape]),
             **{f: getattr(args, k) for k, f in OVERRIDES.items() if getattr(args, k) is not None},
         }
     )

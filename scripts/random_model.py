@@ -19,16 +19,15 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from bench_gpu import SHAPES
 
-from ddp_ft.bench import build_random_qwen3
+from ddp_ft.bench import BENCH_SHAPES, build_random_qwen3
 from ddp_ft.memory import Qwen3Shape
 from ddp_ft.tokenizer import load_tokenizer
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", choices=SHAPES, default="qwen3-4b", help="model sizes (scripts/bench_gpu.py's)")
+    p.add_argument("--shape", choices=BENCH_SHAPES, default="qwen3-4b", help="model sizes (scripts/bench_gpu.py's)")
     p.add_argument("--vocab-size", type=int, help="override the shape's vocabulary size")
     p.add_argument(
         "--tokenizer", required=True, help="tokenizer folder or hub id (e.g. ../shared/data/qwen2-tokenizer)"
@@ -39,7 +38,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    shape = SHAPES[args.shape]
+    shape = BENCH_SHAPES[args.shape]
     if args.vocab_size is not None:
         shape = dataclasses.replace(shape, vocab_size=args.vocab_size)
     tokenizer = load_tokenizer(args.tokenizer)

@@ -11,21 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft.bench import build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
+from ddp_ft.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape
 
 from .dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = Qwen3Shape(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    vocab_size=512,
-)
+TINY = BENCH_SHAPES["tiny"]
 
 
 def test_qwen3_4b_model_flops_per_token_by_hand():

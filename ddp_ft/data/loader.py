@@ -78,6 +78,11 @@ class DataLayout:
         """``floor(train_samples / effective_batch)``: the trailing partial batch is dropped, on every world size."""
         return self.train_samples // self.effective_batch
 
+    def step_positions(self, step: int) -> slice:
+        """Step ``step`` (within its epoch) of the epoch's global order: positions ``[step * E, (step + 1) * E)``,
+        ``E`` the effective batch. The one cut of a step that the plans and the Trainer's token count share."""
+        return slice(step * self.effective_batch, (step + 1) * self.effective_batch)
+
     def describe(self) -> str:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (
@@ -216,9 +221,9 @@ class EpochLoader:
         layout = self.layout
         self.sampler.set_epoch(epoch)
         order = [int(i) for i in self.sampler]
-        E, W, m, A = layout.effective_batch, layout.world_size, layout.micro_batch, layout.accumulation
+        W, m, A = layout.world_size, layout.micro_batch, layout.accumulation
         for step in range(start_step, layout.steps_per_epoch):
-            indices = order[step * E : (step + 1) * E]
+            indices = order[layout.step_positions(step)]
             if self.lengths is None:
                 yield strided_plan(indices, W, m, A)
             else:
@@ -283,15 +288,14 @@ class StepBatchSampler:
 
     def step_samples(self, step: int) -> list[int]:
         """Every rank's samples of optimizer step ``step``, counted from the run's first (the Trainer's
-        ``global_step`` before the step): positions ``[s * E, (s + 1) * E)`` of epoch ``step // steps_per_epoch``'s
-        global order, ``s`` the step within the epoch, as ``loader.plans`` cuts them."""
+        ``global_step`` before the step): ``DataLayout.step_positions`` of the step within its epoch, in epoch
+        ``step // steps_per_epoch``'s global order, as ``loader.plans`` cuts them."""
         layout = self.loader.layout
         epoch, within = divmod(step, layout.steps_per_epoch)
         if self._order is None or self._order[0] != epoch:
             shuffle = self.loader.sampler.shuffle
             self._order = (epoch, global_order(layout.train_samples, layout.seed, epoch, shuffle))
-        E = layout.effective_batch
-        return self._order[1][within * E : (within + 1) * E]
+        return self._order[1][layout.step_positions(within)]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
