@@ -201,6 +201,11 @@ def main() -> None:
         args.baseline = args.baseline.resolve()
         if not (args.baseline / "scripts" / "train.py").is_file() or args.baseline == ROOT:
             p.error(f"--baseline {args.baseline}: not another ddp_ft checkout (e.g. git worktree add /tmp/base HEAD~1)")
+        if args.plan_ceiling or not any(c.startswith("ddp") for c in args.configs):
+            p.error(
+                "--baseline runs the baseline's DDP configurations: give --configs at least one of ddp-loop, "
+                "ddp-recipe, and leave out --plan-ceiling (it runs nothing)"
+            )
         configs += [c + BASE for c in args.configs if c.startswith("ddp")]
 
     runs: dict[str, dict[str, list[dict]]] = {d: {c: [] for c in configs} for d in args.data}

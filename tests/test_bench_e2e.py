@@ -94,12 +94,22 @@ def test_a_baseline_run_launches_the_other_checkouts_scripts_and_the_table_pairs
     )
 
 
-def test_a_baseline_that_is_not_another_checkout_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+def test_a_baseline_that_is_not_another_checkout_or_would_go_unused_is_refused_before_any_run(
+    tmp_path, monkeypatch, capsys
+):
     for baseline in (tmp_path, ROOT):
         monkeypatch.setattr("sys.argv", ["bench_e2e.py", "--baseline", str(baseline)])
         with pytest.raises(SystemExit):
             bench_e2e.main()
         assert "--baseline" in capsys.readouterr().err
+    other = tmp_path / "other"
+    (other / "scripts").mkdir(parents=True)
+    (other / "scripts" / "train.py").write_text("")
+    for extra in (["--configs", "pair-loop", "pair-recipe"], ["--plan-ceiling"]):  # the baseline would go unused
+        monkeypatch.setattr("sys.argv", ["bench_e2e.py", "--baseline", str(other), *extra])
+        with pytest.raises(SystemExit):
+            bench_e2e.main()
+        assert "give --configs at least one of ddp-loop, ddp-recipe" in capsys.readouterr().err
 
 
 def _records(world_size: int, steps: list[tuple[float, float, float]], tokens: int = 2000) -> list[dict]:
