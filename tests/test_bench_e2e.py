@@ -45,6 +45,7 @@ def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_
                 },
                 "ddp_over_pair_loop": {"median": 0.97, "min": 0.95, "max": 0.99, "all": []},
                 "no_wait_ddp_over_pair_loop": {"median": 1.0, "min": 0.98, "max": 1.02, "all": []},
+                "ddp_over_ceiling_loop": {"median": 0.999, "min": 0.978, "max": 1.02, "all": []},
                 "plan_ceiling": 0.971,
             }
         },
@@ -55,7 +56,8 @@ def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_
         in table
     )
     assert "| mixed | pair-loop | 100 (90..110) |  | 640 | 0.0% |  |  |" in table
-    assert table.endswith("slowest rank): mixed 0.971")
+    assert "slowest rank): mixed 0.971\n" in table
+    assert table.endswith("(what the code and the machine cost): mixed ddp-loop 0.999 (0.978..1.020)")
 
 
 def test_a_baseline_run_launches_the_other_checkouts_scripts_and_the_table_pairs_it_with_this_ones(tmp_path):
