@@ -104,7 +104,9 @@ def _fewest_padded_tokens_on_the_slowest_rank(lengths: list[int], world: int, mi
     return min(deal(sorted(c, reverse=True), [0] * world, [accumulation] * world) for c in cuts(sorted(lengths)))
 
 
-@pytest.mark.parametrize("world,micro,accumulation,draws", [(2, 2, 2, 100), (4, 2, 1, 100), (2, 2, 3, 12), (2, 3, 2, 12)])
+@pytest.mark.parametrize(
+    "world,micro,accumulation,draws", [(2, 2, 2, 100), (4, 2, 1, 100), (2, 2, 3, 12), (2, 3, 2, 12)]
+)
 def test_with_micro_batches_of_two_or_more_the_slowest_rank_pads_to_the_exact_optimum(
     world, micro, accumulation, draws
 ):

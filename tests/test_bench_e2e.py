@@ -150,3 +150,32 @@ def test_the_plan_ceiling_is_one_when_every_sample_fills_the_sequence_and_below_
     assert bench_e2e.plan_ceiling(None, 16, tmp_path / "tiny") == 1.0  # the tiny preset: every sample 256 tokens
     mixed = write_mixed_length_meetings(tmp_path / "mixed.jsonl", n=160)
     assert 0.9 < bench_e2e.plan_ceiling(str(mixed), 16, tmp_path / "mixed") < 1.0
+
+
+def _run_json(max_steps: int, ratios: dict[str, dict[str, list[float]]], ceilings: dict[str, float]) -> dict:
+    summary = {
+        data: {f"ddp_over_pair_{entry}": {"all": values} for entry, values in by_entry.items()}
+        for data, by_entry in ratios.items()
+    }
+    for data, ceiling in ceilings.items():
+        summary[data]["plan_ceiling"] = ceiling
+    return {"settings": {"max_steps": max_steps}, "summary": summary}
+
+
+def test_pooled_runs_give_every_repeat_per_data_set_and_entry_and_how_many_reach_the_target():
+    first = _run_json(16, {"mixed": {"loop": [0.90, 0.96], "recipe": [0.97]}}, {"mixed": 0.97})
+    second = _run_json(16, {"mixed": {"loop": [0.99]}, "tiny": {"loop": [0.94]}}, {})  # an older run: no ceiling
+    pooled = bench_e2e.pool([first, second])
+    loop = pooled["mixed"]["loop"]
+    assert (loop["runs"], loop["repeats"], loop["at_target"]) == (2, 3, 2)
+    assert loop["ratio"]["median"] == 0.96 and (loop["ratio"]["min"], loop["ratio"]["max"]) == (0.90, 0.99)
+    assert loop["over_ceiling_repeats"] == 2 and loop["over_ceiling"]["max"] == pytest.approx(0.96 / 0.97)
+    assert pooled["mixed"]["recipe"]["repeats"] == 1 and pooled["tiny"]["loop"]["over_ceiling"] is None
+    table = bench_e2e.format_pool(pooled, ["a.json", "b.json"])
+    assert "| mixed | ddp-loop | 2 | 3 | 0.960 (0.900..0.990) | 2 of 3 | 0.959 (0.928..0.990) (2) |" in table
+    assert "| tiny | ddp-loop | 1 | 1 | 0.940 (0.940..0.940) | 0 of 1 |  (0) |" in table
+
+
+def test_runs_of_different_lengths_are_not_pooled():
+    with pytest.raises(ValueError, match="different --max-steps"):
+        bench_e2e.pool([_run_json(16, {"tiny": {"loop": [1.0]}}, {}), _run_json(32, {"tiny": {"loop": [1.0]}}, {})])
