@@ -184,15 +184,18 @@ def test_restarts_across_nodes_with_the_shared_store_are_refused_naming_the_fix(
 
 
 _CHILD = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 from ddp_ft.preemption import StopSignal
+def mark(text):  # whole or not at all: the test polls the file while it is rewritten
+    Path(sys.argv[1] + ".tmp").write_text(text)
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 with StopSignal() as stop:
-    Path(sys.argv[1]).write_text("ready")
+    mark("ready")
     deadline = time.monotonic() + 60
     while stop.received is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    Path(sys.argv[1]).write_text(f"stopped by {stop.received}")
+    mark(f"stopped by {stop.received}")
 """
 _LAUNCHER = """
 import subprocess, sys, time
