@@ -260,6 +260,8 @@ def main() -> None:
     p.add_argument("--pool", type=Path, nargs="+", help="only pool the repeats of these earlier runs' JSON (no runs)")
     args = p.parse_args()
     if args.pool:
+        if args.baseline is not None or args.plan_ceiling:
+            p.error("--pool only reads earlier runs: leave out --baseline and --plan-ceiling")
         try:
             pooled = pool([json.loads(path.read_text()) for path in args.pool])
         except (OSError, ValueError, KeyError) as exc:

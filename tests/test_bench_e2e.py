@@ -1,6 +1,8 @@
 """scripts/bench_e2e.py's launches and table (the benchmark itself runs minutes; its numbers are in the README)."""
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,21 @@ def test_pooled_runs_give_every_repeat_per_data_set_and_entry_and_how_many_reach
 def test_runs_of_different_lengths_are_not_pooled():
     with pytest.raises(ValueError, match="different --max-steps"):
         bench_e2e.pool([_run_json(16, {"tiny": {"loop": [1.0]}}, {}), _run_json(32, {"tiny": {"loop": [1.0]}}, {})])
+
+
+@pytest.mark.parametrize("extra", [["--plan-ceiling"], ["--baseline", str(ROOT)]])
+def test_pool_with_a_setting_it_would_not_use_is_refused(tmp_path, extra, monkeypatch, capsys):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_run_json(16, {"tiny": {"loop": [1.0]}}, {})))
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--pool", str(run), *extra])
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+    assert "--pool only reads earlier runs" in capsys.readouterr().err
+
+
+def test_pool_reads_runs_from_the_command_line(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_run_json(16, {"tiny": {"loop": [0.97, 0.93, 0.99]}}, {"tiny": 1.0})))
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--pool", str(run)])
+    bench_e2e.main()
+    assert "| tiny | ddp-loop | 1 | 3 | 0.970 (0.930..0.990) | 2 of 3 |" in capsys.readouterr().out
