@@ -401,24 +401,24 @@ def format_table(result: dict) -> str:
             "",
             "plan ceiling (DDP / pair at best, from the padded tokens of the slowest rank): " + ", ".join(ceilings),
         ]
-    of_ceiling = [
-        f"{data} ddp-{entry} {_ratio(by_config[f'ddp_over_ceiling_{entry}'])}"
-        for data, by_config in result["summary"].items()
-        for entry in ENTRIES
-        if f"ddp_over_ceiling_{entry}" in by_config
-    ]
+    of_ceiling = _per_entry(result, "ddp_over_ceiling")
     if of_ceiling:
         lines += ["DDP / pair over the plan ceiling (what the code and the machine cost): " + "; ".join(of_ceiling)]
-    against = [
-        f"{data} ddp-{entry} {_ratio(by_config[f'ddp_over_baseline_{entry}'])}"
-        for data, by_config in result["summary"].items()
-        for entry in ENTRIES
-        if f"ddp_over_baseline_{entry}" in by_config
-    ]
+    against = _per_entry(result, "ddp_over_baseline")
     if against:
         where = result.get("baseline_commit") or result.get("settings", {}).get("baseline")
         lines += ["", f"this checkout's DDP / the baseline's ({where}), paired per repeat: " + "; ".join(against)]
     return "\n".join(lines)
+
+
+def _per_entry(result: dict, key: str) -> list[str]:
+    """``"<data> ddp-<entry> <ratio>"`` for every data set and entry point whose summary has ``<key>_<entry>``."""
+    return [
+        f"{data} ddp-{entry} {_ratio(by_config[f'{key}_{entry}'])}"
+        for data, by_config in result["summary"].items()
+        for entry in ENTRIES
+        if f"{key}_{entry}" in by_config
+    ]
 
 
 def _ratio(spread: dict | None) -> str:
