@@ -24,8 +24,7 @@ process never waits, so on equal work the gap between the two ratios is the rank
 The plan ceiling (``plan_ceiling``, also ``--plan-ceiling`` alone, no runs) is DDP / pair at best on the data: a step's
 samples cannot always be split evenly over the ranks, and with micro-batches of 2 or more no split pads the slowest
 rank to fewer tokens than the balanced plan (``tests/test_balance.py`` checks it against every split of random
-steps). DDP / pair
-over the ceiling is then what communication, lockstep and the rest of the step cost.
+steps). DDP / pair over the ceiling is then what communication, lockstep and the rest of the step cost.
 
 Runs of the same code pool (``--pool FILE ...``, no runs): every repeat's DDP / pair per data set and entry point,
 with how many repeats reach the target. On a shared host one run's median moves by more than the target's margin.
