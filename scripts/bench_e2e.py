@@ -262,12 +262,15 @@ def main() -> None:
     if args.pool:
         if args.baseline is not None or args.plan_ceiling:
             p.error("--pool only reads earlier runs: leave out --baseline and --plan-ceiling")
+        _refuse_unused(p, args, "--pool", ["repeats", "data", "configs", "max_steps", "out"])
         try:
             pooled = pool([json.loads(path.read_text()) for path in args.pool])
         except (OSError, ValueError, KeyError) as exc:
             p.error(f"--pool: {exc}")
         print(format_pool(pooled, [path.name for path in args.pool]))
         return
+    if args.plan_ceiling:
+        _refuse_unused(p, args, "--plan-ceiling", ["repeats", "configs", "out"])
     configs = list(args.configs)
     if args.baseline is not None:
         args.baseline = args.baseline.resolve()
@@ -345,6 +348,14 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     png = plot(result, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {png}")
+
+
+def _refuse_unused(p: argparse.ArgumentParser, args: argparse.Namespace, mode: str, names: list[str]) -> None:
+    """Stop with an error naming the flags among ``names`` given a value other than their default: ``mode`` runs no
+    benchmark and would not use them."""
+    given = ["--" + n.replace("_", "-") for n in names if getattr(args, n) != p.get_default(n)]
+    if given:
+        p.error(f"{mode} runs no benchmark, so it would not use {', '.join(given)}: leave them out")
 
 
 def _commit(root: Path) -> str | None:

@@ -199,3 +199,25 @@ def test_pool_reads_runs_from_the_command_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--pool", str(run)])
     bench_e2e.main()
     assert "| tiny | ddp-loop | 1 | 3 | 0.970 (0.930..0.990) | 2 of 3 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "mode,extra,named",
+    [
+        (["--pool", "RUN"], ["--out", "elsewhere.json"], "--out"),
+        (["--pool", "RUN"], ["--repeats", "7", "--data", "mixed"], "--repeats, --data"),
+        (["--plan-ceiling"], ["--repeats", "7"], "--repeats"),
+        (["--plan-ceiling"], ["--configs", "ddp-loop", "--out", "x.json"], "--configs, --out"),
+    ],
+)
+def test_a_mode_that_runs_nothing_refuses_the_flags_it_would_not_use(tmp_path, mode, extra, named, monkeypatch, capsys):
+    """--pool and --plan-ceiling run no benchmark: a --repeats, --configs or --out given with them is refused by name
+    (before, they were silently ignored), and nothing is written."""
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(_run_json(16, {"tiny": {"loop": [1.0]}}, {})))
+    argv = [str(run) if a == "RUN" else a for a in mode] + extra
+    monkeypatch.setattr(sys, "argv", ["bench_e2e.py", *argv])
+    with pytest.raises(SystemExit):
+        bench_e2e.main()
+    err = capsys.readouterr().err
+    assert f"would not use {named}" in err, err
