@@ -154,7 +154,9 @@ class BucketedDDP(nn.Module):
         # drifted apart over the no_sync micro-steps.
         self._buffers_need_sync = True
         self._register_state_dict_hook(_strip_module_prefix)
+        self._load_prefix = ""  # the prefix of the load in progress (_add_module_prefix), for its key report
         self.register_load_state_dict_pre_hook(_add_module_prefix)
+        self.register_load_state_dict_post_hook(_report_keys_unprefixed)
         if self.rank == 0:
             sizes = [f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_nbytes]
             logger.info(
@@ -192,6 +194,25 @@ class BucketedDDP(nn.Module):
         """
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @contextmanager
+    def trigger_sync_in_backward(self) -> Iterator[None]:
+        """Make the backward run in this context sync, also when its forward ran inside :meth:`no_sync`.
+
+        For several forwards under ``no_sync`` whose backwards run afterwards (Accelerate's
+        ``trigger_sync_in_backward``; torch DDP's reducer is re-armed the same way): the iteration is armed as a
+        synced one, so the next backward averages everything accumulated since the last synced backward, and a
+        forward inside the context syncs too. Buffers are broadcast again at the next forward, as after any
+        synced backward.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = True
+        self._reducer.prepare_for_backward(sync=True)
+        self._buffers_need_sync = True
         try:
             yield
         finally:
@@ -335,9 +356,22 @@ def _add_module_prefix(wrapper: BucketedDDP, state_dict: dict, prefix: str, *arg
     A key is taken as prefixed only if it is not one of the wrapped module's own keys, so a model whose own child
     is called ``module`` (keys ``module.*``) loads as itself.
     """
+    wrapper._load_prefix = prefix
     inner = prefix + "module."
     own = set(wrapper.module.state_dict(keep_vars=True))
     for key in [k for k in state_dict if k.startswith(prefix)]:
         name = key[len(prefix) :]
         if name in own or not (name.startswith("module.") and name[len("module.") :] in own):
             state_dict[inner + name] = state_dict.pop(key)
+
+
+def _report_keys_unprefixed(wrapper: BucketedDDP, incompatible_keys) -> None:
+    """Report missing and unexpected keys as :func:`_strip_module_prefix` writes them (no ``module.``).
+
+    Loaders that compare the report with ``state_dict()``'s keys, such as safetensors' ``load_model`` (Accelerate's
+    ``load_state``) with tied weights, which it saves once and expects missing, need the two in one namespace.
+    """
+    prefix = wrapper._load_prefix
+    inner = prefix + "module."
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [prefix + key[len(inner) :] if key.startswith(inner) else key for key in keys]

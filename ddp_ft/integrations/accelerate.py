@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ..ddp import BucketedDDP, DDPSettings
+from .launch import TRAINER_CPU_FIX, check_world_seen
 from .settings import describe_sources, resolve_ddp_settings
 
 logger = logging.getLogger(__name__)
@@ -33,10 +35,15 @@ class BucketedAccelerator(Accelerator):
         *args: passed to ``Accelerator``.
         ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
         **kwargs: passed to ``Accelerator``.
+
+    Raises:
+        RuntimeError: the process was launched with ``WORLD_SIZE`` > 1 but Accelerate sees one process (on a machine
+            without CUDA, ``cpu=True`` is missing): the processes would train apart.
     """
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        check_world_seen(self.num_processes, "BucketedAccelerator(cpu=True)")
         self._resolve_settings(ddp_settings, None, self.ddp_handler)
 
     @classmethod
@@ -48,7 +55,12 @@ class BucketedAccelerator(Accelerator):
         For code that builds its ``Accelerator`` itself, such as the HF Trainer. With ``training_args`` their
         ``ddp_*`` fields are the source of the DDP settings, not the ``ddp_handler`` the Trainer derived from them
         (which also carries the Trainer's own find_unused_parameters guess).
+
+        Raises:
+            RuntimeError: launched with ``WORLD_SIZE`` > 1 while the accelerator sees one process.
         """
+        fix = TRAINER_CPU_FIX if training_args is not None else "cpu=True"
+        check_world_seen(accelerator.num_processes, fix)
         adopted = cls.__new__(cls)
         adopted.__dict__.update(accelerator.__dict__)
         handler = None if training_args is not None else accelerator.ddp_handler
@@ -107,6 +119,60 @@ class BucketedAccelerator(Accelerator):
             torch.distributed.barrier()
         else:
             super().wait_for_everyone()
+
+    @staticmethod
+    @contextmanager
+    def trigger_sync_in_backward(model):
+        """Accelerate's, for BucketedDDP too: the backward in this context syncs though its forward ran under
+        ``no_sync`` (Accelerate's own acts on torch DDP only, and would leave the ranks' gradients apart)."""
+        if isinstance(model, BucketedDDP):
+            with model.trigger_sync_in_backward():
+                yield
+        else:
+            with Accelerator.trigger_sync_in_backward(model):
+                yield
+
+    @contextmanager
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """Accelerate's, with BucketedDDP among the joinables only while the batches are even.
+
+        With even batches (Accelerate's default) every rank runs the same number of steps and the join is off, as
+        in Accelerate. Uneven batches (``even_batches=False``) need torch's Join protocol, which BucketedDDP does not
+        implement (a rank out of data would have to shadow every bucket's all-reduce): refused, before any step.
+
+        Raises:
+            ValueError: a BucketedDDP joins with ``even_batches`` False on several processes.
+        """
+        ours = [j for j in joinables if isinstance(j, BucketedDDP)]
+        even = self.even_batches if even_batches is None else even_batches
+        if ours and self.num_processes > 1 and not even:
+            raise ValueError(
+                "join_uneven_inputs with even_batches=False: BucketedDDP does not implement torch's Join protocol "
+                "for ranks with fewer batches. Keep even_batches=True (Accelerate's default: the last batches are "
+                "completed with samples from the start, so every rank steps alike), or drop the last partial "
+                "batch (drop_last=True)."
+            )
+        rest = [j for j in joinables if not isinstance(j, BucketedDDP)]
+        if rest:
+            with super().join_uneven_inputs(rest, even_batches):
+                yield
+        else:  # torch's Join needs a joinable: only the loaders' even_batches, for the context, as Accelerate's
+            with self._even_batches(even_batches):
+                yield
+
+    @contextmanager
+    def _even_batches(self, even_batches: bool | None):
+        """Set the prepared map-style loaders' ``even_batches`` for the context (None: leave them)."""
+        samplers = [getattr(loader, "batch_sampler", None) for loader in self._dataloaders]
+        samplers = [s for s in samplers if hasattr(s, "even_batches")] if even_batches is not None else []
+        before = [s.even_batches for s in samplers]
+        for sampler in samplers:
+            sampler.even_batches = even_batches
+        try:
+            yield
+        finally:
+            for sampler, value in zip(samplers, before, strict=True):
+                sampler.even_batches = value
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         if isinstance(model, BucketedDDP):

@@ -30,6 +30,8 @@ _ENGINES = {
     "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM",
 }
 _DATA_PARALLEL = ("NO", "MULTI_GPU", "MULTI_CPU")
+# What makes the HF Trainer (and TRL's trainers, whose configs extend TrainingArguments) see CPU processes.
+TRAINER_CPU_FIX = "TrainingArguments(use_cpu=True) (SFTConfig(use_cpu=True) for TRL)"
 _EXAMPLES = "accelerate_configs/2gpu.yaml (GPUs) or accelerate_configs/2cpu_gloo.yaml (CPU processes)"
 
 
@@ -147,3 +149,36 @@ if __name__ == "__main__":  # python -m ddp_ft.integrations.launch CONFIG.yaml [
 
     check_accelerate_config(sys.argv[1], cuda="--cuda" in sys.argv[2:])
     print(f"{sys.argv[1]}: ddp_ft can honour this accelerate config")
+
+
+def check_world_seen(seen: int, fix: str, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a launched process that sees a world of one: it would train alone, silently, on the whole data.
+
+    ``torchrun`` and ``accelerate launch`` export ``WORLD_SIZE``; Accelerate (and so the Trainer) still builds a
+    single-process state when it finds no device to spread over, e.g. on a machine without CUDA unless told
+    ``cpu=True``. Each launched process then reports rank 0 of 1 and nothing is wrapped: N copies of a
+    single-process run that look like a DDP run. Call before the model is touched.
+
+    Args:
+        seen (int): the number of processes the Accelerator or ``TrainingArguments`` see (``num_processes`` /
+            ``world_size``).
+        fix (str): the setting that makes them see the launch, named in the error (``cpu=True``,
+            ``use_cpu=True``).
+        environ (Mapping[str, str] | None): the launcher's environment. Default: ``os.environ``
+
+    Raises:
+        RuntimeError: ``WORLD_SIZE`` > 1 and ``seen`` is 1, naming both and the fix.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        launched = int(environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return  # not a launcher's value; init_distributed refuses it where it is used
+    if launched > 1 and seen == 1:
+        rank = environ.get("RANK", "?")
+        raise RuntimeError(
+            f"This process was launched as rank {rank} of WORLD_SIZE={launched}, but Accelerate sees a single "
+            f"process: the {launched} processes would each train alone on the whole data set, not data-parallel. "
+            f"On a machine without CUDA pass {fix}. To train on one process, launch one (python script.py, or "
+            "accelerate launch with num_processes: 1)."
+        )

@@ -30,6 +30,7 @@ from ..metrics import WandbSwitch
 from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 from .callbacks import GuardedWandbCallback, ThroughputCallback
+from .launch import TRAINER_CPU_FIX, check_world_seen
 
 if TYPE_CHECKING:
     from ..data import StepBatchSampler
@@ -93,6 +94,10 @@ class BucketedTrainer(Trainer):
             steps (the trailing partial batch dropped, whatever ``dataloader_drop_last``), the same per-rank
             micro-batches. Default: False (the stock Trainer's sampling)
         **kwargs: passed to ``Trainer``.
+
+    Raises:
+        RuntimeError: launched with ``WORLD_SIZE`` > 1 while ``args.world_size`` is 1 (on a machine without CUDA,
+            ``use_cpu=True`` is missing), before the model is touched.
     """
 
     def __init__(
@@ -120,6 +125,9 @@ class BucketedTrainer(Trainer):
         self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
         self.faults = faults or FaultInjector([], 0, 0)
         self._staging_dir: str | None = None
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:  # before a subclass (TRL's SFTTrainer) loads or wraps the model
+            check_world_seen(training_args.world_size, TRAINER_CPU_FIX)
         super().__init__(*args, **kwargs)
         if self.args.include_num_input_tokens_seen == "no":
             self.args.include_num_input_tokens_seen = "non_padding"
