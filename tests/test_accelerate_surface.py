@@ -101,13 +101,33 @@ def _trigger_sync(rank, world_size):
     _assert_equal(grads["ours"], grads["theirs"], "BucketedDDP vs torch DDP")
     copies = gather_tensors(grads["ours"])
     _assert_equal(copies[0], copies[1], "rank 0 vs rank 1")
-    return ours.last_comm_stats().allreduce_calls, len(ours.bucket_sizes)
+    calls = ours.last_comm_stats().allreduce_calls
+    _local_sgd(accelerator, ours, theirs, local)
+    return calls, len(ours.bucket_sizes)
+
+
+def _local_sgd(accelerator, ours, theirs, local):
+    """Accelerate's LocalSGD (no_sync throughout, parameters averaged every 2 steps) on both wrappers."""
+    from accelerate.local_sgd import LocalSGD
+
+    for model in (ours, theirs):
+        model.zero_grad(set_to_none=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with LocalSGD(accelerator, model, local_sgd_steps=2) as local_sgd:
+            for step in range(3):
+                x, y = make_batch(10 + step)
+                accelerator.backward(nn.functional.mse_loss(model(x[local]), y[local]))
+                optimizer.step()
+                optimizer.zero_grad()
+                local_sgd.step()
+    _assert_equal(list(ours.parameters()), list(theirs.parameters()), "LocalSGD parameters")
 
 
 def test_trigger_sync_in_backward_averages_after_several_no_sync_forwards_as_torch_ddp():
     """Accelerate's `trigger_sync_in_backward` acts on torch DDP only; with BucketedDDP the synced backward after
     two `no_sync` forwards averaged nothing and the ranks kept their own gradients. Now it reduces what both
-    backwards accumulated, bitwise as torch DDP, one all-reduce per bucket."""
+    backwards accumulated, bitwise as torch DDP, one all-reduce per bucket. Accelerate's LocalSGD (no_sync, then
+    parameter averaging) gives torch DDP's parameters too."""
     for calls, buckets in run_distributed(_trigger_sync):
         assert calls == buckets
 
