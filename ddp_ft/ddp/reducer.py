@@ -26,7 +26,9 @@ from .stats import CommRecorder, start_timer, stop_timer
 
 _REENTRANT_HINT = (
     "If the model uses gradient checkpointing, enable it non-reentrant: "
-    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})."
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}); reentrant "
+    "checkpointing of a frozen base also needs model.enable_input_require_grads(), or the adapters of the "
+    "checkpointed layers get no gradient."
 )
 
 
@@ -89,6 +91,12 @@ class Reducer:
         self._measure_window = self._device.type == "cpu"
         self.stats = CommRecorder()  # the latest backward's and since the last pop
 
+        # Counters read once per optimizer step by the StepWatch (ddp_ft.ddp.watch), never on the backward path.
+        self.synced_done = 0  # synced backward passes finished
+        self.unsynced_forwards = 0  # forwards with grad enabled under no_sync
+        self.saw_unused = False  # find_unused_parameters: some parameter got no gradient on some rank
+        self._world_size = dist.get_world_size(process_group)
+
         # Per-iteration state, reset by prepare_for_backward (each forward).
         self._armed = False
         self._sync = False
@@ -143,6 +151,7 @@ class Reducer:
             self._wait_launched()
         self._armed = True
         self._sync = sync
+        self.unsynced_forwards += not sync
         self._finalizer_queued = False
         self._pass_accumulates = True
         self._ready = [False] * len(self._params)
@@ -270,7 +279,9 @@ class Reducer:
         unused_everywhere: set[int] = set()
         if used_map is not None:
             used_work.wait()
-            unused_everywhere = {i for i, n in enumerate(used_map.tolist()) if n == 0}
+            counts = used_map.tolist()
+            unused_everywhere = {i for i, n in enumerate(counts) if n == 0}
+            self.saw_unused = self.saw_unused or any(n < self._world_size for n in counts)
             self._used_since_sync = [False] * len(self._params)
         if not self.gradient_as_bucket_view:
             for bucket in self.buckets:
@@ -282,6 +293,7 @@ class Reducer:
         if self.find_unused_parameters:
             self._view_replaced_none = [False] * len(self._params)
         self._armed = False
+        self.synced_done += 1
 
     def _no_gradient_yet(self) -> bool:
         return self._next_launch == 0 and all(b.pending == len(b.params) for b in self.buckets)

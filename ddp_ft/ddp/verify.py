@@ -9,11 +9,16 @@ a collective the others never reach.
 
 from __future__ import annotations
 
+import logging
+
 import torch.distributed as dist
 from torch import nn
 
 from .buckets import BucketSpec, ParamSpec
 from .checksum import frozen_digest
+from .placement import shared_device
+
+logger = logging.getLogger(__name__)
 
 
 def verify_across_ranks(
@@ -22,17 +27,37 @@ def verify_across_ranks(
     buckets: list[BucketSpec],
     world_size: int,
     process_group: dist.ProcessGroup | None = None,
+    device: tuple[str, str] | None = None,
 ) -> None:
     """Gather every rank's :func:`describe_rank` and raise on every rank if any differs from rank 0's.
 
+    Args:
+        device (tuple[str, str] | None): this rank's ``(host, GPU)`` (:func:`~ddp_ft.ddp.placement.device_identity`),
+            None on CPU. Two ranks on one GPU are an error under NCCL and a warning under gloo (two processes
+            sharing one GPU is a way to test CUDA code paths with real asynchronous communication).
+
     Raises:
-        RuntimeError: naming the first differing trainable parameter, bucket or frozen parameter.
+        RuntimeError: naming the first differing trainable parameter, bucket or frozen parameter, or two ranks
+            whose models share one GPU (NCCL).
     """
     gathered: list[dict | None] = [None] * world_size
-    dist.all_gather_object(gathered, describe_rank(module, params, buckets), group=process_group)
+    mine = describe_rank(module, params, buckets) | {"device": device}
+    dist.all_gather_object(gathered, mine, group=process_group)
     mismatch = cross_rank_mismatch(gathered)
     if mismatch is not None:
         raise RuntimeError(mismatch)
+    shared = shared_device([g["device"] for g in gathered])
+    if shared is not None:
+        first, second, where = shared
+        message = (
+            f"BucketedDDP: ranks {first} and {second} both hold their model on {where}: they would share one GPU's "
+            "compute and memory. Give each process its own device (torchrun / accelerate launch set LOCAL_RANK; "
+            "torch.cuda.set_device(local_rank) and device_map={'': local_rank})"
+        )
+        if dist.get_backend(process_group) == "nccl":
+            raise RuntimeError(message + ".")
+        if dist.get_rank(process_group) == 0:
+            logger.warning("%s; allowed on gloo, for tests.", message)
 
 
 def describe_rank(module: nn.Module, params: list[ParamSpec], buckets: list[BucketSpec]) -> dict:

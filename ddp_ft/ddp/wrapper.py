@@ -13,9 +13,11 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .buckets import ParamSpec, compute_bucket_assignment
 from .comm_hooks import CommHook
+from .placement import device_identity, model_device
 from .reducer import Reducer
 from .stats import CommStats
 from .verify import verify_across_ranks
+from .watch import StepWatch
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +103,9 @@ class BucketedDDP(nn.Module):
         process_group (ProcessGroup | None): group to reduce over. Default: the default group.
 
     Raises:
-        RuntimeError: if no process group is initialised, or the layout or frozen weights differ across
-            ranks.
+        RuntimeError: if no process group is initialised; the parameters are on several devices or not on this
+            process's GPU (``device_map="auto"``), or two ranks share a GPU under NCCL
+            (:mod:`~ddp_ft.ddp.placement`); the layout or frozen weights differ across ranks.
         ValueError: if the module has no trainable parameters or a cap is not positive.
     """
 
@@ -138,7 +141,8 @@ class BucketedDDP(nn.Module):
         self._params = [p for _, p in named]
         specs = [ParamSpec.of(name, p) for name, p in named]
         self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
-        verify_across_ranks(module, specs, self._layout, self.world_size, process_group)
+        device = model_device(module)  # one whole replica on this rank's device, or an error naming the fix
+        verify_across_ranks(module, specs, self._layout, self.world_size, process_group, device_identity(device))
         # Fixed at construction, as torch DDP's modules_buffers.
         self._module_buffers = list(module.named_buffers())
         self._broadcast_from_rank0([*self._params, *(b for _, b in self._module_buffers)])
@@ -149,6 +153,8 @@ class BucketedDDP(nn.Module):
             self._names, self._params, self._layout, process_group, gradient_as_bucket_view, find_unused_parameters
         )
         self._hook_registered = False
+        # The user's loop, checked at each optimizer step over these parameters (no_sync misuse, wasted syncs).
+        self._watch = StepWatch(self)
         # Buffers are broadcast by the first forward after a synced one (see broadcast_buffers). Broadcasting
         # before the synced micro-step instead adds a second meeting point per step, after the ranks have
         # drifted apart over the no_sync micro-steps.
@@ -225,6 +231,7 @@ class BucketedDDP(nn.Module):
         run forward afterwards.
         """
         self._reducer.remove_hooks()
+        self._watch.remove()
 
     @property
     def hooks_removed(self) -> bool:

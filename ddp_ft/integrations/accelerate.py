@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ..ddp import BucketedDDP, DDPSettings
+from .checkpointing import check_checkpointed_adapters
 from .launch import TRAINER_CPU_FIX, check_world_seen
 from .settings import describe_sources, resolve_ddp_settings
 
@@ -95,6 +96,8 @@ class BucketedAccelerator(Accelerator):
             if model not in self._models:
                 self._models.append(model)
             return model
+        if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
+            check_checkpointed_adapters(model)  # before the first step, on one process too
         if not self._wraps_with_bucketed_ddp(model, evaluation_mode):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         # Everything Accelerate does for a training model except its DDP wrap (which happens only when

@@ -1,0 +1,72 @@
+"""Where the model lives, checked before BucketedDDP wraps it: one whole replica per rank, on this rank's device.
+
+Data parallelism needs each rank to hold the whole model on its own device. ``device_map="auto"`` (or
+``"balanced"``) loads one model across several GPUs as a pipeline, or offloads part of it to the CPU or disk (meta
+tensors); under DDP that hangs or trains garbage. A rank whose model sits on another rank's GPU (every process on
+``cuda:0`` because the launch script never chose a device) competes for one device. Both are caught here, by the
+wrapper, whatever loaded the model.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+from torch import nn
+
+_FIX = (
+    "Load one whole replica per process on its own device: device_map={'': local_rank} "
+    "(Accelerate: {'': accelerator.local_process_index}; ddp_ft.distributed.init_distributed() picks the device), "
+    "never device_map='auto' or 'balanced' under DDP."
+)
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """The one device holding every parameter, trainable or frozen, of ``module``.
+
+    Raises:
+        RuntimeError: the parameters are on more than one device (or some are offloaded: ``meta``), or
+            on a CUDA device other than this process's current one; naming the devices and the fix.
+    """
+    where: dict[str, str] = {}
+    for name, param in module.named_parameters():
+        where.setdefault(str(param.device), name)
+    if len(where) > 1:
+        shown = ", ".join(f"{device} (e.g. {name!r})" for device, name in sorted(where.items()))
+        raise RuntimeError(f"BucketedDDP: the model is spread over {len(where)} devices: {shown}. {_FIX}")
+    if not where:
+        raise ValueError("BucketedDDP: the module has no parameters.")
+    device = torch.device(next(iter(where)))
+    if device.type == "cuda" and torch.cuda.is_available():
+        current = torch.cuda.current_device()
+        if device.index is not None and device.index != current:
+            raise RuntimeError(
+                f"BucketedDDP: the model is on {device} but this process's device is cuda:{current} (the one its "
+                f"streams and events use). Call torch.cuda.set_device(local_rank) before building the model. {_FIX}"
+            )
+    return device
+
+
+def device_identity(device: torch.device) -> tuple[str, str] | None:
+    """``(host, device)`` for a CUDA device, compared across ranks: two ranks must not share one GPU. None on CPU
+    (CPU processes share the machine by design)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return socket.gethostname(), f"cuda:{index}"
+
+
+def shared_device(identities: list[tuple[str, str] | None]) -> tuple[int, int, str] | None:
+    """The first two ranks whose model sits on the same GPU of the same host, as ``(rank, rank, device)``, or None.
+
+    Args:
+        identities (list[tuple[str, str] | None]): every rank's :func:`device_identity`, by rank.
+    """
+    first: dict[tuple[str, str], int] = {}
+    for rank, identity in enumerate(identities):
+        if identity is None:
+            continue
+        if identity in first:
+            return first[identity], rank, f"{identity[1]} of {identity[0]}"
+        first[identity] = rank
+    return None

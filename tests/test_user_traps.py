@@ -1,0 +1,181 @@
+"""The traps ddp_ft removes from its own entry points, caught when a user's own loop makes them.
+
+A model split over devices, two ranks on one GPU, a step after backward passes that all ran under ``no_sync``, an
+accumulation loop without ``no_sync``, ``find_unused_parameters=True`` with nothing unused, reentrant checkpointing
+that starves the adapters: each stops with an error naming the fix, or, where the run stays correct but slow, warns
+once with what it costs. Real gloo processes where communication is involved.
+"""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from ddp_ft.ddp import BucketedDDP
+from ddp_ft.ddp.placement import model_device, shared_device
+
+from .dist_harness import gather_tensors, run_distributed
+from .models import Net, local_slice, make_batch
+
+# ---------------------------------------------------------------- placement
+
+
+def _split_model(rank, world_size):
+    model = Net()
+    model.frozen.to("meta")  # offloaded, as device_map="auto" leaves layers that do not fit
+    with pytest.raises(RuntimeError) as error:
+        BucketedDDP(model)
+    return str(error.value)
+
+
+@pytest.mark.distributed
+def test_a_model_spread_over_devices_is_refused_on_every_rank_naming_the_device_map():
+    for message in run_distributed(_split_model):
+        assert "spread over 2 devices" in message and "meta" in message and "device_map={'': local_rank}" in message
+
+
+class _FakeParams(nn.Module):
+    def __init__(self, *devices: str):
+        super().__init__()
+        self._devices = devices
+
+    def named_parameters(self, *args, **kwargs):
+        return [(f"p{i}", SimpleNamespace(device=torch.device(d))) for i, d in enumerate(self._devices)]
+
+
+def test_a_model_on_another_ranks_gpu_is_refused_naming_set_device(monkeypatch):
+    """Every process's model on cuda:0 while this process's device is cuda:1 (the script never chose a device)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    with pytest.raises(RuntimeError, match=r"on cuda:0 but this process's device is cuda:1.*set_device"):
+        model_device(_FakeParams("cuda:0", "cuda:0"))
+    assert model_device(_FakeParams("cuda:1")) == torch.device("cuda:1")
+    with pytest.raises(RuntimeError, match=r"spread over 2 devices: cuda:0 .*cuda:1"):
+        model_device(_FakeParams("cuda:0", "cuda:1"))  # device_map="auto" over two GPUs
+
+
+def test_two_ranks_on_one_gpu_of_one_host_are_found_and_cpu_ranks_are_not():
+    assert shared_device([("a", "cuda:0"), ("a", "cuda:1"), ("a", "cuda:0")]) == (0, 2, "cuda:0 of a")
+    assert shared_device([("a", "cuda:0"), ("b", "cuda:0")]) is None  # two hosts
+    assert shared_device([None, None]) is None  # CPU processes share the machine by design
+
+
+# ---------------------------------------------------------------- the loop around the optimizer
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _loop(rank, world_size, mistake):
+    records = _Records()
+    logging.getLogger("ddp_ft").addHandler(records)
+    torch.manual_seed(0)
+    model = BucketedDDP(Net(), find_unused_parameters=mistake == "find_unused")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = local_slice(rank, world_size)
+    before = [p.detach().clone() for p in model.parameters()]
+    error = None
+    for step in range(4):
+        x, y = make_batch(step)
+        try:
+            for micro in range(2):  # accumulation 2
+                quiet = model.no_sync() if micro == 0 or mistake == "never_synced" else _Nothing()
+                if mistake == "no_no_sync":
+                    quiet = _Nothing()
+                with quiet:
+                    half = slice(local.start + micro * 2, local.start + micro * 2 + 2)
+                    nn.functional.mse_loss(model(x[half]), y[half]).backward()
+            optimizer.step()
+        except RuntimeError as raised:
+            error = str(raised)
+            break
+        optimizer.zero_grad()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    copies = gather_tensors(list(model.parameters()))
+    same = all(torch.equal(a, b) for a, b in zip(copies[0], copies[1], strict=True))
+    return records.messages, error, unchanged, same, len(model.bucket_sizes)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.distributed
+def test_the_users_accumulation_loop_is_checked_at_each_optimizer_step():
+    """Per optimizer step: a step after backwards that all ran under no_sync is an error before the step (the
+    gradients were never averaged; parameters untouched, on every rank); a loop without no_sync warns once on rank
+    0 with the all-reduces it wastes; find_unused_parameters=True with nothing unused warns once; the correct loop
+    is silent."""
+    results = {mistake: run_distributed(_loop, mistake) for mistake in ("none", "never_synced", "no_no_sync")}
+    for messages, error, _, same, _ in results["none"]:
+        assert messages == [] and error is None and same
+    for _, error, unchanged, _, _ in results["never_synced"]:
+        assert error is not None and "all ran under no_sync()" in error and "accumulate" in error, error
+        assert unchanged, "the step ran on gradients that were never averaged"
+    (warnings, error, _, same, buckets), (others, _, _, _, _) = results["no_no_sync"]
+    assert error is None and same and others == []  # correct, and only rank 0 speaks
+    assert len(warnings) == 1, warnings
+    assert f"2 synced backward passes per optimizer step: 1 x {buckets} all-reduces" in warnings[0]
+    assert "no_sync" in warnings[0]
+
+
+@pytest.mark.distributed
+def test_find_unused_parameters_with_every_parameter_used_warns_once_with_its_cost():
+    (warnings, error, _, same, _), (others, *_) = run_distributed(_loop, "find_unused")
+    assert error is None and same and others == []
+    assert len(warnings) == 1 and "find_unused_parameters=True" in warnings[0] and "=False" in warnings[0], warnings
+
+
+# ---------------------------------------------------------------- reentrant checkpointing on a frozen base
+
+
+def _lora_qwen3(reentrant: bool, input_grads: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    from ddp_ft.model import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    base = Qwen3ForCausalLM(tiny_qwen3_config(64))
+    base.requires_grad_(False)
+    base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    if not input_grads:  # transformers and peft each register the hook; a user's code can take them away
+        for hook in list(base.get_input_embeddings()._forward_hooks):
+            base.get_input_embeddings()._forward_hooks.pop(hook)
+    return model
+
+
+def _prepare_checkpointed(rank, world_size):
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="2")
+    from ddp_ft.integrations import BucketedAccelerator
+
+    accelerator = BucketedAccelerator(cpu=True)
+    with pytest.raises(ValueError) as error:
+        accelerator.prepare(_lora_qwen3(reentrant=True, input_grads=False))
+    wrapped = [type(accelerator.prepare(_lora_qwen3(r, g))).__name__ for r, g in ((True, True), (False, False))]
+    return str(error.value), wrapped
+
+
+@pytest.mark.distributed
+def test_reentrant_checkpointing_that_starves_the_adapters_is_refused_at_prepare_naming_the_fix():
+    """Reentrant checkpointing on a frozen base with input grads disabled: the LoRA weights of every checkpointed
+    layer would get no gradient. `prepare` refuses, naming enable_input_require_grads; with the input-grad hook, or
+    non-reentrant, it wraps."""
+    for message, wrapped in run_distributed(_prepare_checkpointed):
+        assert "enable_input_require_grads()" in message and "use_reentrant': False" in message, message
+        assert wrapped == ["BucketedDDP", "BucketedDDP"]
