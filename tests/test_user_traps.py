@@ -179,3 +179,60 @@ def test_reentrant_checkpointing_that_starves_the_adapters_is_refused_at_prepare
     for message, wrapped in run_distributed(_prepare_checkpointed):
         assert "enable_input_require_grads()" in message and "use_reentrant': False" in message, message
         assert wrapped == ["BucketedDDP", "BucketedDDP"]
+
+
+# ---------------------------------------------------------------- the data side
+
+
+class _Rows(torch.utils.data.Dataset):
+    """16 (x, y) rows; each read takes ``delay_s`` (a slow decode or tokenization on the fly)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.x, self.y = make_batch(0, global_batch=16)
+        self.delay_s = delay_s
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if self.delay_s:
+            import time
+
+            time.sleep(self.delay_s)
+        return self.x[i], self.y[i]
+
+
+def _epochs(rank, world_size, set_epoch, delay_s):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    records = _Records()
+    logging.getLogger("ddp_ft").addHandler(records)
+    torch.manual_seed(0)
+    model = BucketedDDP(Net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = DistributedSampler(_Rows(delay_s), shuffle=True, seed=0)
+    loader = DataLoader(sampler.dataset, batch_size=2, sampler=sampler)  # 4 steps per epoch on each of 2 ranks
+    for epoch in range(3):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        for x, y in loader:
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return records.messages
+
+
+@pytest.mark.distributed
+def test_a_sampler_whose_epoch_never_changes_and_a_loop_that_waits_for_data_are_warned_once():
+    """A DistributedSampler without set_epoch repeats the first epoch's order: warned once, on rank 0, when its
+    second pass starts. Rows that take 30 ms each to read make the host wait between optimizer.step() and the next
+    forward for most of each step: warned once with the share and num_workers. The same loop with set_epoch and
+    fast rows is silent."""
+    quiet, _ = run_distributed(_epochs, True, 0.0)
+    assert quiet == []
+    forgot, other_rank = run_distributed(_epochs, False, 0.0)
+    assert other_rank == [] and len(forgot) == 1, forgot
+    assert "set_epoch(epoch)" in forgot[0] and "its epoch still 0" in forgot[0] and "more than its 8" in forgot[0]
+    slow, _ = run_distributed(_epochs, True, 0.03)
+    assert len(slow) == 1 and "passes between optimizer.step() and the next forward" in slow[0], slow
+    assert "num_workers in this process: [0]" in slow[0], slow

@@ -12,16 +12,27 @@ reducer's counters since the last one and catches what the user's loop got wrong
   accumulation loop without ``no_sync()``. Correct but slow: a warning, once, with the all-reduces and bytes wasted.
 - ``find_unused_parameters=True`` while every parameter got a gradient on every rank for the first steps: a
   warning, once, with what it costs per step.
+- a ``DistributedSampler`` whose epoch never changes (``set_epoch`` forgotten) handing out a second pass: every epoch
+  would repeat the first one's order. The samplers are found once, at the first step (a scan of the objects the
+  garbage collector tracks, as no loader is handed to BucketedDDP); the samples are counted from each training
+  forward's batch dimension. A warning, once.
+- the host's time between ``optimizer.step()`` and the next forward (loading the next batch, logging) over 10% of the
+  step, the median of steps 3 to 8: a warning, once, with the share and the loaders' ``num_workers``. It is a lower
+  bound: a loop that loads each micro-batch right before its forward also waits between micro-steps.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import statistics
+import time
 import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.data import DataLoader, DistributedSampler
 
 if TYPE_CHECKING:
     from .wrapper import BucketedDDP
@@ -29,6 +40,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 UNUSED_CHECK_STEPS = 3  # optimizer steps after which an unused parameter never seen makes the search a waste
+DATA_WAIT_STEPS = range(3, 9)  # the optimizer steps whose host gap is measured (past the first steps' warm-up)
+DATA_WAIT_SHARE = 0.10  # the share of a step past which waiting for data is worth a warning
+DATA_WAIT_FLOOR_MS = 1.0  # and the wait itself: below a millisecond a toy model's step is all there is to see
 
 
 class StepWatch:
@@ -48,12 +62,82 @@ class StepWatch:
         self._previous_synced = 0  # synced backwards before the last step
         self._steps = 0
         self._warned: set[str] = set()
+        self._samplers: list[tuple[weakref.ref, int, int]] | None = None  # (sampler, epoch, samples since) per one
+        self._loaders: list[weakref.ref] = []
+        self._step_ended: float | None = None  # perf_counter() at the last watched step's end, until a forward reads it
+        self._gap_ms: float | None = None  # from there to the next training forward
+        self._interval_start = 0.0  # the same, kept: the start of the interval up to the next step's end
+        self._shares: list[float] = []
         owner = weakref.ref(self)
-        handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _before_step(owner, optimizer))
-        self._release = weakref.finalize(self, handle.remove)
+        handles = (
+            register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _call(owner, "before_step", optimizer)),
+            register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _call(owner, "after_step", optimizer)),
+        )
+        self._release = weakref.finalize(self, _remove, handles)
 
     def remove(self) -> None:
         self._release()
+
+    def on_forward(self, inputs: tuple, kwargs: dict) -> None:
+        """A training forward (grad enabled) starts: close the host gap after the last step, count its samples."""
+        if self._step_ended is not None:
+            self._gap_ms, self._step_ended = (time.perf_counter() - self._step_ended) * 1e3, None
+        if self._samplers:
+            batch = next((t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim()), None)
+            if batch is not None:
+                self._samplers = [(ref, epoch, seen + batch.shape[0]) for ref, epoch, seen in self._samplers]
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A watched step returned: its share of waiting for data, the samplers' epochs."""
+        if self._wrapper() is None or not self._watches(optimizer):
+            return
+        now = time.perf_counter()
+        if self._gap_ms is not None and self._steps in DATA_WAIT_STEPS and now > self._interval_start:
+            share = self._gap_ms / ((now - self._interval_start) * 1e3)  # the gap is part of the step's interval
+            self._shares.append(share if self._gap_ms >= DATA_WAIT_FLOOR_MS else 0.0)
+        if self._steps == DATA_WAIT_STEPS[-1] and self._shares:
+            self._check_data_wait(statistics.median(self._shares))
+        if self._samplers is None:
+            self._find_loaders()
+        self._check_epochs()
+        self._step_ended, self._interval_start, self._gap_ms = now, now, None
+
+    def _find_loaders(self) -> None:
+        """Once: the shuffling DistributedSamplers and the DataLoaders alive in this process (held weakly)."""
+        objects = gc.get_objects()
+        samplers = [o for o in objects if isinstance(o, DistributedSampler) and o.shuffle]
+        self._samplers = [(weakref.ref(s), s.epoch, 0) for s in samplers] if len(samplers) == 1 else []
+        self._loaders = [weakref.ref(o) for o in objects if isinstance(o, DataLoader)]
+
+    def _check_epochs(self) -> None:
+        kept = []
+        for ref, epoch, seen in self._samplers or []:
+            sampler = ref()
+            if sampler is None:
+                continue
+            if sampler.epoch != epoch:
+                epoch, seen = sampler.epoch, 0
+            elif seen > len(sampler):
+                self._warn_once(
+                    "epoch",
+                    f"BucketedDDP: the DistributedSampler has handed out {seen} samples to this rank, more than its "
+                    f"{len(sampler)} per epoch, with its epoch still {epoch}: the next epoch repeats the same order. "
+                    "Call sampler.set_epoch(epoch) at the start of every epoch.",
+                )
+            kept.append((ref, epoch, seen))
+        self._samplers = kept
+
+    def _check_data_wait(self, share: float) -> None:
+        if share <= DATA_WAIT_SHARE:
+            return
+        workers = sorted({loader.num_workers for ref in self._loaders if (loader := ref()) is not None})
+        self._warn_once(
+            "data",
+            f"BucketedDDP: at least {share:.0%} of each optimizer step (median of steps {DATA_WAIT_STEPS[0]} to "
+            f"{DATA_WAIT_STEPS[-1]}) passes between optimizer.step() and the next forward: loading the next batch "
+            f"(or logging). DataLoader num_workers in this process: {workers or 'none found'}; raise num_workers "
+            "(and pin_memory=True on GPUs), or pre-tokenize the data, before blaming the scaling.",
+        )
 
     def _watches(self, optimizer: torch.optim.Optimizer) -> bool:
         holds = self._holds.get(optimizer)
@@ -109,7 +193,12 @@ class StepWatch:
         self._warned.add(key)
 
 
-def _before_step(owner: weakref.ref, optimizer: torch.optim.Optimizer) -> None:
+def _call(owner: weakref.ref, method: str, optimizer: torch.optim.Optimizer) -> None:
     watch = owner()
     if watch is not None:
-        watch.before_step(optimizer)
+        getattr(watch, method)(optimizer)
+
+
+def _remove(handles: tuple) -> None:
+    for handle in handles:
+        handle.remove()

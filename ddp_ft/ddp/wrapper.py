@@ -183,6 +183,7 @@ class BucketedDDP(nn.Module):
             )
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
+            self._watch.on_forward(inputs, kwargs)
             self._reducer.prepare_for_backward(sync=self.require_backward_grad_sync)
             if self._buffers_need_sync and self.broadcast_buffers:
                 self._broadcast_buffers()
