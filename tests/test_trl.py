@@ -159,3 +159,15 @@ def test_balance_ranks_with_packing_is_refused_naming_both(tmp_path):
     args = sft_config(str(tmp_path), Case("messages", True, "peft_config", False), world_size=1, ddp_backend=None)
     with pytest.raises(ValueError, match=r"balance_ranks=True with SFTConfig\(packing=True\)"):
         BucketedSFTTrainer(model="never loaded", args=args, balance_ranks=True)
+
+
+def test_the_recipe_refuses_an_unknown_trainer_naming_the_choices(tmp_path):
+    """``build_trainer(trainer=...)`` (the recipe's ``--trainer``): anything but hf or trl is an error before the
+    data or the model load."""
+    from ddp_ft.config import settings_from_preset
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.integrations.recipe import build_trainer
+
+    settings = settings_from_preset("tiny", output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"--trainer 'sft': choose one of hf, trl"):
+        build_trainer(settings, DistInfo(), "sft")

@@ -18,12 +18,14 @@ import logging
 from contextlib import contextmanager
 
 import torch
-from trl import SFTTrainer
+from trl import SFTConfig, SFTTrainer
 
 from .accelerate import BucketedAccelerator
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["BucketedSFTTrainer", "SFTConfig"]  # SFTConfig re-exported for the recipe, which imports no trl itself
 
 # What TRL's compute_loss (trl 1.16) passes to gather_for_metrics on a training micro-step, in call order.
 _METRICS = ("num_valid", "entropy_sum", "num_correct", "num_tokens")
