@@ -5,11 +5,14 @@
     accelerate launch --config_file accelerate_configs/single.yaml recipes/qwen_ami.py        # one process
 
 Without --preset it picks ``qwen3-4b-ami`` when CUDA is available and ``tiny`` otherwise, and says so in
-its first log line. Every flag of ``scripts/train.py`` works here too (``--help``).
+its first log line. Every flag of ``scripts/train.py`` works here too (``--help``), and one of its own:
+``--trainer {hf,trl}`` trains with ``BucketedTrainer`` (default) or TRL's SFTTrainer as ``BucketedSFTTrainer``
+(``pip install ddp_ft[trl]``) on the same data, writing the same ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -24,7 +27,7 @@ from ddp_ft.distributed import (
     restart_count,
     setup_logging,
 )
-from ddp_ft.integrations.recipe import build_trainer, trainer_checkpoint, trainer_resume_target
+from ddp_ft.integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
 from ddp_ft.setup import check_run_settings
 from ddp_ft.shared_fs import check_shared_resume, prepare_output_dir
 
@@ -37,7 +40,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argparse.ArgumentParser(add_help=False)  # the recipe's one flag; the rest are scripts/train.py's
+    own.add_argument("--trainer", choices=TRAINERS, default="hf")
+    entry, argv = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     chosen = None
     if "--preset" not in argv:
         chosen = "qwen3-4b-ami" if torch.cuda.is_available() else "tiny"
@@ -53,7 +58,7 @@ def _run(argv: list[str] | None) -> None:
         prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
         resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
         check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-        trainer = build_trainer(settings, info)
+        trainer = build_trainer(settings, info, entry.trainer)
         trainer.train(resume_from_checkpoint=resume)
         if trainer.stopped_by:
             logger.warning(

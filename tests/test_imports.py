@@ -3,7 +3,8 @@
 ``ddp_ft.ddp`` wraps any ``nn.Module``: importing it must need torch alone, not ddp_ft's model, data or settings
 modules nor any Hugging Face library. The plugin (``ddp_ft.integrations``) subclasses ``Trainer`` and
 ``Accelerator``, so it imports transformers and accelerate (and with ``transformers.Trainer``, whatever that imports:
-peft, datasets, bitsandbytes when installed), but not ddp_ft's model loading, data pipeline or synthetic generator.
+peft, datasets, bitsandbytes when installed), but not ddp_ft's model loading, data pipeline or synthetic generator,
+nor trl (an optional extra, imported when ``BucketedSFTTrainer`` is first used).
 """
 
 import os
@@ -38,3 +39,6 @@ def test_import_integrations_leaves_out_the_model_data_and_settings_modules():
     assert {"ddp_ft.integrations.trainer", "ddp_ft.integrations.accelerate", "transformers", "accelerate"} <= modules
     assert not modules & RUN_MODULES, f"ddp_ft.integrations imported {sorted(modules & RUN_MODULES)}"
     assert "wandb" not in modules
+    assert not {"trl", "ddp_ft.integrations.trl"} & modules, (
+        "trl is an optional extra: only BucketedSFTTrainer needs it"
+    )

@@ -1,7 +1,16 @@
-"""BucketedDDP for Accelerate and the HF Trainer: one-line swaps for ``Accelerator`` and ``Trainer``."""
+"""BucketedDDP for Accelerate, the HF Trainer and TRL: one-line swaps for ``Accelerator``, ``Trainer`` and
+``SFTTrainer`` (``BucketedSFTTrainer`` imports trl, an optional dependency: ``pip install ddp_ft[trl]``)."""
 
 from .accelerate import BucketedAccelerator
 from .callbacks import ThroughputCallback
 from .trainer import BucketedTrainer
 
-__all__ = ["BucketedAccelerator", "BucketedTrainer", "ThroughputCallback"]
+__all__ = ["BucketedAccelerator", "BucketedSFTTrainer", "BucketedTrainer", "ThroughputCallback"]
+
+
+def __getattr__(name: str):
+    if name == "BucketedSFTTrainer":  # imported on first use, so ``import ddp_ft.integrations`` needs no trl
+        from .trl import BucketedSFTTrainer
+
+        return BucketedSFTTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,15 +37,27 @@ def wandb_report_to(settings: RunSettings, identity: RunIdentity, info: DistInfo
     return ["wandb"]
 
 
-def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
+TRAINERS = ("hf", "trl")  # the recipe's --trainer: BucketedTrainer, or BucketedSFTTrainer (TRL's SFTTrainer)
+
+
+def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") -> BucketedTrainer:
     """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
 
+    Args:
+        settings (RunSettings): the run.
+        info (DistInfo): this process.
+        trainer (str): ``hf``: ``BucketedTrainer``; ``trl``: ``BucketedSFTTrainer`` (the ``ddp_ft[trl]`` extra) on
+            the same tokenized rows and collator, with TRL's loss and metrics. TRL stores the adapters of a 4-bit
+            model in bfloat16, so its run is not the ``hf`` one to the bit. Default: hf
+
     Raises:
-        ValueError: before the model loads, for an Accelerate launch setting the recipe cannot honour
-            (``ddp_ft.integrations.launch``), float16 on the CPU, and for everything ``prepare_run`` refuses.
+        ValueError: before the model loads, for an unknown ``trainer``, an Accelerate launch setting the recipe cannot
+            honour (``ddp_ft.integrations.launch``), float16 on the CPU, and for everything ``prepare_run`` refuses.
     """
     from transformers import TrainingArguments
 
+    if trainer not in TRAINERS:
+        raise ValueError(f"--trainer {trainer!r}: choose one of {', '.join(TRAINERS)}.")
     t = settings.train
     precision = trainer_precision(settings, info)
     parts = prepare_run(settings, info)
@@ -54,7 +66,7 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
 
     cuda = info.device.type == "cuda"
     identity = run_identity(t.wandb_project, t.wandb_group, t.run_name, settings.preset, info.world_size)
-    args = TrainingArguments(
+    arguments = dict(
         output_dir=t.output_dir,
         run_name=identity.name,  # the wandb run's name too
         per_device_train_batch_size=t.micro_batch,
@@ -88,9 +100,16 @@ def build_trainer(settings: RunSettings, info: DistInfo) -> BucketedTrainer:
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
     )
-    return BucketedTrainer(
+    trainer_class, args = BucketedTrainer, None
+    if trainer == "trl":
+        from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
+
+        # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
+        sft = dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
+        trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments, **sft)
+    return trainer_class(
         model=model,
-        args=args,
+        args=args or TrainingArguments(**arguments),
         train_dataset=parts.train_set,
         eval_dataset=parts.eval_set,
         data_collator=parts.faults.wrap_collate(parts.collate),

@@ -100,6 +100,8 @@ class BucketedTrainer(Trainer):
             ``use_cpu=True`` is missing), before the model is touched.
     """
 
+    accelerator_class: type[BucketedAccelerator] = BucketedAccelerator  # what the Trainer's accelerator is adopted as
+
     def __init__(
         self,
         *args,
@@ -226,18 +228,21 @@ class BucketedTrainer(Trainer):
         device sync on each ``no_sync`` micro-step. Here the count stays a local tensor until the synced micro-step
         (the last of the step), whose single all-gather (:meth:`_gather_step`) updates
         ``state.num_input_tokens_seen`` before any ``on_step_end`` callback reads it. Same counting rule as the
-        Trainer: ``non_padding`` sums the attention mask, ``all`` counts every position; without the main input or
-        (for ``non_padding``) a mask, the Trainer counts itself.
+        Trainer: ``non_padding`` sums the attention mask (without one, as for TRL's padding-free batches, counts the
+        tokens other than the tokenizer's pad token), ``all`` counts every position; without the main input, or for
+        ``non_padding`` without a mask or a pad token, the Trainer counts itself.
         """
         mode = self.args.include_num_input_tokens_seen
         main_input = getattr(self.model, "main_input_name", "input_ids")
+        masked = "attention_mask" in inputs
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
         if mode == "no":
             count = None
-        elif main_input not in inputs or (mode == "non_padding" and "attention_mask" not in inputs):
+        elif main_input not in inputs or (mode == "non_padding" and not masked and pad_id is None):
             count = None
             super()._track_num_input_tokens(inputs)  # the Trainer's fallbacks and warning
         elif mode == "non_padding":
-            count = inputs["attention_mask"].sum()
+            count = inputs["attention_mask"].sum() if masked else (inputs[main_input] != pad_id).sum()
         else:
             count = torch.tensor(inputs[main_input].numel())
         if count is not None:
@@ -257,7 +262,8 @@ class BucketedTrainer(Trainer):
         ``ThroughputCallback``), the ranks' summed flos (:meth:`store_flos`) and their mean loss for the log
         (:meth:`_maybe_log_save_evaluate`). The Trainer's ``_tr_loss`` and ``current_flos`` already hold the step's
         last micro-step here. On one process: no collective, the rank's own numbers (imbalance 1.0, no wait). A step
-        whose compute was not measured gets no balance, on every rank alike.
+        whose compute was not measured gets no balance, on every rank alike. A subclass adds values of its own to the
+        same gather through :meth:`_step_values` and reads them back in :meth:`_read_step_values`.
 
         Raises:
             RuntimeError: the step's loss was divided by a planned answer-token count that differs from the
@@ -274,13 +280,19 @@ class BucketedTrainer(Trainer):
         counted = [self._local_tokens, None if planned is None else planned[2], running_loss]
         counted = [nan if t is None else t.to(device, torch.float64).reshape(()) for t in counted]
         mine = torch.cat([torch.stack(counted), torch.tensor(extra, dtype=torch.float64, device=device)])
+        contributed = self._step_values()  # a subclass's own per-rank values ride on the same gather
+        if contributed is not None:
+            mine = torch.cat([mine, contributed.to(device, torch.float64).reshape(-1)])
         if self.args.world_size > 1:
             per_rank = [torch.empty_like(mine) for _ in range(self.args.world_size)]
             torch.distributed.all_gather(per_rank, mine)
             gathered = torch.stack(per_rank)
         else:
             gathered = mine.unsqueeze(0)
-        tokens, answers, losses, stops, compute, flos = zip(*gathered.tolist(), strict=True)  # one transfer
+        rows = gathered.tolist()  # one transfer
+        tokens, answers, losses, stops, compute, flos = zip(*(row[:6] for row in rows), strict=True)
+        if contributed is not None:
+            self._read_step_values([row[6:] for row in rows])
         self._local_tokens, self._compute_ms, self._planned_answers = None, None, None
         if planned is not None and sum(answers) != planned[1]:
             raise RuntimeError(
@@ -297,6 +309,19 @@ class BucketedTrainer(Trainer):
         self._step_loss = (step, math.fsum(losses) / len(losses))  # the Trainer's mean, in float64 (its: float32)
         measured = not any(math.isnan(ms) for ms in compute)
         self._step_balance = rank_balance(list(compute), self.args.process_index) if measured else None
+
+    def _step_values(self) -> torch.Tensor | None:
+        """Extension point: this rank's own values for the optimizer step's all-gather (:meth:`_gather_step`).
+
+        Returns:
+            torch.Tensor | None: any shape and dtype, sent as float64 (exact for integers below 2**53 and for
+            float32/bfloat16 values); the same number of values on every rank. None (the default): nothing to add.
+        """
+        return None
+
+    def _read_step_values(self, per_rank: list[list[float]]) -> None:
+        """Extension point: every rank's :meth:`_step_values` from the step's all-gather, in rank order (called on
+        every rank, after the step's last backward and before its ``on_step_end`` callbacks and log)."""
 
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=None
@@ -469,7 +494,7 @@ class BucketedTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        self.accelerator = BucketedAccelerator.adopt(self.accelerator, self.ddp_settings, self.args)
+        self.accelerator = self.accelerator_class.adopt(self.accelerator, self.ddp_settings, self.args)
         # The Trainer bound these to the accelerator just replaced: bind them to ours (as Trainer.__init__ does).
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
