@@ -76,6 +76,8 @@ class _Records(logging.Handler):
 
 def _loop(rank, world_size, mistake):
     records = _Records()
+    for handler in list(logging.getLogger("ddp_ft").handlers):  # the previous loop's
+        logging.getLogger("ddp_ft").removeHandler(handler)
     logging.getLogger("ddp_ft").addHandler(records)
     torch.manual_seed(0)
     model = BucketedDDP(Net(), find_unused_parameters=mistake == "find_unused")
@@ -112,13 +114,25 @@ class _Nothing:
         return False
 
 
+def _loops(rank, world_size, mistakes):
+    """Each loop in turn in the same 2 processes (a fresh model and logger handler each)."""
+    return {mistake: _loop(rank, world_size, mistake) for mistake in mistakes}
+
+
+@pytest.fixture(scope="module")
+def loops():
+    """Every rank's result of each loop: {mistake: [rank 0's, rank 1's]}."""
+    mistakes = ("none", "never_synced", "no_no_sync", "find_unused")
+    per_rank = run_distributed(_loops, mistakes)
+    return {mistake: [ranks[mistake] for ranks in per_rank] for mistake in mistakes}
+
+
 @pytest.mark.distributed
-def test_the_users_accumulation_loop_is_checked_at_each_optimizer_step():
+def test_the_users_accumulation_loop_is_checked_at_each_optimizer_step(loops):
     """Per optimizer step: a step after backwards that all ran under no_sync is an error before the step (the
     gradients were never averaged; parameters untouched, on every rank); a loop without no_sync warns once on rank
-    0 with the all-reduces it wastes; find_unused_parameters=True with nothing unused warns once; the correct loop
-    is silent."""
-    results = {mistake: run_distributed(_loop, mistake) for mistake in ("none", "never_synced", "no_no_sync")}
+    0 with the all-reduces it wastes; the correct loop is silent."""
+    results = loops
     for messages, error, _, same, _ in results["none"]:
         assert messages == [] and error is None and same
     for _, error, unchanged, _, _ in results["never_synced"]:
@@ -132,8 +146,8 @@ def test_the_users_accumulation_loop_is_checked_at_each_optimizer_step():
 
 
 @pytest.mark.distributed
-def test_find_unused_parameters_with_every_parameter_used_warns_once_with_its_cost():
-    (warnings, error, _, same, _), (others, *_) = run_distributed(_loop, "find_unused")
+def test_find_unused_parameters_with_every_parameter_used_warns_once_with_its_cost(loops):
+    (warnings, error, _, same, _), (others, *_) = loops["find_unused"]
     assert error is None and same and others == []
     assert len(warnings) == 1 and "find_unused_parameters=True" in warnings[0] and "=False" in warnings[0], warnings
 
@@ -202,10 +216,16 @@ class _Rows(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+def _epoch_runs(rank, world_size, runs):
+    return [_epochs(rank, world_size, *run) for run in runs]
+
+
 def _epochs(rank, world_size, set_epoch, delay_s):
     from torch.utils.data import DataLoader, DistributedSampler
 
     records = _Records()
+    for handler in list(logging.getLogger("ddp_ft").handlers):  # the previous run's
+        logging.getLogger("ddp_ft").removeHandler(handler)
     logging.getLogger("ddp_ft").addHandler(records)
     torch.manual_seed(0)
     model = BucketedDDP(Net())
@@ -228,11 +248,10 @@ def test_a_sampler_whose_epoch_never_changes_and_a_loop_that_waits_for_data_are_
     second pass starts. Rows that take 30 ms each to read make the host wait between optimizer.step() and the next
     forward for most of each step: warned once with the share and num_workers. The same loop with set_epoch and
     fast rows is silent."""
-    quiet, _ = run_distributed(_epochs, True, 0.0)
+    rank0, rank1 = run_distributed(_epoch_runs, [(True, 0.0), (False, 0.0), (True, 0.03)])
+    (quiet, forgot, slow), other_rank = rank0, rank1[1]
     assert quiet == []
-    forgot, other_rank = run_distributed(_epochs, False, 0.0)
     assert other_rank == [] and len(forgot) == 1, forgot
     assert "set_epoch(epoch)" in forgot[0] and "its epoch still 0" in forgot[0] and "more than its 8" in forgot[0]
-    slow, _ = run_distributed(_epochs, True, 0.03)
     assert len(slow) == 1 and "passes between optimizer.step() and the next forward" in slow[0], slow
     assert "num_workers in this process: [0]" in slow[0], slow
