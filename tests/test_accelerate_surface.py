@@ -61,17 +61,27 @@ def _world_of_one(rank, world_size, out):
     with pytest.raises(RuntimeError) as error:
         BucketedTrainer(model_init=model_init, args=args)
     errors["trainer"] = str(error.value)
+    from trl import SFTConfig
+
+    from ddp_ft.integrations import BucketedSFTTrainer
+
+    with pytest.raises(RuntimeError) as error:  # before TRL loads the model named here (it does not exist)
+        BucketedSFTTrainer(
+            model="no/such-model", args=SFTConfig(output_dir=out, report_to=[], bf16=False), train_dataset=[]
+        )
+    errors["trl"] = str(error.value)
     return errors, touched
 
 
 def test_a_launched_process_that_sees_a_world_of_one_stops_before_the_model_is_touched(tmp_path):
-    """Launched with WORLD_SIZE=2, an Accelerator without cpu=True (or TrainingArguments without use_cpu=True) on a
-    machine without CUDA sees one process: each rank would train alone on all the data. Both raise, naming the fix,
-    before the Trainer builds the model."""
+    """Launched with WORLD_SIZE=2, an Accelerator without cpu=True (or TrainingArguments / SFTConfig without
+    use_cpu=True) on a machine without CUDA sees one process: each rank would train alone on all the data. All three
+    raise, naming the fix, before the Trainer builds the model (or TRL loads it)."""
     for rank, (errors, touched) in enumerate(run_distributed(_world_of_one, str(tmp_path))):
         assert f"rank {rank} of WORLD_SIZE=2" in errors["accelerator"], errors
         assert "BucketedAccelerator(cpu=True)" in errors["accelerator"], errors
         assert "use_cpu=True" in errors["trainer"] and "SFTConfig" in errors["trainer"], errors
+        assert f"rank {rank} of WORLD_SIZE=2" in errors["trl"] and "SFTConfig(use_cpu=True)" in errors["trl"], errors
         assert touched == [], "the Trainer built the model before refusing"
 
 
