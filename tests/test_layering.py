@@ -18,6 +18,7 @@ LAYERS = [
         "ddp_ft.faults",
         "ddp_ft.bench",
         "ddp_ft.integrations.launch",
+        "ddp_ft.integrations.checkpointing",
     },
     {"ddp_ft.config", "ddp_ft.checkpoint", "ddp_ft.shared_fs"},
     {"ddp_ft.setup", "ddp_ft.report"},

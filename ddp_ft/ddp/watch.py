@@ -28,14 +28,10 @@ import logging
 import statistics
 import time
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, DistributedSampler
-
-if TYPE_CHECKING:
-    from .wrapper import BucketedDDP
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +47,10 @@ class StepWatch:
     Holds the wrapper weakly; the global hook goes when the watch does (with its wrapper) or at :meth:`remove`.
 
     Args:
-        wrapper (BucketedDDP): the wrapper whose reducer's counters are read.
+        wrapper (nn.Module): the BucketedDDP whose reducer's counters are read (not imported: it owns this watch).
     """
 
-    def __init__(self, wrapper: BucketedDDP) -> None:
+    def __init__(self, wrapper: torch.nn.Module) -> None:
         self._wrapper = weakref.ref(wrapper)
         self._params = {id(p) for p in wrapper._params}
         self._holds: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
