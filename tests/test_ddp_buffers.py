@@ -66,21 +66,33 @@ def _count_broadcasts():
     return calls
 
 
-def _constant_buffer(rank, world_size):
-    torch.manual_seed(0)
-    ddp = BucketedDDP(Net())  # Net.scale is never written: a constant buffer, as a rotary inv_freq
-    calls = _count_broadcasts()
-    for step in range(3):
+def _train_steps(ddp, rank, world_size, steps=3):
+    """``steps`` optimizer steps of 2 micro-steps, the first under ``no_sync``."""
+    for step in range(steps):
         for micro in range(2):
             x, y = make_batch(2 * step + micro)
             with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
                 local = local_slice(rank, world_size)
                 torch.nn.functional.mse_loss(ddp(x[local]), y[local]).backward()
-    assert calls == []
 
 
-def test_a_constant_buffer_is_not_broadcast_after_construction():
-    run_distributed(_constant_buffer)
+def _buffer_written_once(rank, world_size):
+    torch.manual_seed(0)
+    ddp = BucketedDDP(Net())  # Net.scale is never written: a constant buffer, as a rotary inv_freq
+    calls = _count_broadcasts()
+    _train_steps(ddp, rank, world_size)
+    constant = list(calls)
+    ddp.module.scale.mul_(2.0)  # written once, on every rank (as a buffer set up after wrapping)
+    _train_steps(ddp, rank, world_size)
+    return constant, calls[len(constant) :]
+
+
+def test_a_constant_buffer_is_never_broadcast_and_one_written_once_is_broadcast_once():
+    """After construction a buffer travels only when written: a constant one never (3 steps, no broadcast), one
+    written once at the next step's first forward only (its count, then its 32 values), not at every step after."""
+    for constant, after_write in run_distributed(_buffer_written_once):
+        assert constant == []
+        assert after_write == [1, 32], after_write
 
 
 class _BatchNormNet(torch.nn.Module):
