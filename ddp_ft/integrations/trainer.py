@@ -446,6 +446,7 @@ class BucketedTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging_dir = str(staging)
         try:
+            self.faults.checkpoint_writing(self.state.global_step)
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_dir = None
