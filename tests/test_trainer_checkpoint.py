@@ -89,7 +89,10 @@ def test_trainer_checkpoints_are_published_whole_and_durable_and_total_flos_coun
         assert {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(files), (name, files)
         assert unsynced == [], (name, unsynced)
         assert ("fsync", str(run.resolve())) in events[at + 1 :], f"{name}: the rename was not made durable"
-        assert sorted(p.name for p in (run / name).iterdir()) == [Path(f).name for f in files if "/" not in f]
+        assert sorted(str(p.relative_to(run / name)) for p in (run / name).rglob("*") if p.is_file()) == files
+    # the premise: rank 1 wrote its files of checkpoint 2 well after rank 0 wrote its own (slow-save held it 2 s)
+    first = run / "checkpoint-2"
+    assert (first / "rng_state_1.pth").stat().st_mtime - (first / "rng_state_0.pth").stat().st_mtime > 1.0
 
     per_step = MICRO * ACCUMULATION * sum(_flos_per_sample(r) for r in range(2))
     assert flos0 == flos1 == STEPS * per_step
