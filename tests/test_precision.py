@@ -170,6 +170,7 @@ def _fp16_loop_on_two_ranks(rank, world_size, out):
 
 
 @pytest.mark.distributed
+@pytest.mark.faults
 def test_fp16_loop_on_two_ranks_skips_a_step_that_overflowed_on_one_rank_on_both(tmp_path):
     """The plain loop itself (``forward_backward_timed``, the scaler, the schedule) on 2 ranks, accumulation 2: rank
     1's gradient overflows under ``no_sync`` in step 1. The inf reaches rank 0 with the synced micro-step's all-reduce,

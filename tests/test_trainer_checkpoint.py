@@ -11,7 +11,7 @@ import torch
 from .dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank, _dataset, _gloo_trainer_args, _Regressor
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
 STEPS, SAVE_EVERY, MICRO, ACCUMULATION = 4, 2, 2, 2
 
