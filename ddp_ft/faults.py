@@ -11,6 +11,9 @@
 - ``overflow``: make that micro-batch's gradient inf/nan on this rank only (a float16 overflow), in backward.
 - ``kill-in-save``: SIGKILL this rank in the middle of writing the checkpoint of step ``STEP`` (files partly
   written, nothing published).
+- ``slow-save``: in ``BucketedTrainer``'s save of the checkpoint of step ``STEP``, hold this rank ``SLOW_SAVE_S``
+  seconds after the ranks meet to save and before it writes its files (a slow disk): a rank 0 that published without
+  waiting for every rank's files would publish a checkpoint without this rank's RNG state.
 
 ``rank`` (default 0) picks the rank; ``attempt`` the torchrun restart it fires on (``TORCHELASTIC_RESTART_COUNT``,
 default 0: the first run only; ``*``: every attempt, so restarts run out).
@@ -37,7 +40,10 @@ KINDS = (
     "sigusr1-self",
     "kill-in-save",
     "overflow",
+    "slow-save",
 )
+SLOW_SAVE_S = 2.0
+NOT_IN_FORWARD = ("data", "kill-in-save", "slow-save")  # fired elsewhere than the model's forward hooks
 
 
 class InjectedFault(RuntimeError):
@@ -125,16 +131,14 @@ class FaultInjector:
         return collate_with_fault
 
     def attach(self, model: torch.nn.Module) -> None:
-        if any(f.kind not in ("data", "kill-in-save") for f in self.faults):
+        if any(f.kind not in NOT_IN_FORWARD for f in self.faults):
             model.register_forward_pre_hook(self._before_forward)
             model.register_forward_hook(self._after_forward)
 
     def _before_forward(self, module, args):
         if not module.training:
             return
-        fault = self._due(
-            tuple(k for k in KINDS if k not in ("data", "backward", "overflow", "kill-in-save")), self._forwards
-        )
+        fault = self._due(tuple(k for k in KINDS if k not in (*NOT_IN_FORWARD, "backward", "overflow")), self._forwards)
         self._pending_backward = self._due(("backward", "overflow"), self._forwards)
         self._forwards += 1
         if fault is None:
@@ -171,3 +175,8 @@ class FaultInjector:
         """Called by the savers between writing files and publishing them."""
         if any(f.kind == "kill-in-save" and f.step == step for f in self.faults):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def checkpoint_writing(self, step: int) -> None:
+        """Called by ``BucketedTrainer`` on every rank after the ranks meet to save, before this rank writes."""
+        if any(f.kind == "slow-save" and f.step == step for f in self.faults):
+            time.sleep(SLOW_SAVE_S)

@@ -5,6 +5,7 @@ Faults come from the test-only switch ``DDP_FT_INJECT_FAULT`` (``ddp_ft.faults``
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -128,10 +129,34 @@ def test_a_stuck_rank_brings_the_job_down_after_ddp_timeout_and_the_waiting_rank
 
 
 def test_sigusr1_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint_and_exit_0(tmp_path):
-    run, _ = _launch(tmp_path, "sigusr1-self@2,rank=1", "--max-steps", "6")
+    """Rank 1 alone gets SIGUSR1 in step 2 (torchrun is not signalled). A rank that acted on its own flag would leave
+    the other waiting in a collective: --ddp-timeout 10 makes that fail in seconds, not at the test's timeout."""
+    run, _ = _launch(tmp_path, "sigusr1-self@2,rank=1", "--max-steps", "6", "--ddp-timeout", "10")
     assert run.returncode == 0, run.stderr[-6000:]
     (stop,) = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "stop"]
     assert 2 <= stop["step"] < 6 and stop["signal"] == "a stop signal on another rank"  # rank 0 did not receive it
     assert "[rank1] " in run.stderr and "stopped by SIGUSR1 after step" in run.stderr
     assert (tmp_path / "run" / "latest").read_text() == f"ddp_ft-checkpoint-{stop['step']}"
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "eval"]
+
+
+def test_sigusr1_to_one_rank_stops_the_trainer_recipe_on_both_at_the_same_step_with_one_checkpoint_and_exit_0(
+    tmp_path,
+):
+    """The Trainer's agreement: rank 1 alone gets SIGUSR1 in step 2 (the launcher is not signalled, so rank 0 learns
+    it only from the step's all-gather). Both ranks stop after the same step, the Trainer saves one checkpoint there,
+    the recipe skips its final eval and save, and accelerate launch exits 0. A rank acting on its own flag would
+    leave the other in a collective: --ddp-timeout 10 fails that fast."""
+    run, _ = _launch(tmp_path, "sigusr1-self@2,rank=1", "--max-steps", "6", "--ddp-timeout", "10", recipe=True)
+    assert run.returncode == 0, run.stderr[-6000:]
+    stopped = {
+        rank: (signal, int(step))
+        for rank, signal, step in re.findall(r"\[(rank\d)\] .*stopped by (.+) after step (\d+): ", run.stderr)
+    }
+    assert sorted(stopped) == ["rank0", "rank1"], run.stderr[-6000:]
+    (signal0, step), (signal1, step1) = stopped["rank0"], stopped["rank1"]
+    assert (signal0, signal1) == ("a stop signal on another rank", "SIGUSR1") and step == step1 and 2 <= step < 6
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.iterdir() if "checkpoint-" in p.name) == [f"checkpoint-{step}"]
+    assert not (out / ".staging").exists() and not (out / "final").exists()
+    assert not [r for r in read_jsonl(out / "metrics.jsonl") if r["type"] == "eval"]

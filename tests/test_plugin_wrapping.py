@@ -151,21 +151,21 @@ def test_a_multi_process_training_step_with_an_unwrapped_model_is_an_error():
 
 
 def _gloo_trainer_args(out: str, **arguments):
-    """TrainingArguments of the 2-process Trainer tests here: CPU, gloo, a log every step, no saves, whole batches."""
+    """TrainingArguments of the 2-process Trainer tests: CPU, gloo, a log every step, no saves, whole batches;
+    ``arguments`` add to or override these."""
     from transformers import TrainingArguments
 
-    return TrainingArguments(
-        output_dir=out,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-        remove_unused_columns=False,
-        ddp_backend="gloo",
-        **arguments,
-    )
+    defaults = {
+        "use_cpu": True,
+        "report_to": [],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_drop_last": True,
+        "remove_unused_columns": False,
+        "ddp_backend": "gloo",
+    }
+    return TrainingArguments(output_dir=out, **{**defaults, **arguments})
 
 
 class _Tokens(nn.Module):

@@ -141,3 +141,52 @@ def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp
     (step3,) = [r for r in read_jsonl(resumed / "metrics.jsonl") if r["type"] == "train"]
     assert (step3["step"], step3["loss_scale"], step3["skipped"]) == (3, 2.0**15, 0)
     assert step3["loss"] == steps[2]["loss"]
+
+
+def _fp16_loop_on_two_ranks(rank, world_size, out):
+    """The plain loop in float16 on this rank, rank 1's gradient overflowing in step 1's first (``no_sync``)
+    micro-batch; returns this rank's adapter and loss scale at the final save."""
+    import os
+
+    from ddp_ft import loop
+    from ddp_ft.config import parse_settings
+    from ddp_ft.distributed import DistInfo
+
+    os.environ["DDP_FT_INJECT_FAULT"] = "overflow@1,rank=1"  # the tiny cache: the suite's, inherited
+    saved = {}
+    save_checkpoint = loop.save_checkpoint
+
+    def recording_save(output_dir, model, *args, scaler=None, **kwargs):  # every rank saves (the RNG gather)
+        saved["adapter"] = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+        saved["scale"] = scaler.get_scale()
+        return save_checkpoint(output_dir, model, *args, scaler=scaler, **kwargs)
+
+    loop.save_checkpoint = recording_save
+    flags = ["--preset", "tiny", "--compute-dtype", "float16", "--max-steps", "3", "--effective-batch", "4"]
+    flags += ["--micro-batch", "1", "--max-seq-len", "96", "--eval-fraction", "0", "--report-to", "none"]
+    info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
+    loop.train(parse_settings([*flags, "--save-every", "0", "--output-dir", out]), info)
+    return saved
+
+
+@pytest.mark.distributed
+@pytest.mark.faults
+def test_fp16_loop_on_two_ranks_skips_a_step_that_overflowed_on_one_rank_on_both(tmp_path):
+    """The plain loop itself (``forward_backward_timed``, the scaler, the schedule) on 2 ranks, accumulation 2: rank
+    1's gradient overflows under ``no_sync`` in step 1. The inf reaches rank 0 with the synced micro-step's all-reduce,
+    so both skip step 1 and halve the scale; steps 2 and 3 train with finite losses at that scale, and the two ranks
+    end with the same adapter and the same scale, bit for bit."""
+    import math
+
+    from torch.testing import assert_close
+
+    from ddp_ft.metrics import read_jsonl
+
+    from .dist_harness import run_distributed
+
+    ranks = run_distributed(_fp16_loop_on_two_ranks, str(tmp_path / "run"), timeout=180)
+    steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "train"]
+    assert [(r["skipped"], r["loss_scale"]) for r in steps] == [(1, 2.0**15), (0, 2.0**15), (0, 2.0**15)]
+    assert math.isnan(steps[0]["grad_norm"]) and all(math.isfinite(r["loss"]) for r in steps[1:]), steps
+    assert [r["scale"] for r in ranks] == [2.0**15, 2.0**15]
+    assert_close(ranks[0]["adapter"], ranks[1]["adapter"], rtol=0, atol=0)

@@ -138,6 +138,9 @@ def test_the_fault_switch_is_parsed_strictly_and_fires_only_on_its_rank_and_atte
     assert [f.kind for f in FaultInjector(faults, rank=0, attempt=1).faults] == ["kill-in-save"]
     assert [f.kind for f in FaultInjector(faults, rank=1, attempt=0).faults] == ["forward"]
     assert not FaultInjector(faults, rank=1, attempt=1)
+    model = torch.nn.Linear(1, 1)
+    FaultInjector(parse_faults("slow-save@2; kill-in-save@2; data@2"), rank=0, attempt=0).attach(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # faults fired outside forward add no hooks
     for bad in ("explode@3", "forward@0", "forward", "forward@3,ranks=1"):
         with pytest.raises(ValueError, match=ENV):
             parse_faults(bad)

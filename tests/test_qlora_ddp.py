@@ -122,28 +122,53 @@ def test_reentrant_checkpointing_on_the_qlora_stack_gives_the_global_batch_gradi
     run_distributed(_reentrant, tiny_qwen3, timeout=300)
 
 
+def _quant_state_tensors(weight) -> dict[str, torch.Tensor]:
+    """Every tensor of a 4-bit weight's quant state (NF4 with double quant): what a rank's base may differ in."""
+    state = weight.quant_state
+    assert state.state2 is not None, "the premise: double quant, so there is a nested state"
+    return {
+        "absmax": state.absmax,  # the per-block scales, themselves quantized by the nested state
+        "code": state.code,  # the NF4 code book
+        "nested_absmax": state.state2.absmax,
+        "nested_code": state.state2.code,
+    }
+
+
 def _perturbed_quant_state(rank, world_size, path, what):
+    """Rank 1's first 4-bit weight perturbed in one place at a time; each wrap's error (None: accepted)."""
     model = _build(path, world_size, False, "float32")
     name, weight = next((n, p) for n, p in model.named_parameters() if getattr(p, "quant_state", None) is not None)
-    if rank == 1:
+    if what == "swapped_rows":  # two packed rows swapped: same bytes, another order
+        assert not torch.equal(weight.data[0], weight.data[1])
+        perturbations = {what: weight.data}
+    else:
+        perturbations = _quant_state_tensors(weight)
+    errors = {}
+    for part, tensor in perturbations.items():
+        original = tensor.clone()
+        if rank == 1:
+            with torch.no_grad():
+                if part == "swapped_rows":
+                    tensor[[0, 1]] = tensor[[1, 0]].clone()
+                else:
+                    tensor[0] += 1  # a uint8 absmax wraps; a float one or a code book moves by 1
+        try:
+            BucketedDDP(model)
+            errors[part] = None
+        except RuntimeError as error:
+            errors[part] = str(error)
         with torch.no_grad():
-            if what == "absmax":
-                state = weight.quant_state
-                absmax = state.absmax if state.state2 is None else state.state2.absmax  # double quant: the nested one
-                absmax[0] += 1.0
-            else:  # two packed rows swapped: same bytes, another order
-                assert not torch.equal(weight.data[0], weight.data[1])
-                weight.data[[0, 1]] = weight.data[[1, 0]].clone()
-    try:
-        BucketedDDP(model)
-    except RuntimeError as error:
-        return name, str(error)
-    return name, None
+            tensor.copy_(original)
+    return name, errors
 
 
-@pytest.mark.parametrize("what", ["absmax", "swapped_rows"])
+@pytest.mark.parametrize("what", ["quant_state", "swapped_rows"])
 def test_a_4bit_base_differing_in_quant_state_or_row_order_raises_on_every_rank_naming_the_weight(tiny_qwen3, what):
-    """The frozen 4-bit base is not broadcast: a rank whose NF4 weight has a different absmax (quant state, not a
-    parameter or buffer) or two packed rows swapped must be refused at construction, naming the weight."""
-    for name, message in run_distributed(_perturbed_quant_state, tiny_qwen3, what, timeout=300):
-        assert message is not None and f"{name!r}" in message, (name, message)
+    """The frozen 4-bit base is not broadcast: a rank whose NF4 weight differs in any tensor of its quant state (not
+    a parameter or buffer: the top-level ``absmax``, the code book, the nested double-quant ``absmax`` and code book,
+    each in turn) or has two packed rows swapped must be refused at construction, naming the weight."""
+    for name, errors in run_distributed(_perturbed_quant_state, tiny_qwen3, what, timeout=300):
+        expected = ["absmax", "code", "nested_absmax", "nested_code"] if what == "quant_state" else [what]
+        assert list(errors) == expected
+        for part, message in errors.items():
+            assert message is not None and f"{name!r}" in message, (part, name, message)

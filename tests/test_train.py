@@ -13,6 +13,7 @@ from ddp_ft.loop import train
 
 from .dist_harness import run_distributed
 from .meetings import write_mixed_length_meetings
+from .test_plugin_wrapping import _record_collectives
 
 MICRO = 2
 
@@ -61,8 +62,12 @@ def _effective_batch(rank, world_size, cache, source, k):
     step = [i for batch in strided[0] for i in batch]  # the step's samples in global order
     assert plan != strided_plan(step, world_size, MICRO, k), "the premise: balancing moved samples between ranks"
     group = list(islice(balanced.epoch(0), k))
+    calls: list[str] = []  # every torch.distributed collective this rank calls, and each micro-step's forward
+    _record_collectives(calls)
+    model.register_forward_pre_hook(lambda *_: calls.append("forward"))
     ddp_loss, ddp_counts = forward_backward(ddp, group, DistInfo(rank, rank, world_size))
     comm = ddp.pop_comm_stats()
+    micro_steps = " ".join(calls).split("forward")  # [before the first forward, after each micro-step's forward]
     # one process, accumulation 2k, on the same global batch in its global order, unbalanced (on every rank, no
     # communication)
     loader = unbalanced
@@ -85,6 +90,11 @@ def _effective_batch(rank, world_size, cache, source, k):
     # no_sync on every micro-step but the last: one all-reduce per bucket for the whole step
     assert len(ddp.bucket_sizes) > 1
     assert (comm.backwards, comm.synced_backwards, comm.allreduce_calls) == (k, 1, len(ddp.bucket_sizes))
+    # and no other collective either, counted at torch.distributed: the token counts before the step, nothing at all
+    # in the no_sync micro-steps, then the buckets' all-reduces and the gather of losses and stop flags
+    assert len(micro_steps) == k + 1 and micro_steps[0].split() == ["all_reduce"], calls
+    assert all(not m.strip() for m in micro_steps[1:-1]), calls
+    assert micro_steps[-1].split() == ["all_reduce"] * len(ddp.bucket_sizes) + ["all_gather"], calls
     return ddp_loss
 
 

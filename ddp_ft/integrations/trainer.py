@@ -93,6 +93,8 @@ class BucketedTrainer(Trainer):
             global order (``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), the same
             steps (the trailing partial batch dropped, whatever ``dataloader_drop_last``), the same per-rank
             micro-batches. Default: False (the stock Trainer's sampling)
+        faults (FaultInjector | None): test-only fault injection (``ddp_ft.faults``); the recipe passes the one
+            ``DDP_FT_INJECT_FAULT`` describes. Default: none
         **kwargs: passed to ``Trainer``.
 
     Raises:
@@ -479,6 +481,7 @@ class BucketedTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self._staging_dir = str(staging)
         try:
+            self.faults.checkpoint_writing(self.state.global_step)
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_dir = None
