@@ -91,6 +91,11 @@ class BucketedAccelerator(Accelerator):
         back unwrapped and train as independent processes): a BucketedDDP is returned as it is; an unwrapped
         training model gets its existing wrapper back (one wrapper per module: a second one's hooks would fight the
         first's), or a new one.
+
+        Raises:
+            ValueError: reentrant gradient checkpointing would leave the adapters without gradient
+                (:func:`~ddp_ft.integrations.checkpointing.check_checkpointed_adapters`).
+            RuntimeError: the model is spread over devices, or on another rank's GPU (BucketedDDP's placement check).
         """
         if isinstance(model, BucketedDDP):
             if model not in self._models:
