@@ -49,7 +49,7 @@ def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks, o
     spec.loader.exec_module(module)
     seen = {}
 
-    def work(settings, info):  # stands in for the training: the group is up, then this rank fails or finishes
+    def work(settings, info, *_):  # the training (the recipe adds --trainer): the group is up, then fail or finish
         seen["initialized"] = dist.is_initialized() and dist.get_world_size() == world_size
         if rank in failing_ranks:
             raise RuntimeError(f"injected failure on rank {rank}")
