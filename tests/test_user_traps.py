@@ -7,6 +7,7 @@ once with what it costs. Real gloo processes where communication is involved.
 """
 
 import logging
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -230,6 +231,7 @@ def _epochs(rank, world_size, set_epoch, delay_s):
     torch.manual_seed(0)
     model = BucketedDDP(Net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    dead = [weakref.proxy(_Rows())]  # a weak proxy whose referent is gone: the watch's scan must step around it
     sampler = DistributedSampler(_Rows(delay_s), shuffle=True, seed=0)
     loader = DataLoader(sampler.dataset, batch_size=2, sampler=sampler)  # 4 steps per epoch on each of 2 ranks
     for epoch in range(3):
@@ -239,6 +241,7 @@ def _epochs(rank, world_size, set_epoch, delay_s):
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
+    assert len(dead) == 1
     return records.messages
 
 
@@ -247,7 +250,7 @@ def test_a_sampler_whose_epoch_never_changes_and_a_loop_that_waits_for_data_are_
     """A DistributedSampler without set_epoch repeats the first epoch's order: warned once, on rank 0, when its
     second pass starts. Rows that take 30 ms each to read make the host wait between optimizer.step() and the next
     forward for most of each step: warned once with the share and num_workers. The same loop with set_epoch and
-    fast rows is silent."""
+    fast rows is silent. A dead weak proxy on the heap does not break the scan for samplers (it did, in CI)."""
     rank0, rank1 = run_distributed(_epoch_runs, [(True, 0.0), (False, 0.0), (True, 0.03)])
     (quiet, forgot, slow), other_rank = rank0, rank1[1]
     assert quiet == []

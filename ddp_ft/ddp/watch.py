@@ -88,22 +88,27 @@ class StepWatch:
         if self._wrapper() is None or not self._watches(optimizer):
             return
         now = time.perf_counter()
-        if self._gap_ms is not None and self._steps in DATA_WAIT_STEPS and now > self._interval_start:
-            share = self._gap_ms / ((now - self._interval_start) * 1e3)  # the gap is part of the step's interval
-            self._shares.append(share if self._gap_ms >= DATA_WAIT_FLOOR_MS else 0.0)
-        if self._steps == DATA_WAIT_STEPS[-1] and self._shares:
-            self._check_data_wait(statistics.median(self._shares))
-        if self._samplers is None:
-            self._find_loaders()
-        self._check_epochs()
+        try:  # advisory checks: whatever goes wrong in them must not stop a training run
+            if self._gap_ms is not None and self._steps in DATA_WAIT_STEPS and now > self._interval_start:
+                share = self._gap_ms / ((now - self._interval_start) * 1e3)  # the gap is part of the step's interval
+                self._shares.append(share if self._gap_ms >= DATA_WAIT_FLOOR_MS else 0.0)
+            if self._steps == DATA_WAIT_STEPS[-1] and self._shares:
+                self._check_data_wait(statistics.median(self._shares))
+            if self._samplers is None:
+                self._find_loaders()
+            self._check_epochs()
+        except Exception:
+            logger.debug("BucketedDDP: the data-side checks stopped", exc_info=True)
+            self._samplers, self._shares = [], []
         self._step_ended, self._interval_start, self._gap_ms = now, now, None
 
     def _find_loaders(self) -> None:
         """Once: the shuffling DistributedSamplers and the DataLoaders alive in this process (held weakly)."""
+        # By type(), never isinstance(): the heap holds weak proxies, whose dead referents raise on any attribute.
         objects = gc.get_objects()
-        samplers = [o for o in objects if isinstance(o, DistributedSampler) and o.shuffle]
+        samplers = [o for o in objects if issubclass(type(o), DistributedSampler) and o.shuffle]
         self._samplers = [(weakref.ref(s), s.epoch, 0) for s in samplers] if len(samplers) == 1 else []
-        self._loaders = [weakref.ref(o) for o in objects if isinstance(o, DataLoader)]
+        self._loaders = [weakref.ref(o) for o in objects if issubclass(type(o), DataLoader)]
 
     def _check_epochs(self) -> None:
         kept = []
