@@ -27,6 +27,8 @@ LAYERS = [
         "ddp_ft.steps",
         "ddp_ft.integrations.accelerate",
         "ddp_ft.integrations.trainer",
+        "ddp_ft.integrations.trainer_plan",
+        "ddp_ft.integrations.trainer_checkpoints",
         "ddp_ft.integrations.settings",
         "ddp_ft.integrations.callbacks",
     },

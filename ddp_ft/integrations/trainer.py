@@ -6,6 +6,10 @@ as a :class:`BucketedAccelerator` right after it is built, so ``accelerator.prep
 ``no_sync`` during accumulation is ours, and every ``unwrap_model`` (saving, checkpoints,
 ``resume_from_checkpoint``) sees through the wrapper. (``_wrap_model`` alone would leave Accelerate unaware
 of the wrapper, so unwrapping and the DDP kwargs would still belong to torch DDP.)
+
+This module holds the step: its one all-gather (tokens, stop flag, compute time, flos, loss, a subclass's values),
+the stop agreement and the training step's guard. The data plan (``balance_ranks``) is in ``trainer_plan``, the
+atomic checkpoints in ``trainer_checkpoints``: mixins of ``BucketedTrainer``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import functools
 import inspect
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from ..ddp import BucketedDDP, DDPSettings
 from ..faults import FaultInjector
@@ -31,6 +33,8 @@ from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 from .callbacks import GuardedWandbCallback, ThroughputCallback
 from .launch import TRAINER_CPU_FIX, check_world_seen
+from .trainer_checkpoints import AtomicCheckpoints
+from .trainer_plan import PlanEpochCallback, PlannedData
 
 if TYPE_CHECKING:
     from ..data import StepBatchSampler
@@ -67,22 +71,7 @@ class _StepClockCallback(TrainerCallback):
         self._trainer._step_started = time.perf_counter()
 
 
-class _PlanEpochCallback(TrainerCallback):
-    """Sets the epoch of the balanced plan before each epoch's batches are drawn. ``Trainer`` calls ``set_epoch``
-    too, but not through the loader ``skip_first_batches`` builds on a resume mid-epoch on several ranks (its batch
-    sampler wraps Accelerate's shard, which wraps ours); the epoch is ``global_step // steps_per_epoch``, as the
-    Trainer counts the epochs it resumes past."""
-
-    def __init__(self, trainer: BucketedTrainer) -> None:
-        self._trainer = trainer
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        sampler = self._trainer._plan_sampler
-        if sampler is not None:
-            sampler.set_epoch(state.global_step // sampler.loader.layout.steps_per_epoch)
-
-
-class BucketedTrainer(Trainer):
+class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
     """``transformers.Trainer`` that trains multi-process runs with BucketedDDP.
 
     Args:
@@ -148,80 +137,7 @@ class BucketedTrainer(Trainer):
         self.add_callback(_StopCallback(self))
         self.add_callback(_StepClockCallback(self))
         if balance_ranks:
-            self.add_callback(_PlanEpochCallback(self))
-
-    def get_train_dataloader(self):
-        """With ``balance_ranks``, a loader over the plain loop's plans (``StepBatchSampler``), prepared by Accelerate:
-        its shard hands rank ``r`` the micro-batches ``EpochLoader(rank=r)`` reads, and the Trainer's
-        ``skip_first_batches`` skips whole steps on a resume. Otherwise the Trainer's own loader."""
-        if not self.balance_ranks:
-            return super().get_train_dataloader()
-        from torch.utils.data import DataLoader
-
-        from ..data import EpochLoader, StepBatchSampler  # here: the plugin imports no data pipeline until it trains
-
-        if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        args = self.args
-        dataset = self._remove_unused_columns(self.train_dataset, description="Training")
-        micro, world = args.per_device_train_batch_size, args.world_size
-        plans = EpochLoader(
-            dataset,
-            None,
-            micro,
-            0,
-            world,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-            effective_batch=micro * args.gradient_accumulation_steps * world,
-        )
-        self._plan_sampler = StepBatchSampler(plans)
-        if len(dataset) and "labels" in dataset[0]:
-            from ..data.step_tokens import StepTokenCounts
-
-            self._answer_counts = StepTokenCounts(dataset)
-        loader = DataLoader(
-            dataset,
-            batch_sampler=self._plan_sampler,
-            collate_fn=self.data_collator,
-            num_workers=args.dataloader_num_workers,
-            pin_memory=args.dataloader_pin_memory,
-        )
-        return self.accelerator.prepare(loader)
-
-    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
-        """The step's loss-carrying tokens over all ranks, with no collective on a balanced run.
-
-        With ``average_tokens_across_devices`` on several processes, the Trainer all-gathers each rank's count
-        before every optimizer step: a collective, a host read, and a wait for the slowest rank before the step's
-        compute starts. With ``balance_ranks`` every rank knows every sample of the step
-        (``StepBatchSampler.step_samples``), so the count is summed from the training rows' labels
-        (``StepTokenCounts``: labels other than -100 after the causal shift, the Trainer's rule for a causal LM),
-        as the plain loop does. This rank's count by the Trainer's own rule, on the batches it drew, rides on the
-        step's one all-gather (:meth:`_gather_step`), which stops the run before its optimizer step if the two
-        differ (a collator that rewrites the labels, say). Elsewhere (no plan, rows without labels, a loss that
-        does not shift the labels, one process, averaging off) it is the Trainer's own count.
-        """
-        counts, sampler = self._answer_counts, self._plan_sampler
-        planned = (
-            self.args.average_tokens_across_devices
-            and self.args.world_size > 1
-            and getattr(self, "_loss_shifts_labels", False)  # a causal LM's rule (transformers 5.23)
-            and counts is not None
-            and sampler is not None
-        )
-        if not planned:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        self.args.average_tokens_across_devices = False
-        try:
-            local = super()._get_num_items_in_batch(batch_samples, device)  # this rank's batches, the Trainer's rule
-        finally:
-            self.args.average_tokens_across_devices = True
-        if local is None:  # the Trainer passes no count to this model's loss
-            return None
-        step = self.state.global_step
-        answers = counts.totals(sampler.step_samples(step))[0]
-        self._planned_answers = (step + 1, answers, local)
-        return torch.tensor(float(answers), device=device)  # the gathered int64 sum over 1, as the Trainer returns it
+            self.add_callback(PlanEpochCallback(self))
 
     def _track_num_input_tokens(self, inputs) -> None:
         """Count input tokens on this rank every micro-step; on the synced one, the step's one collective.
@@ -453,47 +369,6 @@ class BucketedTrainer(Trainer):
         self.stopped_by = None
         with self._stop:
             return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """The Trainer's save, keeping ``hub_token`` out of the ``training_args.bin`` it pickles into every checkpoint
-        and the final folder (a secret must not travel with the weights)."""
-        token, self.args.hub_token = self.args.hub_token, None
-        try:
-            super()._save(output_dir, state_dict)
-        finally:
-            self.args.hub_token = token
-
-    def _get_output_dir(self, trial) -> str:
-        return self._staging_dir or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, made atomic: every rank writes into ``<output_dir>/.staging/checkpoint-N``; once
-        all have, rank 0 fsyncs it and renames it into place, then prunes (``save_total_limit``). A save killed
-        half-way leaves only the staging folder, which the next start removes; ``resume_from_checkpoint=True``
-        (the newest ``checkpoint-N``) never picks a partial checkpoint."""
-        from ..checkpoint import STAGING_DIR, publish_folder  # here: ddp_ft.checkpoint imports ddp_ft.data
-
-        run_dir = super()._get_output_dir(trial)
-        staging = Path(run_dir) / STAGING_DIR
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.args.should_save:
-            shutil.rmtree(staging / name, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self._staging_dir = str(staging)
-        try:
-            self.faults.checkpoint_writing(self.state.global_step)
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        if self.args.should_save:
-            self.faults.checkpoint_partly_written(self.state.global_step)
-        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are in the staging folder
-        if self.args.should_save:
-            publish_folder(staging / name, Path(run_dir) / name)
-            if not any(staging.iterdir()):
-                staging.rmdir()
-            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
-        self.accelerator.wait_for_everyone()
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

@@ -1,0 +1,114 @@
+"""``BucketedTrainer``'s data plan: the plain loop's rank-balanced micro-batches, and the step's answer tokens
+counted from them with no collective (``balance_ranks=True``; see ``ddp_ft.data.balance``).
+
+A mixin of :class:`~ddp_ft.integrations.trainer.BucketedTrainer`, which sets the attributes it reads
+(``balance_ranks``, ``_plan_sampler``, ``_answer_counts``, ``_planned_answers``) and checks the planned count in the
+step's one all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import TrainerCallback
+
+if TYPE_CHECKING:
+    from ..data import StepBatchSampler
+
+
+class PlanEpochCallback(TrainerCallback):
+    """Sets the epoch of the balanced plan before each epoch's batches are drawn. ``Trainer`` calls ``set_epoch``
+    too, but not through the loader ``skip_first_batches`` builds on a resume mid-epoch on several ranks (its batch
+    sampler wraps Accelerate's shard, which wraps ours); the epoch is ``global_step // steps_per_epoch``, as the
+    Trainer counts the epochs it resumes past."""
+
+    def __init__(self, trainer: PlannedData) -> None:
+        self._trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = self._trainer._plan_sampler
+        if sampler is not None:
+            sampler.set_epoch(state.global_step // sampler.loader.layout.steps_per_epoch)
+
+
+class PlannedData:
+    """The Trainer's training loader and loss divisor, from the balanced plan when ``balance_ranks`` is on."""
+
+    balance_ranks: bool
+    _plan_sampler: StepBatchSampler | None
+    _answer_counts: object | None
+    _planned_answers: tuple[int, int, torch.Tensor] | None
+
+    def get_train_dataloader(self):
+        """With ``balance_ranks``, a loader over the plain loop's plans (``StepBatchSampler``), prepared by Accelerate:
+        its shard hands rank ``r`` the micro-batches ``EpochLoader(rank=r)`` reads, and the Trainer's
+        ``skip_first_batches`` skips whole steps on a resume. Otherwise the Trainer's own loader."""
+        if not self.balance_ranks:
+            return super().get_train_dataloader()
+        from torch.utils.data import DataLoader
+
+        from ..data import EpochLoader, StepBatchSampler  # here: the plugin imports no data pipeline until it trains
+
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        args = self.args
+        dataset = self._remove_unused_columns(self.train_dataset, description="Training")
+        micro, world = args.per_device_train_batch_size, args.world_size
+        plans = EpochLoader(
+            dataset,
+            None,
+            micro,
+            0,
+            world,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            effective_batch=micro * args.gradient_accumulation_steps * world,
+        )
+        self._plan_sampler = StepBatchSampler(plans)
+        if len(dataset) and "labels" in dataset[0]:
+            from ..data.step_tokens import StepTokenCounts
+
+            self._answer_counts = StepTokenCounts(dataset)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=self._plan_sampler,
+            collate_fn=self.data_collator,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The step's loss-carrying tokens over all ranks, with no collective on a balanced run.
+
+        With ``average_tokens_across_devices`` on several processes, the Trainer all-gathers each rank's count
+        before every optimizer step: a collective, a host read, and a wait for the slowest rank before the step's
+        compute starts. With ``balance_ranks`` every rank knows every sample of the step
+        (``StepBatchSampler.step_samples``), so the count is summed from the training rows' labels
+        (``StepTokenCounts``: labels other than -100 after the causal shift, the Trainer's rule for a causal LM),
+        as the plain loop does. This rank's count by the Trainer's own rule, on the batches it drew, rides on the
+        step's one all-gather (:meth:`_gather_step`), which stops the run before its optimizer step if the two
+        differ (a collator that rewrites the labels, say). Elsewhere (no plan, rows without labels, a loss that
+        does not shift the labels, one process, averaging off) it is the Trainer's own count.
+        """
+        counts, sampler = self._answer_counts, self._plan_sampler
+        planned = (
+            self.args.average_tokens_across_devices
+            and self.args.world_size > 1
+            and getattr(self, "_loss_shifts_labels", False)  # a causal LM's rule (transformers 5.23)
+            and counts is not None
+            and sampler is not None
+        )
+        if not planned:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        self.args.average_tokens_across_devices = False
+        try:
+            local = super()._get_num_items_in_batch(batch_samples, device)  # this rank's batches, the Trainer's rule
+        finally:
+            self.args.average_tokens_across_devices = True
+        if local is None:  # the Trainer passes no count to this model's loss
+            return None
+        step = self.state.global_step
+        answers = counts.totals(sampler.step_samples(step))[0]
+        self._planned_answers = (step + 1, answers, local)
+        return torch.tensor(float(answers), device=device)  # the gathered int64 sum over 1, as the Trainer returns it
