@@ -7,6 +7,7 @@ Each preset is a set of field overrides; anything given on the command line wins
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from .data import DataSettings
@@ -143,22 +144,30 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per dataclass field (``--micro-batch`` and ``--micro_batch``), documented from its help."""
+def build_parser(parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """One flag per dataclass field (``--micro-batch`` and ``--micro_batch``), documented from its help; an entry
+    point's own flags come in through ``parents`` (built with ``add_help=False``), so ``--help`` lists them too."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(list(SECTIONS.values()), description="QLoRA fine-tuning with BucketedDDP.")
+    parser = HfArgumentParser(
+        list(SECTIONS.values()), description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
+    )
     parser.add_argument("--preset", default="", help=f"Named settings to start from: {', '.join(PRESETS)}.")
     return parser
 
 
-def parse_settings(argv: list[str] | None = None) -> RunSettings:
+def parse_settings(argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = ()) -> RunSettings:
     """Command line -> RunSettings: the preset's values first, explicit flags over them.
+
+    Args:
+        argv (list[str] | None): the command line. Default: ``sys.argv[1:]``
+        parents (Sequence[argparse.ArgumentParser]): an entry point's own flags (see :func:`build_parser`); their
+            values are not part of RunSettings.
 
     Raises:
         SystemExit: (argparse) for an unknown preset or flag, with the known choices.
     """
-    parser = build_parser()
+    parser = build_parser(parents)
     pre, _ = parser.parse_known_args(argv)
     if pre.preset:
         if pre.preset not in PRESETS:

@@ -41,13 +41,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None) -> None:
     own = argparse.ArgumentParser(add_help=False)  # the recipe's one flag; the rest are scripts/train.py's
-    own.add_argument("--trainer", choices=TRAINERS, default="hf")
+    own.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="hf",
+        help="hf: BucketedTrainer (transformers' Trainer); trl: BucketedSFTTrainer (TRL's SFTTrainer, the "
+        "ddp_ft[trl] extra). Default: hf",
+    )
     entry, argv = own.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     chosen = None
     if "--preset" not in argv:
         chosen = "qwen3-4b-ami" if torch.cuda.is_available() else "tiny"
         argv = ["--preset", chosen, *argv]
-    settings = parse_settings(argv)
+    settings = parse_settings(argv, parents=[own])  # --help lists --trainer too
     info: DistInfo = init_distributed(timeout_s=settings.ddp.ddp_timeout)
     setup_logging(info)
     why = "CUDA available" if torch.cuda.is_available() else "no CUDA: the embedded tiny default"

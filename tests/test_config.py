@@ -104,3 +104,17 @@ def test_model_splitting_device_map_is_refused_under_ddp_with_the_fix(device_map
         check_device_map(device_map, world_size=2)
     check_device_map({"": 0}, world_size=2)
     check_device_map("auto", world_size=1)  # a single process may shard over its GPUs
+
+
+def test_the_recipes_help_lists_its_own_trainer_flag_with_the_shared_settings():
+    """`recipes/qwen_ami.py --help` documents `--trainer` (parsed by the recipe itself) beside every shared setting;
+    it did not before the recipe passed its parser in."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen_ami.py"
+    run = subprocess.run([sys.executable, str(recipe), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "--trainer {hf,trl}" in run.stdout and "BucketedSFTTrainer" in run.stdout, run.stdout[:500]
+    assert "--micro_batch" in run.stdout and "--preset" in run.stdout
