@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from .dist_harness import run_distributed
-from .trl_runs import CASES, Case, Run, sft_config, train
+from .trl_runs import CASES, Case, Run, train
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.distributed
 # (lora_B; lora_A 3.9e-3, one bf16 rounding of its largest entry): each rank sums its micro-steps' gradients in bf16
 # before the all-reduce averages them, one process sums all of them, and the roundings differ.
 ONE_PROCESS_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
-BALANCED = CASES[0]  # prompt-completion, packing off, 4-bit: rows whose labels mask the prompt
+# Trained also with the default, balance_ranks=True: rows whose labels mask the prompt, padded and packed (4-bit).
+BALANCED = CASES[:2]
 LOSS_RTOL = 1e-6  # the logged loss, ours vs stock (ours: a float64 mean of the ranks' losses, the Trainer's float32)
 # The logged loss and grad norm, 1 vs 2 processes, by adapter dtype (measured: 3.3e-8 and 8.9e-8 in float32; in
 # bfloat16 the loss of the second step within 1.7e-6, after the first step's bf16 roundings, the grad norm equal).
@@ -53,9 +54,9 @@ def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str
     _record_collectives(log)
     results = {}
     for case in CASES:
-        runs = {"ours": train(BucketedSFTTrainer, paths, case, world_size, log)}
-        if case == BALANCED:
-            runs["balanced"] = train(BucketedSFTTrainer, paths, case, world_size, log, balance_ranks=True)
+        runs = {"ours": train(BucketedSFTTrainer, paths, case, world_size, log, balance_ranks=False)}
+        if case in BALANCED:
+            runs["balanced"] = train(BucketedSFTTrainer, paths, case, world_size, log)  # the default
         if world_size > 1:
             runs["stock"] = train(SFTTrainer, paths, case, world_size, log)
         results[case.name] = runs
@@ -140,25 +141,17 @@ def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
     _assert_agree(two[0][case.name]["ours"], one[case.name]["ours"], case.name)
 
 
-def test_balanced_ranks_train_as_one_process_on_the_same_plan(runs):
-    """With ``balance_ranks`` (packing off; TRL's rows carry labels that mask the prompt) each step's rows are split
-    over ranks and micro-batches by the plain loop's plan, the same steps on any world size: two processes agree with
-    one as the unbalanced runs do, both ranks' adapters are equal, and the loss's divisor summed from the plan matched
-    the ranks' batches at every step (``BucketedTrainer`` stops the run otherwise)."""
+@pytest.mark.parametrize("case", BALANCED, ids=lambda c: c.name)
+def test_balanced_ranks_train_as_one_process_on_the_same_plan(runs, case: Case):
+    """With ``balance_ranks`` (the default) each step's rows are split over ranks and micro-batches by the plain
+    loop's plan, the same steps on any world size, padded or packed: two processes agree with one as the stock-order
+    runs do, both ranks' adapters are equal, and the loss's divisor, summed from each row as TRL's collator makes its
+    labels (the first token of each packed sequence masked), matched the ranks' batches at every step
+    (``BucketedTrainer`` stops the run otherwise)."""
     two, one = runs
-    _assert_agree(two[0][BALANCED.name]["balanced"], one[BALANCED.name]["balanced"], BALANCED.name)
-    for name, weight in two[0][BALANCED.name]["balanced"].adapters.items():
-        assert_close(weight, two[1][BALANCED.name]["balanced"].adapters[name], rtol=0, atol=0, msg=name)
-
-
-def test_balance_ranks_with_packing_is_refused_naming_both(tmp_path):
-    """A packed row holds several samples: nothing to balance, and its answer tokens are only known after the
-    collator. Refused before anything loads, naming the two settings."""
-    from ddp_ft.integrations import BucketedSFTTrainer
-
-    args = sft_config(str(tmp_path), Case("messages", True, "peft_config", False), world_size=1, ddp_backend=None)
-    with pytest.raises(ValueError, match=r"balance_ranks=True with SFTConfig\(packing=True\)"):
-        BucketedSFTTrainer(model="never loaded", args=args, balance_ranks=True)
+    _assert_agree(two[0][case.name]["balanced"], one[case.name]["balanced"], case.name)
+    for name, weight in two[0][case.name]["balanced"].adapters.items():
+        assert_close(weight, two[1][case.name]["balanced"].adapters[name], rtol=0, atol=0, msg=name)
 
 
 def test_the_recipe_refuses_an_unknown_trainer_naming_the_choices(tmp_path):

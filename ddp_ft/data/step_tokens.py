@@ -27,11 +27,15 @@ class StepTokenCounts:
     ``answer_tokens`` counts a right-padded batch). Input tokens: ``len(input_ids)`` (no padding).
 
     Args:
-        dataset: a tokenized dataset whose rows have ``input_ids`` and ``labels``.
+        dataset: a tokenized dataset whose rows have ``input_ids`` and, unless ``answers`` is given, ``labels``.
+        answers (list[int] | None): each row's answer tokens, counted by the caller (e.g. on the row as a collator
+            turns it into a batch, for a collator that sets the labels itself). Default: from the rows' labels.
     """
 
-    def __init__(self, dataset) -> None:
-        self._answers = [sum(label != IGNORE_INDEX for label in row["labels"][1:]) for row in dataset]
+    def __init__(self, dataset, answers: list[int] | None = None) -> None:
+        if answers is None:
+            answers = [sum(label != IGNORE_INDEX for label in row["labels"][1:]) for row in dataset]
+        self._answers = answers
         self._inputs = [len(row["input_ids"]) for row in dataset]
 
     def totals(self, indices: list[int]) -> tuple[int, int]:

@@ -65,10 +65,7 @@ class PlannedData:
             effective_batch=micro * args.gradient_accumulation_steps * world,
         )
         self._plan_sampler = StepBatchSampler(plans)
-        if len(dataset) and "labels" in dataset[0]:
-            from ..data.step_tokens import StepTokenCounts
-
-            self._answer_counts = StepTokenCounts(dataset)
+        self._answer_counts = self._planned_token_counts(dataset)
         loader = DataLoader(
             dataset,
             batch_sampler=self._plan_sampler,
@@ -77,6 +74,15 @@ class PlannedData:
             pin_memory=args.dataloader_pin_memory,
         )
         return self.accelerator.prepare(loader)
+
+    def _planned_token_counts(self, dataset):
+        """Each training row's answer tokens, for the loss divisor summed from the plan: from the rows' labels
+        (``StepTokenCounts``), None when the rows have none (the Trainer then counts, with its all-gather)."""
+        if not (len(dataset) and "labels" in dataset[0]):
+            return None
+        from ..data.step_tokens import StepTokenCounts
+
+        return StepTokenCounts(dataset)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
         """The step's loss-carrying tokens over all ranks, with no collective on a balanced run.

@@ -18,6 +18,7 @@ import logging
 from contextlib import contextmanager
 
 import torch
+from torch.utils.data import IterableDataset
 from trl import SFTConfig, SFTTrainer
 
 from .accelerate import BucketedAccelerator
@@ -65,27 +66,39 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
     Args:
         *args: passed to ``SFTTrainer``.
         balance_ranks (bool): split each optimizer step's rows over ranks and micro-batches by the plain loop's
-            balanced plan (see ``BucketedTrainer``), which needs one row per sample: refused with
-            ``SFTConfig(packing=True)``. Default: False
+            balanced plan (see ``BucketedTrainer``): the ranks wait less for each other on rows of mixed lengths, and
+            every rank knows every row of the step, so the loss's divisor (the step's answer tokens) is summed from
+            each row as TRL's collator makes it, with no collective; packed rows too. False: stock ``SFTTrainer``'s
+            sample order (adapters bitwise those of stock with torch DDP), and the Trainer's count all-gather before
+            every step. An iterable dataset (no plan possible) trains with the stock order. Default: True
         **kwargs: passed to ``BucketedTrainer`` and ``SFTTrainer``.
-
-    Raises:
-        ValueError: ``balance_ranks=True`` with ``packing=True``.
     """
 
     accelerator_class = _MetricsAccelerator
 
-    def __init__(self, *args, balance_ranks: bool = False, **kwargs) -> None:
-        sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if balance_ranks and getattr(sft_args, "packing", False):
-            raise ValueError(
-                "BucketedSFTTrainer: balance_ranks=True with SFTConfig(packing=True). A packed row holds several "
-                "samples cut to max_length, so there are no per-sample lengths to balance and its loss-carrying "
-                "tokens are only known after the collator; use balance_ranks=False with packing, or packing=False."
-            )
+    def __init__(self, *args, balance_ranks: bool = True, **kwargs) -> None:
         self._micro_metrics: list[torch.Tensor] = []  # this rank's _METRICS of each micro-step since the last gather
         self._metric_dtypes: list[torch.dtype] = []
         super().__init__(*args, balance_ranks=balance_ranks, **kwargs)
+
+    def get_train_dataloader(self):
+        if self.balance_ranks and isinstance(self.train_dataset, IterableDataset):
+            logger.info("BucketedSFTTrainer: an iterable train_dataset has no plan; training in its own order")
+            self.balance_ranks = False
+        return super().get_train_dataloader()
+
+    def _planned_token_counts(self, dataset):
+        """Each row's answer tokens as TRL's collator makes its labels (it may set them: the first token of each
+        packed or flattened sequence is masked), counted by the Trainer's rule (after the causal shift). A collator
+        whose labels depend on how rows share a batch would differ from the ranks' batches, and the step's check in
+        the gather stops the run, naming ``balance_ranks=False``."""
+        from ..data.step_tokens import StepTokenCounts  # here: the plugin imports no data pipeline until it trains
+
+        answers = []
+        for row in dataset:
+            labels = self.data_collator([row])["labels"]
+            answers.append(int((labels[..., 1:] != -100).sum()))
+        return StepTokenCounts(dataset, answers=answers)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss; on a multi-process training micro-step, its metrics are kept on this rank for the step's
