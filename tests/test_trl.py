@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from .dist_harness import run_distributed
-from .trl_runs import CASES, Case, Run, train
+from .trl_runs import CASES, Case, Run, sft_config, train
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -164,3 +164,18 @@ def test_the_recipe_refuses_an_unknown_trainer_naming_the_choices(tmp_path):
     settings = settings_from_preset("tiny", output_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"--trainer 'sft': choose one of hf, trl"):
         build_trainer(settings, DistInfo(), "sft")
+
+
+def test_balance_ranks_with_an_iterable_dataset_is_refused_and_unset_trains_in_its_own_order(tmp_path):
+    """An iterable dataset has no plan: an explicit balance_ranks=True is refused before the model loads, naming the
+    setting (it was dropped with an info log); left unset, the trainer takes the stock order."""
+    from datasets import Dataset
+
+    from ddp_ft.integrations import BucketedSFTTrainer
+
+    iterable = Dataset.from_list([{"prompt": "a", "completion": " b"}]).to_iterable_dataset()
+    args = sft_config(str(tmp_path), CASES[0], world_size=1, ddp_backend=None)
+    with pytest.raises(ValueError, match=r"balance_ranks=True with an iterable train_dataset"):
+        BucketedSFTTrainer(model="never loaded", args=args, train_dataset=iterable, balance_ranks=True)
+    with pytest.raises(OSError):  # past the check: TRL goes on to load the model named here
+        BucketedSFTTrainer(model="never/loaded", args=args, train_dataset=iterable)

@@ -70,22 +70,26 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
             every rank knows every row of the step, so the loss's divisor (the step's answer tokens) is summed from
             each row as TRL's collator makes it, with no collective; packed rows too. False: stock ``SFTTrainer``'s
             sample order (adapters bitwise those of stock with torch DDP), and the Trainer's count all-gather before
-            every step. An iterable dataset (no plan possible) trains with the stock order. Default: True
+            every step. Default: None, True unless ``train_dataset`` is iterable (it has no plan: its own order).
         **kwargs: passed to ``BucketedTrainer`` and ``SFTTrainer``.
+
+    Raises:
+        ValueError: ``balance_ranks=True`` with an iterable ``train_dataset``, before the model loads.
     """
 
     accelerator_class = _MetricsAccelerator
 
-    def __init__(self, *args, balance_ranks: bool = True, **kwargs) -> None:
+    def __init__(self, *args, balance_ranks: bool | None = None, **kwargs) -> None:
+        dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        iterable = isinstance(dataset, IterableDataset) or (dataset is not None and not hasattr(dataset, "__len__"))
+        if balance_ranks and iterable:
+            raise ValueError(
+                "BucketedSFTTrainer: balance_ranks=True with an iterable train_dataset: the balanced plan needs every "
+                "row of the epoch up front. Pass a map-style dataset, or balance_ranks=False (or leave it unset)."
+            )
         self._micro_metrics: list[torch.Tensor] = []  # this rank's _METRICS of each micro-step since the last gather
         self._metric_dtypes: list[torch.dtype] = []
-        super().__init__(*args, balance_ranks=balance_ranks, **kwargs)
-
-    def get_train_dataloader(self):
-        if self.balance_ranks and isinstance(self.train_dataset, IterableDataset):
-            logger.info("BucketedSFTTrainer: an iterable train_dataset has no plan; training in its own order")
-            self.balance_ranks = False
-        return super().get_train_dataloader()
+        super().__init__(*args, balance_ranks=not iterable if balance_ranks is None else balance_ranks, **kwargs)
 
     def _planned_token_counts(self, dataset):
         """Each row's answer tokens as TRL's collator makes its labels (it may set them: the first token of each
