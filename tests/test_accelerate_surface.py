@@ -18,15 +18,9 @@ from ddp_ft.ddp import BucketedDDP
 
 from .dist_harness import gather_tensors, run_distributed
 from .models import Net, local_slice, make_batch
+from .test_plugin_wrapping import _as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
-
-
-def _as_accelerate_rank(rank: int, world_size: int) -> None:
-    """What `accelerate launch` exports, so Accelerate sees the launch (MULTI_CPU with cpu=True)."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
-    )
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ once with what it costs. Real gloo processes where communication is involved.
 
 import logging
 import weakref
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from ddp_ft.ddp.placement import model_device, shared_device
 
 from .dist_harness import gather_tensors, run_distributed
 from .models import Net, local_slice, make_batch
+from .test_plugin_wrapping import _as_accelerate_rank
 
 # ---------------------------------------------------------------- placement
 
@@ -67,9 +69,15 @@ def test_two_ranks_on_one_gpu_of_one_host_are_found_and_cpu_ranks_are_not():
 
 
 class _Records(logging.Handler):
+    """ddp_ft's warnings from now on, in place of whatever handler an earlier run in this process left."""
+
     def __init__(self):
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
+        library = logging.getLogger("ddp_ft")
+        for handler in list(library.handlers):
+            library.removeHandler(handler)
+        library.addHandler(self)
 
     def emit(self, record):
         self.messages.append(record.getMessage())
@@ -77,9 +85,6 @@ class _Records(logging.Handler):
 
 def _loop(rank, world_size, mistake):
     records = _Records()
-    for handler in list(logging.getLogger("ddp_ft").handlers):  # the previous loop's
-        logging.getLogger("ddp_ft").removeHandler(handler)
-    logging.getLogger("ddp_ft").addHandler(records)
     torch.manual_seed(0)
     model = BucketedDDP(Net(), find_unused_parameters=mistake == "find_unused")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -90,9 +95,9 @@ def _loop(rank, world_size, mistake):
         x, y = make_batch(step)
         try:
             for micro in range(2):  # accumulation 2
-                quiet = model.no_sync() if micro == 0 or mistake == "never_synced" else _Nothing()
+                quiet = model.no_sync() if micro == 0 or mistake == "never_synced" else nullcontext()
                 if mistake == "no_no_sync":
-                    quiet = _Nothing()
+                    quiet = nullcontext()
                 with quiet:
                     half = slice(local.start + micro * 2, local.start + micro * 2 + 2)
                     nn.functional.mse_loss(model(x[half]), y[half]).backward()
@@ -105,14 +110,6 @@ def _loop(rank, world_size, mistake):
     copies = gather_tensors(list(model.parameters()))
     same = all(torch.equal(a, b) for a, b in zip(copies[0], copies[1], strict=True))
     return records.messages, error, unchanged, same, len(model.bucket_sizes)
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _loops(rank, world_size, mistakes):
@@ -174,9 +171,7 @@ def _lora_qwen3(reentrant: bool, input_grads: bool):
 
 
 def _prepare_checkpointed(rank, world_size):
-    import os
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="2")
+    _as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedAccelerator
 
     accelerator = BucketedAccelerator(cpu=True)
@@ -225,9 +220,6 @@ def _epochs(rank, world_size, set_epoch, delay_s):
     from torch.utils.data import DataLoader, DistributedSampler
 
     records = _Records()
-    for handler in list(logging.getLogger("ddp_ft").handlers):  # the previous run's
-        logging.getLogger("ddp_ft").removeHandler(handler)
-    logging.getLogger("ddp_ft").addHandler(records)
     torch.manual_seed(0)
     model = BucketedDDP(Net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

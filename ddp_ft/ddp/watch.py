@@ -60,9 +60,8 @@ class StepWatch:
         self._warned: set[str] = set()
         self._samplers: list[tuple[weakref.ref, int, int]] | None = None  # (sampler, epoch, samples since) per one
         self._loaders: list[weakref.ref] = []
-        self._step_ended: float | None = None  # perf_counter() at the last watched step's end, until a forward reads it
-        self._gap_ms: float | None = None  # from there to the next training forward
-        self._interval_start = 0.0  # the same, kept: the start of the interval up to the next step's end
+        self._interval_start: float | None = None  # perf_counter() at the last watched step's end
+        self._gap_ms: float | None = None  # from there to the next training forward (None until that forward)
         self._shares: list[float] = []
         owner = weakref.ref(self)
         handles = (
@@ -76,8 +75,8 @@ class StepWatch:
 
     def on_forward(self, inputs: tuple, kwargs: dict) -> None:
         """A training forward (grad enabled) starts: close the host gap after the last step, count its samples."""
-        if self._step_ended is not None:
-            self._gap_ms, self._step_ended = (time.perf_counter() - self._step_ended) * 1e3, None
+        if self._gap_ms is None and self._interval_start is not None:
+            self._gap_ms = (time.perf_counter() - self._interval_start) * 1e3
         if self._samplers:
             batch = next((t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim()), None)
             if batch is not None:
@@ -100,7 +99,7 @@ class StepWatch:
         except Exception:
             logger.debug("BucketedDDP: the data-side checks stopped", exc_info=True)
             self._samplers, self._shares = [], []
-        self._step_ended, self._interval_start, self._gap_ms = now, now, None
+        self._interval_start, self._gap_ms = now, None
 
     def _find_loaders(self) -> None:
         """Once: the shuffling DistributedSamplers and the DataLoaders alive in this process (held weakly)."""
