@@ -1,0 +1,97 @@
+"""The DDP ladder's rungs against one process on the global batch, with 2 real processes (gloo).
+
+Every rung averages gradients correctly when backward produces them in the same order on every rank; when the order
+differs across ranks (a data-dependent route, as in a mixture of experts), the rungs that pair gradients by the order
+their hooks fire (per-parameter hooks and buckets filled in hook-firing order) average the wrong parameters together,
+silently, and BucketedDDP (and torch DDP) still give the reference.
+"""
+
+import copy
+
+import torch
+from torch import nn
+
+from ddp_ft.ladder.rungs import RUNGS, accumulate, build_rung
+from ddp_ft.ladder.timeline import Timeline
+from tests.dist_harness import run_distributed
+
+HOOK_ORDER_RUNGS = {"hooks_blocking", "hooks_async", "hook_order_buckets"}
+CAPS = {"bucket_cap_mb": 1100 / 2**20, "first_bucket_cap_mb": 1100 / 2**20}  # about one 16x16 weight per bucket
+
+
+class Routed(nn.Module):
+    """Two same-shaped layers applied in an order the batch decides: backward produces ``a``'s and ``b``'s gradients
+    in that order's reverse, so two ranks with different routes produce them in different orders."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, a_first: bool) -> torch.Tensor:
+        first, second = (self.a, self.b) if a_first else (self.b, self.a)
+        return self.head(torch.tanh(second(torch.tanh(first(x)))))
+
+
+def _loss(model, batch) -> torch.Tensor:
+    x, a_first = batch
+    return model(x, a_first).pow(2).mean()
+
+
+def _batches(rank: int, routed_by_rank: bool, steps: int = 2, accumulation: int = 2) -> list[list[tuple]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    a_first = rank == 0 if routed_by_rank else True
+    return [[(torch.randn(4, 16, generator=g), a_first) for _ in range(accumulation)] for _ in range(steps)]
+
+
+def _reference_grads(model: nn.Module, world_size: int, routed_by_rank: bool) -> list[list[torch.Tensor]]:
+    """One process on the global batch: every rank's micro-batches, each loss divided by their total count."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    per_rank = [_batches(r, routed_by_rank) for r in range(world_size)]
+    grads = []
+    for step in range(len(per_rank[0])):
+        micro = [batch for rank in per_rank for batch in rank[step]]
+        for batch in micro:
+            (_loss(model, batch) / len(micro)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads
+
+
+def _max_error_per_rung(rank: int, world_size: int, routed_by_rank: bool) -> dict[str, float]:
+    torch.manual_seed(0)
+    base = Routed()
+    expected = _reference_grads(copy.deepcopy(base), world_size, routed_by_rank)
+    errors = {}
+    for name in RUNGS:
+        model = build_rung(name, copy.deepcopy(base), Timeline(), **CAPS)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        error = 0.0
+        for step, micro in enumerate(_batches(rank, routed_by_rank)):
+            accumulate(model, micro, _loss)
+            got = [p.grad for p in model.module.parameters()]
+            error = max(error, *((g - e).abs().max().item() for g, e in zip(got, expected[step], strict=True)))
+            optimizer.step()
+            optimizer.zero_grad()
+        errors[name] = error
+    return errors
+
+
+def _both_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    return {
+        "same_order": _max_error_per_rung(rank, world_size, routed_by_rank=False),
+        "rank_dependent_order": _max_error_per_rung(rank, world_size, routed_by_rank=True),
+    }
+
+
+def test_rungs_match_the_global_batch_unless_they_pair_gradients_by_hook_firing_order():
+    results = run_distributed(_both_cases, world_size=2)
+    for rank, result in enumerate(results):
+        same, routed = result["same_order"], result["rank_dependent_order"]
+        for name in RUNGS:
+            assert same[name] < 1e-6, f"rank {rank}: {name} differs from the global batch by {same[name]}"
+        for name in RUNGS:
+            if name in HOOK_ORDER_RUNGS:
+                assert routed[name] > 1e-3, f"rank {rank}: {name} matched although the hook order differs"
+            else:
+                assert routed[name] < 1e-6, f"rank {rank}: {name} differs from the global batch by {routed[name]}"
