@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench bench-e2e gpu-check bench-gpu train-reference
+.PHONY: install test lint demo bench bench-e2e ladder gpu-check bench-gpu train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ demo: install
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_ddp.py --out bench_results/bench_ddp.json
+
+# The DDP ladder: seven ways to average gradients, from a per-parameter all-reduce after backward to BucketedDDP, each
+# step split into compute / non-compute / idle / overlap, on tiny Qwen3 QLoRA and full fine-tuning (table, JSON, PNG).
+ladder: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/ladder.py --out bench_results/ladder.json
 
 # End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
 # alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).

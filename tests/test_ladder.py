@@ -7,13 +7,21 @@ silently, and BucketedDDP (and torch DDP) still give the reference.
 """
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from ddp_ft.ladder.rungs import RUNGS, accumulate, build_rung
 from ddp_ft.ladder.timeline import Timeline
-from tests.dist_harness import run_distributed
+from tests.dist_harness import PYTHONPATH, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HOOK_ORDER_RUNGS = {"hooks_blocking", "hooks_async", "hook_order_buckets"}
 CAPS = {"bucket_cap_mb": 1100 / 2**20, "first_bucket_cap_mb": 1100 / 2**20}  # about one 16x16 weight per bucket
@@ -95,3 +103,45 @@ def test_rungs_match_the_global_batch_unless_they_pair_gradients_by_hook_firing_
                 assert routed[name] > 1e-3, f"rank {rank}: {name} matched although the hook order differs"
             else:
                 assert routed[name] < 1e-6, f"rank {rank}: {name} differs from the global batch by {routed[name]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_each_sends(tmp_path):
+    out = tmp_path / "ladder.json"
+    command = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "scripts" / "ladder.py"),
+        *("--repeats", "2", "--steps", "1", "--seq-len", "16", "--micro-batch", "1", "--vocab-size", "512"),
+        *("--out", str(out)),
+    ]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
+    assert "| BucketedDDP (ddp_ft) |" in run.stdout and "| torch DDP |" in run.stdout
+    result = json.loads(out.read_text())
+    assert set(result["workloads"]) == {"qlora", "full"}
+    for workload, found in result["workloads"].items():
+        rows, gradient_bytes = found["rungs"], found["trainable_mib"] * 2**20
+        assert list(rows) == list(RUNGS), workload
+        assert max(found["max_parameter_difference_after_warmup"].values()) < 1e-5, workload
+        # per optimizer step of 2 micro-steps: the first rung reduces every gradient twice, the others once
+        assert rows["after_backward"]["allreduce_bytes"] == pytest.approx(2 * gradient_bytes)
+        assert rows["after_backward"]["allreduce_calls"] == 2 * rows["accumulate"]["allreduce_calls"]
+        for name in RUNGS:
+            if name != "after_backward":
+                assert rows[name]["allreduce_bytes"] == pytest.approx(gradient_bytes), (workload, name)
+        # one all-reduce per tensor without buckets, one per bucket with them
+        tensors = rows["accumulate"]["allreduce_calls"]
+        assert rows["hooks_blocking"]["allreduce_calls"] == rows["hooks_async"]["allreduce_calls"] == tensors
+        assert rows["bucketed_ddp"]["allreduce_calls"] < tensors
+        for name, row in rows.items():
+            split = row["compute_pct"] + row["non_compute_pct"] + row["idle_pct"]
+            assert split == pytest.approx(100.0, abs=1.0), (workload, name, split)
+            assert row["tokens_per_s"] > 0 and len(row["tokens_per_s_all_repeats"]) == 2
+        # the blocking rungs cannot compute while they communicate; async hooks can
+        assert rows["accumulate"]["overlap_pct"] < 5.0
+    assert out.with_suffix(".md").read_text().count("| rung |") == 2
+    assert out.with_suffix(".png").stat().st_size > 10_000

@@ -193,14 +193,17 @@ def profiled_intervals(events) -> tuple[list[Interval], list[Interval]]:
 
 
 def summarize(steps: list[StepBreakdown]) -> dict[str, float | None]:
-    """Median of each column over steps; the overlap over the steps that communicated."""
-    overlaps = [s.overlap for s in steps if s.overlap is not None]
+    """The columns over many steps: shares of time (compute, non-compute, idle, overlap) from the totals, as a trace
+    of all the steps would give them (they add up to 100); per-step quantities (calls, ms, bytes) as medians."""
+    total = sum(s.step_ms for s in steps)
+    comm = sum(s.comm_ms for s in steps)
+    hidden = sum(s.comm_ms * s.overlap for s in steps if s.overlap is not None)
     return {
         "step_ms": statistics.median(s.step_ms for s in steps),
-        "compute_pct": statistics.median(s.percent("compute") for s in steps),
-        "non_compute_pct": statistics.median(s.percent("non_compute") for s in steps),
-        "idle_pct": statistics.median(s.percent("idle") for s in steps),
-        "overlap_pct": 100.0 * statistics.median(overlaps) if overlaps else None,
+        "compute_pct": 100.0 * sum(s.compute_ms for s in steps) / total,
+        "non_compute_pct": 100.0 * sum(s.exposed_ms for s in steps) / total,
+        "idle_pct": 100.0 * sum(s.idle_ms for s in steps) / total,
+        "overlap_pct": 100.0 * hidden / comm if comm > 0 else None,
         "allreduce_calls": statistics.median(s.calls for s in steps),
         "allreduce_ms": statistics.median(s.comm_ms for s in steps),
         "exposed_ms": statistics.median(s.exposed_ms for s in steps),

@@ -1,0 +1,164 @@
+"""Measuring rungs: the two workloads, the interleaved repeats, and each step's breakdown on CPU or CUDA.
+
+The ladder (``scripts/ladder.py``) and the bucket sweep (``scripts/bucket_sweep.py``) both build a set of wrapped
+models from one workload, warm them up, check they trained alike, then measure them interleaved: every repeat runs
+each model for a few optimizer steps, in an order that rotates, so drift on the machine hits them all alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..bench import ComputeSetup, synchronize
+from ..model import LoraSettings, ModelSettings, load_qlora_model
+from .rungs import Rung, accumulate
+from .timeline import StepBreakdown, Timeline, profiled_intervals, summarize
+
+WORKLOADS = {
+    "qlora": "tiny Qwen3, 4-bit NF4 base + LoRA: only the adapters' gradients travel (the product's workload)",
+    "full": "tiny Qwen3, every weight trainable, no quantisation: the reference's setting, communication-heavy",
+}
+
+
+def load_workload(name: str, model_dir: str, setup: ComputeSetup) -> nn.Module:
+    """A fresh copy of workload ``name``'s model on this rank's device, in training mode, LoRA seeded alike."""
+    torch.manual_seed(0)
+    if name == "qlora":
+        settings = ModelSettings(model_name_or_path=model_dir, compute_dtype=setup.precision.name)
+        # No LoRA dropout: every model then computes the same gradients from the same batches (checked after warm-up).
+        model = load_qlora_model(settings, LoraSettings(lora_dropout=0.0), setup.device_map, setup.info.world_size)
+        return model.train()
+    if name == "full":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(setup.info.device)
+        model.config.use_cache = False
+        return model.train()
+    raise ValueError(f"workload={name!r}: choose one of {', '.join(WORKLOADS)}.")
+
+
+def token_batches(setup: ComputeSetup, vocab_size: int, seq_len: int, micro_batch: int, count: int = 8):
+    """``count`` micro-batches of random token ids, different on each rank (as a DistributedSampler's shards are)."""
+    g = torch.Generator().manual_seed(1000 + setup.info.rank)
+    return [
+        torch.randint(0, vocab_size, (micro_batch, seq_len), generator=g).to(setup.info.device) for _ in range(count)
+    ]
+
+
+@dataclass
+class Trainee:
+    """One wrapped model under measurement, with its optimizer and the breakdown of every measured step."""
+
+    name: str
+    model: Rung
+    timeline: Timeline
+    optimizer: torch.optim.Optimizer
+    steps: list[StepBreakdown]
+    seconds: list[float]  # wall time of each measured block of steps, slowest rank
+
+    @classmethod
+    def of(cls, name: str, model: Rung, timeline: Timeline) -> Trainee:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        return cls(name, model, timeline, optimizer, [], [])
+
+
+class Stepper:
+    """Runs optimizer steps of a :class:`Trainee` on fixed batches: the one loop that drives every rung."""
+
+    def __init__(self, setup: ComputeSetup, batches: list[torch.Tensor], accumulation: int) -> None:
+        self.setup, self.batches, self.accumulation = setup, batches, accumulation
+        self.cursor = 0
+
+    def loss_of(self, model: Rung, ids: torch.Tensor) -> torch.Tensor:
+        with self.setup.precision.autocast_context():
+            return model(input_ids=ids, labels=ids).loss
+
+    def step(self, trainee: Trainee) -> None:
+        micro = [self.batches[(self.cursor + i) % len(self.batches)] for i in range(self.accumulation)]
+        self.cursor += self.accumulation
+        accumulate(trainee.model, micro, self.loss_of)
+        trainee.optimizer.step()
+        trainee.optimizer.zero_grad(set_to_none=True)
+
+    def measure(self, trainee: Trainee, steps: int) -> None:
+        """``steps`` timed optimizer steps, each split by the timeline (CPU) or the profiler's device trace (CUDA)."""
+        device = self.setup.info.device
+        synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        if device.type == "cuda":
+            trainee.steps += self._profiled(trainee, steps)
+        else:
+            for _ in range(steps):
+                trainee.timeline.step()
+                self.step(trainee)
+                trainee.steps.append(trainee.timeline.close())
+        synchronize(device)
+        elapsed = torch.tensor(time.perf_counter() - start, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        trainee.seconds.append(elapsed.item())
+
+    def _profiled(self, trainee: Trainee, steps: int) -> list[StepBreakdown]:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        counts = []
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                trainee.timeline.step()
+                with record_function("ladder_step"):
+                    self.step(trainee)
+                    synchronize(self.setup.info.device)
+                counts.append((trainee.timeline.calls, trainee.timeline.nbytes))
+        events = prof.events()
+        compute, comm = profiled_intervals(events)
+        windows = sorted((e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events if e.name == "ladder_step")
+        return [
+            StepBreakdown.from_device(window, compute, comm, calls, nbytes)
+            for window, (calls, nbytes) in zip(windows, counts, strict=True)
+        ]
+
+
+def interleave(stepper: Stepper, trainees: list[Trainee], repeats: int, steps: int, progress: Callable) -> None:
+    """``repeats`` rounds; each round measures every trainee for ``steps`` steps, the order rotating by one."""
+    for repeat in range(repeats):
+        shift = repeat % len(trainees)
+        for trainee in trainees[shift:] + trainees[:shift]:
+            stepper.measure(trainee, steps)
+        progress(repeat + 1)
+
+
+def max_parameter_difference(trainees: list[Trainee], reference: str) -> dict[str, float]:
+    """Largest absolute difference of each trainee's trainable parameters from ``reference``'s, after warm-up."""
+    ref = next(t for t in trainees if t.name == reference)
+    ref_params = [p for p in ref.model.parameters() if p.requires_grad]
+    out = {}
+    for trainee in trainees:
+        params = [p for p in trainee.model.parameters() if p.requires_grad]
+        out[trainee.name] = max((a - b).abs().max().item() for a, b in zip(params, ref_params, strict=True))
+    return out
+
+
+def gathered_rows(trainees: list[Trainee], tokens_per_step: int) -> dict[str, dict]:
+    """Every rank's step breakdowns gathered, summarised per trainee: the medians over both ranks' steps, and
+    tokens/s per repeat (all ranks' tokens over the slowest rank's time) with median, min and max."""
+    mine = {t.name: t.steps for t in trainees}
+    every: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    rows = {}
+    for trainee in trainees:
+        steps = [s for rank in every for s in rank[trainee.name]]
+        per_repeat = len(trainee.steps) // max(1, len(trainee.seconds))
+        rates = [tokens_per_step * per_repeat / s for s in trainee.seconds]
+        rows[trainee.name] = summarize(steps) | {
+            "tokens_per_s": statistics.median(rates),
+            "tokens_per_s_range": [min(rates), max(rates)],
+            "tokens_per_s_all_repeats": rates,
+        }
+    return rows

@@ -1,0 +1,80 @@
+"""The ladder's and the bucket sweep's output: markdown tables and PNG charts from their JSON rows."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+from .rungs import RUNGS
+
+
+def hardware(setup, threads: int) -> str:
+    """``2 x NVIDIA H100 ..., nccl`` or ``<CPU model>, 2 ranks x 1 thread(s), gloo``."""
+    info = setup.info
+    if info.device.type == "cuda":
+        return f"{info.world_size} x {torch.cuda.get_device_name(info.device)}, {setup.backend}"
+    return f"{cpu_name()}, {info.world_size} ranks x {threads} thread(s), {setup.backend}"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def ladder_table(rows: dict[str, dict]) -> str:
+    """The reference's columns, plus bytes, exposed communication and tokens/s (median, min..max of repeats)."""
+    lines = [
+        "| rung | compute % | non-compute % | idle % | overlap % | all-reduce calls | all-reduce ms | MiB sent "
+        "| exposed ms | tokens/s (min..max) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in rows.items():
+        lo, hi = row["tokens_per_s_range"]
+        lines.append(
+            f"| {RUNGS[name].title} | {_pct(row['compute_pct'])} | {_pct(row['non_compute_pct'])} "
+            f"| {_pct(row['idle_pct'])} | {_pct(row['overlap_pct'])} | {row['allreduce_calls']:.0f} "
+            f"| {row['allreduce_ms']:.1f} | {row['allreduce_bytes'] / 2**20:.2f} | {row['exposed_ms']:.1f} "
+            f"| {row['tokens_per_s']:.0f} ({lo:.0f}..{hi:.0f}) |"
+        )
+    return "\n".join(lines)
+
+
+def plot_ladder(results: dict[str, dict], path: Path) -> Path:
+    """One panel per workload: each rung's step split into compute, non-compute and idle, overlap % annotated."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 1.2 + 0.55 * len(RUNGS) * len(results)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(results), 1, squeeze=False)[:, 0]
+    parts = (("compute_pct", "compute", "tab:green"), ("non_compute_pct", "non-compute", "tab:red"))
+    for ax, (workload, result) in zip(axes, results.items(), strict=True):
+        rows = result["rungs"]
+        names = [RUNGS[n].title for n in rows]
+        left = [0.0] * len(rows)
+        for key, label, color in (*parts, ("idle_pct", "idle", "tab:gray")):
+            values = [row[key] for row in rows.values()]
+            ax.barh(names, values, left=left, color=color, label=label)
+            left = [a + b for a, b in zip(left, values, strict=True)]
+        for y, row in enumerate(rows.values()):
+            note = f"overlap {_pct(row['overlap_pct'])}%, {row['exposed_ms']:.0f} ms exposed, {row['tokens_per_s']:.0f} tok/s"
+            ax.text(101, y, note, va="center", fontsize=8)
+        ax.invert_yaxis()
+        title = f"{workload}: {result['trainable_mib']:.2f} MiB of gradients per rank per step"
+        ax.set(xlim=(0, 160), xlabel="% of the optimizer step", title=title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside upper center", ncols=3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

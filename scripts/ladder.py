@@ -1,0 +1,160 @@
+"""The DDP ladder, measured: from a naive all-reduce to BucketedDDP, on two workloads, in one run.
+
+    torchrun --standalone --nproc_per_node=2 scripts/ladder.py --out bench_results/ladder.json
+
+Every rung of ``ddp_ft.ladder.rungs`` wraps a fresh copy of the same model and trains on the same batches with the
+same loop (gradient accumulation: all micro-steps but the last under ``no_sync``). After a warm-up the rungs' weights
+are compared (they must have trained alike), then they are measured interleaved: ``--repeats`` rounds, each running
+every rung for ``--steps`` optimizer steps, the order rotating every round. Per rung it prints the reference
+write-up's columns (compute %, non-compute %, idle %, overlap %, all-reduce calls and ms per optimizer step) with
+bytes, exposed communication and tokens/s (median and min..max of the repeats), as a markdown table, and writes JSON,
+the table (``.md``) and a PNG beside ``--out``. How each column is measured on CPU/gloo and on CUDA/NCCL:
+``ddp_ft/ladder/timeline.py`` and ``docs/ladder.md``. On a CUDA host with 2+ GPUs it runs with NCCL unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from ddp_ft.bench import compute_setup
+from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
+from ddp_ft.ladder.measure import (
+    WORKLOADS,
+    Stepper,
+    Trainee,
+    gathered_rows,
+    interleave,
+    load_workload,
+    max_parameter_difference,
+    token_batches,
+)
+from ddp_ft.ladder.report import hardware, ladder_table, plot_ladder
+from ddp_ft.ladder.rungs import RUNGS, build_rung
+from ddp_ft.ladder.timeline import Timeline
+from ddp_ft.model import build_tiny_qwen3
+from ddp_ft.precision import DTYPES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS), help="what to train")
+    p.add_argument("--rungs", nargs="+", choices=list(RUNGS), default=list(RUNGS), help="which rungs, in ladder order")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (each runs every rung)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per rung per round")
+    p.add_argument("--warmup", type=int, default=2, help="optimizer steps per rung before measuring (torch DDP: >= 2)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
+    p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-steps per optimizer step (the reference's: 2)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of the bucketed rungs (MiB)")
+    p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="their first bucket's cap (MiB)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (one: the analogue of one GPU)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="cuda (NCCL), cpu (gloo) or auto")
+    p.add_argument(
+        "--compute-dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16/fp16 on GPU, fp32 CPU"
+    )
+    p.add_argument("--out", type=Path, default=Path("bench_results/ladder.json"), help="JSON; .md and .png beside it")
+    args = p.parse_args(argv)
+    for name in ("repeats", "steps", "seq_len", "micro_batch", "grad_accum", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 2 and "torch_ddp" in args.rungs:
+        p.error("--warmup must be at least 2 with the torch_ddp rung (it rebuilds its buckets after its first step)")
+    if not (args.bucket_cap_mb > 0 and args.first_bucket_cap_mb > 0):
+        p.error("--bucket-cap-mb and --first-bucket-cap-mb must be positive")
+    return args
+
+
+def run_workload(args, setup, workload: str, model_dir: str) -> dict:
+    """Build every rung on ``workload``, warm up, check they agree, measure them interleaved; rank 0 gets rows."""
+    caps = {"bucket_cap_mb": args.bucket_cap_mb, "first_bucket_cap_mb": args.first_bucket_cap_mb}
+    trainees = []
+    for name in args.rungs:
+        timeline = Timeline()
+        model = build_rung(name, load_workload(workload, model_dir, setup), timeline, **caps)
+        trainees.append(Trainee.of(name, model, timeline))
+    stepper = Stepper(setup, token_batches(setup, args.vocab_size, args.seq_len, args.micro_batch), args.grad_accum)
+    for trainee in trainees:
+        stepper.cursor = 0  # every rung warms up on the same batches, so their weights can be compared
+        for _ in range(args.warmup):
+            stepper.step(trainee)
+    agreement = max_parameter_difference(trainees, reference=args.rungs[-1])
+
+    def progress(done: int) -> None:
+        if setup.info.is_main_process:
+            print(f"  {workload}: round {done}/{args.repeats}", file=sys.stderr, flush=True)
+
+    interleave(stepper, trainees, args.repeats, args.steps, progress)
+    tokens = setup.info.world_size * args.micro_batch * args.seq_len * args.grad_accum
+    rows = gathered_rows(trainees, tokens)
+    trainable = sum(p.numel() * p.element_size() for p in trainees[0].model.parameters() if p.requires_grad)
+    return {
+        "description": WORKLOADS[workload],
+        "trainable_mib": trainable / 2**20,
+        "max_parameter_difference_after_warmup": agreement,
+        "rungs": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup = compute_setup(args.device, args.compute_dtype)
+    torch.set_num_threads(args.threads)
+    setup_logging(setup.info, logging.WARNING)
+    transformers.utils.logging.disable_progress_bar()  # fourteen models load: no bar for each
+    try:
+        model_dir = Path(tempfile.gettempdir()) / f"ddp_ft-bench-tiny-qwen3-v{args.vocab_size}"
+        if setup.info.is_main_process:
+            build_tiny_qwen3(model_dir, vocab_size=args.vocab_size, seed=0)
+        dist.barrier()
+        results = {w: run_workload(args, setup, w, str(model_dir)) for w in args.workloads}
+        if setup.info.is_main_process:
+            write(args, setup, results)
+    finally:
+        destroy_distributed()
+
+
+def write(args, setup, results: dict) -> None:
+    where = hardware(setup, args.threads)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    doc = {"hardware": where, "backend": setup.backend, "torch": torch.__version__, "settings": settings}
+    doc["workloads"] = results
+    tables = []
+    for workload, result in results.items():
+        worst = max(result["max_parameter_difference_after_warmup"].values())
+        tables.append(
+            f"### {workload}: {result['description']} ({result['trainable_mib']:.2f} MiB of gradients)\n\n"
+            f"{ladder_table(result['rungs'])}\n\nAfter {args.warmup} warm-up steps every rung's weights are within "
+            f"{worst:.1e} of {RUNGS[args.rungs[-1]].title}'s."
+        )
+    header = (
+        f"DDP ladder on {where}, {setup.describe()}; per optimizer step of {args.grad_accum} micro-steps x "
+        f"{args.micro_batch} x {args.seq_len} tokens per rank; medians over {args.repeats} rounds x {args.steps} steps "
+        f"x {setup.info.world_size} ranks"
+    )
+    text = header + "\n\n" + "\n\n".join(tables)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    args.out.with_suffix(".md").write_text(text + "\n")
+    png = plot_ladder(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {png}")
+
+
+if __name__ == "__main__":
+    main()
+    # Written: leave without interpreter finalization (see scripts/bench_ddp.py): a gloo thread releasing a future's
+    # callback while the interpreter shuts down would abort a finished run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
