@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench bench-e2e ladder gpu-check bench-gpu train-reference
+.PHONY: install test lint demo bench bench-e2e ladder bucket-sweep gpu-check bench-gpu train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: install
 # step split into compute / non-compute / idle / overlap, on tiny Qwen3 QLoRA and full fine-tuning (table, JSON, PNG).
 ladder: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/ladder.py --out bench_results/ladder.json
+
+# Bucket sizing: BucketedDDP's bucket_cap_mb and first_bucket_cap_mb swept on both workloads, buckets against exposed
+# communication and step time (table, JSON, PNG).
+bucket-sweep: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bucket_sweep.py --out bench_results/bucket_sweep.json
 
 # End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
 # alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).

@@ -16,58 +16,39 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import transformers
 
-from ddp_ft.bench import compute_setup
-from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
+from ddp_ft.distributed import destroy_distributed
 from ddp_ft.ladder.measure import (
     WORKLOADS,
     Stepper,
     Trainee,
+    add_run_arguments,
+    check_run_arguments,
     gathered_rows,
     interleave,
     load_workload,
     max_parameter_difference,
+    start_run,
     token_batches,
 )
 from ddp_ft.ladder.report import hardware, ladder_table, plot_ladder
 from ddp_ft.ladder.rungs import RUNGS, build_rung
 from ddp_ft.ladder.timeline import Timeline
-from ddp_ft.model import build_tiny_qwen3
-from ddp_ft.precision import DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS), help="what to train")
     p.add_argument("--rungs", nargs="+", choices=list(RUNGS), default=list(RUNGS), help="which rungs, in ladder order")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (each runs every rung)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps per rung per round")
-    p.add_argument("--warmup", type=int, default=2, help="optimizer steps per rung before measuring (torch DDP: >= 2)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
-    p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
-    p.add_argument("--grad-accum", type=int, default=2, help="micro-steps per optimizer step (the reference's: 2)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket cap of the bucketed rungs (MiB)")
     p.add_argument("--first-bucket-cap-mb", type=float, default=1.0, help="their first bucket's cap (MiB)")
-    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (one: the analogue of one GPU)")
-    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="cuda (NCCL), cpu (gloo) or auto")
-    p.add_argument(
-        "--compute-dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16/fp16 on GPU, fp32 CPU"
-    )
-    p.add_argument("--out", type=Path, default=Path("bench_results/ladder.json"), help="JSON; .md and .png beside it")
+    add_run_arguments(p, Path("bench_results/ladder.json"))
     args = p.parse_args(argv)
-    for name in ("repeats", "steps", "seq_len", "micro_batch", "grad_accum", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_run_arguments(p, args)
     if args.warmup < 2 and "torch_ddp" in args.rungs:
         p.error("--warmup must be at least 2 with the torch_ddp rung (it rebuilds its buckets after its first step)")
     if not (args.bucket_cap_mb > 0 and args.first_bucket_cap_mb > 0):
@@ -108,16 +89,9 @@ def run_workload(args, setup, workload: str, model_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    setup = compute_setup(args.device, args.compute_dtype)
-    torch.set_num_threads(args.threads)
-    setup_logging(setup.info, logging.WARNING)
-    transformers.utils.logging.disable_progress_bar()  # fourteen models load: no bar for each
+    setup, model_dir = start_run(args)
     try:
-        model_dir = Path(tempfile.gettempdir()) / f"ddp_ft-bench-tiny-qwen3-v{args.vocab_size}"
-        if setup.info.is_main_process:
-            build_tiny_qwen3(model_dir, vocab_size=args.vocab_size, seed=0)
-        dist.barrier()
-        results = {w: run_workload(args, setup, w, str(model_dir)) for w in args.workloads}
+        results = {w: run_workload(args, setup, w, model_dir) for w in args.workloads}
         if setup.info.is_main_process:
             write(args, setup, results)
     finally:

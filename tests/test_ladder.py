@@ -145,3 +145,34 @@ def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_eac
         assert rows["accumulate"]["overlap_pct"] < 5.0
     assert out.with_suffix(".md").read_text().count("| rung |") == 2
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bucket_sweep_measures_one_setting_per_distinct_layout_with_its_bucket_count(tmp_path):
+    out = tmp_path / "sweep.json"
+    command = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "scripts" / "bucket_sweep.py"),
+        *("--workloads", "full", "--repeats", "1", "--steps", "1", "--warmup", "1"),
+        *("--seq-len", "16", "--micro-batch", "1", "--vocab-size", "512"),
+        *("--caps", "0.01", "1", "1000", "--firsts", "1000"),
+        *("--out", str(out)),
+    ]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["workloads"]["full"]["settings"]
+    # first 1000 with cap 25 makes the same single bucket as cap 1000: measured once
+    caps = sorted((r["bucket_cap_mb"], r["first_bucket_cap_mb"]) for r in rows.values())
+    assert caps == [(0.01, 0.01), (1.0, 1.0), (25.0, 1.0), (1000.0, 1000.0)], caps
+    buckets = {(r["bucket_cap_mb"], r["first_bucket_cap_mb"]): r["buckets"] for r in rows.values()}
+    assert buckets[(1000.0, 1000.0)] == 1 and buckets[(0.01, 0.01)] > buckets[(1.0, 1.0)] > 1
+    for row in rows.values():
+        assert row["allreduce_calls"] == row["buckets"] and row["tokens_per_s"] > 0
+        assert sum(row["bucket_mib"]) == pytest.approx(
+            json.loads(out.read_text())["workloads"]["full"]["trainable_mib"], rel=1e-3
+        )
+    assert "| cap | 0.01 | 0.01 |" in out.with_suffix(".md").read_text()

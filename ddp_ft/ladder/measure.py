@@ -7,17 +7,23 @@ each model for a few optimizer steps, in an order that rotates, so drift on the 
 
 from __future__ import annotations
 
+import argparse
+import logging
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..bench import ComputeSetup, synchronize
-from ..model import LoraSettings, ModelSettings, load_qlora_model
+from ..bench import ComputeSetup, compute_setup, synchronize
+from ..distributed import DEVICE_CHOICES, setup_logging
+from ..model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
+from ..precision import DTYPES
 from .rungs import Rung, accumulate
 from .timeline import StepBreakdown, Timeline, profiled_intervals, summarize
 
@@ -25,6 +31,46 @@ WORKLOADS = {
     "qlora": "tiny Qwen3, 4-bit NF4 base + LoRA: only the adapters' gradients travel (the product's workload)",
     "full": "tiny Qwen3, every weight trainable, no quantisation: the reference's setting, communication-heavy",
 }
+
+
+def add_run_arguments(p: argparse.ArgumentParser, out: Path) -> None:
+    """The settings the ladder and the sweep share: workloads, repeats, batch shape, device."""
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS), help="what to train")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds (each runs every configuration)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per configuration per round")
+    p.add_argument("--warmup", type=int, default=2, help="optimizer steps before measuring (torch DDP needs 2)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
+    p.add_argument("--micro-batch", type=int, default=2, help="samples per micro-step per rank")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-steps per optimizer step (the reference's: 2)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of the tiny model")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank (one: the analogue of one GPU)")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="cuda (NCCL), cpu (gloo) or auto")
+    p.add_argument("--compute-dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16/fp16 GPU, fp32 CPU")
+    p.add_argument("--out", type=Path, default=out, help="JSON result; the .md table and .png chart go beside it")
+
+
+def check_run_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("repeats", "steps", "seq_len", "micro_batch", "grad_accum", "threads", "vocab_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
+
+
+def start_run(args: argparse.Namespace) -> tuple[ComputeSetup, str]:
+    """Join the launcher's group, quiet the libraries, and write the tiny model once (rank 0): (setup, model dir)."""
+    import transformers
+
+    setup = compute_setup(args.device, args.compute_dtype)
+    torch.set_num_threads(args.threads)
+    setup_logging(setup.info, logging.WARNING)
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # an optional CPU kernel it cannot find, every load
+    transformers.utils.logging.disable_progress_bar()  # one model per configuration: no bar for each
+    model_dir = Path(tempfile.gettempdir()) / f"ddp_ft-bench-tiny-qwen3-v{args.vocab_size}"
+    if setup.info.is_main_process:
+        build_tiny_qwen3(model_dir, vocab_size=args.vocab_size, seed=0)
+    dist.barrier()
+    return setup, str(model_dir)
 
 
 def load_workload(name: str, model_dir: str, setup: ComputeSetup) -> nn.Module:

@@ -78,3 +78,54 @@ def plot_ladder(results: dict[str, dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def sweep_table(rows: dict[str, dict]) -> str:
+    """One line per bucket setting, fewest buckets last; the fastest step in bold."""
+    fastest = min(rows, key=lambda label: rows[label]["step_ms"])
+    lines = [
+        "| series | bucket_cap_mb | first_bucket_cap_mb | buckets | all-reduce ms | exposed ms | overlap % | step ms "
+        "| tokens/s (min..max) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in sorted(rows, key=lambda label: (-rows[label]["buckets"], label)):
+        row = rows[label]
+        lo, hi = row["tokens_per_s_range"]
+        step = f"**{row['step_ms']:.0f}**" if label == fastest else f"{row['step_ms']:.0f}"
+        lines.append(
+            f"| {row['series']} | {row['bucket_cap_mb']:g} | {row['first_bucket_cap_mb']:g} | {row['buckets']} "
+            f"| {row['allreduce_ms']:.1f} | {row['exposed_ms']:.1f} | {_pct(row['overlap_pct'])} | {step} "
+            f"| {row['tokens_per_s']:.0f} ({lo:.0f}..{hi:.0f}) |"
+        )
+    return "\n".join(lines)
+
+
+def plot_sweep(results: dict[str, dict], path: Path) -> Path:
+    """One panel per workload: buckets against exposed communication (left axis) and step time (right axis)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6 * len(results), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(results), squeeze=False)[0]
+    markers = {"cap": "o", "first": "^", "default": "*", "auto": "D"}
+    for ax, (workload, result) in zip(axes, results.items(), strict=True):
+        step_ax = ax.twinx()
+        for series, marker in markers.items():
+            rows = sorted((r for r in result["settings"].values() if r["series"] == series), key=lambda r: r["buckets"])
+            if not rows:
+                continue
+            buckets = [r["buckets"] for r in rows]
+            style = {"marker": marker, "linestyle": "-" if series == "cap" else "none", "markersize": 8}
+            ax.plot(buckets, [r["exposed_ms"] for r in rows], color="tab:red", label=f"{series}: exposed", **style)
+            step_ax.plot(buckets, [r["step_ms"] for r in rows], color="tab:blue", label=f"{series}: step", **style)
+        ax.set(xscale="log", xlabel="buckets", ylabel="exposed communication ms", title=workload)
+        ax.set_title(f"{workload}: {result['trainable_mib']:.2f} MiB of gradients")
+        step_ax.set_ylabel("optimizer step ms")
+        ax.grid(alpha=0.3)
+        handles = ax.get_legend_handles_labels()[0] + step_ax.get_legend_handles_labels()[0]
+        labels = ax.get_legend_handles_labels()[1] + step_ax.get_legend_handles_labels()[1]
+        ax.legend(handles, labels, fontsize=7, loc="upper left")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

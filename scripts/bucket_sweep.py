@@ -1,0 +1,152 @@
+"""Bucket sizing, measured: BucketedDDP under many ``bucket_cap_mb`` / ``first_bucket_cap_mb`` settings, one run.
+
+    torchrun --standalone --nproc_per_node=2 scripts/bucket_sweep.py --out bench_results/bucket_sweep.json
+
+The trade-off: small buckets start communicating early in backward and hide more of it, but each is a separate
+collective with its own latency and launch cost; large buckets send fewer, bigger messages that start late. Two
+series per workload: one cap for every bucket (``first_bucket_cap_mb`` = ``bucket_cap_mb``), swept from 1/64 of the
+gradient bytes to all of them, so the number of buckets goes from one per tensor to one; and the first bucket's cap
+alone, the others at torch's 25 MiB. Plus torch DDP's defaults (25 MiB, first 1 MiB), and ``--caps`` / ``--firsts``
+for other grids (e.g. ``--caps 1 5 25 100 500`` on a large model, the reference write-up's range). A setting that
+gives the same bucket layout as one before it is measured once. Every setting trains a fresh copy of the same model
+on the same batches; they are measured interleaved (``--repeats`` rounds, the order rotating). Per setting: buckets, all-reduce ms, exposed ms, overlap %, step ms and tokens/s (median and
+min..max of the repeats), as a markdown table, JSON, and a PNG of buckets against exposed communication and step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ddp_ft.ddp import ParamSpec, compute_bucket_assignment
+from ddp_ft.distributed import destroy_distributed
+from ddp_ft.ladder.measure import (
+    WORKLOADS,
+    Stepper,
+    Trainee,
+    add_run_arguments,
+    check_run_arguments,
+    gathered_rows,
+    interleave,
+    load_workload,
+    start_run,
+    token_batches,
+)
+from ddp_ft.ladder.report import hardware, plot_sweep, sweep_table
+from ddp_ft.ladder.rungs import Bucketed
+from ddp_ft.ladder.timeline import Timeline
+
+DEFAULT = (25.0, 1.0)  # torch DDP's (and BucketedDDP's) bucket_cap_mb, first_bucket_cap_mb
+SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)  # of the gradient bytes: the default cap grid
+FIRST_SHARES = (1 / 64, 1 / 8, 1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--caps", type=float, nargs="+", help="bucket_cap_mb values, first bucket alike (default: shares)")
+    p.add_argument("--firsts", type=float, nargs="+", help="first_bucket_cap_mb values with a 25 MiB cap")
+    add_run_arguments(p, Path("bench_results/bucket_sweep.json"))
+    args = p.parse_args(argv)
+    check_run_arguments(p, args)
+    for name in ("caps", "firsts"):
+        if any(not v > 0 for v in getattr(args, name) or ()):
+            p.error(f"--{name}: every value must be a positive number of MiB")
+    return args
+
+
+def settings_for(args: argparse.Namespace, module: torch.nn.Module) -> list[tuple[str, float, float]]:
+    """(series, bucket_cap_mb, first_bucket_cap_mb) to measure: one per distinct bucket layout, the first asked."""
+    specs = [ParamSpec.of(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    gradient_mib = sum(spec.nbytes for spec in specs) / 2**20
+    caps = args.caps or [round_mib(gradient_mib * share) for share in SHARES]
+    firsts = args.firsts or [round_mib(gradient_mib * share) for share in FIRST_SHARES]
+    found = [("default", *DEFAULT)]
+    found += [("cap", cap, cap) for cap in caps]
+    found += [("first", DEFAULT[0], first) for first in firsts]
+    layouts, unique = set(), []
+    for series, cap, first in found:
+        layout = tuple(b.param_indices for b in compute_bucket_assignment(specs, cap, first))
+        if layout not in layouts:
+            layouts.add(layout)
+            unique.append((series, cap, first))
+    return unique
+
+
+def round_mib(value: float) -> float:
+    """Three significant digits: settings a user can type back."""
+    return float(f"{value:.3g}")
+
+
+def run_workload(args, setup, workload: str, model_dir: str) -> dict:
+    first = load_workload(workload, model_dir, setup)
+    gradient_mib = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad) / 2**20
+    settings = settings_for(args, first)
+    trainees, described = [], {}
+    for i, (series, cap, first_cap) in enumerate(settings):
+        label = f"{series}: cap {cap:g} / first {first_cap:g}"
+        timeline = Timeline()
+        module = first if i == 0 else load_workload(workload, model_dir, setup)
+        model = Bucketed(module, timeline, bucket_cap_mb=cap, first_bucket_cap_mb=first_cap)
+        trainees.append(Trainee.of(label, model, timeline))
+        sizes = model.module.bucket_nbytes
+        described[label] = {"series": series, "bucket_cap_mb": cap, "first_bucket_cap_mb": first_cap}
+        described[label] |= {"buckets": len(sizes), "bucket_mib": [round(b / 2**20, 4) for b in sizes]}
+    stepper = Stepper(setup, token_batches(setup, args.vocab_size, args.seq_len, args.micro_batch), args.grad_accum)
+    for trainee in trainees:
+        for _ in range(args.warmup):
+            stepper.step(trainee)
+
+    def progress(done: int) -> None:
+        if setup.info.is_main_process:
+            print(f"  {workload}: round {done}/{args.repeats}", file=sys.stderr, flush=True)
+
+    interleave(stepper, trainees, args.repeats, args.steps, progress)
+    tokens = setup.info.world_size * args.micro_batch * args.seq_len * args.grad_accum
+    rows = gathered_rows(trainees, tokens)
+    rows = {label: described[label] | row for label, row in rows.items()}
+    return {"description": WORKLOADS[workload], "trainable_mib": gradient_mib, "settings": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup, model_dir = start_run(args)
+    try:
+        results = {w: run_workload(args, setup, w, model_dir) for w in args.workloads}
+        if setup.info.is_main_process:
+            write(args, setup, results)
+    finally:
+        destroy_distributed()
+
+
+def write(args, setup, results: dict) -> None:
+    where = hardware(setup, args.threads)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    doc = {"hardware": where, "backend": setup.backend, "torch": torch.__version__, "settings": settings}
+    doc["workloads"] = results
+    header = (
+        f"Bucket sweep on {where}, {setup.describe()}; per optimizer step of {args.grad_accum} micro-steps x "
+        f"{args.micro_batch} x {args.seq_len} tokens per rank; medians over {args.repeats} rounds x {args.steps} steps"
+    )
+    tables = [
+        f"### {w}: {r['description']} ({r['trainable_mib']:.2f} MiB of gradients)\n\n{sweep_table(r['settings'])}"
+        for w, r in results.items()
+    ]
+    text = header + "\n\n" + "\n\n".join(tables)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2))
+    args.out.with_suffix(".md").write_text(text + "\n")
+    png = plot_sweep(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {png}")
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()  # written: leave without interpreter finalization (see scripts/ladder.py)
+    sys.stderr.flush()
+    os._exit(0)
