@@ -61,6 +61,14 @@ def _check_against_backend(rank: int, world: int) -> None:
             assert ((ring.double() - backend.double()).abs() <= bound).all(), where
             assert ((ring.double() - sum(terms)).abs() <= bound / 2).all(), where
 
+    # a non-contiguous tensor is reduced through a contiguous copy and written back into it
+    ring = _contribution((7, 11), torch.int64, rank, 99).t().clone()
+    backend = ring.clone()
+    assert not ring.is_contiguous()
+    ring_all_reduce(ring)
+    dist.all_reduce(backend)
+    assert torch.equal(ring, backend)
+
 
 def _check_shutdown(rank: int, world: int) -> None:
     state = RingAllreduce()
