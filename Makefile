@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench bench-e2e ladder bucket-sweep gpu-check bench-gpu train-reference
+.PHONY: install test lint demo bench bench-comm bench-e2e ladder bucket-sweep gpu-check bench-gpu train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ ladder: install
 # communication and step time (table, JSON, PNG).
 bucket-sweep: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bucket_sweep.py --out bench_results/bucket_sweep.json
+
+# All-reduce from 4 KiB to 256 MiB through the backend and through the ring (ddp_ft.ladder.ring), 2 ranks: time,
+# algbw and busbw per size, and the smallest size near the peak busbw, a floor for bucket_cap_mb (table, JSON, PNG).
+bench-comm: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_comm.py --out bench_results/bench_comm.json
 
 # End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
 # alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).

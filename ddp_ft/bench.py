@@ -14,6 +14,7 @@ Also the GPU benchmark's model and yardstick: a Qwen3 of any shape with random w
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import time
 from dataclasses import dataclass
@@ -83,6 +84,17 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work: a timed region ends when the GPU finished, not when the host did."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo``, else what ``platform`` knows, for a benchmark's hardware line."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
 
 
 class ExposedWaitProbe:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import torch
 
+from ..bench import cpu_name
 from .rungs import RUNGS
 
 
@@ -16,16 +16,6 @@ def hardware(setup, threads: int) -> str:
     if info.device.type == "cuda":
         return f"{info.world_size} x {torch.cuda.get_device_name(info.device)}, {setup.backend}"
     return f"{cpu_name()}, {info.world_size} ranks x {threads} thread(s), {setup.backend}"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
 
 
 def _pct(value: float | None) -> str:
