@@ -21,7 +21,6 @@ what makes the ring bandwidth-optimal (docs/ring.md). Every index is taken modul
 import queue
 import threading
 import weakref
-from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -138,7 +137,7 @@ class RingAllreduce:
         if self._queue is not None:
             self._stop()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> "RingAllreduce":
         return self
 
     def __exit__(self, *exc) -> None:
