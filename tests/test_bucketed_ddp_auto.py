@@ -185,3 +185,20 @@ def test_auto_follows_the_timings_skips_a_trial_with_one_layout_and_refuses_powe
     assert biased.chosen == 1, f"auto kept {biased.chosen} though every other layout was slowed: {biased.medians_ms}"
     assert out0["single_before"] is not None and out0["single_before"] == out0["single_after"]
     assert len(out0["single_before"].candidates) == 1 and out0["single_before"].timings_ms == ((),)
+
+
+def test_the_choice_record_names_the_kept_caps_and_every_candidates_median():
+    from ddp_ft.ddp import BucketCandidate, BucketChoice
+    from ddp_ft.records import BUCKET_CHOICE, bucket_choice_record
+
+    candidates = (BucketCandidate(25.0, 1.0, 1), BucketCandidate(0.5, 0.5, 3))
+    record = bucket_choice_record(step=10, choice=BucketChoice(candidates, ((4.0, 2.0, 3.0), (1.0, 9.0, 2.0)), 1))
+    assert record == {
+        "type": BUCKET_CHOICE,
+        "step": 10,
+        "bucket_cap_mb": 0.5,
+        "first_bucket_cap_mb": 0.5,
+        "buckets": 3,
+        "candidates": [[25.0, 1.0, 1], [0.5, 0.5, 3]],
+        "median_ms": [3.0, 2.0],
+    }
