@@ -156,7 +156,8 @@ class BucketAutotuner:
         self.layouts = [layout for _, layout in found]
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
-        trial = len(found) > 1 and dist.get_world_size(process_group) > 1
+        world_size = dist.get_world_size(process_group)
+        trial = len(found) > 1 and world_size > 1
         self.schedule = [c for _ in range(TRIAL_ROUNDS) for c in range(len(found))] if trial else []
         self._samples: list[list[Measurement]] = [[] for _ in found]
         self._current = 0  # index of the layout in use
@@ -172,8 +173,12 @@ class BucketAutotuner:
                     TRIAL_ROUNDS,
                     BucketChoice(self.candidates, tuple(() for _ in found), 0).describe(),
                 )
+            elif world_size == 1:
+                logger.info(
+                    "bucket_cap_mb='auto' on one rank: nothing is communicated, no trial: %s", self.candidates[0]
+                )
             else:
-                logger.info("bucket_cap_mb='auto': one layout to consider, no trial: %s", self.candidates[0])
+                logger.info("bucket_cap_mb='auto': one distinct layout, no trial: %s", self.candidates[0])
 
     @property
     def initial_layout(self) -> list[BucketSpec]:

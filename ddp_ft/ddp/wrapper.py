@@ -302,7 +302,8 @@ class BucketedDDP(nn.Module):
     @property
     def bucket_buffers(self) -> list[torch.Tensor]:
         """Each bucket's flat gradient buffer, in launch order, for inspection: with ``gradient_as_bucket_view``
-        every trainable ``param.grad`` is a view into one of them. Writing to them writes the gradients."""
+        every trainable ``param.grad`` is a view into one of them. Writing to them writes the gradients. With
+        ``bucket_cap_mb="auto"`` they are new tensors after each change of layout (see :attr:`bucket_choice`)."""
         return [b.buffer for b in self._reducer.buckets]
 
     def last_comm_stats(self) -> CommStats:
