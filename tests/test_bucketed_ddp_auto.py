@@ -129,6 +129,7 @@ def test_auto_trains_bitwise_as_torch_ddp_through_the_trial_and_every_rank_keeps
         assert all(len(t) == TRIAL_ROUNDS for t in choice.timings_ms)
         assert result["layouts"][-1] == result["layouts"][result["decided_at"]]  # fixed after the decision
     assert log1 == []
+    assert "<- chosen" not in log0[0] and "timing 3 layouts" in log0[0]
     decisions = [m for m in log0 if "kept bucket_cap_mb=" in m]
     assert len(decisions) == 2 and all("<- chosen" in m and "median" in m and " ms [" in m for m in decisions)
     choice = results0[True]["choice"]

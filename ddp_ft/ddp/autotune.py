@@ -93,14 +93,14 @@ class BucketChoice:
     def buckets(self) -> int:
         return self.candidates[self.chosen].buckets
 
-    def describe(self) -> str:
-        """One line per candidate: caps, buckets, median and range; the chosen one marked."""
+    def describe(self, mark_choice: bool = True) -> str:
+        """One line per candidate: caps, buckets, median and range; the chosen one marked if ``mark_choice``."""
         lines = []
         for i, (c, times) in enumerate(zip(self.candidates, self.timings_ms, strict=True)):
             timing = f"median {statistics.median(times):.2f} ms [{min(times):.2f}, {max(times):.2f}]" if times else ""
-            mark = "  <- chosen" if i == self.chosen else ""
+            mark = "  <- chosen" if mark_choice and i == self.chosen else ""
             lines.append(
-                f"  cap {c.bucket_cap_mb:.4g} MiB, first {c.first_bucket_cap_mb:.4g} MiB: {c.buckets} buckets"
+                f"  cap {c.bucket_cap_mb:.4g} MiB, first {c.first_bucket_cap_mb:.4g} MiB: {c.buckets} bucket(s)"
                 f"{', ' if timing else ''}{timing}{mark}"
             )
         return "\n".join(lines)
@@ -171,7 +171,7 @@ class BucketAutotuner:
                     "bucket_cap_mb='auto': timing %d layouts over %d rounds of synced backward passes:\n%s",
                     len(found),
                     TRIAL_ROUNDS,
-                    BucketChoice(self.candidates, tuple(() for _ in found), 0).describe(),
+                    BucketChoice(self.candidates, tuple(() for _ in found), 0).describe(mark_choice=False),
                 )
             elif world_size == 1:
                 logger.info(
@@ -225,7 +225,7 @@ class BucketAutotuner:
         self._switch(self.choice.chosen, reducer)
         if self.rank == 0:
             logger.info(
-                "bucket_cap_mb='auto': kept bucket_cap_mb=%.4g, first_bucket_cap_mb=%.4g (%d buckets); time from "
+                "bucket_cap_mb='auto': kept bucket_cap_mb=%.4g, first_bucket_cap_mb=%.4g (%d bucket(s)); time from "
                 "backward reaching the output to the end of the final wait, slowest rank, per candidate:\n%s",
                 self.choice.bucket_cap_mb,
                 self.choice.first_bucket_cap_mb,
