@@ -39,9 +39,11 @@ def test_candidates_are_distinct_layouts_with_torch_default_first():
     assert len(bucket_candidates(_specs(torch.nn.Linear(4, 1, bias=False)))) == 1
 
 
-def test_choice_is_the_lowest_median_and_ties_go_to_the_earlier_candidate():
+def test_choice_is_the_lowest_median_ties_to_the_earlier_and_the_default_stays_within_the_noise():
     assert choose([[5.0, 1.0, 9.0], [4.0, 4.0, 4.0], [3.0, 100.0, 3.5]]) == 2  # a single outlier does not count
     assert choose([[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]) == 0
+    assert choose([[3.0, 3.0, 3.0], [2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]) == 1
+    assert choose([[100.0] * 3, [98.0] * 3]) == 0  # within MIN_GAIN of torch's default: the default stays
 
 
 def _log_records(name):

@@ -12,8 +12,8 @@ the forward's noise. On CPU it is wall time; on CUDA a pair of events on the cur
 each, for :data:`TRIAL_ROUNDS` rounds (A B C A B C ...). Layouts are switched only at the end of a synced backward's
 finalizer, after its wait: no rank is mid-backward, and the optimizer step that follows reads the averaged gradients
 from the new buffers. After the last round the ranks meet twice, once: an all-reduce (max) of the timings, since a step
-waits for its slowest rank, and a broadcast of rank 0's choice (lowest median, ties to the earlier candidate), which
-every rank adopts.
+waits for its slowest rank, and a broadcast of rank 0's choice (lowest median, ties to the earlier candidate; torch's
+default unless beaten by :data:`MIN_GAIN`), which every rank adopts.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ TRIAL_ROUNDS = 3
 """Synced backward passes timed per candidate (the median is kept)."""
 
 TORCH_DEFAULT_CAP_MB = 25.0
+
+MIN_GAIN = 0.03
+"""A layout replaces torch's default only if its median is at least this fraction below the default's: within the
+noise the default stays, so runs of one workload keep one layout."""
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,11 @@ def bucket_candidates(
 
 
 def choose(timings_ms: list[list[float]]) -> int:
-    """Index of the candidate with the lowest median time; ties go to the earlier candidate."""
+    """Index of the candidate with the lowest median time (ties go to the earlier candidate), unless it beats the
+    first one, torch's default, by less than :data:`MIN_GAIN`: then the first."""
     medians = [statistics.median(t) for t in timings_ms]
-    return medians.index(min(medians))
+    best = medians.index(min(medians))
+    return best if medians[best] < (1 - MIN_GAIN) * medians[0] else 0
 
 
 class BucketAutotuner:
