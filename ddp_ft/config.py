@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from .data import DataSettings
 from .ddp import DDPSettings
+from .ddp.autotune import AUTO
 from .model import EMBEDDED_MODEL, LoraSettings, ModelSettings
 
 
@@ -153,7 +154,20 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.Ar
         list(SECTIONS.values()), description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
     )
     parser.add_argument("--preset", default="", help=f"Named settings to start from: {', '.join(PRESETS)}.")
+    for action in parser._actions:  # HfArgumentParser types a `float | str` field as float: take "auto" too
+        if action.dest == "bucket_cap_mb":
+            action.type = _bucket_cap_arg
     return parser
+
+
+def _bucket_cap_arg(text: str) -> float | str:
+    """``--bucket-cap-mb``: a number of MiB or ``auto``."""
+    if text == AUTO:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor {AUTO!r}") from None
 
 
 def parse_settings(argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = ()) -> RunSettings:

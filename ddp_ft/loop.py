@@ -34,7 +34,7 @@ from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
 from .metrics import ThroughputMeter, open_metric_sink
 from .preemption import StopSignal
-from .records import STOP, config_record, eval_record, run_identity, train_record
+from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
 from .setup import build_model, check_run_settings, prepare_run
 from .shared_fs import check_shared_resume, prepare_output_dir
 from .steps import evaluate, forward_backward_timed, rank_balance
@@ -181,6 +181,7 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
     token_counts = StepTokenCounts(train_set)
     progress = tqdm(total=total_steps, initial=state.global_step, disable=not info.is_main_process, desc=identity.name)
     first_loss = last_loss = eval_loss = None
+    choice_logged = False  # bucket_cap_mb="auto": its choice is written once
     checkpoint = None
     stopped_by = None
     saved_step = state.global_step  # a checkpoint already holds this step (the one resumed, or nothing at 0)
@@ -259,6 +260,9 @@ def _train(settings: RunSettings, info: DistInfo, stop: StopSignal) -> TrainResu
                 if isinstance(wrapped, BucketedDDP):
                     record.update(wrapped.pop_comm_stats().as_dict())
                 sink.log(record)
+                if isinstance(wrapped, BucketedDDP) and wrapped.bucket_choice is not None and not choice_logged:
+                    sink.log(bucket_choice_record(step=state.global_step, choice=wrapped.bucket_choice))
+                    choice_logged = True
                 first_loss = loss if first_loss is None else first_loss
                 last_loss = loss
                 progress.update(1)

@@ -10,6 +10,8 @@ reads those records back. A record is a flat dict whose ``type`` is one of:
   and ``comm/*``.
 * ``eval``: step, samples seen and ``eval_loss``.
 * ``stop``: the plain loop, when a signal stopped the run.
+* ``bucket_choice``: with ``bucket_cap_mb="auto"``, once, at the first optimizer step after the trial decided: the
+  caps kept, and every candidate's caps, buckets and median time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ CONFIG = "config"
 TRAIN = "train"
 EVAL = "eval"
 STOP = "stop"
+BUCKET_CHOICE = "bucket_choice"
 
 # What ``tokens`` and ``tokens_per_s`` count, on both paths (the Trainer's ``include_num_input_tokens_seen``).
 TOKENS_COUNTED = "non-padding input tokens (attention mask)"
@@ -96,6 +99,19 @@ def train_record(
 
 def eval_record(*, step: int, samples_seen: int, eval_loss: float) -> dict:
     return {"type": EVAL, "step": step, "samples_seen": samples_seen, "eval_loss": eval_loss}
+
+
+def bucket_choice_record(*, step: int, choice) -> dict:
+    """A ``bucket_choice`` record from a :class:`~ddp_ft.ddp.BucketChoice` (``BucketedDDP.bucket_choice``)."""
+    return {
+        "type": BUCKET_CHOICE,
+        "step": step,
+        "bucket_cap_mb": choice.bucket_cap_mb,
+        "first_bucket_cap_mb": choice.first_bucket_cap_mb,
+        "buckets": choice.buckets,
+        "candidates": [[c.bucket_cap_mb, c.first_bucket_cap_mb, c.buckets] for c in choice.candidates],
+        "median_ms": list(choice.medians_ms),
+    }
 
 
 def of_type(records: list[dict], kind: str) -> list[dict]:

@@ -91,6 +91,8 @@ def test_help_documents_every_setting():
         ({"comm_hook": "int8"}, "comm_hook='int8'"),
         ({"lora_dropout": 1.5}, "lora_dropout=1.5"),
         ({"compute_dtype": "fp8"}, "compute_dtype='fp8'"),
+        ({"bucket_cap_mb": "fast"}, "bucket_cap_mb='fast'"),
+        ({"bucket_cap_mb": "auto", "comm_hook": "powersgd"}, "bucket_cap_mb='auto' with comm_hook='powersgd'"),
     ],
 )
 def test_bad_settings_fail_naming_the_field(overrides, needle):
@@ -118,3 +120,13 @@ def test_the_recipes_help_lists_its_own_trainer_flag_with_the_shared_settings():
     assert run.returncode == 0, run.stderr
     assert "--trainer {hf,trl}" in run.stdout and "BucketedSFTTrainer" in run.stdout, run.stdout[:500]
     assert "--micro_batch" in run.stdout and "--preset" in run.stdout
+
+
+def test_bucket_cap_mb_takes_a_number_or_auto_on_the_command_line(capsys):
+    assert parse_settings(["--preset", "tiny", "--bucket-cap-mb", "auto"]).ddp.bucket_cap_mb == "auto"
+    assert parse_settings(["--bucket_cap_mb", "5"]).ddp.bucket_cap_mb == 5.0
+    assert settings_from_preset("tiny", bucket_cap_mb="auto").ddp.bucket_cap_mb == "auto"
+    with pytest.raises(SystemExit):
+        parse_settings(["--bucket-cap-mb", "fast"])
+    err = capsys.readouterr().err
+    assert "--bucket-cap-mb" in err and "'fast' is neither a number of MiB nor 'auto'" in err

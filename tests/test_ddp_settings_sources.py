@@ -45,6 +45,13 @@ def test_two_sources_that_disagree_are_an_error_naming_both(tmp_path):
     assert same.bucket_cap_mb == 5
 
 
+def test_auto_bucket_cap_from_ddp_ft_settings_is_kept_and_a_trainer_cap_beside_it_conflicts(tmp_path):
+    settings, sources = resolve_ddp_settings(DDPSettings(bucket_cap_mb="auto"), _args(tmp_path))
+    assert settings.bucket_cap_mb == "auto" and sources["bucket_cap_mb"] == "ddp_ft DDPSettings.bucket_cap_mb"
+    with pytest.raises(ValueError, match=r"DDPSettings.bucket_cap_mb='auto'.*TrainingArguments.ddp_bucket_cap_mb=5"):
+        resolve_ddp_settings(DDPSettings(bucket_cap_mb="auto"), _args(tmp_path, ddp_bucket_cap_mb=5))
+
+
 @pytest.mark.parametrize(
     "source",
     [

@@ -1,5 +1,6 @@
 """BucketedDDP: ddp_ft's own bucketed, overlapped DistributedDataParallel. Knows nothing of transformers."""
 
+from .autotune import BucketCandidate, BucketChoice
 from .buckets import BucketSpec, ParamSpec, compute_bucket_assignment
 from .comm_hooks import COMM_HOOKS, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .settings import COMM_HOOK_CHOICES, DDPSettings
@@ -9,6 +10,8 @@ from .wrapper import BucketedDDP
 __all__ = [
     "COMM_HOOKS",
     "COMM_HOOK_CHOICES",
+    "BucketCandidate",
+    "BucketChoice",
     "BucketSpec",
     "BucketedDDP",
     "CommStats",

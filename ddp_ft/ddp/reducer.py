@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.utils import _pytree as pytree
 from .buckets import BucketSpec
 from .comm_hooks import CommHook, allreduce_hook, wire_dtype
 from .grad_buffers import BucketBuffer
-from .stats import CommRecorder, start_timer, stop_timer
+from .stats import CommRecorder, Measurement, start_timer, stop_timer
 
 _REENTRANT_HINT = (
     "If the model uses gradient checkpointing, enable it non-reentrant: "
@@ -63,15 +64,7 @@ class Reducer:
         self.rank = dist.get_rank(process_group)
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
-        self.buckets: list[BucketBuffer] = []
-        self._slot: list[tuple[int, int]] = [(-1, -1)] * len(params)  # param index -> (bucket, position)
-        for b in layout:
-            members = [params[i] for i in b.param_indices]
-            buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-            last = b.index == len(layout) - 1
-            self.buckets.append(BucketBuffer(b.index, buffer, list(b.param_indices), members, list(b.offsets), last))
-            for pos, i in enumerate(b.param_indices):
-                self._slot[i] = (b.index, pos)
+        self._build_buckets(layout)
         # find_unused_parameters: which parameters got a gradient since the last synced backward (under no_sync
         # too), and which had none when a forward attached a zeroed bucket view. A parameter no rank used gets
         # its None back after the reduction, as torch DDP leaves it untouched.
@@ -96,6 +89,10 @@ class Reducer:
         self.unsynced_forwards = 0  # forwards with grad enabled under no_sync
         self.saw_unused = False  # find_unused_parameters: some parameter got no gradient on some rank
         self._world_size = dist.get_world_size(process_group)
+        # bucket_cap_mb="auto" while its trial runs (ddp_ft.ddp.autotune): called at the end of each synced backward
+        # with this reducer and the backward's time from reaching the output to the end of the final wait.
+        self.on_synced_backward: Callable[[Reducer, Measurement], None] | None = None
+        self._backward_timer: object = None
 
         # Per-iteration state, reset by prepare_for_backward (each forward).
         self._armed = False
@@ -113,6 +110,36 @@ class Reducer:
             for i, p in enumerate(params)
         ]
         self._release_hooks = weakref.finalize(self, _remove_handles, self._hook_handles)
+
+    def _build_buckets(self, layout: list[BucketSpec]) -> None:
+        """Zeroed flat buffers, views and GradBuckets of ``layout``, and each parameter's slot in them."""
+        self.layout = layout
+        self.buckets: list[BucketBuffer] = []
+        self._slot: list[tuple[int, int]] = [(-1, -1)] * len(self._params)  # param index -> (bucket, position)
+        for b in layout:
+            members = [self._params[i] for i in b.param_indices]
+            buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            last = b.index == len(layout) - 1
+            self.buckets.append(BucketBuffer(b.index, buffer, list(b.param_indices), members, list(b.offsets), last))
+            for pos, i in enumerate(b.param_indices):
+                self._slot[i] = (b.index, pos)
+
+    def relayout(self, layout: list[BucketSpec]) -> None:
+        """Move to the buckets of another layout of the same parameters, between iterations (never while one is
+        armed). With ``gradient_as_bucket_view`` every gradient that is not None is copied into its new view and
+        becomes it, so accumulated gradients and ``zero_grad(set_to_none=False)`` keep their values; a None stays
+        None. The parameters' hooks stay; wire bytes are recounted."""
+        if self._armed:
+            raise RuntimeError("BucketedDDP: the bucket layout can change between iterations only, not in one.")
+        self._build_buckets(layout)
+        if self.gradient_as_bucket_view:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    for p, view in zip(bucket.params, bucket.views, strict=True):
+                        if p.grad is not None:
+                            view.copy_(p.grad)
+                            p.grad = view
+        self._wire_bytes = self._bytes_on_wire()
 
     @property
     def hooks_alive(self) -> bool:
@@ -186,6 +213,8 @@ class Reducer:
         if self._armed and self._sync and not self._finalizer_queued:
             self._finalizer_queued = True
             self._pass_accumulates = accumulates
+            if self.on_synced_backward is not None:
+                self._backward_timer = start_timer(self._device)
             Variable._execution_engine.queue_callback(self._finalize_backward)
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
@@ -294,6 +323,8 @@ class Reducer:
             self._view_replaced_none = [False] * len(self._params)
         self._armed = False
         self.synced_done += 1
+        if self.on_synced_backward is not None:
+            self.on_synced_backward(self, stop_timer(self._device, self._backward_timer))
 
     def _no_gradient_yet(self) -> bool:
         return self._next_launch == 0 and all(b.pending == len(b.params) for b in self.buckets)

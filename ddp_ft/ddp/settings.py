@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .autotune import AUTO
 from .comm_hooks import COMM_HOOKS
 from .wrapper import BucketedDDP
 
@@ -21,7 +22,13 @@ COMM_HOOK_CHOICES = (*COMM_HOOKS, "powersgd")
 class DDPSettings:
     """BucketedDDP knobs (same names and meanings as torch DDP's)."""
 
-    bucket_cap_mb: float = field(default=25.0, metadata={"help": "Gradient bucket size cap in MiB."})
+    bucket_cap_mb: float | str = field(
+        default=25.0,
+        metadata={
+            "help": "Gradient bucket size cap in MiB, or 'auto': time a few layouts over the first synced steps and "
+            "keep the fastest (logged; opt-in)."
+        },
+    )
     first_bucket_cap_mb: float = field(default=1.0, metadata={"help": "Cap of the first bucket (starts comm early)."})
     gradient_as_bucket_view: bool = field(default=True, metadata={"help": "param.grad as views into the buckets."})
     find_unused_parameters: bool = field(
@@ -49,7 +56,17 @@ class DDPSettings:
                 f"powersgd_rank={self.powersgd_rank}, powersgd_start_iter={self.powersgd_start_iter}: need a rank "
                 ">= 1 and start_iter >= 2 (torch's PowerSGD needs one plain step to build its buckets' state)."
             )
+        if isinstance(self.bucket_cap_mb, str):
+            if self.bucket_cap_mb != AUTO:
+                raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: give a positive number of MiB or {AUTO!r}.")
+            if self.comm_hook == "powersgd":
+                raise ValueError(
+                    "bucket_cap_mb='auto' with comm_hook='powersgd': PowerSGD keeps its state per bucket index, which "
+                    "the trial's layout changes would scramble. Give bucket_cap_mb a number, or another comm_hook."
+                )
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
+            if name == "bucket_cap_mb" and self.bucket_cap_mb == AUTO:
+                continue
             if not getattr(self, name) > 0:  # also NaN, which would put every gradient in one bucket
                 raise ValueError(
                     f"{name}={getattr(self, name)}: must be a positive number of MiB (torch DDP's defaults: "

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .autotune import AUTO, BucketAutotuner, BucketChoice, check_comm_hook
 from .buckets import ParamSpec, compute_bucket_assignment
 from .comm_hooks import CommHook
 from .placement import device_identity, model_device
@@ -32,7 +33,8 @@ class BucketedDDP(nn.Module):
     Guarantees:
         * Layout. Trainable parameters are split into buckets in reverse registration order (the order
           backward produces gradients), by dtype and device: a pure function of the parameter list
-          (:func:`compute_bucket_assignment`), fixed for the life of the wrapper. At construction every
+          (:func:`compute_bucket_assignment`), fixed for the life of the wrapper (with ``bucket_cap_mb="auto"``, once
+          the trial has switched every rank to the same choice at the same synced backward). At construction every
           rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and SHA-256 digests
           of the frozen parameters in order, with the quant state of bitsandbytes 4-bit weights
           (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
@@ -73,7 +75,9 @@ class BucketedDDP(nn.Module):
 
     Args:
         module (nn.Module): the model; its trainable parameters are the ones with ``requires_grad``.
-        bucket_cap_mb (float): bucket size cap in MiB. Default: 25.
+        bucket_cap_mb (float | str): bucket size cap in MiB, or ``"auto"``: time a few layouts over the first synced
+            backward passes and keep the fastest, the same on every rank (:mod:`~ddp_ft.ddp.autotune`,
+            :attr:`bucket_choice`). Default: 25.
         first_bucket_cap_mb (float): cap of the first bucket, kept small so communication starts early in
             backward. Default: 1.
         gradient_as_bucket_view (bool): make ``param.grad`` a view into the bucket buffer. Default: True.
@@ -106,13 +110,14 @@ class BucketedDDP(nn.Module):
         RuntimeError: if no process group is initialised; the parameters are on several devices or not on this
             process's GPU (``device_map="auto"``), or two ranks share a GPU under NCCL
             (:mod:`~ddp_ft.ddp.placement`); the layout or frozen weights differ across ranks.
-        ValueError: if the module has no trainable parameters or a cap is not positive.
+        ValueError: if the module has no trainable parameters, a cap is not positive, or ``bucket_cap_mb`` is a
+            string other than ``"auto"``.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | str = 25.0,
         first_bucket_cap_mb: float = 1.0,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
@@ -140,9 +145,15 @@ class BucketedDDP(nn.Module):
         self._names = [name for name, _ in named]
         self._params = [p for _, p in named]
         specs = [ParamSpec.of(name, p) for name, p in named]
-        self._layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
+        if isinstance(bucket_cap_mb, str) and bucket_cap_mb != AUTO:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: give a number of MiB or {AUTO!r}.")
+        self._autotuner = BucketAutotuner(specs, first_bucket_cap_mb, process_group) if bucket_cap_mb == AUTO else None
+        if self._autotuner is not None:
+            layout = self._autotuner.initial_layout  # every candidate is a pure function of the verified specs
+        else:
+            layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
         device = model_device(module)  # one whole replica on this rank's device, or an error naming the fix
-        verify_across_ranks(module, specs, self._layout, self.world_size, process_group, device_identity(device))
+        verify_across_ranks(module, specs, layout, self.world_size, process_group, device_identity(device))
         # Fixed at construction, as torch DDP's modules_buffers.
         self._module_buffers = list(module.named_buffers())
         self._broadcast_from_rank0([*self._params, *(b for _, b in self._module_buffers)])
@@ -150,8 +161,10 @@ class BucketedDDP(nn.Module):
 
         # The per-backward half (readiness, ordered launch, finalizer, abort, unused parameters): see reducer.py.
         self._reducer = Reducer(
-            self._names, self._params, self._layout, process_group, gradient_as_bucket_view, find_unused_parameters
+            self._names, self._params, layout, process_group, gradient_as_bucket_view, find_unused_parameters
         )
+        if self._autotuner is not None:
+            self._autotuner.attach(self._reducer)
         self._hook_registered = False
         # The user's loop, checked at each optimizer step over these parameters (no_sync misuse, wasted syncs).
         self._watch = StepWatch(self)
@@ -169,7 +182,7 @@ class BucketedDDP(nn.Module):
                 "BucketedDDP: %d trainable tensors (%d elements) in %d buckets [MiB: %s], world size %d",
                 len(self._params),
                 sum(p.numel() for p in self._params),
-                len(self._layout),
+                len(layout),
                 ", ".join(sizes),
                 self.world_size,
             )
@@ -252,6 +265,7 @@ class BucketedDDP(nn.Module):
 
         Raises:
             RuntimeError: if a hook is already registered or a backward already ran.
+            ValueError: for PowerSGD with ``bucket_cap_mb="auto"`` (its state is kept per bucket index).
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
@@ -259,19 +273,26 @@ class BucketedDDP(nn.Module):
             raise RuntimeError("register_comm_hook can only be called once (a comm hook is already registered).")
         if self._reducer.any_backward:
             raise RuntimeError("register_comm_hook must be called before the first backward.")
+        if self._autotuner is not None:
+            check_comm_hook(state, hook)
         self._reducer.set_comm_hook(state, hook)
         self._hook_registered = True
 
     @property
+    def bucket_choice(self) -> BucketChoice | None:
+        """With ``bucket_cap_mb="auto"``, the candidates, their timings and the kept caps once decided; else None."""
+        return None if self._autotuner is None else self._autotuner.choice
+
+    @property
     def bucket_sizes(self) -> list[int]:
-        """Elements per bucket, in launch order."""
-        return [b.numel for b in self._layout]
+        """Elements per bucket, in launch order (the layout in use, which ``bucket_cap_mb="auto"`` changes)."""
+        return [b.numel for b in self._reducer.layout]
 
     @property
     def bucket_param_names(self) -> list[list[str]]:
         """Names of the parameters in each bucket, in launch order and buffer order: which bucket (and so which
         all-reduce) a parameter's gradient travels in, e.g. to log or check the launch order against backward."""
-        return [[self._names[i] for i in b.param_indices] for b in self._layout]
+        return [[self._names[i] for i in b.param_indices] for b in self._reducer.layout]
 
     @property
     def bucket_nbytes(self) -> list[int]:
@@ -281,7 +302,8 @@ class BucketedDDP(nn.Module):
     @property
     def bucket_buffers(self) -> list[torch.Tensor]:
         """Each bucket's flat gradient buffer, in launch order, for inspection: with ``gradient_as_bucket_view``
-        every trainable ``param.grad`` is a view into one of them. Writing to them writes the gradients."""
+        every trainable ``param.grad`` is a view into one of them. Writing to them writes the gradients. With
+        ``bucket_cap_mb="auto"`` they are new tensors after each change of layout (see :attr:`bucket_choice`)."""
         return [b.buffer for b in self._reducer.buckets]
 
     def last_comm_stats(self) -> CommStats:

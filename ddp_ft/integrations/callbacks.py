@@ -13,7 +13,7 @@ from transformers.integrations import WandbCallback
 
 from ..ddp import BucketedDDP, CommStats
 from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
-from ..records import config_record, define_step_metrics, eval_record, train_record
+from ..records import bucket_choice_record, config_record, define_step_metrics, eval_record, train_record
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class ThroughputCallback(TrainerCallback):
         self._memory: dict[str, float] = {}
         self._sink: JsonlLogger | None = None
         self._wandb_config: dict | None = None
+        self._choice_logged = False  # bucket_cap_mb="auto": its choice is written once
 
     def _reset(self) -> None:
         self._seconds = 0.0
@@ -123,6 +124,9 @@ class ThroughputCallback(TrainerCallback):
         model = self._wrapped_model() if self._wrapped_model else None
         if isinstance(model, BucketedDDP):
             self._comm = self._comm + model.pop_comm_stats()
+            if model.bucket_choice is not None and self._sink is not None and not self._choice_logged:
+                self._sink.log(bucket_choice_record(step=state.global_step, choice=model.bucket_choice))
+                self._choice_logged = True
         balance = self._step_balance() if self._step_balance else None
         if balance is not None:
             self._balances.append(balance)
