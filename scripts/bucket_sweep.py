@@ -7,7 +7,8 @@ collective with its own latency and launch cost; large buckets send fewer, bigge
 series per workload: one cap for every bucket (``first_bucket_cap_mb`` = ``bucket_cap_mb``), swept from 1/64 of the
 gradient bytes to all of them, so the number of buckets goes from one per tensor to one; and the first bucket's cap
 alone, the others at torch's 25 MiB. Plus torch DDP's defaults (25 MiB, first 1 MiB), and ``--caps`` / ``--firsts``
-for other grids (e.g. ``--caps 1 5 25 100 500`` on a large model, the reference write-up's range). A setting that
+for other grids (e.g. ``--caps 1 5 25 100 500`` on a large model, the reference write-up's range), and
+``bucket_cap_mb="auto"``, measured once its trial has chosen (its row shows the caps it kept). A setting that
 gives the same bucket layout as one before it is measured once. Every setting trains a fresh copy of the same model
 on the same batches; they are measured interleaved (``--repeats`` rounds, the order rotating). Per setting: buckets, all-reduce ms, exposed ms, overlap %, step ms and tokens/s (median and
 min..max of the repeats), as a markdown table, JSON, and a PNG of buckets against exposed communication and step time.
@@ -19,11 +20,13 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ddp_ft.ddp import ParamSpec, compute_bucket_assignment
+from ddp_ft.ddp.autotune import AUTO
 from ddp_ft.distributed import destroy_distributed
 from ddp_ft.ladder.measure import (
     WORKLOADS,
@@ -44,12 +47,14 @@ from ddp_ft.ladder.timeline import Timeline
 DEFAULT = (25.0, 1.0)  # torch DDP's (and BucketedDDP's) bucket_cap_mb, first_bucket_cap_mb
 SHARES = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)  # of the gradient bytes: the default cap grid
 FIRST_SHARES = (1 / 64, 1 / 8, 1)
+MAX_TRIAL_STEPS = 64  # bucket_cap_mb="auto" decides within 1 + 3 x 5 synced steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--caps", type=float, nargs="+", help="bucket_cap_mb values, first bucket alike (default: shares)")
     p.add_argument("--firsts", type=float, nargs="+", help="first_bucket_cap_mb values with a 25 MiB cap")
+    p.add_argument("--no-auto", action="store_true", help='leave out bucket_cap_mb="auto" (measured after its trial)')
     add_run_arguments(p, Path("bench_results/bucket_sweep.json"))
     args = p.parse_args(argv)
     check_run_arguments(p, args)
@@ -77,6 +82,19 @@ def settings_for(args: argparse.Namespace, module: torch.nn.Module) -> list[tupl
     return unique
 
 
+def describe(trainee: Trainee, setting: tuple[str, float | str, float]) -> dict:
+    """A setting's caps and the buckets they made; for ``auto``, the caps it kept and its trial."""
+    ddp = trainee.model.module
+    series, cap, first_cap = setting
+    row = {"series": series, "bucket_cap_mb": cap, "first_bucket_cap_mb": first_cap}
+    choice = ddp.bucket_choice
+    if choice is not None:
+        row |= {"bucket_cap_mb": choice.bucket_cap_mb, "first_bucket_cap_mb": choice.first_bucket_cap_mb}
+        row["auto_trial"] = {"candidates": [asdict(c) for c in choice.candidates], "medians_ms": choice.medians_ms}
+    sizes = ddp.bucket_nbytes
+    return row | {"buckets": len(sizes), "bucket_mib": [round(b / 2**20, 4) for b in sizes]}
+
+
 def round_mib(value: float) -> float:
     """Three significant digits: settings a user can type back."""
     return float(f"{value:.3g}")
@@ -86,20 +104,28 @@ def run_workload(args, setup, workload: str, model_dir: str) -> dict:
     first = load_workload(workload, model_dir, setup)
     gradient_mib = sum(p.numel() * p.element_size() for p in first.parameters() if p.requires_grad) / 2**20
     settings = settings_for(args, first)
-    trainees, described = [], {}
+    if not args.no_auto:
+        settings.append(("auto", AUTO, DEFAULT[1]))
+    trainees = []
     for i, (series, cap, first_cap) in enumerate(settings):
-        label = f"{series}: cap {cap:g} / first {first_cap:g}"
         timeline = Timeline()
         module = first if i == 0 else load_workload(workload, model_dir, setup)
         model = Bucketed(module, timeline, bucket_cap_mb=cap, first_bucket_cap_mb=first_cap)
+        label = (
+            f"{series}: cap {cap} / first {first_cap:g}"
+            if series == "auto"
+            else f"{series}: cap {cap:g} / first {first_cap:g}"
+        )
         trainees.append(Trainee.of(label, model, timeline))
-        sizes = model.module.bucket_nbytes
-        described[label] = {"series": series, "bucket_cap_mb": cap, "first_bucket_cap_mb": first_cap}
-        described[label] |= {"buckets": len(sizes), "bucket_mib": [round(b / 2**20, 4) for b in sizes]}
     stepper = Stepper(setup, token_batches(setup, args.vocab_size, args.seq_len, args.micro_batch), args.grad_accum)
-    for trainee in trainees:
+    for trainee, (_, cap, _) in zip(trainees, settings, strict=True):
         for _ in range(args.warmup):
             stepper.step(trainee)
+        for _ in range(MAX_TRIAL_STEPS if cap == AUTO else 0):  # "auto" is measured after its trial has chosen
+            if trainee.model.module.bucket_choice is not None:
+                break
+            stepper.step(trainee)
+    described = {t.name: describe(t, settings[i]) for i, t in enumerate(trainees)}
 
     def progress(done: int) -> None:
         if setup.info.is_main_process:

@@ -149,7 +149,7 @@ def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_eac
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_bucket_sweep_measures_one_setting_per_distinct_layout_with_its_bucket_count(tmp_path):
+def test_bucket_sweep_measures_one_setting_per_distinct_layout_and_auto_after_its_trial(tmp_path):
     out = tmp_path / "sweep.json"
     command = [
         str(Path(sys.executable).with_name("torchrun")),
@@ -166,7 +166,11 @@ def test_bucket_sweep_measures_one_setting_per_distinct_layout_with_its_bucket_c
     assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
     rows = json.loads(out.read_text())["workloads"]["full"]["settings"]
     # first 1000 with cap 25 makes the same single bucket as cap 1000: measured once
-    caps = sorted((r["bucket_cap_mb"], r["first_bucket_cap_mb"]) for r in rows.values())
+    auto = [r for r in rows.values() if r["series"] == "auto"]
+    assert len(auto) == 1 and len(auto[0]["auto_trial"]["candidates"]) > 1, auto
+    kept = {(c["bucket_cap_mb"], c["first_bucket_cap_mb"]) for c in auto[0]["auto_trial"]["candidates"]}
+    assert (auto[0]["bucket_cap_mb"], auto[0]["first_bucket_cap_mb"]) in kept  # measured after choosing
+    caps = sorted((r["bucket_cap_mb"], r["first_bucket_cap_mb"]) for r in rows.values() if r["series"] != "auto")
     assert caps == [(0.01, 0.01), (1.0, 1.0), (25.0, 1.0), (1000.0, 1000.0)], caps
     buckets = {(r["bucket_cap_mb"], r["first_bucket_cap_mb"]): r["buckets"] for r in rows.values()}
     assert buckets[(1000.0, 1000.0)] == 1 and buckets[(0.01, 0.01)] > buckets[(1.0, 1.0)] > 1
