@@ -52,7 +52,7 @@ bucket-sweep: install
 # All-reduce from 4 KiB to 256 MiB through the backend and through the ring (ddp_ft.ladder.ring), 2 ranks: time,
 # algbw and busbw per size, and the smallest size near the peak busbw, a floor for bucket_cap_mb (table, JSON, PNG).
 bench-comm: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_comm.py --out bench_results/bench_comm.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_comm.py --out bench_results/bench_comm.json
 
 # End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
 # alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).

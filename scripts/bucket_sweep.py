@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -135,6 +136,10 @@ def run_workload(args, setup, workload: str, model_dir: str) -> dict:
     tokens = setup.info.world_size * args.micro_batch * args.seq_len * args.grad_accum
     rows = gathered_rows(trainees, tokens)
     rows = {label: described[label] | row for label, row in rows.items()}
+    default = next(row for row in rows.values() if row["series"] == "default")["tokens_per_s_all_repeats"]
+    for row in rows.values():  # each repeat ran every setting back to back: the paired ratio cancels slow drift
+        paired = [a / d for a, d in zip(row["tokens_per_s_all_repeats"], default, strict=True)]
+        row["vs_default_paired"] = {"median": statistics.median(paired), "range": [min(paired), max(paired)]}
     return {"description": WORKLOADS[workload], "trainable_mib": gradient_mib, "settings": rows}
 
 

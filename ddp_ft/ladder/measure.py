@@ -108,11 +108,12 @@ class Trainee:
     optimizer: torch.optim.Optimizer
     steps: list[StepBreakdown]
     seconds: list[float]  # wall time of each measured block of steps, slowest rank
+    block_steps: list[int]  # optimizer steps in each block
 
     @classmethod
     def of(cls, name: str, model: Rung, timeline: Timeline) -> Trainee:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        return cls(name, model, timeline, optimizer, [], [])
+        return cls(name, model, timeline, optimizer, [], [], [])
 
 
 class Stepper:
@@ -134,41 +135,38 @@ class Stepper:
         trainee.optimizer.zero_grad(set_to_none=True)
 
     def measure(self, trainee: Trainee, steps: int) -> None:
-        """``steps`` timed optimizer steps, each split by the timeline (CPU) or the profiler's device trace (CUDA)."""
+        """``steps`` timed optimizer steps, each split by the timeline (CPU). On CUDA the timed steps run without the
+        profiler, whose tracing would slow them, and one more step, untimed, is split by the profiler's device trace.
+        """
         device = self.setup.info.device
         synchronize(device)
         dist.barrier()
         start = time.perf_counter()
-        if device.type == "cuda":
-            trainee.steps += self._profiled(trainee, steps)
-        else:
-            for _ in range(steps):
-                trainee.timeline.step()
-                self.step(trainee)
+        for _ in range(steps):
+            trainee.timeline.step()
+            self.step(trainee)
+            if device.type != "cuda":
                 trainee.steps.append(trainee.timeline.close())
         synchronize(device)
         elapsed = torch.tensor(time.perf_counter() - start, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         trainee.seconds.append(elapsed.item())
+        trainee.block_steps.append(steps)
+        if device.type == "cuda":
+            trainee.steps.append(self._profiled_step(trainee))
 
-    def _profiled(self, trainee: Trainee, steps: int) -> list[StepBreakdown]:
+    def _profiled_step(self, trainee: Trainee) -> StepBreakdown:
         from torch.profiler import ProfilerActivity, profile, record_function
 
-        counts = []
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                trainee.timeline.step()
-                with record_function("ladder_step"):
-                    self.step(trainee)
-                    synchronize(self.setup.info.device)
-                counts.append((trainee.timeline.calls, trainee.timeline.nbytes))
+            trainee.timeline.step()
+            with record_function("ladder_step"):
+                self.step(trainee)
+                synchronize(self.setup.info.device)
         events = prof.events()
         compute, comm = profiled_intervals(events)
-        windows = sorted((e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events if e.name == "ladder_step")
-        return [
-            StepBreakdown.from_device(window, compute, comm, calls, nbytes)
-            for window, (calls, nbytes) in zip(windows, counts, strict=True)
-        ]
+        (window,) = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events if e.name == "ladder_step"]
+        return StepBreakdown.from_device(window, compute, comm, trainee.timeline.calls, trainee.timeline.nbytes)
 
 
 def interleave(stepper: Stepper, trainees: list[Trainee], repeats: int, steps: int, progress: Callable) -> None:
@@ -200,8 +198,7 @@ def gathered_rows(trainees: list[Trainee], tokens_per_step: int) -> dict[str, di
     rows = {}
     for trainee in trainees:
         steps = [s for rank in every for s in rank[trainee.name]]
-        per_repeat = len(trainee.steps) // max(1, len(trainee.seconds))
-        rates = [tokens_per_step * per_repeat / s for s in trainee.seconds]
+        rates = [tokens_per_step * n / s for n, s in zip(trainee.block_steps, trainee.seconds, strict=True)]
         rows[trainee.name] = summarize(steps) | {
             "tokens_per_s": statistics.median(rates),
             "tokens_per_s_range": [min(rates), max(rates)],

@@ -75,8 +75,8 @@ def sweep_table(rows: dict[str, dict]) -> str:
     fastest = min(rows, key=lambda label: rows[label]["step_ms"])
     lines = [
         "| series | bucket_cap_mb | first_bucket_cap_mb | buckets | all-reduce ms | exposed ms | overlap % | step ms "
-        "| tokens/s (min..max) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens/s (min..max) | tokens/s / default, paired (min..max) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label in sorted(rows, key=lambda label: (-rows[label]["buckets"], label)):
         row = rows[label]
@@ -85,9 +85,14 @@ def sweep_table(rows: dict[str, dict]) -> str:
         lines.append(
             f"| {row['series']} | {row['bucket_cap_mb']:g} | {row['first_bucket_cap_mb']:g} | {row['buckets']} "
             f"| {row['allreduce_ms']:.1f} | {row['exposed_ms']:.1f} | {_pct(row['overlap_pct'])} | {step} "
-            f"| {row['tokens_per_s']:.0f} ({lo:.0f}..{hi:.0f}) |"
+            f"| {row['tokens_per_s']:.0f} ({lo:.0f}..{hi:.0f}) | {_paired(row['vs_default_paired'])} |"
         )
     return "\n".join(lines)
+
+
+def _paired(ratio: dict) -> str:
+    lo, hi = ratio["range"]
+    return f"{ratio['median']:.3f} ({lo:.3f}..{hi:.3f})"
 
 
 def plot_sweep(results: dict[str, dict], path: Path) -> Path:
