@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_ft.bench import ComputeSetup, ExposedWaitProbe, compute_setup, synchronize
+from ddp_ft.bench import ComputeSetup, ExposedWaitProbe, compute_setup, cpu_name, synchronize
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed
 from ddp_ft.model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
@@ -231,16 +230,6 @@ def pool(files: list[Path]) -> None:
         f"(95% CI {lo:.4f}..{hi:.4f}), mean {statistics.mean(paired):.4f}, "
         f"{sum(r >= 1 for r in paired)} of {len(paired)} repeats >= 1"
     )
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "CPU"
 
 
 def report(args, setup: ComputeSetup, samples, comm, exposed_ms, layouts, tokens_per_rank_step) -> None:

@@ -17,7 +17,6 @@ min..max of the repeats), as a markdown table, JSON, and a PNG of buckets agains
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,6 @@ import torch
 
 from ddp_ft.ddp import ParamSpec, compute_bucket_assignment
 from ddp_ft.ddp.autotune import AUTO
-from ddp_ft.distributed import destroy_distributed
 from ddp_ft.ladder.measure import (
     WORKLOADS,
     Stepper,
@@ -38,10 +36,10 @@ from ddp_ft.ladder.measure import (
     gathered_rows,
     interleave,
     load_workload,
-    start_run,
+    run_each_workload,
     token_batches,
 )
-from ddp_ft.ladder.report import hardware, plot_sweep, sweep_table
+from ddp_ft.ladder.report import plot_sweep, sweep_table, workload_heading, write_results
 from ddp_ft.ladder.rungs import Bucketed
 from ddp_ft.ladder.timeline import Timeline
 
@@ -143,41 +141,13 @@ def run_workload(args, setup, workload: str, model_dir: str) -> dict:
     return {"description": WORKLOADS[workload], "trainable_mib": gradient_mib, "settings": rows}
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup, model_dir = start_run(args)
-    try:
-        results = {w: run_workload(args, setup, w, model_dir) for w in args.workloads}
-        if setup.info.is_main_process:
-            write(args, setup, results)
-    finally:
-        destroy_distributed()
-
-
 def write(args, setup, results: dict) -> None:
-    where = hardware(setup, args.threads)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    doc = {"hardware": where, "backend": setup.backend, "torch": torch.__version__, "settings": settings}
-    doc["workloads"] = results
-    header = (
-        f"Bucket sweep on {where}, {setup.describe()}; per optimizer step of {args.grad_accum} micro-steps x "
-        f"{args.micro_batch} x {args.seq_len} tokens per rank; medians over {args.repeats} rounds x {args.steps} steps"
-    )
-    tables = [
-        f"### {w}: {r['description']} ({r['trainable_mib']:.2f} MiB of gradients)\n\n{sweep_table(r['settings'])}"
-        for w, r in results.items()
-    ]
-    text = header + "\n\n" + "\n\n".join(tables)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2))
-    args.out.with_suffix(".md").write_text(text + "\n")
-    png = plot_sweep(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {png}")
+    tables = [f"{workload_heading(w, r)}\n\n{sweep_table(r['settings'])}" for w, r in results.items()]
+    write_results(args, setup, results, "Bucket sweep", tables, plot_sweep)
 
 
 if __name__ == "__main__":
-    main()
+    run_each_workload(parse_args(), run_workload, write)
     sys.stdout.flush()  # written: leave without interpreter finalization (see scripts/ladder.py)
     sys.stderr.flush()
     os._exit(0)

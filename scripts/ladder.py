@@ -15,14 +15,10 @@ the table (``.md``) and a PNG beside ``--out``. How each column is measured on C
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-import torch
-
-from ddp_ft.distributed import destroy_distributed
 from ddp_ft.ladder.measure import (
     WORKLOADS,
     Stepper,
@@ -33,10 +29,10 @@ from ddp_ft.ladder.measure import (
     interleave,
     load_workload,
     max_parameter_difference,
-    start_run,
+    run_each_workload,
     token_batches,
 )
-from ddp_ft.ladder.report import hardware, ladder_table, plot_ladder
+from ddp_ft.ladder.report import ladder_table, plot_ladder, workload_heading, write_results
 from ddp_ft.ladder.rungs import RUNGS, build_rung
 from ddp_ft.ladder.timeline import Timeline
 
@@ -87,46 +83,19 @@ def run_workload(args, setup, workload: str, model_dir: str) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    setup, model_dir = start_run(args)
-    try:
-        results = {w: run_workload(args, setup, w, model_dir) for w in args.workloads}
-        if setup.info.is_main_process:
-            write(args, setup, results)
-    finally:
-        destroy_distributed()
-
-
 def write(args, setup, results: dict) -> None:
-    where = hardware(setup, args.threads)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    doc = {"hardware": where, "backend": setup.backend, "torch": torch.__version__, "settings": settings}
-    doc["workloads"] = results
     tables = []
     for workload, result in results.items():
         worst = max(result["max_parameter_difference_after_warmup"].values())
         tables.append(
-            f"### {workload}: {result['description']} ({result['trainable_mib']:.2f} MiB of gradients)\n\n"
-            f"{ladder_table(result['rungs'])}\n\nAfter {args.warmup} warm-up steps every rung's weights are within "
-            f"{worst:.1e} of {RUNGS[args.rungs[-1]].title}'s."
+            f"{workload_heading(workload, result)}\n\n{ladder_table(result['rungs'])}\n\nAfter {args.warmup} warm-up "
+            f"steps every rung's weights are within {worst:.1e} of {RUNGS[args.rungs[-1]].title}'s."
         )
-    header = (
-        f"DDP ladder on {where}, {setup.describe()}; per optimizer step of {args.grad_accum} micro-steps x "
-        f"{args.micro_batch} x {args.seq_len} tokens per rank; medians over {args.repeats} rounds x {args.steps} steps "
-        f"x {setup.info.world_size} ranks"
-    )
-    text = header + "\n\n" + "\n\n".join(tables)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2))
-    args.out.with_suffix(".md").write_text(text + "\n")
-    png = plot_ladder(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {png}")
+    write_results(args, setup, results, "DDP ladder", tables, plot_ladder)
 
 
 if __name__ == "__main__":
-    main()
+    run_each_workload(parse_args(), run_workload, write)
     # Written: leave without interpreter finalization (see scripts/bench_ddp.py): a gloo thread releasing a future's
     # callback while the interpreter shuts down would abort a finished run.
     sys.stdout.flush()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ddp_ft.bench import build_random_qwen3
+from ddp_ft.bench import build_random_qwen3, cpu_name
 from ddp_ft.distributed import DistInfo
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
@@ -34,14 +33,6 @@ from ddp_ft.steps import forward_backward
 
 LAYOUTS = {"upcast": True, "kept": False}  # name -> upcast_frozen_weights
 SLACK_BYTES = 64 * 1024  # the step's small tensors (token ids, labels, norm statistics, loss scalars) are not modelled
-
-
-def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def parse_args() -> argparse.Namespace:

@@ -105,21 +105,26 @@ def test_rungs_match_the_global_batch_unless_they_pair_gradients_by_hook_firing_
                 assert routed[name] < 1e-6, f"rank {rank}: {name} differs from the global batch by {routed[name]}"
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_each_sends(tmp_path):
-    out = tmp_path / "ladder.json"
+def _run_script(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` under torchrun, 2 ranks, on a tiny shape (sequence 16, vocabulary 512); fails on a non-zero exit."""
     command = [
         str(Path(sys.executable).with_name("torchrun")),
         "--standalone",
         "--nproc_per_node=2",
-        str(ROOT / "scripts" / "ladder.py"),
-        *("--repeats", "2", "--steps", "1", "--seq-len", "16", "--micro-batch", "1", "--vocab-size", "512"),
-        *("--out", str(out)),
+        str(ROOT / "scripts" / script),
+        *("--seq-len", "16", "--micro-batch", "1", "--vocab-size", "512", *args),
     ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_each_sends(tmp_path):
+    out = tmp_path / "ladder.json"
+    run = _run_script(tmp_path, "ladder.py", "--repeats", "2", "--steps", "1", "--out", str(out))
     assert "| BucketedDDP (ddp_ft) |" in run.stdout and "| torch DDP |" in run.stdout
     result = json.loads(out.read_text())
     assert set(result["workloads"]) == {"qlora", "full"}
@@ -151,19 +156,8 @@ def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_eac
 @pytest.mark.slow
 def test_bucket_sweep_measures_one_setting_per_distinct_layout_and_auto_after_its_trial(tmp_path):
     out = tmp_path / "sweep.json"
-    command = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "scripts" / "bucket_sweep.py"),
-        *("--workloads", "full", "--repeats", "1", "--steps", "1", "--warmup", "1"),
-        *("--seq-len", "16", "--micro-batch", "1", "--vocab-size", "512"),
-        *("--caps", "0.01", "1", "1000", "--firsts", "1000"),
-        *("--out", str(out)),
-    ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, f"stdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-4000:]}"
+    args = ("--workloads", "full", "--repeats", "1", "--steps", "1", "--warmup", "1", "--out", str(out))
+    _run_script(tmp_path, "bucket_sweep.py", *args, "--caps", "0.01", "1", "1000", "--firsts", "1000")
     rows = json.loads(out.read_text())["workloads"]["full"]["settings"]
     # first 1000 with cap 25 makes the same single bucket as cap 1000: measured once
     auto = [r for r in rows.values() if r["series"] == "auto"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..bench import ComputeSetup, compute_setup, synchronize
-from ..distributed import DEVICE_CHOICES, setup_logging
+from ..distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
 from ..model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 from ..precision import DTYPES
 from .rungs import Rung, accumulate
@@ -71,6 +71,18 @@ def start_run(args: argparse.Namespace) -> tuple[ComputeSetup, str]:
         build_tiny_qwen3(model_dir, vocab_size=args.vocab_size, seed=0)
     dist.barrier()
     return setup, str(model_dir)
+
+
+def run_each_workload(args: argparse.Namespace, run_workload: Callable, write: Callable) -> None:
+    """Join the group, ``run_workload(args, setup, workload, model_dir)`` for each of ``args.workloads``, and
+    ``write(args, setup, results)`` on rank 0; every rank tears the group down, also on failure."""
+    setup, model_dir = start_run(args)
+    try:
+        results = {w: run_workload(args, setup, w, model_dir) for w in args.workloads}
+        if setup.info.is_main_process:
+            write(args, setup, results)
+    finally:
+        destroy_distributed()
 
 
 def load_workload(name: str, model_dir: str, setup: ComputeSetup) -> nn.Module:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +18,30 @@ def hardware(setup, threads: int) -> str:
     if info.device.type == "cuda":
         return f"{info.world_size} x {torch.cuda.get_device_name(info.device)}, {setup.backend}"
     return f"{cpu_name()}, {info.world_size} ranks x {threads} thread(s), {setup.backend}"
+
+
+def write_results(args, setup, results: dict, title: str, tables: list[str], plot: Callable) -> None:
+    """Print ``title``'s header and ``tables``; write the JSON (settings, hardware, ``results``) to ``args.out``, the
+    markdown beside it, and ``plot(results, path)``'s PNG."""
+    where = hardware(setup, args.threads)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    doc = {"hardware": where, "backend": setup.backend, "torch": torch.__version__, "settings": settings}
+    header = (
+        f"{title} on {where}, {setup.describe()}; per optimizer step of {args.grad_accum} micro-steps x "
+        f"{args.micro_batch} x {args.seq_len} tokens per rank; medians over {args.repeats} rounds x {args.steps} steps "
+        f"x {setup.info.world_size} ranks"
+    )
+    text = header + "\n\n" + "\n\n".join(tables)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc | {"workloads": results}, indent=2))
+    args.out.with_suffix(".md").write_text(text + "\n")
+    png = plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {args.out}, {args.out.with_suffix('.md')}, {png}")
+
+
+def workload_heading(workload: str, result: dict) -> str:
+    return f"### {workload}: {result['description']} ({result['trainable_mib']:.2f} MiB of gradients)"
 
 
 def _pct(value: float | None) -> str:
