@@ -1,4 +1,4 @@
-"""scripts/bench_e2e.py's launches and table (the benchmark itself runs minutes; its numbers are in the README)."""
+"""scripts/bench_e2e.py's launches and table (the benchmark itself runs minutes; its numbers are in docs/performance.md)."""
 
 import importlib.util
 import json

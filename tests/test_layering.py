@@ -1,11 +1,11 @@
-"""Imports only point down: each module of ddp_ft imports only from the layers below its own (README, Layout)."""
+"""Imports only point down: each module of ddp_ft imports only from the layers below its own (docs/design.md, Layout)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ddp_ft"
 
-# Lowest first; the README's layout table states the same floors. A module may import from any layer below its own,
+# Lowest first; the layout table of docs/design.md states the same floors. A module may import from any layer below its own,
 # and within its own layer without a cycle.
 LAYERS = [
     {"ddp_ft.ddp", "ddp_ft.precision", "ddp_ft.distributed", "ddp_ft.preemption", "ddp_ft.records", "ddp_ft.synthetic"},
@@ -80,7 +80,7 @@ def _graph() -> dict[str, set[str]]:
 def test_every_module_imports_only_from_layers_below_its_own():
     graph = _graph()
     unplaced = [m for m in graph if m != "ddp_ft" and _unit(m) is None]
-    assert not unplaced, f"modules missing from LAYERS (and the README's layout table): {unplaced}"
+    assert not unplaced, f"modules missing from LAYERS (and the layout table of docs/design.md): {unplaced}"
     upward = [
         f"{module} -> {target}"
         for module, targets in graph.items()
