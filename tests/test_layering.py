@@ -21,7 +21,7 @@ LAYERS = [
         "ddp_ft.integrations.checkpointing",
     },
     {"ddp_ft.config", "ddp_ft.checkpoint", "ddp_ft.shared_fs", "ddp_ft.ladder"},
-    {"ddp_ft.setup", "ddp_ft.report"},
+    {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded"},
     {
         "ddp_ft.loop",
         "ddp_ft.steps",
