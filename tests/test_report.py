@@ -241,16 +241,25 @@ def test_wandb_mode_is_offline_without_an_api_key_and_respects_wandb_mode(env, m
     assert resolve_wandb_mode(env) == mode
 
 
-def test_log_report_to_wandb_writes_an_offline_run(tmp_path, monkeypatch):
+def test_log_report_to_wandb_writes_an_offline_run_and_says_once_how_to_sync_it(tmp_path, monkeypatch, capfd, caplog):
+    """wandb's own banner, run summary and sync hint are silenced; one log line names the run and the sync command."""
     report = write_report(write_run(tmp_path / "a", single_run()), write_run(tmp_path / "b", ddp_run()), tmp_path)
     for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    log_report_to_wandb(report, report["files"]["png"], project="ddp-ft-test", group="tiny")
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="ddp_ft.report"):
+        log_report_to_wandb(report, report["files"]["png"], project="ddp-ft-test", group="tiny")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    out = capfd.readouterr()
+    assert "wandb" not in out.out + out.err, out
+    hints = [r.getMessage() for r in caplog.records if "wandb sync" in r.getMessage()]
+    assert hints == [
+        f"to upload it and the training runs logged to the same WANDB_DIR: wandb sync {tmp_path}/wandb/offline-run-*"
+    ]
 
 
 def test_log_report_to_wandb_warns_and_returns_without_wandb(tmp_path, monkeypatch, caplog):
