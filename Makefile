@@ -24,16 +24,24 @@ lint: install
 # The main job on the embedded default (tiny Qwen3, synthetic AMI-like data) with the HF Trainer + BucketedDDP:
 # one process, then two (gloo), then two independent single processes side by side (no communication: the limit
 # two devices allow), then the comparison (table, PNG, wandb). One thread per process: the CPU analogue of one GPU
-# per process, so the single run is a fair baseline.
-DEMO_RUN = WANDB_DIR=runs/demo OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch
+# per process, so the single run is a fair baseline. Quiet on purpose: one progress bar per run (rank 0's; the second
+# independent run writes to runs/demo/alone1.log), wandb silent (the comparison says once where its runs are and how
+# to sync them), no dataset or weight-loading progress bars; warnings still show.
+DEMO_ENV = WANDB_DIR=runs/demo WANDB_SILENT=true HF_DATASETS_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+DEMO_RUN = $(DEMO_ENV) OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch
 demo: install
-	rm -rf runs/demo
-	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/single --wandb-group demo
-	$(DEMO_RUN) --config_file accelerate_configs/2cpu_gloo.yaml recipes/qwen_ami.py --output-dir runs/demo/ddp --wandb-group demo
-	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/alone0 --report-to none & \
-	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/alone1 --report-to none; \
-	status=$$?; wait $$! && exit $$status
-	WANDB_DIR=runs/demo $(PY) scripts/compare.py runs/demo/single runs/demo/ddp --independent runs/demo/alone0 runs/demo/alone1 \
+	@rm -rf runs/demo && mkdir -p runs/demo
+	@echo "== 1/4: one process"
+	@$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/single --wandb-group demo
+	@echo "== 2/4: two processes, BucketedDDP over gloo"
+	@$(DEMO_RUN) --config_file accelerate_configs/2cpu_gloo.yaml recipes/qwen_ami.py --output-dir runs/demo/ddp --wandb-group demo
+	@echo "== 3/4: two independent single processes side by side (the second's output: runs/demo/alone1.log)"
+	@$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/alone0 --report-to none & \
+	$(DEMO_RUN) --config_file accelerate_configs/single.yaml recipes/qwen_ami.py --output-dir runs/demo/alone1 --report-to none \
+		> runs/demo/alone1.log 2>&1; \
+	status=$$?; [ $$status -eq 0 ] || tail -n 30 runs/demo/alone1.log; wait $$! && exit $$status
+	@echo "== 4/4: the comparison"
+	@$(DEMO_ENV) $(PY) scripts/compare.py runs/demo/single runs/demo/ddp --independent runs/demo/alone0 runs/demo/alone1 \
 		--out runs/demo/comparison --wandb-project ddp_ft --wandb-group demo
 
 bench: install

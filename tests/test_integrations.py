@@ -67,6 +67,8 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     ddp = _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(tmp_path / "recipe-ddp"), *data)
     assert "preset tiny (no CUDA" in ddp.stderr
     assert "wrapped the model in BucketedDDP" in ddp.stderr and "DistributedDataParallel(" not in ddp.stderr
+    # one progress bar with the loss on it, not every log dict printed under it
+    assert "{'loss'" not in ddp.stdout + ddp.stderr and "loss=" in ddp.stderr
 
     from safetensors import safe_open
 
@@ -143,6 +145,48 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert (out / "comparison.png").read_bytes()[:4] == b"\x89PNG"
     report = json.loads((out / "comparison.json").read_text())
     assert report
+
+
+def test_the_recipe_s_progress_bar_shows_the_loss_and_tokens_per_s_and_prints_no_log_dicts():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import ProgressCallback
+
+    from ddp_ft.integrations.callbacks import StepProgressCallback, with_step_progress
+
+    class Bar:
+        postfix, written = None, []
+
+        def set_postfix(self, postfix, refresh=True):
+            self.postfix = postfix
+
+        def write(self, text):
+            self.written.append(text)
+
+    callback, state = StepProgressCallback(), TrainerState(is_world_process_zero=True)
+    callback.training_bar = bar = Bar()
+    args, control = TrainingArguments(output_dir="unused", use_cpu=True), TrainerControl()
+    callback.on_log(args, state, control, logs={"loss": 6.54321, "tokens_per_s": 4293.5, "grad_norm": 0.5})
+    assert bar.postfix == {"loss": "6.5432", "tok_s": "4294"} and bar.written == []
+    callback.on_log(args, state, control, logs={"train_runtime": 8.7})  # the end-of-training summary: no line either
+    assert bar.written == []
+    callback.on_prediction_step(args, state, control, eval_dataloader=[1, 2])  # evaluation: no second bar
+    assert callback.prediction_bar is None
+
+    class Trainer:  # pop_callback / add_callback as transformers' Trainer has them
+        def __init__(self, callbacks):
+            self.callbacks = callbacks
+
+        def pop_callback(self, kind):
+            found = next((c for c in self.callbacks if isinstance(c, kind)), None)
+            self.callbacks = [c for c in self.callbacks if c is not found]
+            return found
+
+        def add_callback(self, callback):
+            self.callbacks.append(callback)
+
+    rank0 = with_step_progress(Trainer([ProgressCallback()]))
+    assert [type(c) for c in rank0.callbacks] == [StepProgressCallback]
+    assert with_step_progress(Trainer([])).callbacks == []  # disable_tqdm off rank 0: no bar to replace
 
 
 @pytest.mark.faults

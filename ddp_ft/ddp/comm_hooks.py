@@ -6,9 +6,12 @@ offering the methods torch's ``dist.GradBucket`` offers (``buffer()``, ``index()
 ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, work unchanged. The
 future's value is the averaged flat gradient; BucketedDDP copies it into the bucket if it is another
 tensor.
-"""
 
-from __future__ import annotations
+The hooks carry torch's own annotations (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``) as
+objects, not strings (no ``from __future__ import annotations`` here): torch DDP's ``register_comm_hook`` compares
+them and refuses anything else, so each of ours registers on torch DDP too. BucketedDDP hands them its own
+:class:`GradBucket`, which has the same methods.
+"""
 
 from collections.abc import Callable
 
@@ -74,42 +77,64 @@ def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def _result(bucket: dist.GradBucket, future: torch.futures.Future) -> torch.futures.Future[torch.Tensor]:
+    """The hook's future for whoever called it. BucketedDDP takes the collective's own future (its value is
+    ``[tensor]``) and unpacks and decompresses it after the wait, so no Python runs on the communication thread;
+    torch's reducer wants a future of the bucket's tensor, so there a callback unpacks it into ``bucket.buffer()``,
+    as torch's own hooks do."""
+    if isinstance(bucket, GradBucket):
+        return future
+    buffer = bucket.buffer()
+
+    def into_buffer(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        return reduced if reduced.data_ptr() == buffer.data_ptr() else buffer.copy_(reduced)
+
+    return future.then(into_buffer)
+
+
+def allreduce_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket across ranks (the default).
 
     NCCL averages natively (``ReduceOp.AVG``). gloo has no AVG: the buffer is divided by the world size, then
-    summed, as torch DDP's reducer does; dividing first keeps 16-bit sums from overflowing. No Python runs on
-    the communication thread: the future is the collective's own (its value is ``[buffer]``).
+    summed, as torch DDP's reducer does; dividing first keeps 16-bit sums from overflowing. Under BucketedDDP no
+    Python runs on the communication thread: the future is the collective's own (its value is ``[buffer]``).
     """
     group = _group(process_group)
     buffer = bucket.buffer()
     if dist.get_backend(group) == "nccl":
-        return dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future()
+        return _result(bucket, dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True).get_future())
     buffer.div_(dist.get_world_size(group))
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
+    return _result(bucket, dist.all_reduce(buffer, group=group, async_op=True).get_future())
 
 
-def bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def bf16_compress_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Average in bfloat16: half the bytes on the wire, bf16 precision (8 bits of mantissa)."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
-def fp16_compress_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+def fp16_compress_hook(
+    process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Average in float16: half the bytes on the wire; divides before the sum against overflow."""
     return _compress_hook(torch.float16, process_group, bucket)
 
 
 def _compress_hook(
-    dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: GradBucket
-) -> torch.futures.Future:
+    dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Sum ``bucket``'s buffer, cast to ``dtype`` and divided by the world size, across ranks.
 
-    The future's value is ``[compressed]``; BucketedDDP copies it back into the buffer (decompressing) after the
-    wait, so no Python runs on the communication thread.
+    Under BucketedDDP the future's value is ``[compressed]``, copied back into the buffer (decompressing) after the
+    wait, so no Python runs on the communication thread; under torch DDP a callback does that copy.
     """
     group = _group(process_group)
     compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future()
+    return _result(bucket, dist.all_reduce(compressed, group=group, async_op=True).get_future())
 
 
 COMM_HOOKS: dict[str, CommHook] = {

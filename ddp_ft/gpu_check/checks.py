@@ -68,18 +68,24 @@ def _batch(seed: int, vocab: int, shape: tuple[int, int], device: torch.device) 
     return torch.randint(0, vocab, shape, generator=g).to(device)
 
 
-def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list[Check]:
-    """``grads_equal_torch_ddp`` and ``no_sync``: both DDPs, one no_sync micro-step and one synced."""
-    info, precision = setup.info, setup.precision
+def _model_pair(model_path: str, setup) -> list:
+    """Two identical LoRA models with non-zero ``lora_B`` (at zero, every lora_A gradient would be zero)."""
     models = []
     for _ in range(2):
         model = _build(model_path, setup, lora_dropout=0.0)  # dropout would draw different masks in the two copies
-        with torch.no_grad():  # LoRA B starts at zero, which would leave every lora_A gradient zero
+        with torch.no_grad():
             g = torch.Generator().manual_seed(1)
             for name, p in model.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         models.append(model)
+    return models
+
+
+def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list[Check]:
+    """``grads_equal_torch_ddp`` and ``no_sync``: both DDPs, one no_sync micro-step and one synced."""
+    info, precision = setup.info, setup.precision
+    models = _model_pair(model_path, setup)
     cap, first_cap = COMPARE_CAPS_MB
     ours = BucketedDDP(models[0], bucket_cap_mb=cap, first_bucket_cap_mb=first_cap)
     device_ids = [info.device.index] if info.device.type == "cuda" else None
@@ -107,7 +113,14 @@ def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list
     theirs_grads = [p.grad for p in theirs.module.parameters() if p.requires_grad]
     if inject and info.rank == info.world_size - 1:
         ours_grads[0].add_(ours_grads[0].abs().max())
+    buckets = len(ours.bucket_sizes)
+    grads = _grads_check(trainable, ours_grads, theirs_grads, buckets, info, precision)
+    ours.remove_hooks()
+    return [grads, _no_sync_check(quiet, step, buckets, differ)]
 
+
+def _grads_check(trainable: list[str], ours_grads, theirs_grads, buckets: int, info, precision) -> Check:
+    """``grads_equal_torch_ddp``: BucketedDDP's gradients against torch DDP's, tensor by tensor, and across ranks."""
     rtol, atol_fraction = GRAD_TOL[precision.name]
     worst, worst_name, bitwise, problems = 0.0, "", True, []
     for name, g_ours, g_theirs in zip(trainable, ours_grads, theirs_grads, strict=True):
@@ -128,8 +141,6 @@ def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list
         same_on_ranks = all(torch.equal(copies[0], c) for c in copies[1:])
         if not same_on_ranks:
             problems.append("BucketedDDP's gradients differ across ranks after the synced backward")
-    buckets = len(ours.bucket_sizes)
-    ours.remove_hooks()
     equal = "bitwise equal" if bitwise else f"within rtol {rtol:g}, atol {atol_fraction:g} x the largest gradient"
     ranks = ", identical on all ranks" if info.world_size > 1 and same_on_ranks else ""
     values = {
@@ -141,8 +152,11 @@ def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list
         "worst_tensor": worst_name,
     }
     detail = f"{len(trainable)} LoRA tensors in {buckets} buckets, {precision.name}: {equal}{ranks}"
-    grads = Check("grads_equal_torch_ddp", not problems, "; ".join(problems[:3]) or detail, values)
+    return Check("grads_equal_torch_ddp", not problems, "; ".join(problems[:3]) or detail, values)
 
+
+def _no_sync_check(quiet, step, buckets: int, differ: bool | None) -> Check:
+    """``no_sync``: no all-reduce in the no_sync backward (``quiet``), one per bucket in the synced one (``step``)."""
     silent = quiet.allreduce_calls == 0 and quiet.allreduce_bytes == 0
     one_per_bucket = step.allreduce_calls == buckets and step.synced_backwards == 1 and step.backwards == 2
     spread = {True: ", gradients differ across ranks", False: ", GRADIENTS EQUAL ACROSS RANKS", None: ""}[differ]
@@ -157,7 +171,7 @@ def compare_with_torch_ddp(setup, model_path: str, inject: bool = False) -> list
         "step_allreduce_calls": step.allreduce_calls,
         "buckets": buckets,
     }
-    return [grads, Check("no_sync", silent and one_per_bucket and differ is not False, detail, values)]
+    return Check("no_sync", silent and one_per_bucket and differ is not False, detail, values)
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:
@@ -232,15 +246,19 @@ def qlora_run(setup, model_path: str, settings: GpuCheckSettings) -> Check:
         "skipped_steps": int(skipped),
         "tokens_per_step": tokens // settings.steps,
     }
+    model.remove_hooks()
+    return _qlora_check(values, memory, loss_values, scaler.is_enabled(), comm.allreduce_calls, settings.steps)
+
+
+def _qlora_check(values: dict, memory: dict, loss_values, scaled: bool, allreduce_calls: int, steps: int) -> Check:
+    """``qlora_run``'s verdict: finite losses, not every step skipped by the loss scaler, one all-reduce per bucket."""
     problems = []
     if not torch.isfinite(loss_values).all():
         problems.append("non-finite loss")
-    if scaler.is_enabled() and skipped == settings.steps:
-        problems.append(f"the float16 loss scaler skipped all {settings.steps} steps")
-    if comm.allreduce_calls != len(model.bucket_sizes) * settings.steps:
-        problems.append(
-            f"{comm.allreduce_calls} all-reduces in {settings.steps} steps of {len(model.bucket_sizes)} buckets"
-        )
+    if scaled and values["skipped_steps"] == steps:
+        problems.append(f"the float16 loss scaler skipped all {steps} steps")
+    if allreduce_calls != values["buckets"] * steps:
+        problems.append(f"{allreduce_calls} all-reduces in {steps} steps of {values['buckets']} buckets")
     memory_text = (
         f"peak {memory['peak_allocated_gb']:.2f} GB allocated / {memory['peak_reserved_gb']:.2f} reserved"
         if "peak_allocated_gb" in memory
@@ -251,7 +269,6 @@ def qlora_run(setup, model_path: str, settings: GpuCheckSettings) -> Check:
         f"exposed comm {values['exposed_comm_ms_per_step']:.2f} ms/step, loss {values['loss_first']:.3f} -> "
         f"{values['loss_last']:.3f}"
     )
-    model.remove_hooks()
     return Check("qlora_run", not problems, "; ".join(problems) or detail, values)
 
 

@@ -1,5 +1,5 @@
-"""The Trainer callbacks of the plugin: throughput and comm stats in every log (and ``metrics.jsonl``), and a wandb
-callback that never stops training."""
+"""The Trainer callbacks of the plugin: throughput and comm stats in every log (and ``metrics.jsonl``), a wandb
+callback that never stops training, and a progress bar that shows the loss instead of printing every log."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
+from transformers.trainer_callback import ProgressCallback
 
 from ..ddp import BucketedDDP, CommStats
 from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
@@ -213,3 +214,28 @@ class GuardedWandbCallback(WandbCallback):
 
     def on_predict(self, args, state, control, **kwargs):
         return self._event("on_predict", args, state, control, **kwargs)
+
+
+class StepProgressCallback(ProgressCallback):
+    """Transformers' training progress bar (rank 0 only), and only that: each step's loss and tokens/s are its
+    postfix instead of every log dict printed under it (a log holds some thirty keys here: throughput, comm stats,
+    rank balance, all in ``metrics.jsonl`` and wandb already), and evaluation draws no second bar (its loss is
+    logged)."""
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        pass
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and self.training_bar is not None and logs and "loss" in logs:
+            postfix = {"loss": f"{logs['loss']:.4f}"}
+            if logs.get("tokens_per_s") is not None:
+                postfix["tok_s"] = f"{logs['tokens_per_s']:.0f}"
+            self.training_bar.set_postfix(postfix, refresh=False)
+
+
+def with_step_progress(trainer):
+    """``trainer`` with :class:`StepProgressCallback` in place of transformers' ``ProgressCallback`` (off rank 0,
+    where ``disable_tqdm`` is set, neither is there and nothing changes)."""
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(StepProgressCallback())
+    return trainer

@@ -14,6 +14,7 @@ from ..metrics import resolve_wandb_mode
 from ..precision import Precision
 from ..records import RunIdentity, run_identity
 from ..setup import build_model, prepare_run
+from .callbacks import with_step_progress
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") ->
         # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
         sft = dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
         trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments, **sft)
-    return trainer_class(
+    trainer = trainer_class(
         model=model,
         args=args or TrainingArguments(**arguments),
         train_dataset=parts.train_set,
@@ -118,6 +119,7 @@ def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") ->
         faults=parts.faults,
         balance_ranks=t.balance_ranks,
     )
+    return with_step_progress(trainer)  # the loss on rank 0's bar, not thirty keys printed per step
 
 
 def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:

@@ -69,6 +69,7 @@ def summary_lines(comparison: Comparison) -> list[str]:
         gap = f"max {c.loss_gap_max:.4g} / mean {c.loss_gap_mean:.4g} at {c.matched_points} matched points"
     eval_delta = "n/a" if c.eval_loss_delta is None else f"{c.eval_loss_delta:+.4f}"
     warmup = max(base.warmup_steps_skipped, other.warmup_steps_skipped)
+    over = " (over 100%: the host was busy, see the note below)" if c.of_limit is not None and c.of_limit > 1 else ""
     return [
         f"- **Speedup** (global tokens/s, {other.run_name} / {base.run_name}): {_fmt(c.speedup, '.2f')}x",
         f"- **Scaling efficiency** (speedup / {devices:g}x devices): {_fmt(c.scaling_efficiency, '.1%')}",
@@ -76,7 +77,7 @@ def summary_lines(comparison: Comparison) -> list[str]:
             [
                 f"- **Against the limit** ({other.world_size:g} independent single-device runs side by side, no "
                 f"communication: {c.limit_tokens_per_s:,.1f} tokens/s): {other.run_name} reaches "
-                f"{_fmt(c.of_limit, '.1%')} of it"
+                f"{_fmt(c.of_limit, '.1%')} of it{over}"
             ]
             if c.limit_tokens_per_s is not None
             else []

@@ -237,44 +237,11 @@ def compare_runs(
     other_loss = dict(zip(other_curve.samples_seen, other_curve.loss, strict=True))
     matched = sorted(base_loss.keys() & other_loss.keys())
     gaps = [abs(other_loss[s] - base_loss[s]) for s in matched]
-
-    notes = []
-    if not matched:
-        notes.append(
-            "loss curves not comparable: no train step has the same samples_seen in both runs "
-            f"(effective batch {baseline.effective_batch} vs {other.effective_batch})"
-        )
-    elif len(base_loss) != len(other_loss):
-        notes.append(
-            f"runs differ in length ({len(base_loss)} vs {len(other_loss)} logged steps): "
-            f"loss gap over the {len(matched)} shared points"
-        )
-    if baseline.effective_batch != other.effective_batch:
-        notes.append(
-            f"effective batch differs ({baseline.effective_batch} vs {other.effective_batch}): "
-            "equal samples seen means a different number of optimizer steps"
-        )
-    if baseline.peak_memory_metric != other.peak_memory_metric:
-        notes.append(f"peak memory measured differently: {baseline.peak_memory_metric} vs {other.peak_memory_metric}")
-    if baseline.tokens_per_s is None or other.tokens_per_s is None:
-        notes.append("tokens_per_s missing in a run: no speedup")
-
-    limit = None
-    if independent:
-        if len(independent) != other.world_size or any(r.world_size != 1 for r in independent):
-            raise ValueError(
-                f"the independent runs must be {other.world_size} single-device runs (one per device of "
-                f"{other.run_name}); got world sizes {[r.world_size for r in independent]}"
-            )
-        if any(r.effective_batch != other.effective_batch for r in independent):
-            notes.append(
-                f"the independent runs' effective batch {[r.effective_batch for r in independent]} differs from "
-                f"{other.run_name}'s ({other.effective_batch}): the limit is another experiment"
-            )
-        if any(r.tokens_per_s is None for r in independent):
-            notes.append("tokens_per_s missing in an independent run: no limit")
-        else:
-            limit = sum(r.tokens_per_s for r in independent)
+    notes = _run_notes(baseline, other, len(base_loss), len(other_loss), len(matched))
+    limit = _limit(other, independent, notes) if independent else None
+    of_limit = _ratio(other.tokens_per_s, limit)
+    if of_limit is not None and of_limit > 1.0:
+        notes.append(_over_the_limit_note(baseline, other, independent, of_limit))
 
     speedup = _ratio(other.tokens_per_s, baseline.tokens_per_s)
     return Comparison(
@@ -295,5 +262,67 @@ def compare_runs(
         baseline_curve=base_curve,
         other_curve=other_curve,
         limit_tokens_per_s=limit,
-        of_limit=_ratio(other.tokens_per_s, limit),
+        of_limit=of_limit,
+    )
+
+
+def _run_notes(baseline: RunSummary, other: RunSummary, base_points: int, other_points: int, matched: int) -> list:
+    """The caveats on comparing the two runs: loss curves without shared points or of unequal length, different
+    effective batches, peak memory measured differently, a missing throughput."""
+    notes = []
+    if not matched:
+        notes.append(
+            "loss curves not comparable: no train step has the same samples_seen in both runs "
+            f"(effective batch {baseline.effective_batch} vs {other.effective_batch})"
+        )
+    elif base_points != other_points:
+        notes.append(
+            f"runs differ in length ({base_points} vs {other_points} logged steps): "
+            f"loss gap over the {matched} shared points"
+        )
+    if baseline.effective_batch != other.effective_batch:
+        notes.append(
+            f"effective batch differs ({baseline.effective_batch} vs {other.effective_batch}): "
+            "equal samples seen means a different number of optimizer steps"
+        )
+    if baseline.peak_memory_metric != other.peak_memory_metric:
+        notes.append(f"peak memory measured differently: {baseline.peak_memory_metric} vs {other.peak_memory_metric}")
+    if baseline.tokens_per_s is None or other.tokens_per_s is None:
+        notes.append("tokens_per_s missing in a run: no speedup")
+    return notes
+
+
+def _limit(other: RunSummary, independent: list[RunSummary], notes: list[str]) -> float | None:
+    """The summed tokens/s of the independent single-device runs (None if one lacks it); caveats go to ``notes``.
+
+    Raises:
+        ValueError: the independent runs are not ``other.world_size`` single-device runs.
+    """
+    if len(independent) != other.world_size or any(r.world_size != 1 for r in independent):
+        raise ValueError(
+            f"the independent runs must be {other.world_size} single-device runs (one per device of "
+            f"{other.run_name}); got world sizes {[r.world_size for r in independent]}"
+        )
+    if any(r.effective_batch != other.effective_batch for r in independent):
+        notes.append(
+            f"the independent runs' effective batch {[r.effective_batch for r in independent]} differs from "
+            f"{other.run_name}'s ({other.effective_batch}): the limit is another experiment"
+        )
+    if any(r.tokens_per_s is None for r in independent):
+        notes.append("tokens_per_s missing in an independent run: no limit")
+        return None
+    return sum(r.tokens_per_s for r in independent)
+
+
+def _over_the_limit_note(
+    baseline: RunSummary, other: RunSummary, independent: list[RunSummary], of_limit: float
+) -> str:
+    """DDP above the limit cannot happen on a quiet host (it does the same work plus communication): the
+    independent runs were slowed by something else on the machine, so the limit and the ratio are not measured."""
+    alone = " and ".join(f"{r.tokens_per_s:,.0f}" for r in independent)
+    single = f"; {baseline.run_name} alone: {baseline.tokens_per_s:,.0f}" if baseline.world_size == 1 else ""
+    return (
+        f"{other.run_name} at {of_limit:.1%} of the limit is not a result: over 100% means the independent runs, "
+        f"which do no communication, ran slower than DDP (tokens/s {alone}{single}), so the host was busy while "
+        "they ran; rerun the comparison on a quiet host"
     )

@@ -47,7 +47,8 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
 
     Logs the per-run table as a ``wandb.Table``, the PNG as a ``wandb.Image`` and the headline numbers
     (speedup, scaling efficiency, loss gap, ...) to the run summary. The mode comes from
-    :func:`resolve_wandb_mode`. If wandb is missing or fails, a warning is logged and nothing else happens.
+    :func:`resolve_wandb_mode`. If wandb is missing or fails, a warning is logged and nothing else happens. wandb's
+    own output is silenced; offline, one log line says where the run is and how to upload it (``wandb sync``).
 
     Args:
         report (dict): what :func:`write_report` returned.
@@ -63,7 +64,10 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
     mode = resolve_wandb_mode(os.environ)
     run = None
     try:
-        run = wandb.init(project=project, group=group, job_type="compare", name=f"{group}-compare", mode=mode)
+        quiet = wandb.Settings(silent=True)  # its own banner, summary and sync hint: ours is one line, below
+        run = wandb.init(
+            project=project, group=group, job_type="compare", name=f"{group}-compare", mode=mode, settings=quiet
+        )
         table = report["table"]
         run.log(
             {
@@ -84,6 +88,12 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
         )
         run.summary.update({f"comparison/{k}": report[k] for k in keys if report.get(k) is not None})
         logger.info("logged comparison to wandb (%s mode): %s", mode, run.dir)
+        if mode == "offline":
+            runs = Path(run.dir).parent.parent  # <WANDB_DIR>/wandb, holding offline-run-*/files
+            logger.info(
+                "to upload it and the training runs logged to the same WANDB_DIR: wandb sync %s",
+                runs / "offline-run-*",
+            )
     except Exception as error:  # a broken wandb must not cost the user the report already on disk
         logger.warning("could not log the comparison to wandb (%s mode): %s", mode, error)
     finally:
