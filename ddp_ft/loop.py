@@ -19,16 +19,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .checkpoint import (
-    TrainState,
-    checkpoint_to_resume,
-    load_checkpoint,
-    save_checkpoint,
-    saved_position,
-    verify_checkpoint,
-)
+from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint, save_checkpoint
 from .config import RunSettings
-from .data import EpochLoader, check_resume
+from .data import EpochLoader
 from .data.step_tokens import StepTokenCounts, global_order
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
@@ -53,20 +46,6 @@ class TrainResult:
     output_dir: str
     checkpoint: str | None
     stopped_by: str | None = None  # the signal that stopped the run early (a checkpoint was saved), else None
-
-
-def _check_resume(path: Path, layout) -> None:
-    """Refuse a checkpoint whose data position this run's layout cannot continue exactly (naming both)."""
-    verify_checkpoint(path)  # every file loads without executing code, checked before the model loads
-    state, saved = saved_position(path)
-    if saved is None:
-        raise ValueError(
-            f"--resume {path}: the checkpoint records no data layout; start a new run in another --output-dir."
-        )
-    try:
-        check_resume(saved, layout, state.sample_in_epoch)
-    except ValueError as err:
-        raise ValueError(f"--resume {path}: {err}") from None
 
 
 def train(settings: RunSettings, info: DistInfo) -> TrainResult:
@@ -149,7 +128,7 @@ class _Loop:
         # floor(samples / effective batch) steps per epoch, the same on every world size
         self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch
         if self.resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
-            _check_resume(self.resume_from, self.loader.layout)
+            check_resume_position(self.resume_from, self.loader.layout)
 
     def _build_model(self) -> None:
         """The model (wrapped in DDP when distributed), optimizer, schedule and loss scaler; the resumed state."""
@@ -221,14 +200,8 @@ class _Loop:
             preset=settings.preset,
             first_batch_indices=all_first,
         )
-        wandb_run = {
-            "project": identity.project,
-            "group": identity.group,
-            "job_type": identity.job_type,
-            "name": identity.name,
-            "config": {k: v for k, v in config.items() if k != "type"},
-        }
-        self.sink = open_metric_sink(info, self.output_dir, wandb_run if t.report_to == "wandb" else None)
+        wandb_run = identity.wandb_run(config) if t.report_to == "wandb" else None
+        self.sink = open_metric_sink(info, self.output_dir, wandb_run)
         self.sink.log(config)
         logger.info(
             "%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s",

@@ -40,6 +40,11 @@ class RunIdentity:
     job_type: str  # ``single-1``, ``ddp-2``, ...
     name: str  # ``<group>-<job_type>`` unless ``--run-name`` is given
 
+    def wandb_run(self, config: dict) -> dict:
+        """``wandb.init``'s arguments for this run, with ``config`` (a :func:`config_record`) as its config."""
+        fields = {"project": self.project, "group": self.group, "job_type": self.job_type, "name": self.name}
+        return fields | {"config": {k: v for k, v in config.items() if k != "type"}}
+
 
 def run_identity(project: str, wandb_group: str, run_name: str, preset: str | None, world_size: int) -> RunIdentity:
     """The identity of a run of ``world_size`` processes; the same for the plain loop and the Trainer recipe.

@@ -354,15 +354,15 @@ def test_verify_checkpoint_refuses_a_truncated_file_naming_it(tmp_path):
 
 
 def test_the_loop_refuses_a_checkpoint_with_pickled_objects_before_the_model_loads(tmp_path):
-    from ddp_ft.loop import _check_resume
+    from ddp_ft.checkpoint import check_resume_position
 
     layout = DataLayout(train_samples=16, seed=0, effective_batch=2, world_size=1, micro_batch=1)
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 6), DistInfo(), layout=layout)
-    _check_resume(path, layout)  # a checkpoint this version wrote passes
+    check_resume_position(path, layout)  # a checkpoint this version wrote passes
     torch.save([{"numpy": np.random.get_state()}], path / "rng_states.pt")
     with pytest.raises(ValueError, match=rf"{path / 'rng_states.pt'} holds pickled objects"):
-        _check_resume(path, layout)
+        check_resume_position(path, layout)
 
 
 def test_resume_refuses_a_format_version_1_checkpoint_as_written_by_another_ddp_ft_version(tmp_path):

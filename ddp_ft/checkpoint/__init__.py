@@ -22,10 +22,18 @@ One module per part, each importing only the ones before it:
   ``publish_folder`` (also BucketedTrainer's) and ``clean_partial_saves``;
 * ``save``: ``save_checkpoint`` and pruning;
 * ``load``: ``checkpoint_to_resume``, ``resolve_checkpoint``, ``verify_checkpoint``, ``saved_position``,
+  ``check_resume_position``,
   ``load_checkpoint``.
 """
 
-from .load import checkpoint_to_resume, load_checkpoint, resolve_checkpoint, saved_position, verify_checkpoint
+from .load import (
+    check_resume_position,
+    checkpoint_to_resume,
+    load_checkpoint,
+    resolve_checkpoint,
+    saved_position,
+    verify_checkpoint,
+)
 from .publish import LATEST, STAGING_DIR, clean_partial_saves, publish_folder
 from .save import save_checkpoint
 from .state import (
@@ -62,6 +70,7 @@ __all__ = [
     "rng_state",
     "save_checkpoint",
     "saved_position",
+    "check_resume_position",
     "set_rng_state",
     "verify_checkpoint",
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import DataLayout
+from ..data import DataLayout, check_resume
 from ..distributed import DistInfo
 from .publish import LATEST, latest_name
 from .state import (
@@ -185,6 +185,22 @@ def _load_tensors(file: Path, mmap: bool = False) -> object:
         ) from None
     except (RuntimeError, EOFError) as err:  # a truncated archive
         raise ValueError(damaged.format(err)) from None
+
+
+def check_resume_position(path: str | Path, layout: DataLayout) -> None:
+    """Refuse a checkpoint whose data position ``layout`` (this run's) cannot continue exactly, naming both; every
+    file is verified first (:func:`verify_checkpoint`), all before the model loads."""
+
+    verify_checkpoint(path)
+    state, saved = saved_position(path)
+    if saved is None:
+        raise ValueError(
+            f"--resume {path}: the checkpoint records no data layout; start a new run in another --output-dir."
+        )
+    try:
+        check_resume(saved, layout, state.sample_in_epoch)
+    except ValueError as err:
+        raise ValueError(f"--resume {path}: {err}") from None
 
 
 def verify_checkpoint(path: str | Path) -> None:
