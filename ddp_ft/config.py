@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -138,9 +139,20 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def _kind(annotation: object) -> str:
+    """A field's type as written (``"float | str"``), from the string or, once HfArgumentParser has resolved the
+    field in place, from the type."""
+    if isinstance(annotation, str):
+        return annotation
+    if annotation is type(None):
+        return "None"
+    args = typing.get_args(annotation)
+    return " | ".join(_kind(a) for a in args) if args else getattr(annotation, "__name__", str(annotation))
+
+
 def _fields() -> dict[str, tuple[str, str]]:
     """Every settings field: name -> (section, type as written)."""
-    return {f.name: (section, str(f.type)) for section, cls in SECTIONS.items() for f in fields(cls)}
+    return {f.name: (section, _kind(f.type)) for section, cls in SECTIONS.items() for f in fields(cls)}
 
 
 def _checked(key: str, kind: str, value: object, where: str) -> object:
@@ -251,13 +263,14 @@ def write_run_config(settings: RunSettings, info: DistInfo) -> Path:
     return path
 
 
-def build_parser(parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
     """One flag per dataclass field (``--micro-batch`` and ``--micro_batch``), documented from its help; an entry
-    point's own flags come in through ``parents`` (built with ``add_help=False``), so ``--help`` lists them too."""
+    point's own flags come in through ``parents`` (built with ``add_help=False``), so ``--help`` lists them too;
+    ``prog`` names the command in usage and errors (default: the script's name)."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(
-        list(SECTIONS.values()), description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
+        list(SECTIONS.values()), prog=prog, description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
     )
     parser.add_argument(
         "--preset",
@@ -289,7 +302,10 @@ def _bucket_cap_arg(text: str) -> float | str:
 
 
 def parse_settings(
-    argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), default_preset: str = ""
+    argv: list[str] | None = None,
+    parents: Sequence[argparse.ArgumentParser] = (),
+    default_preset: str = "",
+    prog: str | None = None,
 ) -> RunSettings:
     """Command line -> RunSettings: defaults, then the preset, then the ``--config`` file, then explicit flags.
 
@@ -298,13 +314,14 @@ def parse_settings(
         parents (Sequence[argparse.ArgumentParser]): an entry point's own flags (see :func:`build_parser`); their
             values are not part of RunSettings.
         default_preset (str): the preset when neither ``--preset`` nor the config file names one. Default: none
+        prog (str | None): the command named in usage and errors. Default: the script's name
 
     Raises:
         SystemExit: (argparse) for an unknown preset or flag, with the known choices; for a config file with an
             unknown key or a wrong type, naming the key.
         ValueError: a value the settings dataclasses refuse (e.g. a choice), naming the field and the choices.
     """
-    parser = build_parser(parents)
+    parser = build_parser(parents, prog)
     pre, _ = parser.parse_known_args(argv)
     try:
         from_file = load_config(pre.config) if pre.config else {}

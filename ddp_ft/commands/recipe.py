@@ -41,17 +41,20 @@ def default_preset() -> str:
     return "qwen3-4b-ami" if torch.cuda.is_available() else "tiny"
 
 
-def main(argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
+def main(
+    argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
+) -> None:
     """Parse, join the process group, train with the Trainer, evaluate, save, tear down.
 
     Args:
         argv (list[str] | None): ``--trainer`` and the settings' flags. Default: ``sys.argv[1:]``
         parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
+        prog (str | None): the command named in usage and errors. Default: the script's name
     """
     with failure_recorded():  # an exception on any rank reaches the launcher's summary: rank, host, traceback
         own = recipe_parser()
         entry, _ = own.parse_known_args(argv)
-        settings = parse_settings(argv, parents=[own, *parents], default_preset=default_preset())  # --help: all
+        settings = parse_settings(argv, [own, *parents], default_preset(), prog)  # --help: all
         info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
         setup_logging(info)
         named = any(a.split("=")[0] in ("--preset", "--config") for a in (sys.argv[1:] if argv is None else argv))

@@ -17,15 +17,18 @@ from ..loop import train
 logger = logging.getLogger("ddp_ft.train")
 
 
-def main(argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = ()) -> None:
+def main(
+    argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
+) -> None:
     """Parse the settings, join the process group, write ``run_config.yaml``, train, tear down.
 
     Args:
         argv (list[str] | None): the settings' flags (``ddp_ft.config.build_parser``). Default: ``sys.argv[1:]``
         parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
+        prog (str | None): the command named in usage and errors. Default: the script's name
     """
     with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
-        settings = parse_settings(argv, parents)
+        settings = parse_settings(argv, parents, prog=prog)
         info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
         setup_logging(info)
         try:
