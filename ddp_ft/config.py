@@ -140,8 +140,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _kind(annotation: object) -> str:
-    """A field's type as written (``"float | str"``), from the string or, once HfArgumentParser has resolved the
-    field in place, from the type."""
+    """A field's type as written (``"float | str"``); a module without ``from __future__ import annotations`` gives
+    the type itself."""
     if isinstance(annotation, str):
         return annotation
     if annotation is type(None):
@@ -151,8 +151,15 @@ def _kind(annotation: object) -> str:
 
 
 def _fields() -> dict[str, tuple[str, str]]:
-    """Every settings field: name -> (section, type as written)."""
-    return {f.name: (section, _kind(f.type)) for section, cls in SECTIONS.items() for f in fields(cls)}
+    """Every settings field: name -> (section, type as written). From the class annotations, not ``Field.type``:
+    HfArgumentParser rewrites that in place (``float | str`` becomes ``float``)."""
+    found = {}
+    for section, cls in SECTIONS.items():
+        annotations = {
+            k: v for klass in reversed(cls.__mro__) for k, v in vars(klass).get("__annotations__", {}).items()
+        }
+        found |= {f.name: (section, _kind(annotations.get(f.name, f.type))) for f in fields(cls)}
+    return found
 
 
 def _checked(key: str, kind: str, value: object, where: str) -> object:
