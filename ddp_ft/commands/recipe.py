@@ -14,8 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ..config import parse_settings, write_run_config
-from ..distributed import destroy_distributed, failure_recorded, init_distributed, restart_count, setup_logging
+from ..config import RunSettings, parse_settings, write_run_config
+from ..distributed import (
+    DistInfo,
+    destroy_distributed,
+    failure_recorded,
+    init_distributed,
+    restart_count,
+    setup_logging,
+)
 from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
 from ..setup import check_run_settings
 from ..shared_fs import check_shared_resume, prepare_output_dir
@@ -67,7 +74,8 @@ def main(
             destroy_distributed()
 
 
-def _train(settings, info, trainer_name: str) -> None:
+def _train(settings: RunSettings, info: DistInfo, trainer_name: str) -> None:
+    """Check, prepare the output folder, write run_config.yaml, train, then evaluate and save (unless stopped)."""
     output_dir = settings.train.output_dir
     check_run_settings(settings, info)  # before anything is touched
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
