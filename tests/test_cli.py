@@ -160,3 +160,12 @@ def test_doctor_checks_name_the_fix_for_accelerate_seeing_one_process_and_two_ra
     assert merged == [doctor.Check("devices", False, "rank 1: bad", "fix it")]
     table = doctor.format_table(merged)
     assert "devices  FAIL    rank 1: bad" in table and "fix:    fix it" in table and "1 check(s) failed." in table
+
+
+@pytest.mark.distributed
+def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_its_results(tmp_path):
+    out = tmp_path / "comm.json"
+    flags = ["--sizes", "4K", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
+    run = _run([sys.executable, "-m", "ddp_ft.cli", "bench-comm", *flags], tmp_path, timeout=120)  # --nproc: 2
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "| 4 KiB |" in run.stdout and out.exists() and out.with_suffix(".png").exists()
