@@ -1,19 +1,32 @@
-"""Typed settings, named presets and the command line that fills them.
+"""Typed settings, named presets, config files and the command line that fills them.
 
 Settings become dataclasses once, at the edge (``parse_settings``); library code takes the dataclasses.
-Each preset is a set of field overrides; anything given on the command line wins over the preset.
+A preset is a config file shipped in ``ddp_ft/configs/`` (``configs/`` in the repository); ``--preset NAME`` reads
+``NAME.yaml``. Precedence, lowest first: the dataclass defaults, the preset (``--preset``, else a ``preset:`` key in the
+``--config`` file), the ``--config`` file, the command-line flags.
+
+A config file is YAML: the fields of ``SECTIONS`` either flat (``micro_batch: 2``) or under their section
+(``train: {micro_batch: 2}``), both forms mixable; plus an optional ``preset:``. An unknown key or a value of the wrong
+type is refused naming the key and what it takes; a bad choice is refused by the dataclass, naming the choices. A run
+writes its resolved settings to ``<output_dir>/run_config.yaml``; ``--config`` on that file reruns them.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
 
 from .data import DataSettings
 from .ddp import DDPSettings
 from .ddp.autotune import AUTO
-from .model import EMBEDDED_MODEL, LoraSettings, ModelSettings
+from .distributed import DistInfo
+from .model import LoraSettings, ModelSettings
 
 
 @dataclass
@@ -113,47 +126,172 @@ SECTIONS = {
     "train": TrainSettings,
 }
 
-PRESETS: dict[str, dict[str, object]] = {
-    # The reference run: Qwen3-4B QLoRA on AMI, effective batch 16, AdamW 2e-4 cosine to 2e-5, 3 epochs.
-    "qwen3-4b-ami": {
-        "model_name_or_path": "Qwen/Qwen3-4B",
-        "source": "knkarthick/AMI",
-        "max_seq_len": 512,
-        "effective_batch": 16,
-        "micro_batch": 1,
-        "epochs": 3,
-        "learning_rate": 2e-4,
-        "min_learning_rate": 2e-5,
-        "output_dir": "runs/qwen3-4b-ami",
-    },
-    # Embedded model and data: about a minute on 2 CPU cores, no network.
-    "tiny": {
-        "model_name_or_path": EMBEDDED_MODEL,
-        "source": "synthetic",
-        "num_synthetic": 160,
-        "max_seq_len": 256,
-        "effective_batch": 8,
-        "micro_batch": 2,
-        "epochs": 1,
-        "max_steps": 16,
-        "learning_rate": 1e-3,
-        "min_learning_rate": 1e-4,
-        "warmup_ratio": 0.1,
-        "save_every": 8,
-        "output_dir": "runs/tiny",
-    },
+CONFIG_DIR = Path(__file__).with_name("configs")  # the presets, shipped as package data
+RUN_CONFIG = "run_config.yaml"  # a run's resolved settings, beside its metrics.jsonl
+# Field types as written in the dataclasses (``from __future__ import annotations``: strings) -> accepted YAML types.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "bool": (bool,),
+    "int": (int,),
+    "float": (int, float),
+    "str | None": (str, type(None)),
+    "float | str": (int, float, str),
 }
 
 
-def build_parser(parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+def _kind(annotation: object) -> str:
+    """A field's type as written (``"float | str"``); a module without ``from __future__ import annotations`` gives
+    the type itself."""
+    if isinstance(annotation, str):
+        return annotation
+    if annotation is type(None):
+        return "None"
+    args = typing.get_args(annotation)
+    return " | ".join(_kind(a) for a in args) if args else getattr(annotation, "__name__", str(annotation))
+
+
+def _fields() -> dict[str, tuple[str, str]]:
+    """Every settings field: name -> (section, type as written). From the class annotations, not ``Field.type``:
+    HfArgumentParser rewrites that in place (``float | str`` becomes ``float``)."""
+    found = {}
+    for section, cls in SECTIONS.items():
+        annotations = {
+            k: v for klass in reversed(cls.__mro__) for k, v in vars(klass).get("__annotations__", {}).items()
+        }
+        found |= {f.name: (section, _kind(annotations.get(f.name, f.type))) for f in fields(cls)}
+    return found
+
+
+def _checked(key: str, kind: str, value: object, where: str) -> object:
+    """A YAML value of field ``key`` in its field's type, or ValueError naming the key and the type it takes."""
+    if isinstance(value, str) and kind in ("float", "float | str"):
+        try:
+            return float(value)  # YAML 1.1 (PyYAML) reads 2e-4, without a dot, as a string
+        except ValueError:
+            if kind == "float | str":
+                return value  # bucket_cap_mb: auto; the dataclass checks the word
+    ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind != "bool")
+    if not ok:
+        raise ValueError(f"{where}: {key}: {value!r} is a {type(value).__name__}; {key} takes a {kind}.")
+    return float(value) if kind == "float" else value
+
+
+def config_values(data: object, where: str) -> dict[str, object]:
+    """A parsed config file -> checked field values, flat; ``preset`` kept if given.
+
+    Args:
+        data (object): what ``yaml.safe_load`` returned: a mapping of field names, section names
+            (``model``, ``lora``, ``data``, ``ddp``, ``train``) holding mappings of their fields, and ``preset``.
+        where (str): the file, named in errors.
+
+    Raises:
+        ValueError: not a mapping, an unknown key (or a field under the wrong section), a value of the wrong type, a
+            key given twice; naming the key and the allowed keys or type.
+    """
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping of settings (key: value), got a {type(data).__name__}.")
+    known = _fields()
+    flat: dict[str, tuple[str | None, object]] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, Mapping):
+            for name, inner in value.items():
+                if known.get(name, ("",))[0] != key:
+                    allowed = ", ".join(f.name for f in fields(SECTIONS[key]))
+                    raise ValueError(f"{where}: unknown key {key}.{name}; the keys of {key}: are: {allowed}.")
+                flat.setdefault(name, (key, inner))
+                if flat[name] != (key, inner):
+                    raise ValueError(f"{where}: {name} is given twice (flat and under {key}:); keep one.")
+        elif key in known or key == "preset":
+            if key in flat:
+                raise ValueError(f"{where}: {key} is given twice (flat and under {flat[key][0]}:); keep one.")
+            flat[key] = (None, value)
+        else:
+            raise ValueError(
+                f"{where}: unknown key {key!r}. Allowed: preset, the sections {', '.join(SECTIONS)}, "
+                f"or these fields: {', '.join(known)}."
+            )
+    values = {}
+    for key, (_, value) in flat.items():
+        values[key] = (
+            _checked(key, "str", value, where) if key == "preset" else _checked(key, known[key][1], value, where)
+        )
+    return values
+
+
+def load_config(path: str | Path) -> dict[str, object]:
+    """The checked field values of a YAML config file (see :func:`config_values`).
+
+    Raises:
+        ValueError: a missing or unreadable file, invalid YAML, or what :func:`config_values` refuses.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error}).") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path}: not valid YAML: {error}") from None
+    return config_values(data, str(path))
+
+
+def _presets() -> dict[str, dict[str, object]]:
+    found = {path.stem: load_config(path) for path in sorted(CONFIG_DIR.glob("*.yaml"))}
+    for name, values in found.items():
+        if "preset" in values:
+            raise ValueError(f"{CONFIG_DIR / name}.yaml: a preset cannot name another preset.")
+    return found
+
+
+PRESETS: dict[str, dict[str, object]] = _presets()  # name -> field overrides, read from ddp_ft/configs/NAME.yaml
+
+
+def settings_as_config(settings: RunSettings) -> dict[str, object]:
+    """RunSettings as a config mapping, by section, that :func:`load_config` reads back to the same settings."""
+    data: dict[str, object] = {"preset": settings.preset} if settings.preset else {}
+    return data | {name: asdict(getattr(settings, name)) for name in SECTIONS}
+
+
+def write_run_config(settings: RunSettings, info: DistInfo) -> Path:
+    """Write the resolved settings to ``<output_dir>/run_config.yaml`` on rank 0, atomically (a temporary file
+    renamed over it), so ``--config`` on that file reruns them. Other ranks only return the path."""
+    path = Path(settings.train.output_dir) / RUN_CONFIG
+    if info.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = (
+            "# Resolved settings of this run; rerun them with: ddp-ft train --config THIS_FILE (or scripts/train.py)\n"
+        )
+        body = yaml.safe_dump(settings_as_config(settings), sort_keys=False)
+        tmp = path.with_name(f".{RUN_CONFIG}.tmp{os.getpid()}")
+        tmp.write_text(header + body)
+        os.replace(tmp, path)
+    return path
+
+
+def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
     """One flag per dataclass field (``--micro-batch`` and ``--micro_batch``), documented from its help; an entry
-    point's own flags come in through ``parents`` (built with ``add_help=False``), so ``--help`` lists them too."""
+    point's own flags come in through ``parents`` (built with ``add_help=False``), so ``--help`` lists them too;
+    ``prog`` names the command in usage and errors (default: the script's name)."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(
-        list(SECTIONS.values()), description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
+        list(SECTIONS.values()), prog=prog, description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
     )
-    parser.add_argument("--preset", default="", help=f"Named settings to start from: {', '.join(PRESETS)}.")
+    parser.add_argument(
+        "--preset",
+        default="",
+        help=f"Named settings to start from: {', '.join(PRESETS)} (ddp_ft/configs/NAME.yaml). Precedence, lowest "
+        "first: defaults, preset, --config, flags.",
+    )
+    parser.add_argument(
+        "--config",
+        default="",
+        metavar="FILE.yaml",
+        help="YAML settings over the preset and under the flags: field names flat or under model:/lora:/data:/ddp:/"
+        "train:, and optionally preset:. A run's <output_dir>/run_config.yaml reruns it.",
+    )
     for action in parser._actions:  # HfArgumentParser types a `float | str` field as float: take "auto" too
         if action.dest == "bucket_cap_mb":
             action.type = _bucket_cap_arg
@@ -170,23 +308,39 @@ def _bucket_cap_arg(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor {AUTO!r}") from None
 
 
-def parse_settings(argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = ()) -> RunSettings:
-    """Command line -> RunSettings: the preset's values first, explicit flags over them.
+def parse_settings(
+    argv: list[str] | None = None,
+    parents: Sequence[argparse.ArgumentParser] = (),
+    default_preset: str = "",
+    prog: str | None = None,
+) -> RunSettings:
+    """Command line -> RunSettings: defaults, then the preset, then the ``--config`` file, then explicit flags.
 
     Args:
         argv (list[str] | None): the command line. Default: ``sys.argv[1:]``
         parents (Sequence[argparse.ArgumentParser]): an entry point's own flags (see :func:`build_parser`); their
             values are not part of RunSettings.
+        default_preset (str): the preset when neither ``--preset`` nor the config file names one. Default: none
+        prog (str | None): the command named in usage and errors. Default: the script's name
 
     Raises:
-        SystemExit: (argparse) for an unknown preset or flag, with the known choices.
+        SystemExit: (argparse) for an unknown preset or flag, with the known choices; for a config file with an
+            unknown key or a wrong type, naming the key.
+        ValueError: a value the settings dataclasses refuse (e.g. a choice), naming the field and the choices.
     """
-    parser = build_parser(parents)
+    parser = build_parser(parents, prog)
     pre, _ = parser.parse_known_args(argv)
-    if pre.preset:
-        if pre.preset not in PRESETS:
-            parser.error(f"unknown --preset {pre.preset!r}; choose one of: {', '.join(PRESETS)}")
-        parser.set_defaults(**PRESETS[pre.preset])
+    try:
+        from_file = load_config(pre.config) if pre.config else {}
+    except ValueError as error:
+        parser.error(str(error))
+    preset = pre.preset or str(from_file.get("preset", "")) or default_preset
+    from_file.pop("preset", None)
+    if preset:
+        if preset not in PRESETS:
+            parser.error(f"unknown --preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        parser.set_defaults(**PRESETS[preset], preset=preset)
+    parser.set_defaults(**from_file)
     namespace = parser.parse_args(argv)
     values = vars(namespace)
     sections = {name: cls(**{f.name: values[f.name] for f in fields(cls)}) for name, cls in SECTIONS.items()}

@@ -1,4 +1,5 @@
-"""What DDP bought: compare a 1-device run with the same experiment under DDP on N devices.
+"""What DDP bought: compare a 1-device run with the same experiment under DDP (the body: ``ddp_ft.commands.compare``;
+``ddp-ft compare``).
 
     python scripts/train.py --preset tiny --output-dir runs/single
     torchrun --standalone --nproc_per_node=2 scripts/train.py --preset tiny --output-dir runs/ddp
@@ -6,53 +7,11 @@
         [--independent runs/alone0 runs/alone1]   # single-device runs that ran side by side: the limit
 
 Prints the markdown table and writes comparison.md, comparison.png and comparison.json into --out.
-wandb logging runs offline unless WANDB_API_KEY is set (an explicit WANDB_MODE is respected).
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
-from pathlib import Path
-
-from ddp_ft.report import log_report_to_wandb, write_report
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "baseline_dir", help="output_dir of the 1-device run (holds metrics.jsonl), or wandb:entity/project/id"
-    )
-    p.add_argument("other_dir", help="output_dir of the DDP run (holds metrics.jsonl), or wandb:entity/project/id")
-    p.add_argument("--out", type=Path, required=True, help="folder for comparison.md/.png/.json")
-    p.add_argument(
-        "--independent",
-        nargs="+",
-        default=None,
-        metavar="DIR",
-        help="output_dirs of single-device runs of the same experiment run at the same time, one per device of the "
-        "DDP run: what the devices do with no communication at all, shown as the limit",
-    )
-    p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the medians")
-    p.add_argument("--wandb-project", default=None, help="log the comparison to this wandb project")
-    p.add_argument("--wandb-group", default=None, help="wandb group (default: <baseline>-vs-<other> run names)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    try:
-        report = write_report(
-            args.baseline_dir, args.other_dir, args.out, skip_first=args.skip_first, independent_dirs=args.independent
-        )
-    except (FileNotFoundError, ValueError) as error:
-        raise SystemExit(f"compare.py: {error}") from error
-    print(report["markdown"], end="")
-    if args.wandb_project:
-        group = args.wandb_group or f"{report['baseline']['run_name']}-vs-{report['other']['run_name']}"
-        log_report_to_wandb(report, report["files"]["png"], project=args.wandb_project, group=group)
-
+from ddp_ft.commands.compare import main
 
 if __name__ == "__main__":
     main()

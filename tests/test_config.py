@@ -130,3 +130,80 @@ def test_bucket_cap_mb_takes_a_number_or_auto_on_the_command_line(capsys):
         parse_settings(["--bucket-cap-mb", "fast"])
     err = capsys.readouterr().err
     assert "--bucket-cap-mb" in err and "'fast' is neither a number of MiB nor 'auto'" in err
+
+
+# Config files: the presets are files, --config sits between the preset and the flags, errors name the key.
+
+
+def _yaml(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_presets_are_the_shipped_yaml_files_with_their_comments_and_the_repo_configs_folder_shows_them():
+    from pathlib import Path
+
+    from ddp_ft.config import CONFIG_DIR, load_config
+    from ddp_ft.model import EMBEDDED_MODEL
+
+    assert sorted(PRESETS) == ["qwen3-4b-ami", "tiny"]
+    assert PRESETS["tiny"]["model_name_or_path"] == EMBEDDED_MODEL
+    for name in PRESETS:
+        shipped = CONFIG_DIR / f"{name}.yaml"
+        assert shipped.read_text().startswith("# ") and load_config(shipped) == PRESETS[name]
+        in_repo = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+        assert in_repo.read_text() == shipped.read_text()
+    assert "about a minute on 2 CPU cores" in (CONFIG_DIR / "tiny.yaml").read_text()
+
+
+def test_config_file_goes_over_the_preset_and_flags_over_the_file_flat_or_by_section(tmp_path):
+    path = _yaml(tmp_path, "preset: tiny\nmicro_batch: 4\ntrain:\n  learning_rate: 5e-4\nlora:\n  lora_r: 4\n")
+    s = parse_settings(["--config", path])
+    assert s.preset == "tiny" and s.data.source == "synthetic" and s.train.max_steps == PRESETS["tiny"]["max_steps"]
+    assert (s.train.micro_batch, s.train.learning_rate, s.lora.lora_r) == (4, 5e-4, 4)  # 5e-4: YAML 1.1 reads a str
+    s = parse_settings(["--config", path, "--micro-batch", "1", "--preset", "qwen3-4b-ami"])
+    assert s.preset == "qwen3-4b-ami" and s.data.source == "knkarthick/AMI"  # --preset names the base preset
+    assert s.train.micro_batch == 1 and s.lora.lora_r == 4  # flag over file, file over preset
+
+
+@pytest.mark.parametrize(
+    "text,needles",
+    [
+        ("micro_batches: 2\n", ["unknown key 'micro_batches'", "micro_batch", "sections model, lora"]),
+        ("lora:\n  micro_batch: 2\n", ["unknown key lora.micro_batch", "lora_r, lora_alpha"]),
+        ("micro_batch: two\n", ["micro_batch: 'two' is a str", "takes a int"]),
+        ("learning_rate: fast\n", ["learning_rate: 'fast' is a str", "takes a float"]),
+        ("balance_ranks: 1\n", ["balance_ranks: 1 is a int", "takes a bool"]),
+        ("micro_batch: 2\ntrain:\n  micro_batch: 4\n", ["micro_batch is given twice"]),
+        ("- micro_batch\n", ["expected a mapping"]),
+    ],
+)
+def test_config_file_with_an_unknown_key_or_a_wrong_type_is_refused_naming_the_key(tmp_path, capsys, text, needles):
+    with pytest.raises(SystemExit) as error:
+        parse_settings(["--config", _yaml(tmp_path, text)])
+    assert error.value.code == 2
+    err = capsys.readouterr().err
+    assert "run.yaml" in err and all(n in err for n in needles), err
+
+
+def test_config_file_with_a_bad_choice_names_the_key_and_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"comm_hook='int8': choose one of allreduce"):
+        parse_settings(["--config", _yaml(tmp_path, "ddp:\n  comm_hook: int8\n")])
+    with pytest.raises(ValueError, match=r"report_to='tensorboard': choose wandb or none"):
+        parse_settings(["--config", _yaml(tmp_path, "report_to: tensorboard\n")])
+
+
+def test_the_written_run_config_reruns_the_same_settings(tmp_path):
+    from ddp_ft.config import RUN_CONFIG, write_run_config
+    from ddp_ft.distributed import DistInfo
+
+    argv = ["--preset", "tiny", "--output-dir", str(tmp_path / "run"), "--lora-r", "4", "--bucket-cap-mb", "auto"]
+    argv += ["--no-balance-ranks", "--eval-split", "test"]
+    settings = parse_settings(argv)
+    path = write_run_config(settings, DistInfo())
+    assert path == tmp_path / "run" / RUN_CONFIG and not list(path.parent.glob(".*tmp*"))
+    assert parse_settings(["--config", str(path)]) == settings
+    other_rank = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2)
+    write_run_config(settings_from_preset("tiny", output_dir=str(tmp_path / "r1")), other_rank)
+    assert not (tmp_path / "r1").exists()  # rank 0 only

@@ -75,10 +75,14 @@ def test_the_nccl_group_is_bound_to_this_process_s_device_with_the_settings_time
     assert call["device_id"] == torch.device("cuda", 0) == info.device
 
 
-@pytest.mark.parametrize("entry_point", ["scripts/train.py", "recipes/qwen_ami.py"])
-def test_both_entry_points_start_the_group_with_ddp_timeout(entry_point, monkeypatch):
+@pytest.mark.parametrize(
+    "entry_point,body",
+    [("scripts/train.py", "ddp_ft.commands.train"), ("recipes/qwen_ami.py", "ddp_ft.commands.recipe")],
+)
+def test_both_entry_points_start_the_group_with_ddp_timeout(entry_point, body, monkeypatch):
     """``--ddp-timeout`` reaches init_process_group on both entry points (the recipe starts the group itself,
     before Accelerate, which then adopts it)."""
+    import importlib
     import importlib.util
     from pathlib import Path
 
@@ -91,7 +95,7 @@ def test_both_entry_points_start_the_group_with_ddp_timeout(entry_point, monkeyp
         seen.append(timeout_s)
         raise KeyboardInterrupt  # stop there: nothing else is under test
 
-    monkeypatch.setattr(module, "init_distributed", init_distributed)
+    monkeypatch.setattr(importlib.import_module(body), "init_distributed", init_distributed)  # the script's main
     with pytest.raises(KeyboardInterrupt):
         module.main(["--preset", "tiny", "--ddp-timeout", "77"])
     assert seen == [77]

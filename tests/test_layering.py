@@ -32,7 +32,7 @@ LAYERS = [
         "ddp_ft.integrations.settings",
         "ddp_ft.integrations.callbacks",
     },
-    {"ddp_ft.integrations.recipe", "ddp_ft.gpu_check", "ddp_ft.integrations"},
+    {"ddp_ft.integrations.recipe", "ddp_ft.gpu_check", "ddp_ft.integrations", "ddp_ft.commands", "ddp_ft.cli"},
 ]
 
 

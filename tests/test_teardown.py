@@ -1,6 +1,7 @@
 """Both entry points tear the process group down in ``finally`` on every rank: after success, and after a failure
 on one rank or on all of them. Real 2-process gloo groups made by the entry point's own ``init_distributed``."""
 
+import importlib
 import importlib.util
 import os
 import socket
@@ -14,7 +15,11 @@ from .dist_harness import run_distributed
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"scripts/train.py": "train", "recipes/qwen_ami.py": "build_trainer"}
+# entry point -> (the module holding its body, the name there that trains)
+ENTRY_POINTS = {
+    "scripts/train.py": ("ddp_ft.commands.train", "train"),
+    "recipes/qwen_ami.py": ("ddp_ft.commands.recipe", "build_trainer"),
+}
 
 
 class _FakeTrainer:
@@ -55,7 +60,8 @@ def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks, o
             raise RuntimeError(f"injected failure on rank {rank}")
         return _FakeTrainer()
 
-    setattr(module, ENTRY_POINTS[entry_point], work)
+    body, name = ENTRY_POINTS[entry_point]
+    setattr(importlib.import_module(body), name, work)
     try:
         module.main(["--preset", "tiny", "--report-to", "none", "--output-dir", output_dir])
         outcome = "returned"

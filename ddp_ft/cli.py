@@ -1,0 +1,211 @@
+"""``ddp-ft``: one command over ddp_ft's entry points, installed with the package (``[project.scripts]``).
+
+    ddp-ft train --nproc 2 --config configs/tiny.yaml --max-steps 4   # the plain loop, torchrun started for you
+    ddp-ft recipe --nproc 2 --preset tiny                             # the HF Trainer path
+    ddp-ft doctor --nproc 2                                           # preflight: launch, devices, versions, comm
+    ddp-ft compare runs/single runs/ddp --out runs/compare
+
+Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``, ``ddp_ft.ladder.*_cli``),
+the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N`` (N > 1) the command checks its flags
+in this process first, so a wrong setting fails before any worker starts, then runs
+``python -m torch.distributed.run --standalone --nproc_per_node N -m <module> ...`` and returns its exit status. Under
+a launcher already (``torchrun -m ddp_ft.cli train ...``: WORLD_SIZE is set) it runs in the launched process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """A ``ddp-ft`` subcommand.
+
+    Args:
+        help (str): its line in ``ddp-ft --help``.
+        module (str): the module run under torchrun (``-m``), holding ``main``.
+        nproc (int): processes when ``--nproc`` is not given; 0: the subcommand does not launch.
+        min_nproc (int): the fewest processes it runs on.
+    """
+
+    help: str
+    module: str
+    nproc: int = 1
+    min_nproc: int = 1
+
+
+SUBCOMMANDS = {
+    "train": Subcommand(
+        "Fine-tune with the plain PyTorch loop and BucketedDDP (scripts/train.py).", "ddp_ft.commands.train"
+    ),
+    "recipe": Subcommand(
+        "Fine-tune with the HF Trainer (or TRL's SFTTrainer) and BucketedDDP (recipes/qwen_ami.py).",
+        "ddp_ft.commands.recipe",
+    ),
+    "compare": Subcommand(
+        "Compare a 1-device run with a DDP run: table, plot, JSON (scripts/compare.py).", "ddp_ft.commands.compare", 0
+    ),
+    "doctor": Subcommand(
+        "Preflight under the launcher: world size, devices, backend, precision, versions, all-reduce; exit 1 on failure.",
+        "ddp_ft.commands.doctor",
+    ),
+    "ladder": Subcommand(
+        "Measure the DDP ladder, naive all-reduce to BucketedDDP (scripts/ladder.py).", "ddp_ft.ladder.ladder_cli", 2, 2
+    ),
+    "bucket-sweep": Subcommand(
+        "Measure BucketedDDP over bucket_cap_mb settings (scripts/bucket_sweep.py).", "ddp_ft.ladder.sweep_cli", 2, 2
+    ),
+    "bench-comm": Subcommand(
+        "Measure all-reduce time and bus bandwidth, backend vs ring (scripts/bench_comm.py).",
+        "ddp_ft.ladder.bench_comm_cli",
+        2,
+        2,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``ddp-ft``'s own parser: the subcommand's name; its flags are the subcommand's (``ddp-ft NAME --help``)."""
+    parser = argparse.ArgumentParser(
+        prog="ddp-ft",
+        description="QLoRA fine-tuning with BucketedDDP: train, check and measure. `ddp-ft NAME --help` lists a "
+        "subcommand's settings.",
+    )
+    names = parser.add_subparsers(dest="command", metavar="NAME", required=True)
+    for name, sub in SUBCOMMANDS.items():
+        names.add_parser(name, help=sub.help, add_help=False)
+    return parser
+
+
+def launch_parser(sub: Subcommand) -> argparse.ArgumentParser:
+    """``--nproc``, as a parent parser of the subcommand's own (so its ``--help`` lists it)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"processes on this machine; above 1 ddp-ft starts torchrun (--standalone) with N workers. Under a "
+        f"launcher already, leave it out or give the launched WORLD_SIZE. Default: {sub.nproc}",
+    )
+    return parser
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option VALUE`` / ``option=VALUE`` (what the workers must not see again)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(f"{option}="):
+            out.append(arg)
+    return out
+
+
+def torchrun_command(module: str, nproc: int, argv: list[str]) -> list[str]:
+    """The torchrun command line that runs ``module`` on ``nproc`` local workers with ``argv``."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*run, "-m", module, *argv]
+
+
+def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser], nproc: int) -> list[str]:
+    """Parse (and for training, build) the subcommand's settings in this process; ``argv`` for the workers.
+
+    Raises:
+        SystemExit: a wrong flag or value, naming it (argparse's usage error, exit status 2); ``--help`` (0).
+    """
+    prog = f"ddp-ft {name}"
+    if name in ("train", "recipe"):
+        from .config import gradient_accumulation_steps, parse_settings
+
+        extra = parents
+        preset = ""
+        if name == "recipe":
+            from .commands.recipe import default_preset, recipe_parser
+
+            extra, preset = [recipe_parser(), *parents], default_preset()
+        try:
+            settings = parse_settings(argv, extra, preset, prog)
+            gradient_accumulation_steps(settings.train.effective_batch, settings.train.micro_batch, nproc)
+        except ValueError as error:
+            _fail(prog, str(error))
+    elif name == "doctor":
+        from .commands.doctor import parse_args
+
+        parse_args(argv, parents, prog)
+        if nproc > 1 and not any(a.split("=")[0] == "--expect-world-size" for a in argv):
+            argv = [*argv, "--expect-world-size", str(nproc)]
+    elif name == "compare":
+        from .commands.compare import build_parser as compare_parser
+
+        compare_parser(parents, prog).parse_args(argv)
+    else:
+        importlib.import_module(SUBCOMMANDS[name].module).parse_args(argv, parents, prog)
+    return argv
+
+
+def _fail(prog: str, message: str) -> None:
+    """A usage error naming the setting, as argparse reports one (exit status 2)."""
+    argparse.ArgumentParser(prog=prog).error(message)
+
+
+def _in_process(name: str, argv: list[str], parents: list[argparse.ArgumentParser]) -> int:
+    """Run the subcommand here: one process, or one worker of a launch."""
+    prog = f"ddp-ft {name}"
+    if name in ("train", "recipe"):
+        from .commands import recipe, train
+
+        (train if name == "train" else recipe).main(argv, parents, prog)
+        return 0
+    if name == "doctor":
+        from .commands.doctor import main as doctor
+
+        return doctor(argv, parents, prog)
+    if name == "compare":
+        from .commands.compare import main as compare
+
+        compare(argv)
+        return 0
+    importlib.import_module(SUBCOMMANDS[name].module).main(argv)  # a benchmark leaves through os._exit once written
+    return 0
+
+
+def run_subcommand(name: str, argv: list[str]) -> int:
+    """Check ``--nproc`` and the subcommand's flags, then run it here or under torchrun. Returns the exit status."""
+    sub = SUBCOMMANDS[name]
+    parents = [launch_parser(sub)] if sub.nproc else []
+    prog = f"ddp-ft {name}"
+    nproc = sub.nproc
+    if parents:
+        given = parents[0].parse_known_args(argv)[0].nproc
+        launched = int(os.environ.get("WORLD_SIZE", "0") or 0)
+        if given is not None and given < sub.min_nproc:
+            _fail(prog, f"--nproc {given}: {name} needs at least {sub.min_nproc} processes.")
+        if launched and given not in (None, launched):
+            _fail(prog, f"--nproc {given} under a launcher that started WORLD_SIZE={launched}: leave --nproc out.")
+        nproc = launched or (given if given is not None else sub.nproc)
+        if launched:
+            return _in_process(name, strip_option(argv, "--nproc"), parents)
+    argv = _validate(name, argv, parents, nproc)
+    if nproc <= 1:
+        return _in_process(name, strip_option(argv, "--nproc"), parents)
+    command = torchrun_command(sub.module, nproc, strip_option(argv, "--nproc"))
+    return subprocess.call(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ddp-ft NAME [flags]``. Returns the exit status (the console script exits with it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    build_parser().parse_args(argv[:1])  # --help, or an unknown name: argparse lists the subcommands and exits
+    return run_subcommand(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""The bodies of the entry points: ``scripts/*.py``, ``recipes/qwen_ami.py`` and the ``ddp-ft`` subcommands are thin
+mains over these, so a pip-installed ddp_ft has them too (``ddp_ft.cli``)."""

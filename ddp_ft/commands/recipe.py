@@ -1,0 +1,102 @@
+"""The Trainer path of the reference recipe (``recipes/qwen_ami.py``, ``ddp-ft recipe``): the HF Trainer (or TRL's
+SFTTrainer) with BucketedDDP, on the same model, data and settings as the plain loop.
+
+Without a preset (``--preset``, or ``preset:`` in the ``--config`` file) it picks ``qwen3-4b-ami`` when CUDA is
+available and ``tiny`` otherwise, and says so in its first log line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from ..config import RunSettings, parse_settings, write_run_config
+from ..distributed import (
+    DistInfo,
+    destroy_distributed,
+    failure_recorded,
+    init_distributed,
+    restart_count,
+    setup_logging,
+)
+from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
+from ..setup import check_run_settings
+from ..shared_fs import check_shared_resume, prepare_output_dir
+
+logger = logging.getLogger("ddp_ft.recipe")
+
+
+def recipe_parser() -> argparse.ArgumentParser:
+    """The recipe's own flag (``--trainer``), as a parent parser; the rest are the shared settings."""
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument(
+        "--trainer",
+        choices=TRAINERS,
+        default="hf",
+        help="hf: BucketedTrainer (transformers' Trainer); trl: BucketedSFTTrainer (TRL's SFTTrainer, the "
+        "ddp_ft[trl] extra). Default: hf",
+    )
+    return own
+
+
+def default_preset() -> str:
+    """The preset when none is named: the reference run with CUDA, the embedded tiny run without."""
+    return "qwen3-4b-ami" if torch.cuda.is_available() else "tiny"
+
+
+def main(
+    argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
+) -> None:
+    """Parse, join the process group, train with the Trainer, evaluate, save, tear down.
+
+    Args:
+        argv (list[str] | None): ``--trainer`` and the settings' flags. Default: ``sys.argv[1:]``
+        parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
+        prog (str | None): the command named in usage and errors. Default: the script's name
+    """
+    with failure_recorded():  # an exception on any rank reaches the launcher's summary: rank, host, traceback
+        own = recipe_parser()
+        entry, _ = own.parse_known_args(argv)
+        settings = parse_settings(argv, [own, *parents], default_preset(), prog)  # --help: all
+        info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
+        setup_logging(info)
+        named = any(a.split("=")[0] in ("--preset", "--config") for a in (sys.argv[1:] if argv is None else argv))
+        why = "CUDA available" if torch.cuda.is_available() else "no CUDA: the embedded tiny default"
+        why = "from --preset or --config" if named else why
+        logger.info("preset %s (%s), %d process(es)", settings.preset or "none", why, info.world_size)
+        try:
+            _train(settings, info, entry.trainer)
+        finally:
+            destroy_distributed()
+
+
+def _train(settings: RunSettings, info: DistInfo, trainer_name: str) -> None:
+    """Check, prepare the output folder, write run_config.yaml, train, then evaluate and save (unless stopped)."""
+    output_dir = settings.train.output_dir
+    check_run_settings(settings, info)  # before anything is touched
+    prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
+    write_run_config(settings, info)
+    resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
+    check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
+    trainer = build_trainer(settings, info, trainer_name)
+    trainer.train(resume_from_checkpoint=resume)
+    if trainer.stopped_by:
+        logger.warning(
+            "stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
+            "restart continues on its own)",
+            trainer.stopped_by,
+            trainer.state.global_step,
+        )
+        return
+    metrics = trainer.evaluate()
+    trainer.save_model(f"{output_dir}/final")  # the unwrapped adapter, on rank 0
+    trainer.save_state()
+    logger.info("eval: %s", metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The plain PyTorch loop with BucketedDDP (``ddp_ft.loop.train``): ``scripts/train.py`` and ``ddp-ft train``.
+
+python -m ddp_ft.commands.train --preset tiny                                # one process
+torchrun --standalone --nproc_per_node=2 -m ddp_ft.commands.train --config configs/tiny.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+from ..config import parse_settings, write_run_config
+from ..distributed import destroy_distributed, failure_recorded, init_distributed, setup_logging
+from ..loop import train
+
+logger = logging.getLogger("ddp_ft.train")
+
+
+def main(
+    argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
+) -> None:
+    """Parse the settings, join the process group, write ``run_config.yaml``, train, tear down.
+
+    Args:
+        argv (list[str] | None): the settings' flags (``ddp_ft.config.build_parser``). Default: ``sys.argv[1:]``
+        parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
+        prog (str | None): the command named in usage and errors. Default: the script's name
+    """
+    with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
+        settings = parse_settings(argv, parents, prog=prog)
+        info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
+        setup_logging(info)
+        try:
+            write_run_config(settings, info)
+            result = train(settings, info)
+            if info.is_main_process:
+                logger.info("result: %s", result)
+        finally:
+            destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The ddp-ft command: help for every subcommand, errors before anything launches, a 2-rank train under its own
+torchrun that writes a run_config.yaml which reruns it, the recipe on 2 ranks, and the doctor passing and failing."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_ft import cli
+from ddp_ft.commands import doctor
+from ddp_ft.config import RUN_CONFIG, parse_settings
+from ddp_ft.metrics import read_jsonl
+
+from .dist_harness import PYTHONPATH
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def _env() -> dict:
+    return {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": PYTHONPATH,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _run(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
+    run = _run([sys.executable, "-m", "ddp_ft.cli", "--help"], tmp_path, timeout=60)
+    assert run.returncode == 0, run.stderr
+    for name in cli.SUBCOMMANDS:
+        assert f"    {name}" in run.stdout, name
+    assert "Preflight under the launcher" in run.stdout and "usage: ddp-ft" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "name,flags",
+    [
+        ("train", ["--nproc", "--config", "--preset", "--micro_batch", "--bucket_cap_mb"]),
+        ("recipe", ["--nproc", "--trainer {hf,trl}", "--config", "--micro_batch"]),
+        ("compare", ["baseline_dir", "--out", "--independent"]),
+        ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes"]),
+        ("ladder", ["--nproc", "--rungs", "--workloads"]),
+        ("bucket-sweep", ["--nproc", "--caps", "--no-auto"]),
+        ("bench-comm", ["--nproc", "--sizes", "--byte-budget"]),
+    ],
+)
+def test_every_subcommand_documents_its_settings(name, flags, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main([name, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: ddp-ft {name}"), text[:200]
+    assert all(flag in text for flag in flags), text
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["training"], "invalid choice: 'training'"),
+        (["train", "--preset", "tiny", "--nproc", "3"], "effective_batch=8 is not divisible"),
+        (["train", "--config", "missing.yaml", "--nproc", "2"], "--config missing.yaml: cannot read it"),
+        (["recipe", "--trainer", "jax", "--nproc", "2"], "--trainer: invalid choice: 'jax'"),
+        (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
+        (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
+        (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
+    ],
+)
+def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(argv, needle, capsys, monkeypatch):
+    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as error:
+        cli.main(argv)
+    assert error.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_nproc_is_taken_off_the_workers_command_line_and_torchrun_runs_the_subcommands_module():
+    assert cli.strip_option(["--a", "1", "--nproc", "2", "--b", "--nproc=3"], "--nproc") == ["--a", "1", "--b"]
+    command = cli.torchrun_command("ddp_ft.commands.train", 2, ["--preset", "tiny"])
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "ddp_ft.commands.train",
+        "--preset",
+        "tiny",
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_that_reruns_it(tmp_path):
+    flags = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--max-steps", "2", "--save-every", "0"]
+    flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4"]
+    run = _run([sys.executable, "-m", "ddp_ft.cli", "train", "--nproc", "2", *flags], tmp_path)
+    assert run.returncode == 0, run.stderr[-6000:]
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    config = [r for r in records if r["type"] == "config"]
+    assert len(config) == 1 and config[0]["world_size"] == 2
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
+    written = tmp_path / "run" / RUN_CONFIG
+    assert parse_settings(["--config", str(written)]) == parse_settings(flags)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_recipe_with_nproc_two_trains_two_ranks_with_bucketed_ddp_not_two_copies(tmp_path):
+    flags = ["--preset", "tiny", "--max-steps", "1", "--save-every", "0", "--report-to", "none"]
+    run = _run([sys.executable, "-m", "ddp_ft.cli", "recipe", "--nproc", "2", *flags, "--output-dir", "out"], tmp_path)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert "2 process(es)" in run.stderr and "wrapped the model in BucketedDDP" in run.stderr
+    assert "world size 2" in run.stderr
+    assert (tmp_path / "out" / RUN_CONFIG).exists() and (tmp_path / "out" / "final").is_dir()
+
+
+@pytest.mark.distributed
+def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_path):
+    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "ddp_ft.cli", "doctor", "--sizes", "4K", "64K"]
+    run = _run(command, tmp_path, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert run.stdout.count("check ") == 1 and "All checks passed." in run.stdout, run.stdout
+    for row in ("world size", "accelerate world", "devices", "backend", "precision", "torch", "all-reduce"):
+        assert f"\n{row} " in run.stdout, row
+    assert "FAIL" not in run.stdout and "backend           PASS    gloo on cpu" in run.stdout
+
+
+@pytest.mark.distributed
+def test_doctor_launched_on_fewer_processes_than_expected_prints_the_fix_and_exits_1(tmp_path):
+    command = [sys.executable, "-m", "ddp_ft.cli", "doctor", "--nproc", "2", "--expect-world-size", "4"]
+    run = _run([*command, "--sizes", "4K"], tmp_path, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr[-4000:]
+    assert "world size        FAIL    2 process(es) launched (WORLD_SIZE=2), 4 expected" in run.stdout, run.stdout
+    assert "fix:    launch 4: ddp-ft train --nproc 4, torchrun --nproc_per_node 4" in run.stdout
+    assert "1 check(s) failed." in run.stdout
+
+
+def test_doctor_checks_name_the_fix_for_accelerate_seeing_one_process_and_two_ranks_on_one_gpu():
+    seen_one = doctor.check_accelerate(2, 1, environ={"WORLD_SIZE": "2", "RANK": "1"})
+    assert not seen_one.ok and "rank 1 of WORLD_SIZE=2" in seen_one.fix and "cpu=True" in seen_one.fix
+    other = doctor.check_accelerate(4, 2, environ={"WORLD_SIZE": "4"})
+    assert not other.ok and "the launcher started 4" in other.detail
+    assert doctor.check_accelerate(2, 2, environ={"WORLD_SIZE": "2"}).ok
+    shared = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0))
+    assert not shared.ok and "ranks 0 and 1 both on cuda:0 of host" in shared.detail and "one GPU" in shared.fix
+    old_gpu = doctor.check_precision("bfloat16", torch.device("cpu"))
+    assert old_gpu.ok and old_gpu.detail.startswith("bfloat16")
+    merged = doctor.merge([[doctor.Check("devices", True, "fine")], [doctor.Check("devices", False, "bad", "fix it")]])
+    assert merged == [doctor.Check("devices", False, "rank 1: bad", "fix it")]
+    table = doctor.format_table(merged)
+    assert "devices  FAIL    rank 1: bad" in table and "fix:    fix it" in table and "1 check(s) failed." in table
+
+
+@pytest.mark.distributed
+def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_its_results(tmp_path):
+    out = tmp_path / "comm.json"
+    flags = ["--sizes", "4K", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
+    run = _run([sys.executable, "-m", "ddp_ft.cli", "bench-comm", *flags], tmp_path, timeout=120)  # --nproc: 2
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "| 4 KiB |" in run.stdout and out.exists() and out.with_suffix(".png").exists()
