@@ -260,9 +260,7 @@ def write_run_config(settings: RunSettings, info: DistInfo) -> Path:
     path = Path(settings.train.output_dir) / RUN_CONFIG
     if info.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
-        header = (
-            "# Resolved settings of this run; rerun them with: ddp-ft train --config THIS_FILE (or scripts/train.py)\n"
-        )
+        header = "# Resolved settings of this run; rerun them with --config THIS_FILE (ddp-ft train or recipe, or their scripts)\n"
         body = yaml.safe_dump(settings_as_config(settings), sort_keys=False)
         tmp = path.with_name(f".{RUN_CONFIG}.tmp{os.getpid()}")
         tmp.write_text(header + body)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint, save_checkpoint
-from .config import RunSettings
+from .config import RunSettings, write_run_config
 from .data import EpochLoader
 from .data.step_tokens import StepTokenCounts, global_order
 from .ddp import BucketedDDP
@@ -86,6 +86,7 @@ class _Loop:
         self.output_dir = Path(self.t.output_dir)
         self._prepare_data()
         self._build_model()
+        write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
         self._open_sink()
         self.meter = ThroughputMeter(info.world_size, info.device)
         self.token_counts = StepTokenCounts(self.train_set)

@@ -75,14 +75,14 @@ def main(
 
 
 def _train(settings: RunSettings, info: DistInfo, trainer_name: str) -> None:
-    """Check, prepare the output folder, write run_config.yaml, train, then evaluate and save (unless stopped)."""
+    """Check, prepare the output folder and the trainer, write run_config.yaml, train, then evaluate and save."""
     output_dir = settings.train.output_dir
     check_run_settings(settings, info)  # before anything is touched
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
-    write_run_config(settings, info)
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
     trainer = build_trainer(settings, info, trainer_name)
+    write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
     trainer.train(resume_from_checkpoint=resume)
     if trainer.stopped_by:
         logger.warning(

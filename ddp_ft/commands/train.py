@@ -10,7 +10,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from ..config import parse_settings, write_run_config
+from ..config import parse_settings
 from ..distributed import destroy_distributed, failure_recorded, init_distributed, setup_logging
 from ..loop import train
 
@@ -20,7 +20,7 @@ logger = logging.getLogger("ddp_ft.train")
 def main(
     argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
 ) -> None:
-    """Parse the settings, join the process group, write ``run_config.yaml``, train, tear down.
+    """Parse the settings, join the process group, train (the loop writes ``run_config.yaml``), tear down.
 
     Args:
         argv (list[str] | None): the settings' flags (``ddp_ft.config.build_parser``). Default: ``sys.argv[1:]``
@@ -32,7 +32,6 @@ def main(
         info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
         setup_logging(info)
         try:
-            write_run_config(settings, info)
             result = train(settings, info)
             if info.is_main_process:
                 logger.info("result: %s", result)
