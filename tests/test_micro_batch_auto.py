@@ -6,7 +6,7 @@ Pure arithmetic (``ddp_ft.memory.auto_micro_batch``), the settings that accept `
 
 import pytest
 
-from ddp_ft.config import gradient_accumulation_steps
+from ddp_ft.config import gradient_accumulation_steps, parse_settings, settings_from_preset
 from ddp_ft.memory import AUTO_MARGIN, QWEN3_4B, MicroBatchChoice, auto_micro_batch, estimate
 
 GB = 10**9
@@ -95,3 +95,28 @@ def test_describe_is_one_line_with_the_choice_and_its_expected_peak():
     assert "\n" not in text
     assert text.startswith("--micro-batch auto: 4 (x 2 accumulation x 2 rank(s) = effective batch 16)")
     assert "expected peak 7.380 GB of a 20.400 GB budget (24.000 GB device)" in text
+
+
+# The setting: "auto" on the command line and in config files, anything else refused naming micro_batch.
+
+
+def test_micro_batch_takes_a_number_or_auto_on_the_command_line_and_in_config_files(tmp_path, capsys):
+    assert parse_settings(["--preset", "tiny", "--micro-batch", "auto"]).train.micro_batch == "auto"
+    assert parse_settings(["--preset", "tiny", "--micro_batch", "4"]).train.micro_batch == 4
+    config = tmp_path / "run.yaml"
+    config.write_text("preset: tiny\ntrain:\n  micro_batch: auto\n")
+    assert parse_settings(["--config", str(config)]).train.micro_batch == "auto"
+    assert settings_from_preset("tiny", micro_batch="auto").train.micro_batch == "auto"
+    with pytest.raises(SystemExit):
+        parse_settings(["--micro-batch", "big"])
+    err = capsys.readouterr().err
+    assert "--micro-batch" in err and "'big' is neither a whole number of samples nor 'auto'" in err
+    config.write_text("micro_batch: big\n")
+    with pytest.raises(SystemExit):
+        parse_settings(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert "run.yaml: micro_batch: 'big' is a str; micro_batch takes a int or 'auto'" in err
+    with pytest.raises(ValueError, match=r"micro_batch='big': must be a whole number >= 1 or 'auto'"):
+        settings_from_preset("tiny", micro_batch="big")
+    with pytest.raises(ValueError, match=r"micro_batch=0: must be >= 1"):
+        settings_from_preset("tiny", micro_batch=0)
