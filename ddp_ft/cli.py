@@ -133,7 +133,8 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
             extra, preset = [recipe_parser(), *parents], default_preset()
         try:
             settings = parse_settings(argv, extra, preset, prog)
-            gradient_accumulation_steps(settings.train.effective_batch, settings.train.micro_batch, nproc)
+            micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
+            gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
         except ValueError as error:
             _fail(prog, str(error))
     elif name == "doctor":

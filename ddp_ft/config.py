@@ -38,7 +38,13 @@ class TrainSettings:
         default=16,
         metadata={"help": "Samples per optimizer step over all ranks; accumulation = effective / (micro x world)."},
     )
-    micro_batch: int = field(default=1, metadata={"help": "Samples per forward/backward per rank."})
+    micro_batch: int | str = field(
+        default=1,
+        metadata={
+            "help": "Samples per forward/backward per rank, or 'auto': the largest that fits this GPU with the "
+            "effective batch unchanged, from ddp_ft.memory's arithmetic (resolved, then logged, before the model loads)."
+        },
+    )
     balance_ranks: bool = field(
         default=True,
         metadata={
@@ -71,8 +77,10 @@ class TrainSettings:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.micro_batch, str) and self.micro_batch != AUTO:
+            raise ValueError(f"micro_batch={self.micro_batch!r}: must be a whole number >= 1 or {AUTO!r}.")
         for name in ("effective_batch", "micro_batch", "epochs"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) != AUTO and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1.")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ValueError(f"max_steps={self.max_steps}: must be a positive number of steps, or -1 for all epochs.")
@@ -136,6 +144,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "str | None": (str, type(None)),
     "float | str": (int, float, str),
+    "int | str": (int, str),
 }
 
 
@@ -170,6 +179,8 @@ def _checked(key: str, kind: str, value: object, where: str) -> object:
         except ValueError:
             if kind == "float | str":
                 return value  # bucket_cap_mb: auto; the dataclass checks the word
+    if kind == "int | str" and isinstance(value, str) and value != AUTO:  # micro_batch: a number or auto
+        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes a int or {AUTO!r}.")
     ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind != "bool")
     if not ok:
         raise ValueError(f"{where}: {key}: {value!r} is a {type(value).__name__}; {key} takes a {kind}.")
@@ -293,6 +304,8 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     for action in parser._actions:  # HfArgumentParser types a `float | str` field as float: take "auto" too
         if action.dest == "bucket_cap_mb":
             action.type = _bucket_cap_arg
+        if action.dest == "micro_batch":  # `int | str` is typed int: take "auto" too
+            action.type = _micro_batch_arg
     return parser
 
 
@@ -304,6 +317,16 @@ def _bucket_cap_arg(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor {AUTO!r}") from None
+
+
+def _micro_batch_arg(text: str) -> int | str:
+    """``--micro-batch``: a whole number of samples or ``auto``."""
+    if text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of samples nor {AUTO!r}") from None
 
 
 def parse_settings(

@@ -7,6 +7,7 @@ QLoRA model on this rank's device. Neither entry point builds its model any othe
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -18,9 +19,11 @@ import torch.distributed as dist
 
 from .config import RunSettings, gradient_accumulation_steps
 from .data import TruncationReport, load_raw_splits, make_collator, tokenize_dataset
+from .ddp.autotune import AUTO
 from .distributed import DistInfo
 from .faults import FaultInjector
 from .integrations.launch import check_accelerate_launch
+from .memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
 
     from datasets import Dataset
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,21 +81,83 @@ def _barrier(info: DistInfo) -> None:
 def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict | str]:
     """The checks that need nothing but the settings and the world size; both entry points run them first.
 
+    ``--micro-batch auto`` is resolved here, in place (:func:`resolve_micro_batch`): from here on
+    ``settings.train.micro_batch`` is an int.
+
     Returns:
         tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
 
     Raises:
-        ValueError: an Accelerate launch setting no entry point can honour, impossible batch arithmetic, a
+        ValueError: ``--micro-batch auto`` without a GPU or that cannot fit, an Accelerate launch setting no entry point can honour, impossible batch arithmetic, a
             model-splitting device map under DDP, or a compute dtype this device cannot run, each naming the setting
             to change.
     """
     precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
     check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
     t = settings.train
+    if t.micro_batch == AUTO:
+        t.micro_batch = resolve_micro_batch(settings, info).micro_batch
     accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
     device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
     check_device_map(device_map, info.world_size)
     return accumulation, device_map
+
+
+def resolve_micro_batch(
+    settings: RunSettings, info: DistInfo, shape: Qwen3Shape | None = None, device_bytes: int | None = None
+) -> MicroBatchChoice:
+    """``--micro-batch auto``: the largest micro-batch whose expected peak fits this rank's GPU, logged on rank 0.
+
+    The arithmetic of ``ddp_ft.memory.auto_micro_batch`` at ``max_seq_len``, with the run's dtype, layout and LoRA
+    rank, against the device's total memory (``torch.cuda.mem_get_info``; under a process group the smallest of the
+    ranks', so that every rank makes the same choice). On the CPU there is no device memory to
+    fill (the host's RAM is shared with everything else), so ``auto`` is refused there: give a number.
+
+    Args:
+        settings (RunSettings): the run's settings.
+        info (DistInfo): this rank; its device and the world size.
+        shape (Qwen3Shape | None): the model's sizes. Default: from the model's ``config.json`` (``AutoConfig``).
+        device_bytes (int | None): memory of the device. Default: ``torch.cuda.mem_get_info(info.device)``'s total.
+
+    Raises:
+        ValueError: on the CPU, for the embedded tiny model, or when micro-batch 1 does not fit; naming --micro-batch.
+    """
+    if device_bytes is None:
+        if info.device.type != "cuda":
+            raise ValueError(
+                f"--micro-batch auto fills a GPU's memory; this run is on {info.device.type}, whose memory is the "
+                "host's: give --micro-batch a number (default 1)."
+            )
+        device_bytes = torch.cuda.mem_get_info(info.device)[1]
+        if info.is_distributed and dist.is_initialized():  # every rank chooses for the smallest device: one choice
+            smallest = torch.tensor([device_bytes], dtype=torch.int64, device=info.device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+            device_bytes = int(smallest.item())
+    if shape is None:
+        name = settings.model.model_name_or_path
+        if name == EMBEDDED_MODEL:
+            raise ValueError(
+                f"--micro-batch auto reads the model's config.json; {EMBEDDED_MODEL} (a few MB) has none before it is "
+                "built and fills no GPU: give --micro-batch a number."
+            )
+        from transformers import AutoConfig
+
+        shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(name))
+    precision = settings.model.precision(info.device)
+    choice = auto_micro_batch(
+        shape,
+        settings.data.max_seq_len,
+        settings.train.effective_batch,
+        info.world_size,
+        device_bytes,
+        compute_dtype=precision.name,
+        upcast_frozen_weights=settings.model.upcast_frozen_weights,
+        lora_r=settings.lora.lora_r,
+        double_quant=settings.model.double_quant,
+    )
+    if info.is_main_process:
+        logger.info("%s", choice.describe())
+    return choice
 
 
 def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:

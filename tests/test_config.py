@@ -172,7 +172,7 @@ def test_config_file_goes_over_the_preset_and_flags_over_the_file_flat_or_by_sec
     [
         ("micro_batches: 2\n", ["unknown key 'micro_batches'", "micro_batch", "sections model, lora"]),
         ("lora:\n  micro_batch: 2\n", ["unknown key lora.micro_batch", "lora_r, lora_alpha"]),
-        ("micro_batch: two\n", ["micro_batch: 'two' is a str", "takes a int"]),
+        ("micro_batch: two\n", ["micro_batch: 'two' is a str", "takes a int or 'auto'"]),
         ("learning_rate: fast\n", ["learning_rate: 'fast' is a str", "takes a float"]),
         ("balance_ranks: 1\n", ["balance_ranks: 1 is a int", "takes a bool"]),
         ("micro_batch: 2\ntrain:\n  micro_batch: 4\n", ["micro_batch is given twice"]),
