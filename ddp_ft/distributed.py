@@ -214,14 +214,31 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def setup_logging(info: DistInfo, level: int = logging.INFO) -> None:
-    """Log at ``level`` on rank 0 and only warnings elsewhere, each line tagged with the rank."""
+LOG_LEVEL_ENV = "DDP_FT_LOG_LEVEL"  # rank 0's level for every logger (other ranks: warnings), e.g. WARNING
+
+
+def setup_logging(info: DistInfo, level: int | None = None) -> None:
+    """Log at ``level`` on rank 0 and only warnings elsewhere, each line tagged with the rank.
+
+    ``level`` defaults to ``DDP_FT_LOG_LEVEL`` (a name: DEBUG, INFO, WARNING, ERROR), else INFO; ``make demo`` sets
+    WARNING, so a run prints its progress bar and its warnings only.
+
+    Raises:
+        ValueError: ``DDP_FT_LOG_LEVEL`` is not a level name, naming the choices.
+    """
+    if level is None:
+        name = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
+        if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError(f"{LOG_LEVEL_ENV}={name!r}: choose one of DEBUG, INFO, WARNING, ERROR.")
+        level = getattr(logging, name)
     logging.basicConfig(
         level=level if info.is_main_process else logging.WARNING,
         format=f"[rank{info.rank}] %(asctime)s %(name)s %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )
+    if _held_notices and info.is_main_process:
+        logger.info("bitsandbytes: %s (its own CPU 4-bit path is used instead)", _held_notices[0])
     if not info.is_main_process:  # progress bars are rank 0's
         try:
             import datasets
@@ -231,3 +248,24 @@ def setup_logging(info: DistInfo, level: int = logging.INFO) -> None:
             transformers.utils.logging.disable_progress_bar()
         except ImportError:
             pass
+
+
+# bitsandbytes (a CPU with AVX512-BF16) warns on every process, at import, that it could not fetch an optional faster
+# CPU 4-bit matmul from the Hub through the `kernels` package; it then uses its own CPU path.
+_HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+_held_notices: list[str] = []
+
+
+class _HubKernelNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(_HUB_KERNEL_NOTICE):
+            _held_notices.append(message.split(". Please")[0])
+            return False
+        return True
+
+
+def hold_library_notices() -> None:
+    """Hold bitsandbytes' CPU hub-kernel notice back; :func:`setup_logging` says it once, at INFO on rank 0. The
+    entry points call this before anything imports bitsandbytes (``ddp_ft.commands``)."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_HubKernelNotice())

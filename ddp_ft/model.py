@@ -123,10 +123,14 @@ def tiny_qwen3_config(vocab_size: int, **overrides):
     return Qwen3Config(**kwargs)
 
 
-def build_tiny_qwen3(path: str | Path, vocab_size: int, seed: int = 0, **overrides) -> Path:
+def build_tiny_qwen3(
+    path: str | Path, vocab_size: int, seed: int = 0, token_ids: dict[str, int] | None = None, **overrides
+) -> Path:
     """Write a randomly initialised tiny Qwen3 model to ``path`` (config.json + safetensors), once.
 
     Deterministic in ``seed``, so every rank (or a rank building it on its own) gets identical weights.
+    ``token_ids`` (e.g. ``eos_token_id``, ``pad_token_id``) go into the saved config and generation config after
+    the weights are drawn, so they do not change the weights (a ``pad_token_id`` at init would zero its embedding).
 
     Returns:
         Path: the folder, loadable with ``from_pretrained``.
@@ -142,6 +146,9 @@ def build_tiny_qwen3(path: str | Path, vocab_size: int, seed: int = 0, **overrid
         model = Qwen3ForCausalLM(tiny_qwen3_config(vocab_size, **overrides))
     finally:
         torch.random.set_rng_state(generator_state)
+    for name, value in (token_ids or {}).items():
+        setattr(model.config, name, value)
+        setattr(model.generation_config, name, value)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     try:

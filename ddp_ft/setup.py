@@ -65,10 +65,12 @@ def resolve_model_and_tokenizer(model_name_or_path: str, info: DistInfo) -> tupl
     if info.local_rank == 0:
         build_tiny_tokenizer(tokenizer_dir)
     _barrier(info)
-    vocab_size = len(load_tokenizer(str(tokenizer_dir)))
-    model_dir = cache_dir() / f"tiny-qwen3-v{vocab_size}"
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    # the tokenizer's special tokens in the model's config, as a hub model has them (else the Trainer aligns and warns)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model_dir = cache_dir() / f"tiny-qwen3-v{len(tokenizer)}-eos{ids['eos_token_id']}-pad{ids['pad_token_id']}"
     if info.local_rank == 0:
-        build_tiny_qwen3(model_dir, vocab_size=vocab_size, seed=0)
+        build_tiny_qwen3(model_dir, vocab_size=len(tokenizer), seed=0, token_ids=ids)
     _barrier(info)
     return str(model_dir), str(tokenizer_dir)
 

@@ -20,3 +20,58 @@ def test_a_short_run_prints_no_deprecation_warning(entry, tmp_path):
         if issubclass(w.category, DeprecationWarning | FutureWarning) or "deprecat" in str(w.message)
     ]
     assert not deprecations, deprecations
+
+
+def test_the_embedded_model_has_the_tokenizers_special_tokens_so_the_trainer_aligns_nothing(tmp_path, monkeypatch):
+    """The tiny model's config holds its tokenizer's eos and pad ids, as a hub model does: the Trainer's
+    ``align_special_tokens`` changes nothing and prints no 'new PAD/BOS/EOS tokens' warning on every rank. The ids
+    go in after the weights are drawn, so the weights are those of a build without them."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.trainer_utils import align_special_tokens
+
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.model import build_tiny_qwen3
+    from ddp_ft.setup import resolve_model_and_tokenizer
+
+    model_dir, tokenizer_dir = resolve_model_and_tokenizer("embedded:tiny-qwen3", DistInfo())
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    before = (model.config.eos_token_id, model.config.pad_token_id, model.generation_config.pad_token_id)
+    align_special_tokens(model, tokenizer)
+    assert before == (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.pad_token_id)
+    assert (model.config.eos_token_id, model.config.pad_token_id) == before[:2]
+
+    plain = build_tiny_qwen3(tmp_path / "plain", vocab_size=len(tokenizer), seed=0)
+    ours, theirs = load_file(f"{model_dir}/model.safetensors"), load_file(plain / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_bitsandbytes_cpu_hub_kernel_notice_is_said_once_on_rank_zero_and_the_log_level_is_checked(
+    monkeypatch, caplog, capsys
+):
+    import logging
+
+    from ddp_ft import distributed
+
+    monkeypatch.setattr(distributed, "_held_notices", [])
+    distributed.hold_library_notices()
+    notice = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes.backends.cpu.ops"):
+        notice.warning("%s: No module named 'kernels'. Please pip install kernels", distributed._HUB_KERNEL_NOTICE)
+        notice.warning("another bitsandbytes warning")
+    assert [r.getMessage() for r in caplog.records] == ["another bitsandbytes warning"]  # held back, others pass
+    assert distributed._held_notices == [f"{distributed._HUB_KERNEL_NOTICE}: No module named 'kernels'"]
+
+    for rank, said in ((1, False), (0, True)):  # setup_logging replaces the root handlers: read stderr
+        capsys.readouterr()
+        monkeypatch.setenv(distributed.LOG_LEVEL_ENV, "info")
+        distributed.setup_logging(distributed.DistInfo(rank=rank, local_rank=rank, world_size=2, local_world_size=2))
+        assert ("its own CPU 4-bit path is used instead" in capsys.readouterr().err) is said
+    monkeypatch.setenv(distributed.LOG_LEVEL_ENV, "loud")
+    with pytest.raises(ValueError, match="DDP_FT_LOG_LEVEL='LOUD': choose one of DEBUG, INFO, WARNING, ERROR"):
+        distributed.setup_logging(distributed.DistInfo())
+    monkeypatch.setenv(distributed.LOG_LEVEL_ENV, "warning")
+    distributed.setup_logging(distributed.DistInfo())
+    assert logging.getLogger().level == logging.WARNING
