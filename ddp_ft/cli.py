@@ -135,6 +135,11 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
             settings = parse_settings(argv, extra, preset, prog)
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
+            if name == "recipe":
+                from .integrations.stock import check_stock_settings
+
+                own = recipe_parser().parse_known_args(argv)[0]
+                check_stock_settings(settings, own.trainer, own.stock_find_unused)
         except ValueError as error:
             _fail(prog, str(error))
     elif name == "doctor":

@@ -24,6 +24,7 @@ from ..distributed import (
     setup_logging,
 )
 from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
+from ..integrations.stock import FIND_UNUSED, check_stock_settings
 from ..setup import check_run_settings
 from ..shared_fs import check_shared_resume, prepare_output_dir
 
@@ -38,7 +39,15 @@ def recipe_parser() -> argparse.ArgumentParser:
         choices=TRAINERS,
         default="hf",
         help="hf: BucketedTrainer (transformers' Trainer); trl: BucketedSFTTrainer (TRL's SFTTrainer, the "
-        "ddp_ft[trl] extra). Default: hf",
+        "ddp_ft[trl] extra); stock-hf, stock-trl: transformers' Trainer or TRL's SFTTrainer themselves, on torch DDP "
+        "(what ddp_ft is measured against; needs --no-balance-ranks). Default: hf",
+    )
+    own.add_argument(
+        "--stock-find-unused",
+        choices=FIND_UNUSED,
+        default="trainer",
+        help="torch DDP's find_unused_parameters for --trainer stock-hf/stock-trl: trainer (the Trainer's own "
+        "choice: True for a PeftModel), true or false. Default: trainer",
     )
     return own
 
@@ -69,22 +78,23 @@ def main(
         why = "from --preset or --config" if named else why
         logger.info("preset %s (%s), %d process(es)", settings.preset or "none", why, info.world_size)
         try:
-            _train(settings, info, entry.trainer)
+            _train(settings, info, entry.trainer, entry.stock_find_unused)
         finally:
             destroy_distributed()
 
 
-def _train(settings: RunSettings, info: DistInfo, trainer_name: str) -> None:
+def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_unused: str = "trainer") -> None:
     """Check, prepare the output folder and the trainer, write run_config.yaml, train, then evaluate and save."""
     output_dir = settings.train.output_dir
     check_run_settings(settings, info)  # before anything is touched
+    check_stock_settings(settings, trainer_name, stock_find_unused)
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-    trainer = build_trainer(settings, info, trainer_name)
+    trainer = build_trainer(settings, info, trainer_name, stock_find_unused)
     write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
     trainer.train(resume_from_checkpoint=resume)
-    if trainer.stopped_by:
+    if getattr(trainer, "stopped_by", None):  # a stock trainer has no stop handling
         logger.warning(
             "stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
             "restart continues on its own)",

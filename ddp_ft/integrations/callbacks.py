@@ -4,6 +4,7 @@ callback that never stops training, and a progress bar that shows the loss inste
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +32,9 @@ class ThroughputCallback(TrainerCallback):
     callbacks (``BucketedTrainer`` does) so wandb and the console see the values.
 
     On rank 0 it also writes ``<output_dir>/metrics.jsonl`` in the plain loop's format (so ``scripts/compare.py``
-    reads either), and points wandb's ``train/*`` and ``eval/*`` at ``train/samples_seen``.
+    reads either), and points wandb's ``train/*`` and ``eval/*`` at ``train/samples_seen``. Each train record also
+    has ``elapsed_s``, the wall seconds from train begin to the end of its step: what passes between steps (data
+    loading, the Trainer's own collectives before a step) counts there and not in ``step_time_s``.
 
     Args:
         wrapped_model (Callable[[], torch.nn.Module] | None): returns the (possibly wrapped) training model, for
@@ -61,6 +64,8 @@ class ThroughputCallback(TrainerCallback):
         self._sink: JsonlLogger | None = None
         self._wandb_config: dict | None = None
         self._choice_logged = False  # bucket_cap_mb="auto": its choice is written once
+        self._train_began = time.perf_counter()  # reset at train begin
+        self._step_ended = 0.0  # seconds from train begin to the end of the last step
 
     def _reset(self) -> None:
         self._seconds = 0.0
@@ -71,6 +76,7 @@ class ThroughputCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._reset()
+        self._train_began = time.perf_counter()
         if not state.is_world_process_zero:
             return
         world_size = max(1, args.world_size)
@@ -116,6 +122,7 @@ class ThroughputCallback(TrainerCallback):
         if self._meter is None:
             return
         step = self._meter.stop(state.num_input_tokens_seen - self._tokens_at_step)
+        self._step_ended = time.perf_counter() - self._train_began
         self._seconds += step["step_time_s"]
         self._tokens += step["tokens"]
         for k, v in step.items():  # the peak of the logging interval (a GPU's peaks are reset at every step)
@@ -151,6 +158,7 @@ class ThroughputCallback(TrainerCallback):
                 "tokens": self._tokens,
                 **self._memory,
                 "samples_seen": self._samples(args, state),
+                "elapsed_s": self._step_ended,
             }
         )
         self._memory = {}

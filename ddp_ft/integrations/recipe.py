@@ -15,6 +15,7 @@ from ..precision import Precision
 from ..records import RunIdentity, run_identity
 from ..setup import build_model, prepare_run
 from .callbacks import with_step_progress
+from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
 from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,12 @@ def wandb_report_to(settings: RunSettings, identity: RunIdentity, info: DistInfo
     return ["wandb"]
 
 
-TRAINERS = ("hf", "trl")  # the recipe's --trainer: BucketedTrainer, or BucketedSFTTrainer (TRL's SFTTrainer)
+TRAINERS = ("hf", "trl", *STOCK_TRAINERS)  # the recipe's --trainer (see build_trainer)
 
 
-def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") -> BucketedTrainer:
+def build_trainer(
+    settings: RunSettings, info: DistInfo, trainer: str = "hf", stock_find_unused: str = "trainer"
+) -> BucketedTrainer:
     """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
 
     Args:
@@ -49,30 +52,65 @@ def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") ->
         info (DistInfo): this process.
         trainer (str): ``hf``: ``BucketedTrainer``; ``trl``: ``BucketedSFTTrainer`` (the ``ddp_ft[trl]`` extra) on
             the same tokenized rows and collator, with TRL's loss and metrics. TRL stores the adapters of a 4-bit
-            model in bfloat16, so its run is not the ``hf`` one to the bit. Default: hf
+            model in bfloat16, so its run is not the ``hf`` one to the bit. ``stock-hf`` and ``stock-trl``: the
+            same on ``transformers.Trainer`` and ``trl.SFTTrainer`` with torch DDP (``ddp_ft.integrations.stock``),
+            the runs ddp_ft is measured against. Default: hf
+        stock_find_unused (str): torch DDP's ``find_unused_parameters`` for a stock trainer: ``trainer`` (the
+            Trainer's own choice), ``true`` or ``false``. Default: trainer
 
     Raises:
         ValueError: before the model loads, for an unknown ``trainer``, an Accelerate launch setting the recipe cannot
-            honour (``ddp_ft.integrations.launch``), float16 on the CPU, and for everything ``prepare_run`` refuses.
+            honour (``ddp_ft.integrations.launch``), float16 on the CPU, a setting a stock trainer cannot honour
+            (``check_stock_settings``), and for everything ``prepare_run`` refuses.
     """
     from transformers import TrainingArguments
 
     if trainer not in TRAINERS:
         raise ValueError(f"--trainer {trainer!r}: choose one of {', '.join(TRAINERS)}.")
+    check_stock_settings(settings, trainer, stock_find_unused)
     t = settings.train
     precision = trainer_precision(settings, info)
     parts = prepare_run(settings, info)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
+    arguments = training_arguments(settings, info, precision, parts.accumulation)
+    if trainer.endswith("trl"):
+        # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
+        arguments |= dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
+    data = dict(train_dataset=parts.train_set, eval_dataset=parts.eval_set, processing_class=parts.tokenizer)
+    if trainer in STOCK_TRAINERS:
+        stock = build_stock_trainer(
+            trainer, arguments, settings, stock_find_unused, model=model, data_collator=parts.collate, **data
+        )
+        return with_step_progress(stock)
+    trainer_class, args = BucketedTrainer, None
+    if trainer == "trl":
+        from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
 
+        trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments)
+    bucketed = trainer_class(
+        model=model,
+        args=args or TrainingArguments(**arguments),
+        data_collator=parts.faults.wrap_collate(parts.collate),
+        ddp_settings=settings.ddp,
+        faults=parts.faults,
+        balance_ranks=t.balance_ranks,
+        **data,
+    )
+    return with_step_progress(bucketed)  # the loss on rank 0's bar, not thirty keys printed per step
+
+
+def training_arguments(settings: RunSettings, info: DistInfo, precision: Precision, accumulation: int) -> dict:
+    """The recipe's ``TrainingArguments`` values, the same for every trainer."""
+    t = settings.train
     cuda = info.device.type == "cuda"
     identity = run_identity(t.wandb_project, t.wandb_group, t.run_name, settings.preset, info.world_size)
-    arguments = dict(
+    return dict(
         output_dir=t.output_dir,
         run_name=identity.name,  # the wandb run's name too
         per_device_train_batch_size=t.micro_batch,
         per_device_eval_batch_size=t.micro_batch,
-        gradient_accumulation_steps=parts.accumulation,
+        gradient_accumulation_steps=accumulation,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps,
         learning_rate=t.learning_rate,
@@ -101,25 +139,6 @@ def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") ->
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
     )
-    trainer_class, args = BucketedTrainer, None
-    if trainer == "trl":
-        from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
-
-        # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
-        sft = dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
-        trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments, **sft)
-    trainer = trainer_class(
-        model=model,
-        args=args or TrainingArguments(**arguments),
-        train_dataset=parts.train_set,
-        eval_dataset=parts.eval_set,
-        data_collator=parts.faults.wrap_collate(parts.collate),
-        processing_class=parts.tokenizer,
-        ddp_settings=settings.ddp,
-        faults=parts.faults,
-        balance_ranks=t.balance_ranks,
-    )
-    return with_step_progress(trainer)  # the loss on rank 0's bar, not thirty keys printed per step
 
 
 def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
