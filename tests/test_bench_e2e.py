@@ -1,16 +1,26 @@
-"""scripts/bench_e2e.py's launches and table (the benchmark itself runs minutes; its numbers are in docs/performance.md)."""
+"""scripts/bench_e2e.py's launches, table and loss check (the benchmark itself runs minutes; its numbers are in
+docs/performance.md)."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from ddp_ft.bench_e2e import cli, runs, summary, table
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "scripts" / "bench_e2e.py")
-bench_e2e = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_e2e)
+bench_e2e = SimpleNamespace(
+    _command=runs.command,
+    run_config=runs.run_config,
+    step_parts=runs.step_parts,
+    plan_ceiling=runs.plan_ceiling,
+    pool=summary.pool,
+    format_table=table.format_table,
+    format_pool=table.format_pool,
+    main=cli.main,
+)
 
 
 def test_a_pair_is_two_single_processes_and_ddp_one_two_rank_launch_on_the_same_settings(tmp_path):
@@ -19,7 +29,7 @@ def test_a_pair_is_two_single_processes_and_ddp_one_two_rank_launch_on_the_same_
     assert len(pair) == 2 and len(ddp) == 1
     assert [c[1:2] for c in pair] == [[str(ROOT / "scripts/train.py")]] * 2
     assert ddp[0][1:3] == ["--standalone", "--nproc_per_node=2"]
-    flags = ["--preset", "tiny", "--report-to", "none", "--max-steps", "16", "--source", "m.jsonl"]
+    flags = ["--preset", "tiny", "--report-to", "none", "--max-steps", "16", "--save-every", "0", "--source", "m.jsonl"]
     assert all(c[-len(flags) - 2 : -2] == flags for c in [*pair, *ddp])  # then --output-dir DIR
     assert {c[-1] for c in pair} == {str(tmp_path / "alone0"), str(tmp_path / "alone1")}
     recipe_pair, (recipe_ddp,) = (
@@ -113,7 +123,10 @@ def test_a_baseline_that_is_not_another_checkout_or_would_go_unused_is_refused_b
         monkeypatch.setattr("sys.argv", ["bench_e2e.py", "--baseline", str(other), *extra])
         with pytest.raises(SystemExit):
             bench_e2e.main()
-        assert "give --configs at least one of ddp-loop, ddp-recipe" in capsys.readouterr().err
+        assert (
+            "give --configs at least one of ddp-loop, ddp-recipe, ddp-recipe-strided, ddp-trl"
+            in capsys.readouterr().err
+        )
 
 
 def _records(world_size: int, steps: list[tuple[float, float, float]], tokens: int = 2000) -> list[dict]:
@@ -221,3 +234,107 @@ def test_a_mode_that_runs_nothing_refuses_the_flags_it_would_not_use(tmp_path, m
         bench_e2e.main()
     err = capsys.readouterr().err
     assert f"would not use {named}" in err, err
+
+
+def test_the_stock_peers_launch_the_same_recipe_with_the_stock_trainer_and_only_their_own_flags_differ(tmp_path):
+    (ours,) = runs.command("ddp-recipe", tmp_path, "m.jsonl", 16)
+    (stock,) = runs.command("stock-recipe", tmp_path, "m.jsonl", 16)
+    (off,) = runs.command("stock-recipe-unused-off", tmp_path, "m.jsonl", 16)
+    (sft,) = runs.command("stock-trl", tmp_path, "m.jsonl", 16)
+    assert stock[:5] == ours[:5]  # accelerate launch, the 2-process config, the recipe
+    assert stock[5:] == [*ours[5:-2], "--trainer", "stock-hf", "--no-balance-ranks", *ours[-2:]]
+    assert off[5:] == [
+        *ours[5:-2],
+        "--trainer",
+        "stock-hf",
+        "--stock-find-unused",
+        "false",
+        "--no-balance-ranks",
+        *ours[-2:],
+    ]
+    assert sft[5:] == [*ours[5:-2], "--trainer", "stock-trl", "--no-balance-ranks", *ours[-2:]]
+    assert runs.CONFIGS["stock-trl"].stock and not runs.CONFIGS["ddp-trl"].stock
+
+
+def _result(tokens_per_s: float, wall: float | None, losses: list[float], eval_loss: float | None = None) -> dict:
+    return {
+        "tokens_per_s": tokens_per_s,
+        "wall_tokens_per_s": wall,
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "compute_ms_per_1k_tokens": None,
+        "wait_share": None,
+        "no_wait_tokens_per_s": None,
+    }
+
+
+def test_ddp_ft_over_stock_is_paired_within_each_repeat_and_the_chain_multiplies_to_it():
+    curve = [2.0, 1.8, 1.7, 1.65, 1.6, 1.62, 1.58, 1.6]
+    noisy = [2.0, 1.81, 1.69, 1.66, 1.61, 1.6, 1.59, 1.61]
+    # two repeats on a host whose speed halves between them: the paired ratios stay put
+    by_config = {
+        "stock-recipe": [_result(100, 90, curve, 1.5), _result(50, 45, curve, 1.5)],
+        "stock-recipe-unused-off": [_result(104, 93, curve), _result(52, 46.5, curve)],
+        "ddp-recipe-strided": [_result(106, 99, [x * (1 + 2e-7) for x in curve]), _result(53, 49.5, curve)],
+        "ddp-recipe": [_result(110, 108, noisy, 1.51), _result(55, 54, noisy, 1.51)],
+    }
+    s = summary.summarize({"mixed": by_config}, {"mixed": 0.97})["mixed"]
+    headline = s["vs_stock"]["ddp-recipe/stock-recipe"]
+    assert headline["step"]["median"] == pytest.approx(1.10) and headline["step"]["min"] == pytest.approx(1.10)
+    assert headline["wall"]["median"] == pytest.approx(1.20)
+    links = [(link["from"], link["to"], link["wall"]["median"]) for link in s["stock_chain"]]
+    assert [a for a, _, _ in links] == ["stock-recipe", "stock-recipe-unused-off", "ddp-recipe-strided"]
+    product = 1.0
+    for _, _, ratio in links:
+        product *= ratio
+    assert product == pytest.approx(headline["wall"]["median"])
+    assert "ddp-trl/stock-trl" not in s["vs_stock"]  # not run: not reported
+
+    checks = s["loss_check"]
+    assert checks["ddp-recipe-strided/stock-recipe-unused-off"]["same"]  # the stock order: every step to 2e-7
+    assert checks["ddp-recipe/stock-recipe"]["same"] and checks["ddp-recipe/stock-recipe"]["eval_loss"] == [1.51, 1.5]
+
+    lines = table.format_stock({"summary": {"mixed": s}})
+    assert "| mixed | ddp-recipe/stock-recipe | 1.100 (1.100..1.100) | 1.200 (1.200..1.200) | yes |" in lines
+    assert any(
+        line.startswith("- mixed ddp-recipe-strided/stock-recipe-unused-off: same: every step") for line in lines
+    )
+
+
+def test_the_loss_check_tells_other_training_from_the_same_training():
+    curve = [2.0, 1.8, 1.7, 1.65, 1.6, 1.62, 1.58, 1.6]
+    off_by_a_bit = [x * 1.001 for x in curve]
+    assert not summary.loss_check(_result(1, 1, off_by_a_bit), _result(1, 1, curve), exact=True)["same"]
+    diverged = [2.0, 1.9, 1.9, 1.88, 1.87, 1.86, 1.86, 1.85]  # a run that does not learn the same
+    assert not summary.loss_check(_result(1, 1, diverged), _result(1, 1, curve), exact=False)["same"]
+    worse_eval = summary.loss_check(_result(1, 1, curve, 1.9), _result(1, 1, curve, 1.5), exact=False)
+    assert not worse_eval["same"]
+    assert not summary.loss_check(_result(1, 1, curve[:4]), _result(1, 1, curve), exact=False)["same"]
+
+
+def test_wall_tokens_per_s_counts_every_second_between_the_first_steps_end_and_the_last_and_stock_has_no_split():
+    records = [{"type": "config", "world_size": 2}]
+    for step, elapsed in enumerate([5.0, 6.0, 7.5, 8.0], 1):
+        records.append({"type": "train", "step": step, "tokens": 1000, "step_time_s": 0.4, "elapsed_s": elapsed})
+    assert runs.wall_tokens_per_s(records) == pytest.approx(3000 / 3.0)
+    assert runs.step_parts(records) == {
+        "compute_ms_per_1k_tokens": None,
+        "wait_share": None,
+        "no_wait_tokens_per_s": None,
+    }
+    assert runs.wall_tokens_per_s([r for r in records if r["type"] == "config" or r["step"] == 1]) is None
+    assert runs.wall_tokens_per_s([{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]) is None
+
+
+def test_the_picture_labels_a_ddp_bar_with_ddp_over_pair_and_a_stock_bar_with_ddp_ft_over_it(tmp_path):
+    curve = [2.0, 1.8, 1.7, 1.6]
+    by_config = {
+        "pair-recipe": [_result(200, 190, curve)],
+        "ddp-recipe": [_result(190, 185, curve)],
+        "stock-recipe": [_result(170, 160, curve)],
+    }
+    result = {"summary": summary.summarize({"tiny": by_config}, {"tiny": 1.0})}
+    s = result["summary"]["tiny"]
+    assert table._bar_label(s, "ddp-recipe") == "95%" and table._bar_label(s, "stock-recipe") == "ddp_ft x1.16"
+    assert table._bar_label(s, "pair-recipe") == ""
+    assert table.plot(result, tmp_path / "e2e.png").stat().st_size > 10_000

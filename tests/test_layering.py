@@ -31,8 +31,16 @@ LAYERS = [
         "ddp_ft.integrations.trainer_checkpoints",
         "ddp_ft.integrations.settings",
         "ddp_ft.integrations.callbacks",
+        "ddp_ft.bench_e2e",
     },
-    {"ddp_ft.integrations.recipe", "ddp_ft.gpu_check", "ddp_ft.integrations", "ddp_ft.commands", "ddp_ft.cli"},
+    {
+        "ddp_ft.integrations.recipe",
+        "ddp_ft.integrations.stock",
+        "ddp_ft.gpu_check",
+        "ddp_ft.integrations",
+        "ddp_ft.commands",
+        "ddp_ft.cli",
+    },
 ]
 
 
