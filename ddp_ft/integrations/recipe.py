@@ -64,15 +64,39 @@ def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") ->
     parts = prepare_run(settings, info)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
+    arguments = training_arguments(settings, info, precision, parts.accumulation)
+    trainer_class, args = BucketedTrainer, None
+    if trainer == "trl":
+        from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
 
+        # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
+        sft = dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
+        trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments, **sft)
+    trainer = trainer_class(
+        model=model,
+        args=args or TrainingArguments(**arguments),
+        train_dataset=parts.train_set,
+        eval_dataset=parts.eval_set,
+        data_collator=parts.faults.wrap_collate(parts.collate),
+        processing_class=parts.tokenizer,
+        ddp_settings=settings.ddp,
+        faults=parts.faults,
+        balance_ranks=t.balance_ranks,
+    )
+    return with_step_progress(trainer)  # the loss on rank 0's bar, not thirty keys printed per step
+
+
+def training_arguments(settings: RunSettings, info: DistInfo, precision: Precision, accumulation: int) -> dict:
+    """The recipe's ``TrainingArguments`` values, from the run's settings."""
+    t = settings.train
     cuda = info.device.type == "cuda"
     identity = run_identity(t.wandb_project, t.wandb_group, t.run_name, settings.preset, info.world_size)
-    arguments = dict(
+    return dict(
         output_dir=t.output_dir,
         run_name=identity.name,  # the wandb run's name too
         per_device_train_batch_size=t.micro_batch,
         per_device_eval_batch_size=t.micro_batch,
-        gradient_accumulation_steps=parts.accumulation,
+        gradient_accumulation_steps=accumulation,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps,
         learning_rate=t.learning_rate,
@@ -100,26 +124,9 @@ def build_trainer(settings: RunSettings, info: DistInfo, trainer: str = "hf") ->
         ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
+        use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train(); checked before the load
+        torch_compile=settings.model.compile,  # Accelerate compiles the model, then BucketedAccelerator wraps it
     )
-    trainer_class, args = BucketedTrainer, None
-    if trainer == "trl":
-        from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
-
-        # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
-        sft = dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
-        trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments, **sft)
-    trainer = trainer_class(
-        model=model,
-        args=args or TrainingArguments(**arguments),
-        train_dataset=parts.train_set,
-        eval_dataset=parts.eval_set,
-        data_collator=parts.faults.wrap_collate(parts.collate),
-        processing_class=parts.tokenizer,
-        ddp_settings=settings.ddp,
-        faults=parts.faults,
-        balance_ranks=t.balance_ranks,
-    )
-    return with_step_progress(trainer)  # the loss on rank 0's bar, not thirty keys printed per step
 
 
 def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
