@@ -135,6 +135,7 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
             settings = parse_settings(argv, extra, preset, prog)
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
+            _check_kernels(settings.model.liger, settings.model.compile)
             if name == "recipe":
                 from .integrations.stock import check_stock_settings
 
@@ -155,6 +156,17 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
     else:
         importlib.import_module(SUBCOMMANDS[name].module).parse_args(argv, parents, prog)
     return argv
+
+
+def _check_kernels(liger: bool, compile: bool) -> None:
+    """``--liger`` and ``--compile`` checked on the device the workers will take (a GPU when this host has one),
+    before any starts; each worker checks its own again (``check_run_settings``)."""
+    if liger or compile:
+        import torch
+
+        from .kernels import check_kernel_settings
+
+        check_kernel_settings(liger, compile, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _fail(prog: str, message: str) -> None:

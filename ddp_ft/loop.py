@@ -25,6 +25,7 @@ from .data import EpochLoader
 from .data.step_tokens import StepTokenCounts, global_order
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
+from .kernels import apply_liger_to_qwen3, compile_repeated_blocks
 from .metrics import ThroughputMeter, open_metric_sink
 from .preemption import StopSignal
 from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
@@ -143,7 +144,11 @@ class _Loop:
             precision.reason,
             ", loss-scaled" if precision.loss_scaling else "",
         )
+        if settings.model.liger:  # refused before the data where it cannot work (check_run_settings)
+            apply_liger_to_qwen3(self.parts.model_path)
         self.model = build_model(settings, info, self.parts)
+        if settings.model.compile:  # in place: names, checkpoints and BucketedDDP's layout unchanged
+            compile_repeated_blocks(self.model)
         self.wrapped = settings.ddp.wrap(self.model) if info.is_distributed else self.model
         self.scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]

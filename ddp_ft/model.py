@@ -56,6 +56,24 @@ class ModelSettings:
         default=False,
         metadata={"help": "Reentrant checkpointing breaks DDP gradient hooks; keep False unless you know why."},
     )
+    liger: bool = field(
+        default=False,
+        metadata={
+            "help": "Liger's fused Triton kernels for Qwen3 (RMSNorm, RoPE, SwiGLU, and the fused linear cross-entropy "
+            "that never materialises the logits): the plain loop patches transformers' Qwen3 before the model loads, "
+            "the recipe sets TrainingArguments' use_liger_kernel. Opt-in, not yet measured on a GPU. Needs CUDA, "
+            'Triton and the liger-kernel package (pip install "ddp_ft[liger]"); refused before the model loads.'
+        },
+    )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile the model: the plain loop compiles each decoder layer in place (regional "
+            "compilation: identical layers compile once), under BucketedDDP; the recipe sets TrainingArguments' "
+            "torch_compile (the whole model, through Accelerate). Opt-in, not yet measured on a GPU. Needs a C++ "
+            "compiler on the CPU (CXX, default g++) and Triton on CUDA; refused before the model loads."
+        },
+    )
     upcast_frozen_weights: bool = field(
         default=False,
         metadata={

@@ -23,6 +23,7 @@ from .ddp.autotune import AUTO
 from .distributed import DistInfo
 from .faults import FaultInjector
 from .integrations.launch import check_accelerate_launch
+from .kernels import check_kernel_settings
 from .memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
@@ -90,12 +91,14 @@ def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict
         tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
 
     Raises:
-        ValueError: ``--micro-batch auto`` without a GPU or that cannot fit, an Accelerate launch setting no entry point can honour, impossible batch arithmetic, a
-            model-splitting device map under DDP, or a compute dtype this device cannot run, each naming the setting
-            to change.
+        ValueError: ``--micro-batch auto`` without a GPU or that cannot fit, an Accelerate launch setting no entry
+            point can honour, ``--liger`` or ``--compile`` where they cannot work (``ddp_ft.kernels``), impossible
+            batch arithmetic, a model-splitting device map under DDP, or a compute dtype this device cannot run, each
+            naming the setting to change.
     """
     precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
     check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
+    check_kernel_settings(settings.model.liger, settings.model.compile, info.device)  # --liger, --compile
     t = settings.train
     if t.micro_batch == AUTO:
         t.micro_batch = resolve_micro_batch(settings, info).micro_batch

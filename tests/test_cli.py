@@ -70,6 +70,11 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["train", "--preset", "tiny", "--nproc", "3"], "effective_batch=8 is not divisible"),
         (["train", "--config", "missing.yaml", "--nproc", "2"], "--config missing.yaml: cannot read it"),
         (["recipe", "--trainer", "jax", "--nproc", "2"], "--trainer: invalid choice: 'jax'"),
+        (["train", "--preset", "tiny", "--liger", "--nproc", "2"], "--liger (liger: true): Liger's kernels are Triton"),
+        (
+            ["recipe", "--preset", "tiny", "--liger", "--nproc", "2"],
+            "--liger (liger: true): Liger's kernels are Triton",
+        ),
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),

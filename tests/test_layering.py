@@ -11,6 +11,7 @@ LAYERS = [
     {"ddp_ft.ddp", "ddp_ft.precision", "ddp_ft.distributed", "ddp_ft.preemption", "ddp_ft.records", "ddp_ft.synthetic"},
     {
         "ddp_ft.model",
+        "ddp_ft.kernels",
         "ddp_ft.memory",
         "ddp_ft.tokenizer",
         "ddp_ft.data",

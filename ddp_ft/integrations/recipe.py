@@ -138,6 +138,8 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
+        use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train(); checked before the load
+        torch_compile=settings.model.compile,  # Accelerate compiles the model, then BucketedAccelerator wraps it
     )
 
 
