@@ -138,12 +138,8 @@ class _Loop:
 
         settings, info, t = self.settings, self.info, self.t
         self.precision = precision = settings.model.precision(info.device)
-        logger.info(
-            "compute dtype %s (%s)%s",
-            precision.name,
-            precision.reason,
-            ", loss-scaled" if precision.loss_scaling else "",
-        )
+        scaled = ", loss-scaled" if precision.loss_scaling else ""
+        logger.info("compute dtype %s (%s)%s", precision.name, precision.reason, scaled)
         if settings.model.liger:  # refused before the data where it cannot work (check_run_settings)
             apply_liger_to_qwen3(self.parts.model_path)
         self.model = build_model(settings, info, self.parts)

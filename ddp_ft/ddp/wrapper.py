@@ -16,6 +16,7 @@ from .buckets import ParamSpec, compute_bucket_assignment
 from .comm_hooks import CommHook
 from .placement import device_identity, model_device
 from .reducer import Reducer
+from .state_dict import add_module_prefix, report_keys_unprefixed, strip_module_prefix
 from .stats import CommStats
 from .verify import verify_across_ranks
 from .watch import StepWatch
@@ -172,10 +173,10 @@ class BucketedDDP(nn.Module):
         # before the synced micro-step instead adds a second meeting point per step, after the ranks have
         # drifted apart over the no_sync micro-steps.
         self._buffers_need_sync = True
-        self._register_state_dict_hook(_strip_module_prefix)
-        self._load_prefix = ""  # the prefix of the load in progress (_add_module_prefix), for its key report
-        self.register_load_state_dict_pre_hook(_add_module_prefix)
-        self.register_load_state_dict_post_hook(_report_keys_unprefixed)
+        self._register_state_dict_hook(strip_module_prefix)
+        self._load_prefix = ""  # the prefix of the load in progress (add_module_prefix), for its key report
+        self.register_load_state_dict_pre_hook(add_module_prefix)
+        self.register_load_state_dict_post_hook(report_keys_unprefixed)
         if self.rank == 0:
             sizes = [f"{nbytes / 2**20:.2f}" for nbytes in self.bucket_nbytes]
             logger.info(
@@ -371,37 +372,3 @@ class BucketedDDP(nn.Module):
 def _owner(buffer_name: str) -> str:
     """The submodule a buffer belongs to: its buffers are sent together when any of them was written."""
     return buffer_name.rpartition(".")[0]
-
-
-def _strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """The wrapper's state_dict is the wrapped module's: no ``module.`` prefix in saved keys."""
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
-
-
-def _add_module_prefix(wrapper: BucketedDDP, state_dict: dict, prefix: str, *args) -> None:
-    """Accept the wrapped module's keys, which :func:`_strip_module_prefix` writes, and torch DDP's prefixed ones.
-
-    A key is taken as prefixed only if it is not one of the wrapped module's own keys, so a model whose own child
-    is called ``module`` (keys ``module.*``) loads as itself.
-    """
-    wrapper._load_prefix = prefix
-    inner = prefix + "module."
-    own = set(wrapper.module.state_dict(keep_vars=True))
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        name = key[len(prefix) :]
-        if name in own or not (name.startswith("module.") and name[len("module.") :] in own):
-            state_dict[inner + name] = state_dict.pop(key)
-
-
-def _report_keys_unprefixed(wrapper: BucketedDDP, incompatible_keys) -> None:
-    """Report missing and unexpected keys as :func:`_strip_module_prefix` writes them (no ``module.``).
-
-    Loaders that compare the report with ``state_dict()``'s keys, such as safetensors' ``load_model`` (Accelerate's
-    ``load_state``) with tied weights, which it saves once and expects missing, need the two in one namespace.
-    """
-    prefix = wrapper._load_prefix
-    inner = prefix + "module."
-    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
-        keys[:] = [prefix + key[len(inner) :] if key.startswith(inner) else key for key in keys]
