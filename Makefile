@@ -64,8 +64,11 @@ bucket-sweep: install
 bench-comm: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_comm.py --out bench_results/bench_comm.json
 
-# End to end against the limit: 2-rank DDP (loop and Trainer recipe) vs two independent single processes side by side,
-# alternated 5 times, on the tiny preset's data and on meetings of mixed lengths (table, JSON, PNG; ~15 minutes on 2 cores).
+# End to end: the recipe with BucketedTrainer / BucketedSFTTrainer against the same recipe on the stock Trainer (torch DDP,
+# find_unused_parameters as the Trainer sets it, and False) and the stock SFTTrainer, plus two independent single
+# processes (the limit), alternated 5 times on the tiny preset's data and on meetings of mixed lengths: paired ratios,
+# the chain between stock and ddp_ft, the loss check (table, JSON, PNG; ~30 minutes on 2 cores). The loop against its
+# limit: scripts/bench_e2e.py --configs pair-loop ddp-loop pair-recipe ddp-recipe.
 bench-e2e: install
 	$(PY) scripts/bench_e2e.py --repeats 5 --out bench_results/bench_e2e.json
 
