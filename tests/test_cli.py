@@ -46,7 +46,10 @@ def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
     "name,flags",
     [
         ("train", ["--nproc", "--config", "--preset", "--micro_batch", "--bucket_cap_mb"]),
-        ("recipe", ["--nproc", "--trainer {hf,trl}", "--config", "--micro_batch"]),
+        (
+            "recipe",
+            ["--nproc", "--trainer {hf,trl,stock-hf,stock-trl}", "--stock-find-unused", "--config", "--micro_batch"],
+        ),
         ("compare", ["baseline_dir", "--out", "--independent"]),
         ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes"]),
         ("ladder", ["--nproc", "--rungs", "--workloads"]),

@@ -118,7 +118,10 @@ def test_the_recipes_help_lists_its_own_trainer_flag_with_the_shared_settings():
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen_ami.py"
     run = subprocess.run([sys.executable, str(recipe), "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert "--trainer {hf,trl}" in run.stdout and "BucketedSFTTrainer" in run.stdout, run.stdout[:500]
+    assert "--trainer {hf,trl,stock-hf,stock-trl}" in run.stdout and "BucketedSFTTrainer" in run.stdout, run.stdout[
+        :500
+    ]
+    assert "--stock-find-unused {trainer,true,false}" in run.stdout
     assert "--micro_batch" in run.stdout and "--preset" in run.stdout
 
 
