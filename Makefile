@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench bench-comm bench-e2e ladder bucket-sweep gpu-check bench-gpu train-reference
+.PHONY: install test lint demo bench bench-comm bench-e2e ladder bucket-sweep gpu-check bench-gpu gpu-report train-reference
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,12 @@ bench-gpu: install
 	$(PY) scripts/bench_gpu.py --out bench_results/bench_gpu_1.json
 	if [ "$$($(PY) -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then \
 		$(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_gpu.py --out bench_results/bench_gpu_2.json; fi
+
+# Every GPU measurement in one command, most valuable first, under 10 minutes (--budget-s): bench_gpu at the reference
+# shape and at --micro-batch auto, --liger and --compile against the same run without them, 2 processes sharing the GPU
+# over gloo, gpu_check, the ladder and the scaling on 2+ GPUs. The JSON is rewritten after each step (a .md beside it).
+gpu-report: install
+	$(PY) scripts/gpu_report.py --out bench_results/gpu_report.json
 
 # The reference run on a machine with 2 GPUs and hub access (Qwen/Qwen3-4B, knkarthick/AMI).
 train-reference: install

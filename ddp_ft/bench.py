@@ -59,7 +59,12 @@ class ComputeSetup:
         return f"device {where}, backend {self.backend}, compute dtype {self.precision.name} ({self.precision.reason})"
 
 
-def compute_setup(device: str = "auto", compute_dtype: str = "auto", timeout_s: float = 600.0) -> ComputeSetup:
+BACKEND_CHOICES = ("auto", "gloo")
+
+
+def compute_setup(
+    device: str = "auto", compute_dtype: str = "auto", timeout_s: float = 600.0, backend: str = "auto"
+) -> ComputeSetup:
     """Join the launcher's process group on the device ``device`` asks for, and choose the compute dtype for it.
 
     Args:
@@ -67,11 +72,18 @@ def compute_setup(device: str = "auto", compute_dtype: str = "auto", timeout_s: 
             ignored). Default: auto.
         compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32`` (``ddp_ft.precision``). Default: auto.
         timeout_s (float): collective timeout. Default: 600.
+        backend (str): ``auto`` (NCCL on CUDA, gloo on the CPU) or ``gloo`` (also on CUDA: gloo reduces CUDA
+            tensors through the host, and, unlike NCCL, lets two ranks share one GPU, a test of BucketedDDP's CUDA
+            events and streams with real asynchronous communication on a one-GPU host). Default: auto.
 
     Raises:
-        ValueError: ``cuda`` without CUDA, or bfloat16 on a GPU older than compute capability 8.0, naming the fix.
+        ValueError: ``cuda`` without CUDA, an unknown backend, or bfloat16 on a GPU older than compute capability
+            8.0, naming the fix.
     """
-    device_type, backend = device_and_backend(device, torch.cuda.is_available())
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKEND_CHOICES)}.")
+    device_type, default_backend = device_and_backend(device, torch.cuda.is_available())
+    backend = default_backend if backend == "auto" else backend
     info = init_distributed(backend=backend, timeout_s=timeout_s, device_type=device_type)
     try:
         return ComputeSetup(info, backend, precision_for(compute_dtype, info.device))

@@ -20,6 +20,13 @@ Model FLOPs per token (``ddp_ft.bench.MFU_FORMULA``): 4*N_base + 6*N_lora + 12*L
 activation and weight gradients of the adapters, 4*N_lora; attention twice its forward); recomputation under
 checkpointing not counted. Peak: ``--peak-tflops``, else ``ddp_ft.bench.PEAK_TFLOPS`` by device name, else unknown.
 ``--shape tiny`` (with ``--device cpu``) is the smoke test.
+
+``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would
+(``ddp_ft.setup.resolve_micro_batch``: ``ddp_ft.memory``'s arithmetic for this shape, ``--seq-len`` and
+``--effective-batch`` against the GPU's memory) and records its expected peak beside the measured
+``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
+(``ddp_ft.kernels``); each mode's loss per step is recorded, so a run with them compares with one without
+(``--lora-dropout 0``: no dropout masks, the same losses up to the kernels' rounding).
 """
 
 from __future__ import annotations
@@ -47,12 +54,16 @@ from ddp_ft.bench import (
     random_qwen3_name,
     synchronize,
 )
-from ddp_ft.ddp import BucketedDDP
+from ddp_ft.config import RunSettings, TrainSettings
+from ddp_ft.data import DataSettings
+from ddp_ft.ddp import BucketedDDP, DDPSettings
+from ddp_ft.ddp.autotune import AUTO
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
-from ddp_ft.memory import Qwen3Shape
+from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings, compile_repeated_blocks
+from ddp_ft.memory import MicroBatchChoice, Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES, Precision
-from ddp_ft.setup import cache_dir, seed_everything
+from ddp_ft.setup import cache_dir, resolve_micro_batch, seed_everything
 from ddp_ft.steps import forward_backward, step_counts
 
 OVERRIDES = {  # --flag -> Qwen3Shape field
@@ -86,14 +97,38 @@ def at_least(low: int):
     return parse
 
 
+def micro_batch_arg(text: str) -> int | str:
+    """``--micro-batch``: a whole number >= 1, or ``auto``."""
+    return AUTO if text == AUTO else at_least(1)(text)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=BENCH_SHAPES, default="qwen3-4b", help="model sizes; tiny: the CPU smoke test")
     for flag, field in OVERRIDES.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override the shape's {field}")
     p.add_argument("--seq-len", type=at_least(1), default=512, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=at_least(1), default=1, help="sequences per forward/backward")
+    p.add_argument(
+        "--micro-batch",
+        type=micro_batch_arg,
+        default=1,
+        help="sequences per forward/backward, or auto: the largest that fits the GPU with --effective-batch unchanged",
+    )
     p.add_argument("--accumulation", type=at_least(1), default=1, help="micro-batches per optimizer step per rank")
+    p.add_argument(
+        "--effective-batch",
+        type=at_least(1),
+        help="with --micro-batch auto: sequences per optimizer step over all ranks (default 16, the qwen3-4b-ami "
+        "preset's); the accumulation follows from it",
+    )
+    p.add_argument(
+        "--device-memory-gb",
+        type=float,
+        help="with --micro-batch auto: the device memory to fill instead of the GPU's total (the only way on the CPU)",
+    )
+    p.add_argument("--lora-dropout", type=float, default=LoraSettings().lora_dropout, help="LoRA dropout")
+    p.add_argument("--liger", action="store_true", help="Liger's Qwen3 kernels, as the plain loop's --liger")
+    p.add_argument("--compile", action="store_true", help="regional torch.compile, as the plain loop's --compile")
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed optimizer steps per mode")
     p.add_argument("--steps", type=at_least(1), default=5, help="timed optimizer steps per mode per repeat")
     p.add_argument("--repeats", type=at_least(1), default=5, help="alternations of the modes")
@@ -113,26 +148,57 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compute-dtype", choices=["auto", *DTYPES], default="auto", help="ddp_ft.precision")
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s in the compute dtype (MFU)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_gpu.json"), help="JSON result file")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.micro_batch != AUTO and (args.effective_batch is not None or args.device_memory_gb is not None):
+        p.error("--effective-batch and --device-memory-gb go with --micro-batch auto")
+    if args.micro_batch == AUTO and args.accumulation != 1:
+        p.error("--micro-batch auto derives the accumulation from --effective-batch: drop --accumulation")
+    return args
 
 
-def train_steps(model, optimizer, scaler, batches, info: DistInfo, precision: Precision, steps: int) -> list[float]:
+def choose_micro_batch(args: argparse.Namespace, info: DistInfo, shape: Qwen3Shape, folder: Path) -> MicroBatchChoice:
+    """``--micro-batch auto`` as the run settings resolve it (``ddp_ft.setup.resolve_micro_batch``), with this
+    benchmark's shape, sequence length, dtype and LoRA settings; ``--device-memory-gb`` replaces the GPU's total.
+
+    Raises:
+        ValueError: on the CPU without ``--device-memory-gb``, or when micro-batch 1 does not fit, naming the flag.
+    """
+    data = DataSettings()
+    # Set after the checks: their floor of 64 tokens holds a chat prompt and an answer; random tokens need neither.
+    data.max_seq_len = args.seq_len
+    settings = RunSettings(
+        model=ModelSettings(model_name_or_path=str(folder), compute_dtype=args.compute_dtype),
+        lora=LoraSettings(lora_dropout=args.lora_dropout),
+        data=data,
+        ddp=DDPSettings(),
+        train=TrainSettings(effective_batch=args.effective_batch or 16, micro_batch=AUTO),
+    )
+    device_bytes = int(args.device_memory_gb * 1e9) if args.device_memory_gb is not None else None
+    return resolve_micro_batch(settings, info, shape=shape, device_bytes=device_bytes)
+
+
+def train_steps(
+    model, optimizer, scaler, batches, info: DistInfo, precision: Precision, steps: int
+) -> tuple[list[float], list[float]]:
     """``steps`` optimizer steps as ``ddp_ft.loop`` takes them (forward_backward, unscale, clip, AdamW); the seconds
-    of each. ``info`` is the job's for BucketedDDP, a world of one for the unwrapped modes (no collectives)."""
+    and the loss of each (read after the last step: no host sync in the timed steps). ``info`` is the job's for
+    BucketedDDP, a world of one for the unwrapped modes (no collectives)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     alone = isinstance(model, BucketedDDP) and not info.is_distributed  # forward_backward skips no_sync here
-    seconds = []
+    seconds, losses = [], []
     for step in range(steps):
         group = batches[step % len(batches)]
         synchronize(info.device)
         start = time.perf_counter()
         if alone and len(group) > 1:
             counts = step_counts(group, info)
+            loss = 0.0
             for i, batch in enumerate(group):
                 with model.no_sync() if i < len(group) - 1 else nullcontext():
-                    forward_backward(model, [batch], info, counts, precision, scaler)
+                    loss = loss + forward_backward(model, [batch], info, counts, precision, scaler)[0]
         else:
-            forward_backward(model, group, info, precision=precision, scaler=scaler)
+            loss = forward_backward(model, group, info, precision=precision, scaler=scaler)[0]
+        losses.append(loss)
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         scaler.step(optimizer)
@@ -140,7 +206,7 @@ def train_steps(model, optimizer, scaler, batches, info: DistInfo, precision: Pr
         optimizer.zero_grad(set_to_none=True)
         synchronize(info.device)
         seconds.append(time.perf_counter() - start)
-    return seconds
+    return seconds, [float(x) for x in torch.stack(losses).tolist()] if losses else []
 
 
 def device_busy(model, optimizer, scaler, batches, info: DistInfo, precision: Precision, steps: int) -> dict:
@@ -158,7 +224,7 @@ def device_busy(model, optimizer, scaler, batches, info: DistInfo, precision: Pr
     cuda = info.device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
-        seconds = train_steps(model, optimizer, scaler, batches, info, precision, steps)
+        seconds, _ = train_steps(model, optimizer, scaler, batches, info, precision, steps)
     device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     wall_ms = 1e3 * sum(seconds)
     kernel_ms = sum(e.self_device_time_total for e in device_events) / 1e3
@@ -171,6 +237,26 @@ def device_busy(model, optimizer, scaler, batches, info: DistInfo, precision: Pr
     }
 
 
+def build_models(args: argparse.Namespace, setup: ComputeSetup, modes: list[str], folder: Path) -> tuple:
+    """One model per mode (``--liger`` and ``--compile`` as the plain loop applies them), its AdamW and loss scaler;
+    and how many blocks ``--compile`` compiled per model."""
+    if args.liger:  # before the models are built: Liger swaps transformers' Qwen3 classes for this process
+        apply_liger_to_qwen3(str(folder))
+    models, optimizers, scalers, compiled = {}, {}, {}, 0
+    for mode in modes:
+        seed_everything(0)
+        settings = ModelSettings(model_name_or_path=str(folder), compute_dtype=args.compute_dtype)
+        lora = LoraSettings(lora_dropout=args.lora_dropout)
+        model = load_qlora_model(settings, lora, setup.device_map, setup.info.world_size).train()
+        if args.compile:  # in place, before BucketedDDP wraps it, as the plain loop does
+            compiled = compile_repeated_blocks(model)
+        models[mode] = BucketedDDP(model) if mode == "bucketed_ddp" else model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizers[mode] = torch.optim.AdamW(trainable, lr=2e-4)
+        scalers[mode] = setup.precision.grad_scaler()
+    return models, optimizers, scalers, compiled
+
+
 def main() -> None:
     args = parse_args()
     shape = Qwen3Shape(
@@ -181,7 +267,9 @@ def main() -> None:
     )
     setup = compute_setup(args.device, args.compute_dtype)
     info, device = setup.info, setup.info.device
+    choice = None
     try:
+        check_kernel_settings(args.liger, args.compile, device)  # refused before anything loads
         if not info.is_distributed:  # BucketedDDP needs a process group: one of size 1
             extra = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(setup.backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
@@ -192,15 +280,12 @@ def main() -> None:
         if info.local_rank == 0:
             build_random_qwen3(folder, shape, torch.bfloat16)
         dist.barrier()
-        models, optimizers, scalers = {}, {}, {}
-        for mode in modes:
-            seed_everything(0)
-            settings = ModelSettings(model_name_or_path=str(folder), compute_dtype=args.compute_dtype)
-            model = load_qlora_model(settings, LoraSettings(), setup.device_map, info.world_size).train()
-            models[mode] = BucketedDDP(model) if mode == "bucketed_ddp" else model
-            trainable = [p for p in model.parameters() if p.requires_grad]
-            optimizers[mode] = torch.optim.AdamW(trainable, lr=2e-4)
-            scalers[mode] = setup.precision.grad_scaler()
+        if args.micro_batch == AUTO:
+            choice = choose_micro_batch(args, info, shape, folder)
+            args.micro_batch, args.accumulation = choice.micro_batch, choice.accumulation
+            if info.is_main_process:
+                print(choice.describe(), flush=True)
+        models, optimizers, scalers, compiled = build_models(args, setup, modes, folder)
         g = torch.Generator().manual_seed(info.rank)
         batches = []
         for _ in range(4):
@@ -217,10 +302,10 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            seconds = (
+            seconds, losses = (
                 train_steps(models[mode], optimizers[mode], scalers[mode], batches, job, setup.precision, steps)
                 if runs
-                else [0.0] * steps
+                else ([0.0] * steps, [])
             )
             memory = (
                 [resident, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
@@ -235,14 +320,16 @@ def main() -> None:
             ranks = 1 if mode == "single" else info.world_size
             return {
                 "seconds": seconds,
-                "tokens_per_s": ranks * args.accumulation * args.micro_batch * args.seq_len * steps / sum(seconds),
+                "tokens_per_s": ranks * args.accumulation * args.micro_batch * args.seq_len * steps / sum(seconds)
+                if steps
+                else 0.0,  # --warmup 0
                 "resident_bytes": memory[0],
                 "peak_allocated_bytes": memory[1],
                 "peak_reserved_bytes": memory[2],
+                "losses": losses,
             }
 
-        for mode in modes:
-            measure(mode, args.warmup)
+        warmups = {mode: measure(mode, args.warmup) for mode in modes}
         samples: dict[str, list[dict]] = {m: [] for m in modes}
         for repeat in range(args.repeats):
             for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
@@ -256,7 +343,8 @@ def main() -> None:
                     models[mode], optimizers[mode], scalers[mode], batches, job, setup.precision, args.profile_steps
                 )
         if info.is_main_process:
-            report(args, setup, shape, samples, profiles)
+            kernels = {"liger": args.liger, "compile": args.compile, "compiled_blocks": compiled}
+            report(args, setup, shape, samples, profiles, warmups, kernels, choice)
     finally:
         destroy_distributed()
 
@@ -267,6 +355,9 @@ def report(
     shape: Qwen3Shape,
     samples: dict[str, list[dict]],
     profiles: dict[str, dict],
+    warmups: dict[str, dict],
+    kernels: dict,
+    choice: MicroBatchChoice | None,
 ) -> None:
     info, device = setup.info, setup.info.device
     cuda = device.type == "cuda"
@@ -294,6 +385,9 @@ def report(
             "peak_allocated_gb": max(r["peak_allocated_bytes"] for r in runs) / gb if cuda else None,
             "peak_reserved_gb": max(r["peak_reserved_bytes"] for r in runs) / gb if cuda else None,
             "profile": profiles.get(mode),
+            # every step's loss in the order this mode ran them (warm-up first): the same run with and without
+            # --liger / --compile compares here
+            "losses": warmups[mode]["losses"] + [loss for r in runs for loss in r["losses"]],
         }
     result = {
         "command": launch_command(info),
@@ -317,6 +411,8 @@ def report(
         "modes": modes,
         "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # rank 0, all modes
         "reference": REFERENCE,
+        "kernels": kernels,
+        "micro_batch_auto": micro_batch_auto(choice, modes) if choice is not None else None,
     }
     if "single" in samples and "bucketed_ddp" in samples:
         paired = [
@@ -335,6 +431,24 @@ def report(
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+
+
+def micro_batch_auto(choice: MicroBatchChoice, modes: dict[str, dict]) -> dict:
+    """``--micro-batch auto``'s choice, its expected peak, and the measured ``max_memory_allocated`` beside it (with
+    one mode only: with several, every mode's model is resident and the peak is not one model's)."""
+    measured = next(iter(modes.values()))["peak_allocated_gb"] if len(modes) == 1 else None
+    expected = choice.expected_peak / 1e9
+    return {
+        "micro_batch": choice.micro_batch,
+        "accumulation": choice.accumulation,
+        "world_size": choice.world_size,
+        "expected_peak_gb": expected,
+        "budget_gb": choice.budget / 1e9,
+        "device_gb": choice.device_bytes / 1e9,
+        "measured_peak_allocated_gb": measured,
+        "measured_over_expected": measured / expected if measured else None,
+        "describe": choice.describe(),
+    }
 
 
 def launch_command(info: DistInfo) -> str:
@@ -379,6 +493,12 @@ def print_table(r: dict, setup: ComputeSetup) -> None:
             f"{slo:>7.3f}..{shi:<6.3f} | {mfu:>6} | {mem:>22} |"
         )
     print("\n".join(rows))
+    if auto := r["micro_batch_auto"]:
+        measured = auto["measured_peak_allocated_gb"]
+        print(
+            f"{auto['describe']}; measured peak allocated "
+            + (f"{measured:.3f} GB ({auto['measured_over_expected']:.1%} of expected)" if measured else "n/a")
+        )
     if "bucketed_ddp_overhead" in r:
         print(
             f"BucketedDDP overhead at world size 1 (paired median per repeat): {r['bucketed_ddp_overhead']:.2%} "

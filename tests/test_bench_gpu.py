@@ -1,6 +1,7 @@
 """The GPU benchmark (issue 13): its FLOPs formula against a hand computation, its peak table, its random-weight
 model, and the script itself on the CPU with a tiny shape (one process, seconds; no speed asserted)."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -130,3 +131,38 @@ def test_bench_gpu_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--micro-batch", "4", "--profile-steps", "0"])
     args = bench_gpu.parse_args()
     assert args.micro_batch == 4 and args.profile_steps == 0 and args.warmup == 3
+    for argv, error in [
+        (["--micro-batch", "2", "--effective-batch", "8"], "--effective-batch and --device-memory-gb go with"),
+        (["--micro-batch", "auto", "--accumulation", "2"], "derives the accumulation from --effective-batch"),
+        (["--micro-batch", "big"], "argument --micro-batch: invalid"),
+    ]:
+        monkeypatch.setattr(sys, "argv", ["bench_gpu.py", *argv])
+        with pytest.raises(SystemExit):
+            bench_gpu.parse_args()
+        assert error in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--micro-batch", "auto", "--effective-batch", "8"])
+    assert bench_gpu.parse_args().micro_batch == "auto"
+
+
+def test_bench_gpu_micro_batch_auto_is_the_run_settings_choice(tmp_path):
+    """``--micro-batch auto`` goes through ``ddp_ft.setup.resolve_micro_batch``: the choice and expected peak of
+    ``ddp_ft.memory.auto_micro_batch`` for the benchmark's shape, sequence length and dtype; refused on the CPU
+    without ``--device-memory-gb``, as the run settings refuse it."""
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.memory import auto_micro_batch
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    args = argparse.Namespace(
+        compute_dtype="bfloat16", lora_dropout=0.05, seq_len=512, effective_batch=16, device_memory_gb=16.0
+    )
+    choice = bench_gpu.choose_micro_batch(args, DistInfo(), QWEN3_4B, tmp_path)
+    assert choice == auto_micro_batch(QWEN3_4B, 512, 16, 1, 16_000_000_000, compute_dtype="bfloat16")
+    assert 1 < choice.micro_batch < 16 and choice.micro_batch * choice.accumulation == 16
+    summary = bench_gpu.micro_batch_auto(choice, {"bucketed_ddp": {"peak_allocated_gb": choice.expected_peak / 1e9}})
+    assert summary["measured_over_expected"] == pytest.approx(1.0) and summary["budget_gb"] < 16
+    assert bench_gpu.micro_batch_auto(choice, {"a": {}, "b": {}})["measured_peak_allocated_gb"] is None
+    args.device_memory_gb = None
+    with pytest.raises(ValueError, match="--micro-batch auto fills a GPU's memory"):
+        bench_gpu.choose_micro_batch(args, DistInfo(), QWEN3_4B, tmp_path)

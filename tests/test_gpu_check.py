@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft.gpu_check import INJECT_ENV, check_dtype, format_report, merge_ranks, plan_world_sizes
+from ddp_ft.gpu_check import (
+    INJECT_ENV,
+    GpuCheckSettings,
+    check_dtype,
+    format_report,
+    merge_ranks,
+    plan_world_sizes,
+)
 from ddp_ft.precision import Precision, choose_precision
 
 from .dist_harness import PYTHONPATH
@@ -74,6 +81,17 @@ def test_one_process_then_two_where_two_devices_exist():
     assert plan_world_sizes("cpu", 0, [2]) == [2]
     with pytest.raises(ValueError, match="2 processes but 1 GPU"):
         plan_world_sizes("cuda", 1, [2])
+
+
+def test_processes_share_one_gpu_only_over_gloo_and_only_when_one_is_visible():
+    assert plan_world_sizes("cuda", 1, [2], backend="gloo") == [2]  # both ranks on cuda:0
+    with pytest.raises(ValueError, match="--backend gloo with one GPU visible"):
+        plan_world_sizes("cuda", 1, [2], backend="auto")  # NCCL refuses two ranks on one GPU
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES=0"):
+        plan_world_sizes("cuda", 2, [3], backend="gloo")  # cuda_device_index has no rule for 3 ranks on 2 GPUs
+    assert plan_world_sizes("cuda", 2, [2], backend="gloo") == [2]  # one GPU each, over gloo
+    with pytest.raises(ValueError, match="backend='nccl'"):
+        GpuCheckSettings(backend="nccl")
 
 
 @pytest.mark.parametrize(("capability", "reported", "name"), [((7, 5), True, "float16"), ((8, 0), True, "bfloat16")])

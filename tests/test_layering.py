@@ -38,6 +38,7 @@ LAYERS = [
         "ddp_ft.integrations.recipe",
         "ddp_ft.integrations.stock",
         "ddp_ft.gpu_check",
+        "ddp_ft.gpu_report",
         "ddp_ft.integrations",
         "ddp_ft.commands",
         "ddp_ft.cli",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..bench import BACKEND_CHOICES
 from ..distributed import DEVICE_CHOICES
 from ..precision import DTYPES
 
@@ -15,6 +16,14 @@ class GpuCheckSettings:
     device: str = field(default="auto", metadata={"help": "auto (cuda when available), cuda (NCCL) or cpu (gloo)."})
     compute_dtype: str = field(
         default="auto", metadata={"help": "auto (bfloat16 from compute capability 8.0, float16 below), or a dtype."}
+    )
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (NCCL on CUDA, gloo on cpu) or gloo: on CUDA, gloo with CUDA tensors, where the processes "
+            "may share one GPU (one visible: every rank on cuda:0) to exercise BucketedDDP's CUDA events and streams "
+            "with real asynchronous communication on a one-GPU host."
+        },
     )
     world_sizes: list[int] = field(
         default_factory=list,
@@ -32,6 +41,8 @@ class GpuCheckSettings:
             raise ValueError(f"device={self.device!r}: choose one of {', '.join(DEVICE_CHOICES)}.")
         if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
             raise ValueError(f"compute_dtype={self.compute_dtype!r}: choose auto or one of {sorted(DTYPES)}.")
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={self.backend!r}: choose one of {', '.join(BACKEND_CHOICES)}.")
         for name in ("seq_len", "micro_batch", "grad_accum", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1.")

@@ -36,11 +36,11 @@ def run_worker(rank: int, world_size: int, settings: GpuCheckSettings, port: int
     if Path("/sys/class/net/lo").exists():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
     try:
-        setup = compute_setup(settings.device, settings.compute_dtype, timeout_s=settings.timeout_s)
+        setup = compute_setup(settings.device, settings.compute_dtype, settings.timeout_s, settings.backend)
         if setup.info.device.type == "cpu":
             torch.set_num_threads(1)  # one thread per process: the CPU analogue of one GPU per process
         if world_size == 1:  # init_distributed makes no group for one process; both DDPs need one
-            device_id = {"device_id": setup.info.device} if setup.info.device.type == "cuda" else {}
+            device_id = {"device_id": setup.info.device} if setup.backend == "nccl" else {}
             dist.init_process_group(
                 setup.backend,
                 store=dist.HashStore(),

@@ -1,0 +1,243 @@
+"""``make gpu-report`` (issue 27, item 4): the orchestration with fake step commands (order, a failing step recorded
+and the next still run, the time budget, timeouts, the report rewritten atomically after every step), the checks of a
+variant against its baseline, the plan per host, and ``scripts/gpu_report.py --device cpu`` end to end."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_ft.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
+from ddp_ft.gpu_report.plan import plan_steps
+
+from .dist_harness import PYTHONPATH
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
+CPU_STEPS = [
+    "bench_gpu_reference",
+    "bench_gpu_auto",
+    "variant_baseline",
+    "variant_liger",
+    "variant_compile",
+    "shared_gpu_gloo",
+    "gpu_check",
+    "ladder",
+    "scaling_2gpu",
+]
+
+
+def writes(path: Path, payload: dict) -> list[str]:
+    """A fake step command: write ``payload`` as JSON to ``path``."""
+    return [PY, "-c", f"import json, sys; json.dump({payload!r}, open(sys.argv[1], 'w'))", str(path)]
+
+
+def quiet(lines: list[str]):
+    return lines.append
+
+
+def test_steps_run_in_order_a_failure_is_recorded_and_the_next_steps_still_run(tmp_path):
+    out = tmp_path / "report.json"
+    steps = [
+        Step(
+            "first",
+            "writes",
+            writes(tmp_path / "a.json", {"x": 1}),
+            tmp_path / "a.json",
+            summarize=lambda r, done: ({"headline": f"x={r['x']}"}, []),
+        ),
+        Step("broken", "exits 3", [PY, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"]),
+        Step("no_cuda", "skipped when planned", [PY, "-c", "raise SystemExit(9)"], skip="needs CUDA"),
+        Step("silent", "exits 0 without its JSON", [PY, "-c", "pass"], tmp_path / "never.json"),
+        Step("last", "still runs", writes(tmp_path / "d.json", {"y": 2}), tmp_path / "d.json"),
+    ]
+    lines: list[str] = []
+    report = run_report(steps, out, 600, HEADER, progress=quiet(lines))
+    assert json.loads(out.read_text()) == report and report["finished"] and report["device"] == "cpu"
+    assert [s["name"] for s in report["steps"]] == ["first", "broken", "no_cuda", "silent", "last"]
+    first, broken, no_cuda, silent, last = report["steps"]
+    assert (first["status"], first["exit_status"], first["result"]) == ("passed", 0, {"x": 1})
+    assert first["summary"]["headline"] == "x=1" and first["seconds"] > 0 and "a.json" in first["command"]
+    assert (broken["status"], broken["exit_status"], broken["reason"]) == ("failed", 3, "exit status 3")
+    assert "boom" in broken["error_tail"] and "boom" in Path(broken["log"]).read_text()
+    assert (no_cuda["status"], no_cuda["reason"], no_cuda["exit_status"]) == ("skipped", "needs CUDA", None)
+    assert silent["status"] == "failed" and "wrote no" in silent["reason"]
+    assert last["status"] == "passed" and last["result"] == {"y": 2}
+    assert report_failed(report) and len(lines) == 9  # a line per start and end, one per skip
+    assert not report_failed({"steps": [first, no_cuda, last]})
+
+
+def test_a_step_that_would_not_fit_the_budget_is_skipped_and_shorter_ones_still_run(tmp_path):
+    now = [0.0]
+
+    def slow(result, done):  # the first step "took" 95 s of the 100 s budget
+        now[0] += 95
+        return {}, []
+
+    steps = [
+        Step("long", "", writes(tmp_path / "a.json", {}), tmp_path / "a.json", expected_s=10, summarize=slow),
+        Step("too_long", "", [PY, "-c", "pass"], expected_s=10),
+        Step("short", "", [PY, "-c", "pass"], expected_s=2, timeout_s=60),
+    ]
+    report = run_report(steps, tmp_path / "r.json", 100, HEADER, clock=lambda: now[0], progress=quiet([]))
+    long, too_long, short = report["steps"]
+    assert long["status"] == "passed" and long["timeout_s"] == 100  # its 300 s cap, or the budget left
+    assert (
+        too_long["status"] == "skipped"
+        and "would not fit: expects 10 s, 5 s of the 100 s budget" in (too_long["reason"])
+    )
+    assert short["status"] == "passed" and short["timeout_s"] == 5  # capped at what is left
+    assert report["elapsed_s"] == 95 and not report_failed(report)
+
+
+def test_a_step_past_its_limit_is_killed_and_recorded_as_timed_out(tmp_path):
+    steps = [
+        Step(
+            "hangs",
+            "",
+            [PY, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+            expected_s=1,
+            timeout_s=1,
+        ),
+        Step("after", "", [PY, "-c", "pass"]),
+    ]
+    started = time.monotonic()
+    report = run_report(steps, tmp_path / "r.json", 600, HEADER, progress=quiet([]))
+    assert time.monotonic() - started < 15
+    hangs, after = report["steps"]
+    assert hangs["status"] == "timeout" and "did not finish within 1 s" in hangs["reason"]
+    assert "started" in hangs["error_tail"] and after["status"] == "passed" and report_failed(report)
+
+
+def test_the_report_is_on_disk_after_every_step_and_says_which_step_is_running(tmp_path):
+    out = tmp_path / "r.json"
+    seen = tmp_path / "seen.json"
+    peek = (
+        "import json, sys; r = json.load(open(sys.argv[1])); "
+        "json.dump([s['status'] for s in r['steps']], open(sys.argv[2], 'w'))"
+    )
+    steps = [
+        Step("one", "", writes(tmp_path / "a.json", {"a": 1}), tmp_path / "a.json"),
+        Step("two", "", [PY, "-c", peek, str(out), str(seen)]),
+        Step("three", "", [PY, "-c", "pass"]),
+    ]
+    copies: list[dict] = []
+
+    def snapshot(report: dict) -> None:  # a deep copy of what was just written
+        copies.append(json.loads(json.dumps(report)))
+
+    report = run_report(steps, out, 600, HEADER, progress=quiet([]), also_write=snapshot)
+    assert json.loads(seen.read_text()) == ["passed", "running", "pending"]  # what the file held during step two
+    assert [[s["status"] for s in c["steps"]] for c in copies] == [
+        ["pending", "pending", "pending"],
+        ["running", "pending", "pending"],
+        ["passed", "pending", "pending"],
+        ["passed", "running", "pending"],
+        ["passed", "passed", "pending"],
+        ["passed", "passed", "running"],
+        ["passed", "passed", "passed"],
+        ["passed", "passed", "passed"],  # finished
+    ]
+    assert report["finished"] and not copies[-2]["finished"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".r.json")) == []  # no temporary left
+
+
+def test_a_rewrite_that_fails_midway_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    write_report({"steps": ["kept"]}, out)
+
+    def breaks(obj, f, **kw):
+        f.write('{"steps": [')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(json, "dump", breaks)
+    with pytest.raises(OSError, match="disk full"):
+        write_report({"steps": ["lost"]}, out)
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == {"steps": ["kept"]}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def _bench_result(losses: list[float], tokens: float, peak: float | None, dtype: str = "bfloat16") -> dict:
+    mode = {"tokens_per_s": tokens, "step_s": 1.0, "mfu": None, "peak_allocated_gb": peak, "peak_reserved_gb": peak}
+    return {
+        "device": "x",
+        "world_size": 1,
+        "compute_dtype": dtype,
+        "modes": {"bucketed_ddp": {**mode, "losses": losses}},
+    }
+
+
+def test_a_variant_passes_within_the_dtype_tolerance_of_its_baseline_and_fails_beyond_it():
+    baseline = {"status": "passed", "result": _bench_result([12.0, 11.9, 11.8], 600.0, 8.0)}
+    close = _bench_result([12.01, 11.91, 11.79], 900.0, 6.0)  # bf16: within 2e-2 relative
+    summary, problems = summaries.variant(close, {"variant_baseline": baseline})
+    against = summary["against_baseline"]
+    assert problems == [] and against["tokens_per_s_ratio"] == 1.5 and against["peak_allocated_ratio"] == 0.75
+    assert against["losses_compared"] == 3 and against["loss_max_relative_difference"] == pytest.approx(0.01 / 11.8)
+    fp32 = {"status": "passed", "result": _bench_result([12.0, 11.9, 11.7], 600.0, 8.0, "float32")}
+    _, problems = summaries.variant(
+        _bench_result([12.0, 11.9, 11.8], 600.0, 8.0, "float32"), {"variant_baseline": fp32}
+    )
+    assert len(problems) == 1 and "tolerance 0.0001 in float32" in problems[0]
+    shorter = {"status": "passed", "result": _bench_result([12.0, 11.9], 600.0, 8.0)}
+    _, problems = summaries.variant(close, {"variant_baseline": shorter})
+    assert "not the same steps" in problems[0]
+    summary, problems = summaries.variant(close, {"variant_baseline": {"status": "failed"}})
+    assert problems == [] and "no baseline to compare with (its step: failed)" in summary["headline"]
+
+
+def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
+    cpu = plan_steps("cpu", 0, tmp_path, ROOT / "scripts", "python")
+    assert [s.name for s in cpu] == CPU_STEPS
+    skipped = {s.name: s.skip for s in cpu if s.skip}
+    assert set(skipped) == {"variant_liger", "shared_gpu_gloo", "scaling_2gpu"}
+    assert "--liger" in skipped["variant_liger"] and "this run is on cpu" in skipped["variant_liger"]
+    assert all("--device" in s.command and "cpu" in s.command for s in cpu if not s.skip)
+    one = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python")}
+    assert [n for n in one] == CPU_STEPS and one["ladder"].skip and one["scaling_2gpu"].skip
+    assert "--shape" not in one["bench_gpu_reference"].command and not one["shared_gpu_gloo"].skip
+    assert one["shared_gpu_gloo"].env.keys() == {"CUDA_VISIBLE_DEVICES"} and "gloo" in one["shared_gpu_gloo"].command
+    two = {s.name: s for s in plan_steps("cuda", 2, tmp_path, ROOT / "scripts", "python")}
+    assert two["ladder"].skip is None and two["scaling_2gpu"].skip is None
+    assert "--nproc_per_node=2" in two["scaling_2gpu"].command
+    assert sum(s.expected_s for s in one.values() if not s.skip) <= 600  # one H100: every runnable step fits
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpu_report_runs_end_to_end_on_the_cpu_and_records_every_step(tmp_path):
+    out = tmp_path / "gpu_report.json"
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    command = [PY, str(ROOT / "scripts" / "gpu_report.py"), "--device", "cpu", "--out", str(out)]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    report = json.loads(out.read_text())
+    failed = {s["name"]: (s["reason"], s["error_tail"]) for s in report["steps"] if s["status"] in FAILED}
+    assert run.returncode == 0, (run.stdout[-3000:], failed)
+    assert [s["name"] for s in report["steps"]] == CPU_STEPS and report["finished"]
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert {n for n, st in status.items() if st == "skipped"} == {"variant_liger", "shared_gpu_gloo", "scaling_2gpu"}
+    assert {n for n, st in status.items() if st == "passed"} == set(CPU_STEPS) - {
+        "variant_liger",
+        "shared_gpu_gloo",
+        "scaling_2gpu",
+    }
+    steps = {s["name"]: s for s in report["steps"]}
+    for name in ("bench_gpu_reference", "gpu_check", "ladder"):
+        assert steps[name]["result"] and steps[name]["summary"]["headline"]
+    auto = steps["bench_gpu_auto"]["summary"]["micro_batch_auto"]
+    assert (auto["micro_batch"], auto["accumulation"]) == (4, 1) and auto["expected_peak_gb"] > 0
+    assert auto["measured_peak_allocated_gb"] is None  # no CUDA allocator on the CPU
+    against = steps["variant_compile"]["summary"]["against_baseline"]
+    assert against["losses_compared"] == 3 and against["loss_max_relative_difference"] <= 1e-4
+    assert steps["gpu_check"]["summary"]["passed"] and steps["gpu_check"]["summary"]["backend"] == "gloo"
+    markdown = out.with_suffix(".md").read_text()
+    assert "# GPU report" in markdown and "the smoke test" in markdown and "| 9 | scaling_2gpu | skipped |" in markdown
+    assert "scaling_2gpu | skipped" in run.stdout
