@@ -32,25 +32,19 @@ checkpointing not counted. Peak: ``--peak-tflops``, else ``ddp_ft.bench.PEAK_TFL
 from __future__ import annotations
 
 import argparse
-import json
-import resource
-import statistics
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ddp_ft.bench import (
     BENCH_SHAPES,
-    MFU_FORMULA,
     ComputeSetup,
     build_random_qwen3,
     compute_setup,
-    peak_tflops,
-    qlora_training_flops,
     random_qwen3_name,
     synchronize,
 )
@@ -59,6 +53,7 @@ from ddp_ft.data import DataSettings
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.autotune import AUTO
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
+from ddp_ft.gpu_report.bench_gpu_result import micro_batch_auto, report  # noqa: F401  (micro_batch_auto: tests)
 from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings, compile_repeated_blocks
 from ddp_ft.memory import MicroBatchChoice, Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
@@ -74,14 +69,6 @@ OVERRIDES = {  # --flag -> Qwen3Shape field
     "kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
     "vocab_size": "vocab_size",
-}
-# DESIGN.md: Qwen3-4B QLoRA, seq 512, 2x RTX 4090 over PCIe (with real AMI samples, accumulation 16 / 8).
-REFERENCE = {
-    "device": "NVIDIA GeForce RTX 4090",
-    "tokens_per_s_1_gpu": 1650,
-    "tokens_per_s_2_gpus": "3000-3200",
-    "speedup_2_gpus": 1.9,
-    "peak_memory_gb_1_gpu": 5.58,
 }
 
 
@@ -257,6 +244,76 @@ def build_models(args: argparse.Namespace, setup: ComputeSetup, modes: list[str]
     return models, optimizers, scalers, compiled
 
 
+class Modes(NamedTuple):
+    """Every mode's model, optimizer and loss scaler, and this rank's batches (the same for every mode)."""
+
+    args: argparse.Namespace
+    setup: ComputeSetup
+    models: dict
+    optimizers: dict
+    scalers: dict
+    batches: list[list[dict]]
+
+
+def random_batches(args: argparse.Namespace, shape: Qwen3Shape, info: DistInfo) -> list[list[dict]]:
+    """Four optimizer steps of random sequences (``accumulation`` micro-batches each), seeded by the rank."""
+    g = torch.Generator().manual_seed(info.rank)
+    batches = []
+    for _ in range(4):
+        group = []
+        for _ in range(args.accumulation):
+            ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(info.device)
+            group.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+        batches.append(group)
+    return batches
+
+
+def measure(run: Modes, mode: str, steps: int) -> dict:
+    """``steps`` timed optimizer steps of ``mode`` (``single`` on rank 0 only); every value the slowest rank's."""
+    args, info = run.args, run.setup.info
+    device = info.device
+    runs = mode != "single" or info.is_main_process
+    job = info if mode == "bucketed_ddp" else DistInfo(device=device)
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    seconds, losses = ([0.0] * steps, [])
+    if runs:
+        model, optimizer, scaler = run.models[mode], run.optimizers[mode], run.scalers[mode]
+        seconds, losses = train_steps(model, optimizer, scaler, run.batches, job, run.setup.precision, steps)
+    memory = [0, 0, 0]
+    if device.type == "cuda":
+        memory = [resident, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
+    slowest = torch.tensor(seconds + [float(m) if runs else 0.0 for m in memory], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    seconds, memory = slowest[:steps].tolist(), slowest[steps:].tolist()
+    ranks = 1 if mode == "single" else info.world_size
+    tokens = ranks * args.accumulation * args.micro_batch * args.seq_len * steps
+    return {
+        "seconds": seconds,
+        "tokens_per_s": tokens / sum(seconds) if steps else 0.0,  # --warmup 0
+        "resident_bytes": memory[0],
+        "peak_allocated_bytes": memory[1],
+        "peak_reserved_bytes": memory[2],
+        "losses": losses,
+    }
+
+
+def profile(run: Modes, modes: list[str]) -> dict[str, dict]:
+    """Each mode's device-busy share over ``--profile-steps`` profiled steps (none when 0)."""
+    info, profiles = run.setup.info, {}
+    for mode in modes if run.args.profile_steps > 0 else []:
+        dist.barrier()
+        if mode != "single" or info.is_main_process:
+            job = info if mode == "bucketed_ddp" else DistInfo(device=info.device)
+            model, optimizer, scaler = run.models[mode], run.optimizers[mode], run.scalers[mode]
+            profiles[mode] = device_busy(
+                model, optimizer, scaler, run.batches, job, run.setup.precision, run.args.profile_steps
+            )
+    return profiles
+
+
 def main() -> None:
     args = parse_args()
     shape = Qwen3Shape(
@@ -286,252 +343,18 @@ def main() -> None:
             if info.is_main_process:
                 print(choice.describe(), flush=True)
         models, optimizers, scalers, compiled = build_models(args, setup, modes, folder)
-        g = torch.Generator().manual_seed(info.rank)
-        batches = []
-        for _ in range(4):
-            group = []
-            for _ in range(args.accumulation):
-                ids = torch.randint(0, shape.vocab_size, (args.micro_batch, args.seq_len), generator=g).to(device)
-                group.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-            batches.append(group)
-
-        def measure(mode: str, steps: int) -> dict:
-            runs = mode != "single" or info.is_main_process
-            job = info if mode == "bucketed_ddp" else DistInfo(device=device)
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            seconds, losses = (
-                train_steps(models[mode], optimizers[mode], scalers[mode], batches, job, setup.precision, steps)
-                if runs
-                else ([0.0] * steps, [])
-            )
-            memory = (
-                [resident, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)]
-                if device.type == "cuda"
-                else [0, 0, 0]
-            )
-            slowest = torch.tensor(
-                seconds + [float(m) if runs else 0.0 for m in memory], dtype=torch.float64, device=device
-            )
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            seconds, memory = slowest[:steps].tolist(), slowest[steps:].tolist()
-            ranks = 1 if mode == "single" else info.world_size
-            return {
-                "seconds": seconds,
-                "tokens_per_s": ranks * args.accumulation * args.micro_batch * args.seq_len * steps / sum(seconds)
-                if steps
-                else 0.0,  # --warmup 0
-                "resident_bytes": memory[0],
-                "peak_allocated_bytes": memory[1],
-                "peak_reserved_bytes": memory[2],
-                "losses": losses,
-            }
-
-        warmups = {mode: measure(mode, args.warmup) for mode in modes}
+        run = Modes(args, setup, models, optimizers, scalers, random_batches(args, shape, info))
+        warmups = {mode: measure(run, mode, args.warmup) for mode in modes}
         samples: dict[str, list[dict]] = {m: [] for m in modes}
         for repeat in range(args.repeats):
             for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
-                samples[mode].append(measure(mode, args.steps))
-        profiles = {}
-        for mode in modes if args.profile_steps > 0 else []:
-            dist.barrier()
-            if mode != "single" or info.is_main_process:
-                job = info if mode == "bucketed_ddp" else DistInfo(device=device)
-                profiles[mode] = device_busy(
-                    models[mode], optimizers[mode], scalers[mode], batches, job, setup.precision, args.profile_steps
-                )
+                samples[mode].append(measure(run, mode, args.steps))
+        profiles = profile(run, modes)
         if info.is_main_process:
             kernels = {"liger": args.liger, "compile": args.compile, "compiled_blocks": compiled}
             report(args, setup, shape, samples, profiles, warmups, kernels, choice)
     finally:
         destroy_distributed()
-
-
-def report(
-    args: argparse.Namespace,
-    setup: ComputeSetup,
-    shape: Qwen3Shape,
-    samples: dict[str, list[dict]],
-    profiles: dict[str, dict],
-    warmups: dict[str, dict],
-    kernels: dict,
-    choice: MicroBatchChoice | None,
-) -> None:
-    info, device = setup.info, setup.info.device
-    cuda = device.type == "cuda"
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    flops = qlora_training_flops(shape, args.seq_len, LoraSettings().lora_r)
-    peak = args.peak_tflops or peak_tflops(name, setup.precision.dtype)
-    peak_source = "--peak-tflops" if args.peak_tflops else ("ddp_ft.bench.PEAK_TFLOPS" if peak else "unknown")
-    gb = 1e9
-    modes = {}
-    for mode, runs in samples.items():
-        tokens = [r["tokens_per_s"] for r in runs]
-        steps = [s for r in runs for s in r["seconds"]]
-        devices = 1 if mode == "single" else info.world_size
-        median = statistics.median(tokens)
-        modes[mode] = {
-            "devices": devices,
-            "tokens_per_s": median,
-            "tokens_per_s_range": [min(tokens), max(tokens)],
-            "tokens_per_s_all_repeats": tokens,
-            "step_s": statistics.median(steps),
-            "step_s_range": [min(steps), max(steps)],
-            "step_s_all": steps,
-            "mfu": median / devices * flops.per_token / (peak * 1e12) if peak else None,
-            "resident_gb": max(r["resident_bytes"] for r in runs) / gb if cuda else None,
-            "peak_allocated_gb": max(r["peak_allocated_bytes"] for r in runs) / gb if cuda else None,
-            "peak_reserved_gb": max(r["peak_reserved_bytes"] for r in runs) / gb if cuda else None,
-            "profile": profiles.get(mode),
-            # every step's loss in the order this mode ran them (warm-up first): the same run with and without
-            # --liger / --compile compares here
-            "losses": warmups[mode]["losses"] + [loss for r in runs for loss in r["losses"]],
-        }
-    result = {
-        "command": launch_command(info),
-        "device": name,
-        "world_size": info.world_size,
-        "backend": setup.backend,
-        "compute_dtype": setup.precision.name,
-        "versions": versions(),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "shape": vars(shape),
-        "flops_per_token": {
-            "forward": flops.forward,
-            "backward": flops.backward,
-            "total": flops.per_token,
-            "n_base": flops.base_matmul_params,
-            "n_lora": flops.lora_params,
-        },
-        "mfu_formula": MFU_FORMULA,
-        "peak_tflops": peak,
-        "peak_tflops_source": peak_source,
-        "modes": modes,
-        "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # rank 0, all modes
-        "reference": REFERENCE,
-        "kernels": kernels,
-        "micro_batch_auto": micro_batch_auto(choice, modes) if choice is not None else None,
-    }
-    if "single" in samples and "bucketed_ddp" in samples:
-        paired = [
-            b["tokens_per_s"] / s["tokens_per_s"]
-            for b, s in zip(samples["bucketed_ddp"], samples["single"], strict=True)
-        ]
-        key = "bucketed_ddp_overhead" if info.world_size == 1 else "speedup_over_1_process"
-        value = 1 - statistics.median(paired) if info.world_size == 1 else statistics.median(paired)
-        result[key] = value
-        result[key + "_per_repeat"] = [1 - p if info.world_size == 1 else p for p in paired]
-    if "independent" in samples and "bucketed_ddp" in samples:
-        result["bucketed_ddp_over_independent"] = (
-            modes["bucketed_ddp"]["tokens_per_s"] / modes["independent"]["tokens_per_s"]
-        )
-    print_table(result, setup)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
-
-
-def micro_batch_auto(choice: MicroBatchChoice, modes: dict[str, dict]) -> dict:
-    """``--micro-batch auto``'s choice, its expected peak, and the measured ``max_memory_allocated`` beside it (with
-    one mode only: with several, every mode's model is resident and the peak is not one model's)."""
-    measured = next(iter(modes.values()))["peak_allocated_gb"] if len(modes) == 1 else None
-    expected = choice.expected_peak / 1e9
-    return {
-        "micro_batch": choice.micro_batch,
-        "accumulation": choice.accumulation,
-        "world_size": choice.world_size,
-        "expected_peak_gb": expected,
-        "budget_gb": choice.budget / 1e9,
-        "device_gb": choice.device_bytes / 1e9,
-        "measured_peak_allocated_gb": measured,
-        "measured_over_expected": measured / expected if measured else None,
-        "describe": choice.describe(),
-    }
-
-
-def launch_command(info: DistInfo) -> str:
-    nodes = info.world_size // info.local_world_size
-    launcher = "python" if not info.is_distributed else f"torchrun --nproc_per_node={info.local_world_size}"
-    return " ".join([launcher + (f" --nnodes={nodes}" if nodes > 1 else ""), *sys.argv])
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    for package in ("transformers", "peft", "bitsandbytes"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
-
-
-def print_table(r: dict, setup: ComputeSetup) -> None:
-    s = r["shape"]
-    print(f"{setup.describe()}; world size {r['world_size']}")
-    print(
-        f"Qwen3 shape: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocab {s['vocab_size']}; NF4 + "
-        f"LoRA r=16 all-linear, seq {r['settings']['seq_len']}, micro-batch {r['settings']['micro_batch']}, "
-        f"accumulation {r['settings']['accumulation']}, {r['settings']['repeats']} repeats x "
-        f"{r['settings']['steps']} steps"
-    )
-    rows = [
-        f"| {'mode':<12} | {'tokens/s':>9} | {'min..max':>17} | {'step s':>7} | {'min..max step s':>15} | "
-        f"{'MFU':>6} | {'peak alloc/reserved GB':>22} |",
-        "|" + "---|" * 7,
-    ]
-    for mode, m in r["modes"].items():
-        mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "?"
-        mem = f"{m['peak_allocated_gb']:.2f} / {m['peak_reserved_gb']:.2f}" if m["peak_allocated_gb"] else "-"
-        lo, hi = m["tokens_per_s_range"]
-        slo, shi = m["step_s_range"]
-        rows.append(
-            f"| {mode:<12} | {m['tokens_per_s']:>9.1f} | {lo:>8.1f}..{hi:<7.1f} | {m['step_s']:>7.3f} | "
-            f"{slo:>7.3f}..{shi:<6.3f} | {mfu:>6} | {mem:>22} |"
-        )
-    print("\n".join(rows))
-    if auto := r["micro_batch_auto"]:
-        measured = auto["measured_peak_allocated_gb"]
-        print(
-            f"{auto['describe']}; measured peak allocated "
-            + (f"{measured:.3f} GB ({auto['measured_over_expected']:.1%} of expected)" if measured else "n/a")
-        )
-    if "bucketed_ddp_overhead" in r:
-        print(
-            f"BucketedDDP overhead at world size 1 (paired median per repeat): {r['bucketed_ddp_overhead']:.2%} "
-            "(target < 1%)"
-        )
-    for mode, m in r["modes"].items():
-        if prof := m["profile"]:
-            busy = (
-                f"device kernels {prof['device_kernel_ms_per_step']:.0f} ms ({prof['device_busy_fraction']:.0%} busy), "
-                f"{prof['device_ops_per_step']:,.0f} device ops"
-                if prof["device_busy_fraction"] is not None
-                else "no device (host time only)"
-            )
-            print(f"profile {mode}: {prof['wall_ms_per_step']:.0f} ms per step, {busy} ({prof['steps']} steps)")
-    if "speedup_over_1_process" in r:
-        print(f"speedup of {r['world_size']} ranks over 1 process: {r['speedup_over_1_process']:.2f}x")
-    if "bucketed_ddp_over_independent" in r:
-        print(f"BucketedDDP / independent ranks (no communication): {r['bucketed_ddp_over_independent']:.1%}")
-    f = r["flops_per_token"]
-    print(
-        f"model FLOPs per token {f['total'] / 1e9:.4g} G (forward {f['forward'] / 1e9:.4g} G, backward "
-        f"{f['backward'] / 1e9:.4g} G; N_base {f['n_base']:,}, N_lora {f['n_lora']:,}); peak "
-        f"{r['peak_tflops'] or '?'} TFLOP/s ({r['peak_tflops_source']})\n{r['mfu_formula']}"
-    )
-    if r["modes"].get("single", {}).get("peak_allocated_gb"):
-        print("peak memory: every mode's model stays resident; --modes single gives one model's own peak")
-    else:
-        print(f"max RSS of rank 0 (all modes): {r['max_rss_gb']:.2f} GB")
-    ref = r["reference"]
-    print(
-        f"reference ({ref['device']}, Qwen3-4B QLoRA seq 512 on AMI): {ref['tokens_per_s_1_gpu']} tokens/s on 1 "
-        f"GPU, {ref['tokens_per_s_2_gpus']} on 2 (~{ref['speedup_2_gpus']}x), peak {ref['peak_memory_gb_1_gpu']} GB"
-    )
 
 
 if __name__ == "__main__":
