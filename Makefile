@@ -26,11 +26,10 @@ lint: install
 # two devices allow), then the comparison (table, PNG, wandb). One thread per process: the CPU analogue of one GPU
 # per process, so the single run is a fair baseline. Quiet on purpose: one progress bar per run (rank 0's; the second
 # independent run writes to runs/demo/alone1.log), wandb silent (the comparison says once where its runs are and how
-# to sync them), no dataset or weight-loading progress bars, info logs off (DDP_FT_LOG_LEVEL=WARNING); warnings still
-# show.
-DEMO_ENV = WANDB_DIR=runs/demo WANDB_SILENT=true HF_DATASETS_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
-	DDP_FT_LOG_LEVEL=WARNING
-DEMO_RUN = $(DEMO_ENV) OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch
+# to sync them), no dataset or weight-loading progress bars, the runs' info logs off (DDP_FT_LOG_LEVEL=WARNING; the
+# comparison still says where its files and wandb run are); warnings still show.
+DEMO_ENV = WANDB_DIR=runs/demo WANDB_SILENT=true HF_DATASETS_DISABLE_PROGRESS_BARS=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+DEMO_RUN = $(DEMO_ENV) DDP_FT_LOG_LEVEL=WARNING OMP_NUM_THREADS=1 $(VENV)/bin/accelerate launch
 demo: install
 	@rm -rf runs/demo && mkdir -p runs/demo
 	@echo "== 1/4: one process"
