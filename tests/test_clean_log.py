@@ -55,6 +55,9 @@ def test_bitsandbytes_cpu_hub_kernel_notice_is_said_once_on_rank_zero_and_the_lo
 
     from ddp_ft import distributed
 
+    root = logging.getLogger()  # setup_logging replaces the root handlers: put pytest's back afterwards
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
     monkeypatch.setattr(distributed, "_held_notices", [])
     distributed.hold_library_notices()
     notice = logging.getLogger("bitsandbytes.backends.cpu.ops")
