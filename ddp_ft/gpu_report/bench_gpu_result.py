@@ -27,6 +27,30 @@ REFERENCE = {
 }
 
 
+def mode_summary(runs: list[dict], warmup: dict, devices: int, mfu_per_token: float | None, cuda: bool) -> dict:
+    """One mode's repeats: tokens/s and step time (median, range, all), MFU, memory, and every step's loss."""
+    gb = 1e9
+    tokens = [r["tokens_per_s"] for r in runs]
+    steps = [s for r in runs for s in r["seconds"]]
+    median = statistics.median(tokens)
+    return {
+        "devices": devices,
+        "tokens_per_s": median,
+        "tokens_per_s_range": [min(tokens), max(tokens)],
+        "tokens_per_s_all_repeats": tokens,
+        "step_s": statistics.median(steps),
+        "step_s_range": [min(steps), max(steps)],
+        "step_s_all": steps,
+        "mfu": median * mfu_per_token if mfu_per_token else None,
+        "resident_gb": max(r["resident_bytes"] for r in runs) / gb if cuda else None,
+        "peak_allocated_gb": max(r["peak_allocated_bytes"] for r in runs) / gb if cuda else None,
+        "peak_reserved_gb": max(r["peak_reserved_bytes"] for r in runs) / gb if cuda else None,
+        # every step's loss in the order this mode ran them (warm-up first): the same run with and without
+        # --liger / --compile compares here
+        "losses": warmup["losses"] + [loss for r in runs for loss in r["losses"]],
+    }
+
+
 def report(
     args: argparse.Namespace,
     setup: ComputeSetup,
@@ -43,30 +67,11 @@ def report(
     flops = qlora_training_flops(shape, args.seq_len, LoraSettings().lora_r)
     peak = args.peak_tflops or peak_tflops(name, setup.precision.dtype)
     peak_source = "--peak-tflops" if args.peak_tflops else ("ddp_ft.bench.PEAK_TFLOPS" if peak else "unknown")
-    gb = 1e9
     modes = {}
     for mode, runs in samples.items():
-        tokens = [r["tokens_per_s"] for r in runs]
-        steps = [s for r in runs for s in r["seconds"]]
         devices = 1 if mode == "single" else info.world_size
-        median = statistics.median(tokens)
-        modes[mode] = {
-            "devices": devices,
-            "tokens_per_s": median,
-            "tokens_per_s_range": [min(tokens), max(tokens)],
-            "tokens_per_s_all_repeats": tokens,
-            "step_s": statistics.median(steps),
-            "step_s_range": [min(steps), max(steps)],
-            "step_s_all": steps,
-            "mfu": median / devices * flops.per_token / (peak * 1e12) if peak else None,
-            "resident_gb": max(r["resident_bytes"] for r in runs) / gb if cuda else None,
-            "peak_allocated_gb": max(r["peak_allocated_bytes"] for r in runs) / gb if cuda else None,
-            "peak_reserved_gb": max(r["peak_reserved_bytes"] for r in runs) / gb if cuda else None,
-            "profile": profiles.get(mode),
-            # every step's loss in the order this mode ran them (warm-up first): the same run with and without
-            # --liger / --compile compares here
-            "losses": warmups[mode]["losses"] + [loss for r in runs for loss in r["losses"]],
-        }
+        mfu_per_token = flops.per_token / (peak * 1e12) / devices if peak else None
+        modes[mode] = mode_summary(runs, warmups[mode], devices, mfu_per_token, cuda) | {"profile": profiles.get(mode)}
     result = {
         "command": launch_command(info),
         "device": name,
