@@ -145,12 +145,13 @@ def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_
 
 
 @pytest.mark.distributed
-def test_doctor_launched_on_fewer_processes_than_expected_prints_the_fix_and_exits_1(tmp_path):
-    command = [sys.executable, "-m", "ddp_ft.cli", "doctor", "--nproc", "2", "--expect-world-size", "4"]
+def test_doctor_started_as_one_process_when_two_are_expected_prints_the_fix_and_exits_1(tmp_path):
+    """The common slip: ``python ...`` where ``torchrun`` was meant (one process, no launcher variables)."""
+    command = [sys.executable, "-m", "ddp_ft.cli", "doctor", "--nproc", "1", "--expect-world-size", "2"]
     run = _run([*command, "--sizes", "4K"], tmp_path, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr[-4000:]
-    assert "world size        FAIL    2 process(es) launched (WORLD_SIZE=2), 4 expected" in run.stdout, run.stdout
-    assert "fix:    launch 4: ddp-ft train --nproc 4, torchrun --nproc_per_node 4" in run.stdout
+    assert "world size        FAIL    1 process(es) launched (WORLD_SIZE=unset), 2 expected" in run.stdout, run.stdout
+    assert "fix:    launch 2: ddp-ft train --nproc 2, torchrun --nproc_per_node 2" in run.stdout
     assert "1 check(s) failed." in run.stdout
 
 
