@@ -91,8 +91,12 @@ class _Loop:
         self._open_sink()
         self.meter = ThroughputMeter(info.world_size, info.device)
         self.token_counts = StepTokenCounts(self.train_set)
-        bar = dict(initial=self.state.global_step, disable=not info.is_main_process, desc=self.identity.name)
-        self.progress = tqdm(total=self.total_steps, **bar)  # rank 0's only
+        self.progress = tqdm(  # rank 0's only
+            total=self.total_steps,
+            initial=self.state.global_step,
+            disable=not info.is_main_process,
+            desc=self.identity.name,
+        )
         self.first_loss = self.last_loss = self.eval_loss = None
         self.choice_logged = False  # bucket_cap_mb="auto": its choice is written once
         self.stopped_by: str | None = None
