@@ -158,15 +158,15 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
     return argv
 
 
-def _check_kernels(liger: bool, compile: bool) -> None:
+def _check_kernels(liger: bool, compile: bool | str) -> None:
     """``--liger`` and ``--compile`` checked on the device the workers will take (a GPU when this host has one),
     before any starts; each worker checks its own again (``check_run_settings``)."""
-    if liger or compile:
+    if liger or compile is True:  # compile auto: resolved by each worker, off where it cannot work
         import torch
 
         from .kernels import check_kernel_settings
 
-        check_kernel_settings(liger, compile, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        check_kernel_settings(liger, compile is True, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _fail(prog: str, message: str) -> None:

@@ -39,10 +39,11 @@ class TrainSettings:
         metadata={"help": "Samples per optimizer step over all ranks; accumulation = effective / (micro x world)."},
     )
     micro_batch: int | str = field(
-        default=1,
+        default=AUTO,
         metadata={
-            "help": "Samples per forward/backward per rank, or 'auto': the largest that fits this GPU with the "
-            "effective batch unchanged, from ddp_ft.memory's arithmetic (resolved, then logged, before the model loads)."
+            "help": "Samples per forward/backward per rank, or 'auto' (the default): on a GPU the largest that fits "
+            "it with the effective batch unchanged, on the CPU 1; resolved and logged before training "
+            "(ddp_ft.defaults). A number turns it off."
         },
     )
     balance_ranks: bool = field(
@@ -145,6 +146,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "str | None": (str, type(None)),
     "float | str": (int, float, str),
     "int | str": (int, str),
+    "bool | str": (bool, str),
 }
 
 
@@ -181,7 +183,9 @@ def _checked(key: str, kind: str, value: object, where: str) -> object:
                 return value  # bucket_cap_mb: auto; the dataclass checks the word
     if kind == "int | str" and isinstance(value, str) and value != AUTO:  # micro_batch: a number or auto
         raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes a int or {AUTO!r}.")
-    ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind != "bool")
+    if kind == "bool | str" and isinstance(value, str) and value != AUTO:  # compile: true, false or auto
+        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes true, false or {AUTO!r}.")
+    ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind not in ("bool", "bool | str"))
     if not ok:
         raise ValueError(f"{where}: {key}: {value!r} is a {type(value).__name__}; {key} takes a {kind}.")
     return float(value) if kind == "float" else value
@@ -306,6 +310,9 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
             action.type = _bucket_cap_arg
         if action.dest == "micro_batch":  # `int | str` is typed int: take "auto" too
             action.type = _micro_batch_arg
+        if action.dest == "compile":  # `bool | str` is typed bool: take "auto" too; --no-compile turns it off
+            action.type = _compile_arg
+    parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
     return parser
 
 
@@ -317,6 +324,18 @@ def _bucket_cap_arg(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor {AUTO!r}") from None
+
+
+def _compile_arg(text: str) -> bool | str:
+    """``--compile``: true, false or ``auto``."""
+    if text == AUTO:
+        return text
+    from transformers.hf_argparser import string_to_bool
+
+    try:
+        return string_to_bool(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither true, false nor {AUTO!r}") from None
 
 
 def _micro_batch_arg(text: str) -> int | str:

@@ -20,12 +20,13 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint, save_checkpoint
+from .compilation import CompileWatch, compile_repeated_blocks
 from .config import RunSettings, write_run_config
 from .data import EpochLoader
 from .data.step_tokens import StepTokenCounts, global_order
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
-from .kernels import apply_liger_to_qwen3, compile_repeated_blocks
+from .kernels import apply_liger_to_qwen3
 from .metrics import ThroughputMeter, open_metric_sink
 from .preemption import StopSignal
 from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
@@ -143,8 +144,9 @@ class _Loop:
         if settings.model.liger:  # refused before the data where it cannot work (check_run_settings)
             apply_liger_to_qwen3(self.parts.model_path)
         self.model = build_model(settings, info, self.parts)
-        if settings.model.compile:  # in place: names, checkpoints and BucketedDDP's layout unchanged
+        if settings.model.compile:  # in place, before the wrap: names, checkpoints, overlap unchanged
             compile_repeated_blocks(self.model)
+        self.compile_watch = CompileWatch() if settings.model.compile else None
         self.wrapped = settings.ddp.wrap(self.model) if info.is_distributed else self.model
         self.scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -323,6 +325,7 @@ class _Loop:
             record.update({"loss_scale": result.loss_scale, "skipped": int(result.skipped)})
         if isinstance(wrapped, BucketedDDP):
             record.update(wrapped.pop_comm_stats().as_dict())
+        record.update(self.compile_watch.snapshot() if self.compile_watch else {})
         self.sink.log(record)
         if isinstance(wrapped, BucketedDDP) and wrapped.bucket_choice is not None and not self.choice_logged:
             self.sink.log(bucket_choice_record(step=state.global_step, choice=wrapped.bucket_choice))

@@ -65,13 +65,14 @@ class ModelSettings:
             'Triton and the liger-kernel package (pip install "ddp_ft[liger]"); refused before the model loads.'
         },
     )
-    compile: bool = field(
-        default=False,
+    compile: bool | str = field(
+        default="auto",
         metadata={
-            "help": "torch.compile the model: the plain loop compiles each decoder layer in place (regional "
-            "compilation: identical layers compile once), under BucketedDDP; the recipe sets TrainingArguments' "
-            "torch_compile (the whole model, through Accelerate). Opt-in, not yet measured on a GPU. Needs a C++ "
-            "compiler on the CPU (CXX, default g++) and Triton on CUDA; refused before the model loads."
+            "help": "torch.compile each decoder layer in place before BucketedDDP wraps the model (regional "
+            "compilation: identical layers compile once, and each layer's backward stays its own so the buckets' "
+            "all-reduces still overlap it), on the loop and the recipe alike. auto (the default): on for CUDA "
+            "(off, with the reason, where it is known to break), off on the CPU. true: on, refused before the model "
+            "loads where it cannot work. --no-compile: off."
         },
     )
     upcast_frozen_weights: bool = field(
@@ -86,6 +87,8 @@ class ModelSettings:
     )
 
     def __post_init__(self) -> None:
+        if self.compile not in (True, False, "auto"):
+            raise ValueError(f"ModelSettings.compile={self.compile!r}: choose true, false or auto.")
         if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
             raise ValueError(
                 f"ModelSettings.compute_dtype={self.compute_dtype!r}: choose auto or one of {sorted(DTYPES)}."

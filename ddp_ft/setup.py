@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .config import RunSettings, gradient_accumulation_steps
 from .data import TruncationReport, load_raw_splits, make_collator, tokenize_dataset
 from .ddp.autotune import AUTO
+from .defaults import resolve_device_defaults
 from .distributed import DistInfo
 from .faults import FaultInjector
 from .integrations.launch import check_accelerate_launch
@@ -84,8 +85,9 @@ def _barrier(info: DistInfo) -> None:
 def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict | str]:
     """The checks that need nothing but the settings and the world size; both entry points run them first.
 
-    ``--micro-batch auto`` is resolved here, in place (:func:`resolve_micro_batch`): from here on
-    ``settings.train.micro_batch`` is an int.
+    The device's defaults are resolved here, in place (``ddp_ft.defaults``; ``--micro-batch auto`` on a GPU by
+    :func:`resolve_micro_batch`): from here on ``settings.train.micro_batch`` is an int and ``settings.model.compile``
+    a bool.
 
     Returns:
         tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
@@ -98,7 +100,8 @@ def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict
     """
     precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
     check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
-    check_kernel_settings(settings.model.liger, settings.model.compile, info.device)  # --liger, --compile
+    resolve_device_defaults(settings, info)  # compile auto; micro-batch auto off CUDA; an impossible --compile refused
+    check_kernel_settings(settings.model.liger, False, info.device)  # --liger (--compile: just above, with LoRA's)
     t = settings.train
     if t.micro_batch == AUTO:
         t.micro_batch = resolve_micro_batch(settings, info).micro_batch

@@ -48,13 +48,14 @@ from ddp_ft.bench import (
     random_qwen3_name,
     synchronize,
 )
+from ddp_ft.compilation import compile_repeated_blocks
 from ddp_ft.config import RunSettings, TrainSettings
 from ddp_ft.data import DataSettings
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.autotune import AUTO
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
 from ddp_ft.gpu_report.bench_gpu_result import micro_batch_auto, report  # noqa: F401  (micro_batch_auto: tests)
-from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings, compile_repeated_blocks
+from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings
 from ddp_ft.memory import MicroBatchChoice, Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES, Precision

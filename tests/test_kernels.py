@@ -1,21 +1,21 @@
 """--liger and --compile: refused where they cannot work, before anything loads; carried from every settings source to
-both entry points; and --compile under BucketedDDP on 2 real processes trains as the uncompiled loop does."""
+both entry points; compile's device default (on for CUDA, off on the CPU, off with the reason where known to break);
+regional compilation in place with the sequence dimension dynamic. Compilation under BucketedDDP on 2 real processes:
+tests/test_compile_overlap.py."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.testing import assert_close
 
+from ddp_ft.compilation import Blocker, check_compile_mode, compile_blockers, compile_repeated_blocks
 from ddp_ft.config import parse_settings, settings_from_preset
+from ddp_ft.defaults import resolve_device_defaults
 from ddp_ft.distributed import DistInfo
 from ddp_ft.integrations.recipe import training_arguments
-from ddp_ft.kernels import LIGER_INSTALL, check_kernel_settings, compile_repeated_blocks
+from ddp_ft.kernels import LIGER_INSTALL, check_kernel_settings
 from ddp_ft.loop import train
 from ddp_ft.setup import check_run_settings
-
-from .dist_harness import run_distributed
 
 CUDA = torch.device("cuda", 0)  # only named: nothing here touches a GPU
 CPU = torch.device("cpu")
@@ -52,23 +52,28 @@ def test_liger_on_cuda_without_its_packages_is_refused_naming_the_fix(installed,
 def test_compile_without_a_cpp_compiler_on_the_cpu_is_refused_naming_the_setting_and_cxx(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-c++")
     settings = settings_from_preset("tiny", compile=True, output_dir=str(tmp_path / "run"))
-    with pytest.raises(ValueError, match=r"--compile \(compile: true\) on the CPU: .*'no-such-c\+\+' .* CXX"):
+    with pytest.raises(
+        ValueError, match=r"--compile \(compile: true\): on the CPU .*'no-such-c\+\+' .* CXX.*--no-compile"
+    ):
         check_run_settings(settings, DistInfo())
     monkeypatch.delenv("CXX")
     check_kernel_settings(False, True, CPU, which=lambda name: f"/usr/bin/{name}")  # a compiler: allowed
 
 
 def test_compile_on_cuda_without_triton_is_refused_naming_the_setting():
-    with pytest.raises(ValueError, match=r"--compile \(compile: true\) on CUDA: .* Triton"):
+    with pytest.raises(ValueError, match=r"--compile \(compile: true\): on CUDA .* Triton"):
         check_kernel_settings(False, True, CUDA, find_spec=_installed())
     check_kernel_settings(False, True, CUDA, find_spec=_installed("triton"))
 
 
-def test_liger_and_compile_are_off_by_default_and_set_by_flags_and_config_files_flat_or_by_section(tmp_path, capsys):
+def test_liger_is_off_and_compile_auto_by_default_and_both_set_by_flags_and_config_files(tmp_path, capsys):
     defaults = parse_settings(["--preset", "tiny"]).model
-    assert (defaults.liger, defaults.compile) == (False, False)
+    assert (defaults.liger, defaults.compile) == (False, "auto")
     flags = parse_settings(["--preset", "tiny", "--liger", "--compile"]).model
     assert (flags.liger, flags.compile) == (True, True)
+    assert parse_settings(["--no-compile"]).model.compile is False
+    assert parse_settings(["--compile", "false"]).model.compile is False
+    assert parse_settings(["--compile", "auto"]).model.compile == "auto"
     config = tmp_path / "kernels.yaml"
     config.write_text("preset: tiny\nliger: true\nmodel:\n  compile: true\n")
     from_file = parse_settings(["--config", str(config)]).model
@@ -76,7 +81,7 @@ def test_liger_and_compile_are_off_by_default_and_set_by_flags_and_config_files_
     config.write_text("compile: 'yes'\n")
     with pytest.raises(SystemExit):
         parse_settings(["--config", str(config)])
-    assert "compile: 'yes' is a str; compile takes a bool" in capsys.readouterr().err
+    assert "compile: 'yes' is a str; compile takes true, false or 'auto'" in capsys.readouterr().err
 
 
 def test_the_recipe_hands_liger_and_compile_to_the_trainer():
@@ -144,51 +149,107 @@ def test_compile_takes_the_repeated_layers_in_place_and_refuses_a_model_without_
     names = [name for name, _ in model.named_parameters()]
     assert compile_repeated_blocks(model) == 3
     assert [name for name, _ in model.named_parameters()] == names  # names, so checkpoints, unchanged
-    assert all(block._compiled_call_impl is not None for block in model[1])
-    assert all(linear._compiled_call_impl is None for block in model[1] for linear in block.inner)
-    with pytest.raises(ValueError, match=r"--compile \(compile: true\) compiles the model's repeated layers"):
+    assert all(getattr(block.forward, "_torchdynamo_orig_callable", None) for block in model[1])
+    assert not any(
+        hasattr(linear.forward, "_torchdynamo_orig_callable") for block in model[1] for linear in block.inner
+    )
+    assert compile_repeated_blocks(model) == 0  # compiled already: left as it is
+    with pytest.raises(ValueError, match=r"--compile \(compile: true.*\) compiles the model's repeated layers"):
         compile_repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh()))
 
 
-STEPS = 3
+def _info(device: torch.device, rank: int = 0) -> DistInfo:
+    return DistInfo(rank, rank, 1, 1, device, "nccl" if device.type == "cuda" else "gloo")
 
 
-def _loop_with_and_without_compile(rank, world_size, root):
-    """The plain loop on the tiny preset, uncompiled then --compile, on this rank; dynamo's graph count after each."""
+def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_logged_once_with_why(caplog):
+    """compile auto: on for CUDA when nothing blocks it, off on the CPU; micro-batch auto on the CPU is 1 (on CUDA it
+    is left to resolve_micro_batch); each said once on rank 0 with the reason and how to change it."""
+    nothing = lambda *args, **kwargs: []  # noqa: E731
+    for device, expected in ((CUDA, True), (CPU, False)):
+        settings = settings_from_preset("qwen3-4b-ami")
+        assert (settings.model.compile, settings.train.micro_batch) == ("auto", "auto")  # the preset keeps them auto
+        with caplog.at_level("INFO", logger="ddp_ft.defaults"):
+            resolve_device_defaults(settings, _info(device), blockers=nothing)
+        assert settings.model.compile is expected
+        assert settings.train.micro_batch == ("auto" if device.type == "cuda" else 1)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("compile: on (auto on CUDA" in m and "--no-compile" in m for m in said), said
+    assert any("compile: off (auto on cpu" in m for m in said) and any("micro-batch: 1 (auto on cpu" in m for m in said)
+    caplog.clear()
+    quiet = settings_from_preset("qwen3-4b-ami")
+    with caplog.at_level("INFO", logger="ddp_ft.defaults"):
+        resolve_device_defaults(quiet, _info(CPU, rank=1), blockers=nothing)  # another rank: nothing said
+    assert not [r for r in caplog.records if r.levelno >= 20], caplog.records
+    explicit = settings_from_preset("qwen3-4b-ami", compile=False, micro_batch=4)
+    resolve_device_defaults(explicit, _info(CUDA), blockers=nothing)
+    assert (explicit.model.compile, explicit.train.micro_batch) == (False, 4)  # a user's values are kept
+
+
+def test_compile_where_it_is_known_to_break_is_off_by_default_with_the_reason_and_refused_when_asked(caplog):
+    blocked = lambda *args, **kwargs: [Blocker("bitsandbytes 0.49 graph-breaks", "pip install x")]  # noqa: E731
+    settings = settings_from_preset("qwen3-4b-ami")
+    with caplog.at_level("WARNING", logger="ddp_ft.defaults"):
+        resolve_device_defaults(settings, _info(CUDA), blockers=blocked)
+    assert settings.model.compile is False
+    assert any("compile: off" in r.getMessage() and "pip install x" in r.getMessage() for r in caplog.records)
+    with pytest.raises(
+        ValueError, match=r"--compile \(compile: true\): bitsandbytes 0.49 .*: pip install x.*--no-compile"
+    ):
+        resolve_device_defaults(settings_from_preset("qwen3-4b-ami", compile=True), _info(CUDA), blockers=blocked)
+
+
+def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_on_torch_before_2_11():
+    versions = {"bitsandbytes": (0, 49), "torch": (2, 10)}
+    found = compile_blockers(
+        CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=versions.get
+    )
+    assert [b.fix for b in found] == [
+        'pip install "bitsandbytes>=0.50"',
+        "set --lora-dropout 0 (LoraConfig(lora_dropout=0.0)), or upgrade torch to 2.11 or later",
+    ]
+    assert "peft#3020" in found[1].reason
+    fixed = {"bitsandbytes": (0, 50), "torch": (2, 11)}
+    assert (
+        compile_blockers(CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=fixed.get)
+        == []
+    )
+    assert (
+        compile_blockers(
+            CUDA, lora_dropout=0.0, checkpointing=True, find_spec=_installed("triton"), version=versions.get
+        )[1:]
+        == []
+    )
+
+
+def test_max_autotune_is_refused_on_several_processes_only():
+    with pytest.raises(ValueError, match=r"torch_compile_mode=...\)='max-autotune' on 2 processes: .*pytorch#140395"):
+        check_compile_mode("max-autotune", 2, "TrainingArguments(torch_compile_mode=...)")
+    check_compile_mode("max-autotune", 1, "mode")
+    check_compile_mode("max-autotune-no-cudagraphs", 2, "mode")
+    check_compile_mode(None, 2, "mode")
+
+
+def test_regional_compilation_marks_the_sequence_dimension_dynamic_so_new_lengths_do_not_recompile():
+    """Six padded lengths through regionally compiled tiny-Qwen3 layers, training: at most two graphs with the
+    sequence dimension marked dynamic (measured: 2); with every shape static (dynamic=False) each new length compiles
+    again until Dynamo's limit (8), after which it would run eager."""
     from torch._dynamo.utils import counters
+    from transformers import Qwen3ForCausalLM
 
-    info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
-    graphs = []
-    for compile in (False, True):
-        settings = settings_from_preset(
-            "tiny",
-            compile=compile,
-            output_dir=f"{root}/compile-{compile}",
-            max_steps=STEPS,
-            lora_dropout=0.0,  # the ranks' dropout masks aside, the two runs are the same computation
-            eval_fraction=0.0,
-            report_to="none",
-        )
-        train(settings, info)
-        graphs.append(counters["stats"]["unique_graphs"])
-    return graphs
+    from ddp_ft.model import tiny_qwen3_config
 
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_compiled_loop_under_bucketed_ddp_on_two_ranks_trains_as_the_uncompiled_one(tmp_path):
-    """--compile on the plain loop, 2 gloo ranks, BucketedDDP: each step's loss and gradient norm equal the
-    uncompiled run's to 1e-5 relative (measured: ~1e-7), and the compiled run really compiled (dynamo graphs)."""
-    results = run_distributed(_loop_with_and_without_compile, str(tmp_path), timeout=420)
-    for rank, (uncompiled, compiled) in enumerate(results):
-        assert uncompiled == 0, f"rank {rank}: the run without --compile compiled {uncompiled} graphs"
-        assert compiled > 0, f"rank {rank}: --compile compiled nothing"
-
-    def steps(compile):
-        rows = [json.loads(line) for line in (tmp_path / f"compile-{compile}" / "metrics.jsonl").open()]
-        return [(row["loss"], row["grad_norm"]) for row in rows if row.get("type") == "train"]
-
-    assert (tmp_path / "compile-True" / "run_config.yaml").read_text().count("compile: true") == 1
-    plain, compiled = torch.tensor(steps(False)), torch.tensor(steps(True))
-    assert plain.shape == (STEPS, 2), plain
-    assert_close(compiled, plain, rtol=1e-5, atol=0.0)
+    graphs = {}
+    for dynamic in (None, False):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2)).train()
+        compile_repeated_blocks(model, backend="aot_eager", dynamic=dynamic)
+        for length in (8, 11, 16, 21, 9, 30):
+            ids = torch.randint(0, 64, (2, length))
+            model(input_ids=ids, labels=ids).loss.backward()
+        graphs[dynamic] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs[None] <= 2, graphs
+    assert graphs[False] >= 6, graphs

@@ -128,12 +128,14 @@ def test_micro_batch_takes_a_number_or_auto_on_the_command_line_and_in_config_fi
 # Resolution, where both entry points pass first (ddp_ft.setup.check_run_settings).
 
 
-def test_auto_on_the_cpu_is_refused_naming_the_setting_before_anything_is_touched():
+def test_auto_on_the_cpu_is_micro_batch_1_with_the_effective_batch_kept_before_anything_is_touched():
+    """The CPU has no GPU memory to fill: auto (the default) keeps the CPU's micro-batch 1 there, accumulation
+    following from the effective batch, resolved before the data or the model."""
     from ddp_ft.setup import check_run_settings
 
     settings = settings_from_preset("tiny", micro_batch="auto")
-    with pytest.raises(ValueError, match=r"--micro-batch auto fills a GPU's memory; this run is on cpu"):
-        check_run_settings(settings, DistInfo())
+    accumulation, _ = check_run_settings(settings, DistInfo())
+    assert (settings.train.micro_batch, accumulation) == (1, settings.train.effective_batch)
 
 
 def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog):
@@ -169,6 +171,7 @@ def test_check_run_settings_resolves_auto_in_place_to_an_int(monkeypatch):
 
     chosen = MicroBatchChoice(2, 2, 2, 1, 2, 3)
     monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: chosen)
+    monkeypatch.setattr(setup, "resolve_device_defaults", lambda settings, info: None)  # auto left, as on a GPU
     settings = settings_from_preset("tiny", micro_batch="auto")  # effective batch 8
     accumulation, _ = setup.check_run_settings(settings, DistInfo(world_size=2))
     assert settings.train.micro_batch == 2 and isinstance(settings.train.micro_batch, int)

@@ -5,6 +5,10 @@
 else (device placement checks, mixed-precision forward, compilation) with the DDP step skipped, then wraps
 with BucketedDDP; ``unwrap_model`` (and so ``get_state_dict`` / ``save_model``) sees through the wrapper.
 ``accelerator.accumulate()`` / ``no_sync()`` work unchanged: they call the wrapper's ``no_sync``.
+
+Compilation (``dynamo_backend``, ``TorchDynamoPlugin``, the Trainer's ``torch_compile``) is regional and before the
+wrap (``ddp_ft.compilation``): each decoder layer compiled in place with the plugin's options. Accelerate's own
+compiles the whole model after wrapping, which leaves BucketedDDP's all-reduces nothing to overlap.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
+from accelerate.utils.other import is_compiled_module
 
+from ..compilation import check_compile_mode, compile_repeated_blocks, is_regionally_compiled, repeated_blocks
 from ..ddp import BucketedDDP, DDPSettings
 from .checkpointing import check_checkpointed_adapters
 from .launch import TRAINER_CPU_FIX, check_world_seen
@@ -46,6 +52,7 @@ class BucketedAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         check_world_seen(self.num_processes, "BucketedAccelerator(cpu=True)")
         self._resolve_settings(ddp_settings, None, self.ddp_handler)
+        self._check_compile_mode("TorchDynamoPlugin(mode=...)")
 
     @classmethod
     def adopt(
@@ -66,7 +73,13 @@ class BucketedAccelerator(Accelerator):
         adopted.__dict__.update(accelerator.__dict__)
         handler = None if training_args is not None else accelerator.ddp_handler
         adopted._resolve_settings(ddp_settings, training_args, handler)
+        adopted._check_compile_mode("TrainingArguments(torch_compile_mode=...)" if training_args else "mode")
         return adopted
+
+    def _check_compile_mode(self, setting: str) -> None:
+        plugin = self.state.dynamo_plugin
+        if plugin.backend != DynamoBackend.NO:
+            check_compile_mode(plugin.mode, self.num_processes, setting)
 
     def _resolve_settings(self, explicit: DDPSettings | None, training_args: object | None, handler: object) -> None:
         self.ddp_settings, sources = resolve_ddp_settings(explicit, training_args, handler)
@@ -103,11 +116,20 @@ class BucketedAccelerator(Accelerator):
             return model
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
-        if not self._wraps_with_bucketed_ddp(model, evaluation_mode):
-            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        # Everything Accelerate does for a training model except its DDP wrap (which happens only when
-        # evaluation_mode is False); a no-op for a model it prepared before. Then ours.
-        model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        regional = self._compile_regions(model)
+        with self._whole_model_compile(off=regional):
+            if not self._wraps_with_bucketed_ddp(model, evaluation_mode):
+                return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+            # Everything Accelerate does for a training model except its DDP wrap (which happens only when
+            # evaluation_mode is False); a no-op for a model it prepared before. Then ours.
+            model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        if is_compiled_module(model):
+            logger.warning(
+                "the model reached BucketedAccelerator.prepare compiled whole (torch.compile(model)): its backward is "
+                "one graph, so every gradient is ready at its end and BucketedDDP's all-reduces overlap nothing. "
+                "Pass the uncompiled model and set dynamo_backend (or TrainingArguments(torch_compile=True)): ddp_ft "
+                "compiles each decoder layer instead (ddp_ft.compilation)."
+            )
         wrapped = _WRAPPERS.get(id(model))
         if wrapped is None or wrapped.module is not model or wrapped.hooks_removed:
             wrapped = self.ddp_settings.wrap(model)
@@ -116,6 +138,44 @@ class BucketedAccelerator(Accelerator):
         wrapped._is_accelerate_prepared = True
         self._models[:] = [m for m in self._models if m is not model and m is not wrapped] + [wrapped]
         return wrapped
+
+    def _compile_regions(self, model: torch.nn.Module) -> bool:
+        """With a dynamo backend set, compile the model's decoder layers in place with the plugin's options.
+
+        Returns:
+            bool: the model is compiled regionally (now or before), so Accelerate must not compile it whole. False
+            without a backend, for a model compiled whole already, or for one without repeated layers (then
+            Accelerate compiles it whole, around the unwrapped model only: see :meth:`_whole_model_compile`).
+        """
+        plugin = self.state.dynamo_plugin
+        if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
+            return False
+        if is_regionally_compiled(model):
+            return True
+        if not repeated_blocks(model):
+            if self._wraps_with_bucketed_ddp(model, False):
+                logger.warning(
+                    "%s has no repeated layers to compile one by one: it is compiled whole, so its gradients are "
+                    "all ready at the end of backward and BucketedDDP's all-reduces overlap nothing.",
+                    type(model).__name__,
+                )
+                model.compile(**plugin.to_kwargs())  # in place, inside the wrapper: never around it
+                return True
+            return False
+        compile_repeated_blocks(model, **plugin.to_kwargs())
+        return True
+
+    @contextmanager
+    def _whole_model_compile(self, off: bool):
+        """Accelerate's whole-model compilation turned off for the block when ``off`` (the state is shared)."""
+        plugin = self.state.dynamo_plugin
+        backend = plugin.backend
+        if off:
+            plugin.backend = DynamoBackend.NO
+        try:
+            yield
+        finally:
+            plugin.backend = backend
 
     def wait_for_everyone(self) -> None:
         """A barrier of the default group, which ``init_distributed`` bound to this process's device.

@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
+from ..compilation import CompileWatch, is_regionally_compiled
 from ..ddp import BucketedDDP, CommStats
 from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
 from ..records import bucket_choice_record, config_record, define_step_metrics, eval_record, train_record
@@ -66,6 +67,7 @@ class ThroughputCallback(TrainerCallback):
         self._choice_logged = False  # bucket_cap_mb="auto": its choice is written once
         self._train_began = time.perf_counter()  # reset at train begin
         self._step_ended = 0.0  # seconds from train begin to the end of the last step
+        self._compile_watch: CompileWatch | bool | None = None  # None: not looked yet; False: not compiled
 
     def _reset(self) -> None:
         self._seconds = 0.0
@@ -113,6 +115,10 @@ class ThroughputCallback(TrainerCallback):
         wandb.config.update(config, allow_val_change=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self._compile_watch is None:  # the first step: prepared (compiled regionally, if so), not yet compiled
+            model = self._wrapped_model() if self._wrapped_model else None
+            compiled = model is not None and is_regionally_compiled(getattr(model, "module", model))
+            self._compile_watch = CompileWatch() if compiled else False
         if self._meter is None:
             self._meter = ThroughputMeter(max(1, args.world_size), torch.device(args.device))
         self._meter.start()
@@ -169,6 +175,8 @@ class ThroughputCallback(TrainerCallback):
             logs.update(per_step)
         if self._balances:
             logs.update({k: sum(b[k] for b in self._balances) / len(self._balances) for k in self._balances[0]})
+        if self._compile_watch:
+            logs.update(self._compile_watch.snapshot())
         self._reset()
         if self._sink is not None:
             named = ("loss", "learning_rate", "grad_norm", "samples_seen")

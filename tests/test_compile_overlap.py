@@ -1,0 +1,245 @@
+"""Compilation keeps BucketedDDP's overlap, on the plain loop and on a user's Trainer script alike: each decoder layer
+is compiled in place before the wrap, so all-reduces launch while backward still has layers to run, and the losses
+equal the eager run's. The whole wrapped model is never compiled.
+
+The probe (:class:`OverlapProbe`) counts, per backward, the compiled backward nodes that finish after the first
+all-reduce launch: with one node per layer, the layers backward still had to run when communication began. A whole
+compiled model has one node, done before any gradient is ready: none left.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ddp_ft.compilation import is_regionally_compiled, repeated_blocks
+from ddp_ft.ddp import BucketedDDP, DDPSettings
+from ddp_ft.ddp.comm_hooks import allreduce_hook
+
+from .dist_harness import run_distributed
+from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
+
+SMALL_BUCKETS = DDPSettings(bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)  # about a layer's LoRA per bucket
+
+
+class OverlapProbe:
+    """Ordered events of one process: forward passes, compiled backward nodes done, bucket launches.
+
+    Observes from outside the compiled code only (hooks inside it would break its graphs): after each forward of the
+    wrapper, a hook on every ``CompiledFunctionBackward`` node of the loss's autograd graph; a comm hook on each
+    bucket launch. Regional compilation gives one such node per decoder layer; a whole compiled model, one node.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def attach(self, wrapped: BucketedDDP) -> None:
+        def launch(state, bucket):
+            self.events.append("launch")
+            return allreduce_hook(state, bucket)
+
+        wrapped.register_comm_hook(None, launch)
+        wrapped.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, module, args, output) -> None:
+        self.events.append("forward")
+        loss = output["loss"] if isinstance(output, dict) else output.loss
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if "CompiledFunction" in node.name():
+                node.register_hook(lambda grad_inputs, grad_outputs: self.events.append("node"))
+            todo.extend(next_node for next_node, _ in node.next_functions)
+
+    def nodes_left_at_first_launch(self) -> list[tuple[int, int]]:
+        """Per synced backward: (compiled nodes done after its first all-reduce launch, compiled nodes in all)."""
+        passes = []
+        for event in self.events:
+            if event == "forward":
+                passes.append({"nodes": 0, "after": 0, "launched": False})
+            elif event == "node":
+                passes[-1]["nodes"] += 1
+                passes[-1]["after"] += passes[-1]["launched"]
+            else:
+                passes[-1]["launched"] = True
+        return [(p["after"], p["nodes"]) for p in passes if p["launched"]]
+
+
+# ---------------------------------------------------------------- a user's BucketedTrainer script
+
+
+def _rows(n: int = 16):
+    """Token rows of mixed lengths (8 to 20), labels = inputs: padding varies per batch, as with real data."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 60, (8 + (i * 5) % 13,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def _collate(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
+    return {
+        "input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
+        "labels": torch.tensor([pad(r["labels"], -100) for r in rows]),
+        "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
+    }
+
+
+def _user_qlora_model(model_dir: str):
+    """What a QLoRA user's script builds: NF4 base, peft's k-bit preparation, LoRA. Without checkpointing: a whole
+    compiled model would then capture the layers too (torch.utils.checkpoint is never compiled, so a checkpointed
+    layer breaks the graph and runs eager), which is the case where whole-model compilation loses the overlap."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, device_map={"": "cpu"})
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    base.enable_input_require_grads()
+    torch.manual_seed(0)
+    return get_peft_model(base, LoraConfig(r=8, lora_dropout=0.0, target_modules="all-linear"))
+
+
+class _ProbeCallback:
+    """Attaches the probe once the Trainer has prepared (and compiled) the model, before the first step."""
+
+    def __init__(self, probe: OverlapProbe, trainer) -> None:
+        self.probe, self.trainer, self.attached = probe, trainer, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.attached:
+            self.probe.attach(self.trainer.model_wrapped)
+            self.attached = True
+
+
+def _trainer_run(rank, world_size, compile: bool):
+    _as_accelerate_rank(rank, world_size)
+    from transformers import TrainerCallback
+
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.integrations import BucketedTrainer
+    from ddp_ft.model import EMBEDDED_MODEL
+    from ddp_ft.setup import resolve_model_and_tokenizer
+
+    model_dir, _ = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
+    model = _user_qlora_model(model_dir)
+    probe = OverlapProbe()
+    with tempfile.TemporaryDirectory() as out:
+        args = _gloo_trainer_args(
+            out,
+            max_steps=3,
+            per_device_train_batch_size=2,
+            learning_rate=1e-3,
+            seed=0,
+            torch_compile=compile,
+            torch_compile_backend="aot_eager" if compile else None,  # AOTAutograd's one backward node per graph
+        )
+        trainer = BucketedTrainer(
+            model=model, args=args, train_dataset=_rows(), data_collator=_collate, ddp_settings=SMALL_BUCKETS
+        )
+        callback = _ProbeCallback(probe, trainer)
+        trainer.add_callback(type("Probe", (TrainerCallback,), {"on_step_begin": callback.on_step_begin})())
+        trainer.train()
+        metrics = [json.loads(line) for line in open(f"{out}/metrics.jsonl")] if rank == 0 else []
+    wrapped = trainer.model_wrapped
+    assert isinstance(wrapped, BucketedDDP), type(wrapped).__name__  # never a compiled module around the wrapper
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    compile_records = [
+        {k: v for k, v in m.items() if k.startswith("compile/")} for m in metrics if m.get("type") == "train"
+    ]
+    layers = len(repeated_blocks(wrapped.module))
+    return losses, probe.nodes_left_at_first_launch(), is_regionally_compiled(wrapped.module), layers, compile_records
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_trainer_torch_compile_compiles_each_layer_before_the_wrap_keeping_overlap_and_the_eager_losses():
+    """A user's BucketedTrainer script with TrainingArguments(torch_compile=True), 2 ranks: the decoder layers are
+    compiled in place (not the wrapped model), every synced backward launches its first all-reduce with most layers
+    still to run, as eager does, the losses equal the eager run's, and the compile counters reach metrics.jsonl."""
+    eager = run_distributed(_trainer_run, False, timeout=300)
+    compiled = run_distributed(_trainer_run, True, timeout=300)
+    for rank in range(2):
+        eager_losses, eager_left, eager_compiled, layers, _ = eager[rank]
+        losses, left, regional, _, records = compiled[rank]
+        assert len(left) == 3 and all(nodes == layers and after >= layers - 1 for after, nodes in left), (
+            f"rank {rank}: (compiled backward nodes done after the first launch, in all) per step: {left}, of {layers}"
+        )
+        assert not eager_compiled and regional and all(nodes == 0 for _, nodes in eager_left), (regional, eager_left)
+        assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=0.0)
+    records = compiled[0][4]
+    assert len(records) == 3 and records[-1]["compile/graphs"] >= 1, records
+    assert records[-1]["compile/recompiles"] <= 1 and records[-1]["compile/limit_hits"] == 0, records
+
+
+# ---------------------------------------------------------------- the plain loop
+
+
+def _loop_runs(rank, world_size, root):
+    """The plain loop on the tiny preset, eager then --compile, on this rank: layers left at each first launch."""
+    from ddp_ft import loop
+    from ddp_ft.config import settings_from_preset
+    from ddp_ft.distributed import DistInfo
+
+    probes, wrap = [], DDPSettings.wrap
+
+    def wrap_with_probe(self, model):
+        wrapped, probe = wrap(self, model), OverlapProbe()
+        probe.attach(wrapped)
+        probes.append((probe, len(repeated_blocks(model))))
+        return wrapped
+
+    DDPSettings.wrap = wrap_with_probe  # in this rank's process only (the harness forks one per test)
+    info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
+    for compile in (False, True):
+        settings = settings_from_preset(
+            "tiny",
+            compile=compile,
+            output_dir=f"{root}/compile-{compile}",
+            max_steps=STEPS,
+            lora_dropout=0.0,  # the ranks' dropout masks aside, the two runs are the same computation
+            eval_fraction=0.0,
+            report_to="none",
+            bucket_cap_mb=0.02,
+            first_bucket_cap_mb=0.02,
+        )
+        loop.train(settings, info)
+    return [(probe.nodes_left_at_first_launch(), layers) for probe, layers in probes]
+
+
+STEPS = 3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_run_and_the_eager_losses(tmp_path):
+    """The plain loop with --compile (TorchInductor), 2 gloo ranks, BucketedDDP: in every synced backward the first
+    all-reduce launches with most decoder layers' backward still to run, as in the eager run; each step's loss and
+    gradient norm equal the eager run's to 1e-5 relative; metrics.jsonl counts the graphs, with no limit hit."""
+    for rank, (eager, (left, layers)) in enumerate(run_distributed(_loop_runs, str(tmp_path), timeout=420)):
+        assert all(nodes == 0 for _, nodes in eager[0]), eager
+        assert len(left) == STEPS and all(nodes == layers and after >= layers - 1 for after, nodes in left), (
+            f"rank {rank}: (compiled backward nodes done after the first launch, in all) per step: {left}, of {layers}"
+        )
+
+    def steps(compile):
+        rows = [json.loads(line) for line in (tmp_path / f"compile-{compile}" / "metrics.jsonl").open()]
+        return [row for row in rows if row.get("type") == "train"]
+
+    assert (tmp_path / "compile-True" / "run_config.yaml").read_text().count("compile: true") == 1
+    eager, compiled = steps(False), steps(True)
+    pairs = lambda rows: torch.tensor([(row["loss"], row["grad_norm"]) for row in rows])  # noqa: E731
+    assert pairs(eager).shape == (STEPS, 2)
+    assert_close(pairs(compiled), pairs(eager), rtol=1e-5, atol=0.0)
+    assert all("compile/graphs" not in row for row in eager)
+    assert all(row["compile/graphs"] >= 1 and row["compile/limit_hits"] == 0 for row in compiled), compiled
