@@ -19,6 +19,8 @@ from ddp_ft.perf_traps import (
     watch_idle_device,
 )
 
+from .dist_harness import run_distributed
+from .test_plugin_wrapping import _as_accelerate_rank
 from .test_user_traps import _Records
 
 GB = 10**9
@@ -144,3 +146,148 @@ def test_only_a_whole_training_step_is_measured_and_no_profiler_runs_between_ste
     assert len(records.messages) == 1 and "optimizer step 5 (2 micro-batch(es) of 3" in records.messages[0]
     model(torch.ones(1, 4))
     assert not model._forward_pre_hooks
+
+
+# ---------------------------------------------------------------- users' scripts, 2 ranks
+
+
+def _qlora(model_path: str, compute_dtype: torch.dtype | None):
+    """The user's QLoRA model: BitsAndBytesConfig with or without a compute dtype, peft's k-bit preparation."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = {} if compute_dtype is None else {"bnb_4bit_compute_dtype": compute_dtype}
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", **dtype)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization, device_map={"": "cpu"})
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(prepare_model_for_kbit_training(base), lora)
+
+
+def _rows(vocab: int, n: int, seq: int = 8) -> list[torch.Tensor]:
+    return list(torch.randint(3, vocab, (n, seq), generator=torch.Generator().manual_seed(0)))
+
+
+def _accelerate_script(model_path, compute_dtype, mixed_precision, busy):
+    """An Accelerate loop: micro-batch 2, accumulation 2, 4 optimizer steps; the model prepared twice."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ddp_ft.integrations import BucketedAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    records = _Records()
+    _fake_device(busy)
+    accelerator = BucketedAccelerator(cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=2)
+    model = _qlora(model_path, compute_dtype)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    wrapped, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.prepare(model)  # again (as after an evaluation): no second warning
+    rows = torch.stack(_rows(model.config.vocab_size, 16))
+    for micro in range(8):
+        with accelerator.accumulate(wrapped):
+            batch = rows[2 * micro : 2 * micro + 2]
+            accelerator.backward(wrapped(input_ids=batch, labels=batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return _ours(records.messages)
+
+
+def _trainer_script(model_path, compute_dtype, bf16, busy, out):
+    """A BucketedTrainer script: micro-batch 2, accumulation 2, 4 optimizer steps."""
+    from accelerate.state import AcceleratorState, GradientState
+    from datasets import Dataset
+    from transformers import TrainingArguments, default_data_collator
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    records = _Records()
+    _fake_device(busy)
+    model = _qlora(model_path, compute_dtype)
+    rows = [r.tolist() for r in _rows(model.config.vocab_size, 32)]
+    args = TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        bf16=bf16,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    train_set = Dataset.from_dict({"input_ids": rows, "labels": rows})
+    BucketedTrainer(model=model, args=args, train_dataset=train_set, data_collator=default_data_collator).train()
+    return _ours(records.messages)
+
+
+def _scripts(rank, world_size, out):
+    from ddp_ft.embedded import tiny_qwen3_and_meetings
+
+    _as_accelerate_rank(rank, world_size)
+    model_path = tiny_qwen3_and_meetings(n_meetings=1).model_path
+    return {
+        "accelerate, default dtype, bf16, idle": _accelerate_script(model_path, None, "bf16", 0.2),
+        "accelerate, bf16 dtype, bf16, busy": _accelerate_script(model_path, torch.bfloat16, "bf16", 0.9),
+        "accelerate, default dtype, fp32, cpu": _accelerate_script(model_path, None, "no", None),
+        "trainer, default dtype, bf16, idle": _trainer_script(model_path, None, True, 0.2, f"{out}/bad"),
+        "trainer, bf16 dtype, bf16, busy": _trainer_script(model_path, torch.bfloat16, True, 0.9, f"{out}/good"),
+    }
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """Each script's warnings of the two traps on each rank: {script: [rank 0's, rank 1's]}."""
+    per_rank = run_distributed(_scripts, str(tmp_path_factory.mktemp("trainer")))
+    return {name: [ranks[name] for ranks in per_rank] for name in per_rank[0]}
+
+
+@pytest.mark.distributed
+def test_a_4bit_model_at_the_default_float32_compute_dtype_in_a_bf16_run_is_warned_once_on_rank_0(scripts):
+    """BitsAndBytesConfig(load_in_4bit=True) with Accelerator(mixed_precision="bf16") or TrainingArguments(bf16=True):
+    one warning on rank 0 at prepare (the model prepared twice), naming the compute dtype to load with; none on rank
+    1. A bf16 compute dtype in a bf16 run, and float32 throughout on the CPU, are silent."""
+    for name in ("accelerate, default dtype, bf16, idle", "trainer, default dtype, bf16, idle"):
+        (rank0, rank1) = scripts[name]
+        assert len(rank0["dtype"]) == 1 and rank1["dtype"] == [], (name, rank0, rank1)
+        assert DTYPE_FIX in rank0["dtype"][0] and "mixed_precision='bf16'" in rank0["dtype"][0]
+    for name in ("accelerate, bf16 dtype, bf16, busy", "accelerate, default dtype, fp32, cpu"):
+        assert [ranks["dtype"] for ranks in scripts[name]] == [[], []], name
+    assert [ranks["dtype"] for ranks in scripts["trainer, bf16 dtype, bf16, busy"]] == [[], []]
+
+
+@pytest.mark.distributed
+def test_an_idle_device_with_memory_for_a_larger_micro_batch_is_warned_once_on_rank_0_with_its_setting(scripts):
+    """A step measured 20% busy at micro-batch 2 x 2, 0.5 GB per sample, 80 GB device: micro-batch 4 x 1 fits, up to
+    2x; said once on rank 0 in the entry point's own terms (the DataLoader's batch_size, per_device_train_batch_size).
+    A busy device, and a CPU run with no fake device, are silent."""
+    (rank0, rank1) = scripts["accelerate, default dtype, bf16, idle"]
+    assert len(rank0["idle"]) == 1 and rank1["idle"] == [], (rank0, rank1)
+    assert "busy 20% of optimizer step 4 (2 micro-batch(es) of 2" in rank0["idle"][0]
+    assert "Micro-batch 4 x 1 would fit" in rank0["idle"][0] and "up to 2.0x" in rank0["idle"][0]
+    assert "batch_size=4" in rank0["idle"][0] and "gradient_accumulation_steps=1" in rank0["idle"][0]
+    (rank0, rank1) = scripts["trainer, default dtype, bf16, idle"]
+    assert len(rank0["idle"]) == 1 and rank1["idle"] == [], (rank0, rank1)
+    assert "per_device_train_batch_size=4, gradient_accumulation_steps=1" in rank0["idle"][0]
+    for name in ("accelerate, bf16 dtype, bf16, busy", "accelerate, default dtype, fp32, cpu"):
+        assert [ranks["idle"] for ranks in scripts[name]] == [[], []], name
+    assert [ranks["idle"] for ranks in scripts["trainer, bf16 dtype, bf16, busy"]] == [[], []]
+
+
+def test_the_plain_loop_warns_of_an_idle_device_naming_micro_batch_auto(tmp_path, monkeypatch):
+    """ddp_ft's own loop (tiny preset: micro-batch 2 x accumulation 4) on a fake idle device, one process."""
+    from ddp_ft.config import settings_from_preset
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.loop import train
+
+    records = _Records()
+    monkeypatch.setattr(idle, "step_profiler", lambda device: _FakeProfiler(0.2))
+    settings = settings_from_preset(
+        "tiny", output_dir=str(tmp_path / "run"), max_steps=4, num_synthetic=40, eval_fraction=0.0, max_seq_len=128
+    )
+    train(settings, DistInfo())
+    warned = _ours(records.messages)["idle"]
+    assert len(warned) == 1 and "(4 micro-batch(es) of 2" in warned[0], records.messages
+    assert "Micro-batch 8 x 1 would fit" in warned[0] and "--micro-batch auto" in warned[0]

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ..ddp import BucketedDDP, DDPSettings
+from ..perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
 from .launch import TRAINER_CPU_FIX, check_world_seen
 from .settings import describe_sources, resolve_ddp_settings
@@ -41,6 +42,9 @@ class BucketedAccelerator(Accelerator):
         RuntimeError: the process was launched with ``WORLD_SIZE`` > 1 but Accelerate sees one process (on a machine
             without CUDA, ``cpu=True`` is missing): the processes would train apart.
     """
+
+    # How the idle-device warning tells this entry point to set the micro-batch (the Trainer sets its own).
+    micro_batch_fix = staticmethod(accelerate_fix)
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -92,6 +96,10 @@ class BucketedAccelerator(Accelerator):
         training model gets its existing wrapper back (one wrapper per module: a second one's hooks would fight the
         first's), or a new one.
 
+        A training model is also checked for two performance traps, each warned once on the main process
+        (``ddp_ft.perf_traps``): 4-bit layers computing in float32 in a half-precision run, checked here; an idle
+        device with memory for a larger micro-batch, measured at the 4th optimizer step (CUDA only).
+
         Raises:
             ValueError: reentrant gradient checkpointing would leave the adapters without gradient
                 (:func:`~ddp_ft.integrations.checkpointing.check_checkpointed_adapters`).
@@ -103,6 +111,9 @@ class BucketedAccelerator(Accelerator):
             return model
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
+            # Performance traps: warned once, on the main process (ddp_ft.perf_traps).
+            check_4bit_compute_dtype(model, self.mixed_precision, self.device, self.is_main_process)
+            watch_idle_device(model, self.device, self.is_main_process, self.micro_batch_fix)
         if not self._wraps_with_bucketed_ddp(model, evaluation_mode):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         # Everything Accelerate does for a training model except its DDP wrap (which happens only when
