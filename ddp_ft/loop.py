@@ -28,6 +28,7 @@ from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
 from .kernels import apply_liger_to_qwen3
 from .metrics import ThroughputMeter, open_metric_sink
+from .perf_traps import loop_fix, watch_idle_device
 from .preemption import StopSignal
 from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
 from .setup import build_model, check_run_settings, prepare_run
@@ -151,6 +152,7 @@ class _Loop:
         self.scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
+        watch_idle_device(self.model, info.device, info.is_main_process, loop_fix)  # CUDA, 4th step (perf_traps)
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             self.optimizer, math.ceil(t.warmup_ratio * self.total_steps), self.total_steps, min_lr=t.min_learning_rate
         )

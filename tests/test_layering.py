@@ -20,6 +20,7 @@ LAYERS = [
         "ddp_ft.bench",
         "ddp_ft.integrations.launch",
         "ddp_ft.integrations.checkpointing",
+        "ddp_ft.perf_traps",
     },
     {"ddp_ft.config", "ddp_ft.checkpoint", "ddp_ft.shared_fs", "ddp_ft.ladder"},
     {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded"},

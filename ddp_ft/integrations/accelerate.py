@@ -24,6 +24,7 @@ from accelerate.utils.other import is_compiled_module
 
 from ..compilation import check_compile_mode, compile_repeated_blocks, is_regionally_compiled, repeated_blocks
 from ..ddp import BucketedDDP, DDPSettings
+from ..perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
 from .launch import TRAINER_CPU_FIX, check_world_seen
 from .settings import describe_sources, resolve_ddp_settings
@@ -47,6 +48,9 @@ class BucketedAccelerator(Accelerator):
         RuntimeError: the process was launched with ``WORLD_SIZE`` > 1 but Accelerate sees one process (on a machine
             without CUDA, ``cpu=True`` is missing): the processes would train apart.
     """
+
+    # How the idle-device warning tells this entry point to set the micro-batch (the Trainer sets its own).
+    micro_batch_fix = staticmethod(accelerate_fix)
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -105,6 +109,10 @@ class BucketedAccelerator(Accelerator):
         training model gets its existing wrapper back (one wrapper per module: a second one's hooks would fight the
         first's), or a new one.
 
+        A training model is also checked for two performance traps, each warned once on the main process
+        (``ddp_ft.perf_traps``): 4-bit layers computing in float32 in a half-precision run, checked here; an idle
+        device with memory for a larger micro-batch, measured at the 4th optimizer step (CUDA only).
+
         Raises:
             ValueError: reentrant gradient checkpointing would leave the adapters without gradient
                 (:func:`~ddp_ft.integrations.checkpointing.check_checkpointed_adapters`).
@@ -116,6 +124,9 @@ class BucketedAccelerator(Accelerator):
             return model
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
+            # Performance traps: warned once, on the main process (ddp_ft.perf_traps).
+            check_4bit_compute_dtype(model, self.mixed_precision, self.device, self.is_main_process)
+            watch_idle_device(model, self.device, self.is_main_process, self.micro_batch_fix)
         regional = self._compile_regions(model)
         with self._whole_model_compile(off=regional):
             if not self._wraps_with_bucketed_ddp(model, evaluation_mode):

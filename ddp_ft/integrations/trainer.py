@@ -29,6 +29,7 @@ from transformers.integrations import WandbCallback
 from ..ddp import BucketedDDP, DDPSettings
 from ..faults import FaultInjector
 from ..metrics import WandbSwitch
+from ..perf_traps import trainer_fix
 from ..preemption import StopSignal
 from .accelerate import BucketedAccelerator
 from .callbacks import GuardedWandbCallback, ThroughputCallback
@@ -373,6 +374,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         self.accelerator = self.accelerator_class.adopt(self.accelerator, self.ddp_settings, self.args)
+        self.accelerator.micro_batch_fix = trainer_fix  # the idle-device warning in TrainingArguments' terms
         # The Trainer bound these to the accelerator just replaced: bind them to ours (as Trainer.__init__ does).
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:

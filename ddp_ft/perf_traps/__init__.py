@@ -1,0 +1,42 @@
+"""Performance traps in a user's script: correct runs that are many times slower than they need to be.
+
+Each is warned once, on rank 0, with the fix and what it costs (a performance trap changes no result, so nothing is
+refused), and neither touches the backward path:
+
+- **4-bit layers computing in float32** (``dtype``): checked when a model is prepared for training.
+- **An idle device with memory to spare** (``idle``): one optimizer step measured, early, on CUDA only.
+"""
+
+from .dtype import check_4bit_compute_dtype
+from .idle import (
+    IDLE_SHARE,
+    MEASURED_STEP,
+    CudaStepProfiler,
+    IdleDeviceCheck,
+    MicroBatchAdvice,
+    StepProfiler,
+    StepUsage,
+    accelerate_fix,
+    busy_ns,
+    larger_micro_batch,
+    loop_fix,
+    trainer_fix,
+    watch_idle_device,
+)
+
+__all__ = [
+    "IDLE_SHARE",
+    "MEASURED_STEP",
+    "CudaStepProfiler",
+    "IdleDeviceCheck",
+    "MicroBatchAdvice",
+    "StepProfiler",
+    "StepUsage",
+    "accelerate_fix",
+    "busy_ns",
+    "check_4bit_compute_dtype",
+    "larger_micro_batch",
+    "loop_fix",
+    "trainer_fix",
+    "watch_idle_device",
+]
