@@ -145,6 +145,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "str | None": (str, type(None)),
     "float | str": (int, float, str),
     "int | str": (int, str),
+    "bool | str": (bool, str),
 }
 
 
@@ -179,9 +180,9 @@ def _checked(key: str, kind: str, value: object, where: str) -> object:
         except ValueError:
             if kind == "float | str":
                 return value  # bucket_cap_mb: auto; the dataclass checks the word
-    if kind == "int | str" and isinstance(value, str) and value != AUTO:  # micro_batch: a number or auto
-        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes a int or {AUTO!r}.")
-    ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind != "bool")
+    if kind in ("int | str", "bool | str") and isinstance(value, str) and value != AUTO:  # a value or auto
+        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes a {kind.split()[0]} or {AUTO!r}.")
+    ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind not in ("bool", "bool | str"))
     if not ok:
         raise ValueError(f"{where}: {key}: {value!r} is a {type(value).__name__}; {key} takes a {kind}.")
     return float(value) if kind == "float" else value
@@ -306,6 +307,8 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
             action.type = _bucket_cap_arg
         if action.dest == "micro_batch":  # `int | str` is typed int: take "auto" too
             action.type = _micro_batch_arg
+        if action.dest == "packing":  # `bool | str`: a yes/no word or "auto"
+            action.type, action.nargs, action.const, action.metavar = _packing_arg, None, None, "{true,false,auto}"
     return parser
 
 
@@ -327,6 +330,17 @@ def _micro_batch_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of samples nor {AUTO!r}") from None
+
+
+_PACKING_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(("false", "no", "off", "0"), False)
+
+
+def _packing_arg(text: str) -> bool | str:
+    """``--packing``: true/false (also yes/no, on/off, 1/0) or ``auto``."""
+    word = text.lower()
+    if word != AUTO and word not in _PACKING_WORDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither true, false nor {AUTO!r}")
+    return _PACKING_WORDS.get(word, AUTO)
 
 
 def parse_settings(

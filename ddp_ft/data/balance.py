@@ -10,7 +10,7 @@ their lengths: every rank computes the same plan, with no communication.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 Plan = list[list[list[int]]]  # plan[rank][micro_step] -> the sample indices of that micro-batch
 
@@ -38,13 +38,21 @@ def micro_batch_cost(lengths: Sequence[int]) -> int:
     return len(lengths) * max(lengths)
 
 
-def rank_costs(plan: Plan, length_of: dict[int, int]) -> list[int]:
-    """Padded tokens each rank of ``plan`` trains in the step (``length_of``: sample index -> tokens)."""
-    return [sum(micro_batch_cost([length_of[i] for i in batch]) for batch in batches) for batches in plan]
+def rank_costs(
+    plan: Plan, length_of: dict[int, int], cost: Callable[[Sequence[int]], int] = micro_batch_cost
+) -> list[int]:
+    """Tokens each rank of ``plan`` computes in the step, padding included (``length_of``: sample index -> tokens;
+    ``cost``: a micro-batch's tokens from its lengths, padded by default)."""
+    return [sum(cost([length_of[i] for i in batch]) for batch in batches) for batches in plan]
 
 
 def balanced_plan(
-    indices: Sequence[int], lengths: Sequence[int], world_size: int, micro_batch: int, accumulation: int
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    world_size: int,
+    micro_batch: int,
+    accumulation: int,
+    cost: Callable[[Sequence[int]], int] = micro_batch_cost,
 ) -> Plan:
     """Split one optimizer step's samples into ``accumulation`` micro-batches of ``micro_batch`` per rank, grouping
     similar lengths and balancing the padded tokens per rank.
@@ -66,6 +74,9 @@ def balanced_plan(
         world_size (int): ranks.
         micro_batch (int): samples per micro-batch.
         accumulation (int): micro-batches per rank.
+        cost (Callable[[Sequence[int]], int]): tokens one micro-batch computes, from its lengths; packed batches
+            give ``PackedCollator.cost``, so the ranks get about the same packed tokens. Default: ``micro_batch_cost``
+            (right padding; the optimality of the sorted cut above is for this cost)
 
     Returns:
         Plan: ``plan[rank][micro_step]``, a list of ``micro_batch`` sample indices.
@@ -78,7 +89,7 @@ def balanced_plan(
         raise ValueError(f"{len(lengths)} lengths for {len(indices)} samples: one length per sample.")
     by_length = sorted(range(len(indices)), key=lambda p: (lengths[p], p))
     groups = [by_length[g * micro_batch : (g + 1) * micro_batch] for g in range(world_size * accumulation)]
-    costs = [micro_batch_cost([lengths[p] for p in group]) for group in groups]
+    costs = [cost([lengths[p] for p in group]) for group in groups]
     totals, assigned = [0] * world_size, [[] for _ in range(world_size)]
     for g in sorted(range(len(groups)), key=lambda g: (-costs[g], -g)):  # ties: the longer lengths first
         rank = min((r for r in range(world_size) if len(assigned[r]) < accumulation), key=lambda r: (totals[r], r))
@@ -92,7 +103,7 @@ def balanced_plan(
     # few tokens better. Keep it then, so the slowest rank is never slower than unbalanced.
     strided = strided_plan(indices, world_size, micro_batch, accumulation)
     length_of = dict(zip(indices, lengths, strict=True))
-    return strided if max(rank_costs(strided, length_of)) < max(totals) else plan
+    return strided if max(rank_costs(strided, length_of, cost)) < max(totals) else plan
 
 
 def _refine(assigned: list[list[int]], totals: list[int], costs: list[int]) -> None:
