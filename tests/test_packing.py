@@ -238,3 +238,39 @@ def test_two_packed_ranks_give_the_gradients_of_one_padded_process_on_the_global
     (costs, mine), (_, theirs) = run_distributed(_packed_against_padded, str(tmp_path), source, timeout=300)
     assert [mine, theirs] == costs  # the plan's packed cost is what each rank computed
     assert max(costs) <= 1.15 * min(costs), costs
+
+
+# -- the entry points: the plain loop and the Trainer recipe ---------------------------------------------------------
+
+
+def _run(kind, tmp_path, source, packing):
+    from ddp_ft.config import settings_from_preset
+    from ddp_ft.integrations.recipe import build_trainer
+    from ddp_ft.loop import train
+
+    out = tmp_path / f"{kind}-{packing}"
+    settings = settings_from_preset(
+        "tiny", output_dir=str(out), source=source, packing=packing, max_steps=2, lora_dropout=0.0, report_to="none"
+    )
+    if kind == "loop":
+        result = train(settings, DistInfo())
+        return [result.first_loss, result.last_loss, result.eval_loss], None
+    trainer = build_trainer(settings, DistInfo())
+    assert isinstance(trainer.data_collator, PackedCollator) == packing
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses + [trainer.evaluate()["eval_loss"]], trainer.state.num_input_tokens_seen
+
+
+@pytest.mark.parametrize("kind", ["loop", "recipe"])
+def test_the_loop_and_the_trainer_recipe_with_packing_true_train_the_padded_runs_losses_and_count_its_tokens(
+    tmp_path, monkeypatch, tiny_cache, kind
+):
+    monkeypatch.setenv("DDP_FT_CACHE", tiny_cache)
+    source = write_mixed_length_meetings(tmp_path / "mixed.jsonl")
+    packed, packed_tokens = _run(kind, tmp_path, source, True)
+    padded, padded_tokens = _run(kind, tmp_path, source, False)
+    # the two steps' train losses, then the eval loss after them: summation order only, which AdamW's first steps
+    # (about lr x sign(g)) carry into the weights (measured on the loop: 0 and 0, then 1.1e-5 relative)
+    assert packed == pytest.approx(padded, rel=1e-4)
+    assert packed_tokens == padded_tokens  # the Trainer's non-padding count: None for the loop (from the samples)

@@ -146,7 +146,7 @@ def packing_problem(config, model_class: type | None = None) -> str | None:
     if model_class is None:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config))
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     module = sys.modules.get(getattr(model_class, "__module__", ""), None)
     if model_class is None or not hasattr(module, "create_causal_mask"):
         name = getattr(model_class, "__name__", type(config).__name__)
