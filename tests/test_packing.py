@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ddp_ft.config import parse_settings
+from ddp_ft.config import config_values, parse_settings
 from ddp_ft.data import (
     IGNORE_INDEX,
     DataSettings,
@@ -107,6 +107,10 @@ def test_the_packing_setting_is_true_false_or_auto_from_flags_and_refused_otherw
     assert parse_settings(["--packing", "off"]).data.packing is False
     with pytest.raises(ValueError, match="DataSettings.packing=.yes.: choose true, false or .auto."):
         DataSettings(packing="yes")
+    with pytest.raises(ValueError, match="packing: 'yes' is a str; packing takes a bool or 'auto'"):
+        config_values({"packing": "yes"}, "run.yaml")
+    with pytest.raises(SystemExit):
+        parse_settings(["--packing", "maybe"])
     assert resolve_packing("auto", "cpu", None)[0] is False  # the CPU keeps its padded defaults
     assert resolve_packing("auto", "cuda", None)[0] is True
     on, why = resolve_packing("auto", "cuda", "the reason")
