@@ -176,6 +176,20 @@ def test_a_packed_sequence_cannot_attend_to_its_neighbour_in_training_or_evaluat
         assert_close(packed_other, packed, rtol=1e-5, atol=1e-5)  # and another A changes nothing in B
 
 
+def test_with_every_token_a_label_no_token_predicts_across_a_boundary_and_the_loss_is_the_padded_one(tiny_path):
+    """Samples labelled on every token (no prompt to mask): the first label of each packed sample must be dropped,
+    as the padded batch drops it by the shift, or the last token of one sample would learn to predict the next."""
+    model = _load(tiny_path, "sdpa")
+    samples = [{"input_ids": s["input_ids"], "labels": list(s["input_ids"])} for s in _samples([30, 9, 21, 14])]
+    packed, padded = PackedCollator(PAD, 64)(samples), _padded(samples)
+    assert packed["input_ids"].shape[0] < len(samples), "the premise: some row holds several samples"
+    answers = answer_tokens(padded)
+    assert answer_tokens(packed) == answers == sum(len(s["input_ids"]) - 1 for s in samples)
+    with torch.no_grad():
+        losses = [model(**batch, num_items_in_batch=answers).loss for batch in (packed, padded)]
+    assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
+
+
 def test_an_attention_that_ignores_the_mask_leaks_across_packed_sequences_and_packing_refuses_it(tiny_path):
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
