@@ -84,21 +84,28 @@ def test_the_packed_collator_restarts_positions_and_masks_each_first_label_so_co
     assert count_tokens(packed, PAD) == count_tokens(padded) == 84 < packed["input_ids"].numel()
 
 
-def test_balanced_ranks_on_packed_costs_compute_about_the_same_packed_tokens_and_never_more_than_strided():
-    g = random.Random(1)
-    for step in range(20):
-        lengths = [g.randint(60, 512) for _ in range(32)]
-        indices = list(range(100 * step, 100 * step + 32))
+@pytest.mark.parametrize(("micro", "accumulation"), [(4, 4), (8, 1)])
+def test_balanced_ranks_on_packed_costs_compute_about_the_same_packed_tokens_and_never_more_than_strided(
+    micro, accumulation
+):
+    """Two ranks, lengths 60..512 packed into rows of 512. With one micro-batch per rank the sorted cut would give one
+    rank the short samples and the other the long ones (3.5x the packed tokens at worst on these draws): the plan
+    then deals the sorted samples in a snake, mixing them."""
+    g, spreads = random.Random(1), []
+    for step in range(30):
+        lengths = [g.randint(60, 512) for _ in range(2 * micro * accumulation)]
+        indices = list(range(100 * step, 100 * step + len(lengths)))
         length_of = dict(zip(indices, lengths, strict=True))
 
         def cost(ls):
             return packed_cost(ls, 512)
 
-        plan = balanced_plan(indices, lengths, 2, 4, 4, cost)
+        plan = balanced_plan(indices, lengths, 2, micro, accumulation, cost)
         assert sorted(i for rank in plan for batch in rank for i in batch) == indices
-        costs, strided = rank_costs(plan, length_of, cost), rank_costs(strided_plan(indices, 2, 4, 4), length_of, cost)
-        assert max(costs) <= max(strided)
-        assert max(costs) <= 1.1 * min(costs), (step, costs)
+        costs = rank_costs(plan, length_of, cost)
+        assert max(costs) <= max(rank_costs(strided_plan(indices, 2, micro, accumulation), length_of, cost))
+        spreads.append(max(costs) / min(costs))
+    assert sum(spreads) / len(spreads) <= 1.1 and max(spreads) <= 1.3, spreads
 
 
 def test_the_packing_setting_is_true_false_or_auto_from_flags_and_refused_otherwise_naming_it():

@@ -75,8 +75,10 @@ def balanced_plan(
         micro_batch (int): samples per micro-batch.
         accumulation (int): micro-batches per rank.
         cost (Callable[[Sequence[int]], int]): tokens one micro-batch computes, from its lengths; packed batches
-            give ``PackedCollator.cost``, so the ranks get about the same packed tokens. Default: ``micro_batch_cost``
-            (right padding; the optimality of the sorted cut above is for this cost)
+            give ``PackedCollator.cost``, so the ranks get about the same packed tokens, and the micro-batches are
+            cut as above or dealt in a snake over the sorted samples (mixing long and short), whichever leaves the
+            slowest rank fewer tokens. Default: ``micro_batch_cost`` (right padding; the optimality of the sorted cut
+            above is for this cost)
 
     Returns:
         Plan: ``plan[rank][micro_step]``, a list of ``micro_batch`` sample indices.
@@ -88,8 +90,35 @@ def balanced_plan(
     if len(lengths) != len(indices):
         raise ValueError(f"{len(lengths)} lengths for {len(indices)} samples: one length per sample.")
     by_length = sorted(range(len(indices)), key=lambda p: (lengths[p], p))
-    groups = [by_length[g * micro_batch : (g + 1) * micro_batch] for g in range(world_size * accumulation)]
-    costs = [cost([lengths[p] for p in group]) for group in groups]
+    count = world_size * accumulation
+    candidates = [[by_length[g * micro_batch : (g + 1) * micro_batch] for g in range(count)]]
+    if cost is not micro_batch_cost:
+        # Packed rows fill up when long and short samples share a micro-batch: also try the sorted samples dealt
+        # out in a snake (0, 1, .., n-1, n-1, .., 0, ...), which mixes them, and keep the better of the two.
+        snake = [[] for _ in range(count)]
+        for i, p in enumerate(by_length):
+            turn, g = divmod(i, count)
+            snake[g if turn % 2 == 0 else count - 1 - g].append(p)
+        candidates.append(snake)
+    best = None  # ((slowest rank's cost, the step's cost), micro-batches, each rank's, each rank's cost)
+    for groups in candidates:
+        assigned, totals = _deal(groups, [cost([lengths[p] for p in g]) for g in groups], world_size, accumulation)
+        if best is None or (max(totals), sum(totals)) < best[0]:
+            best = ((max(totals), sum(totals)), groups, assigned, totals)
+    _, groups, assigned, totals = best
+    plan = [[[indices[p] for p in groups[g]] for g in rank_groups] for rank_groups in assigned]
+    # LPT and single swaps are a heuristic: on rare draws (seen with micro_batch 1 only) the strided split is a
+    # few tokens better. Keep it then, so the slowest rank is never slower than unbalanced.
+    strided = strided_plan(indices, world_size, micro_batch, accumulation)
+    length_of = dict(zip(indices, lengths, strict=True))
+    return strided if max(rank_costs(strided, length_of, cost)) < max(totals) else plan
+
+
+def _deal(
+    groups: list[list[int]], costs: list[int], world_size: int, accumulation: int
+) -> tuple[list[list[int]], list[int]]:
+    """Micro-batches to ranks, longest processing time first with a capacity, then refined by swaps; each rank's
+    micro-batches most expensive first. Returns each rank's micro-batch numbers and its total cost."""
     totals, assigned = [0] * world_size, [[] for _ in range(world_size)]
     for g in sorted(range(len(groups)), key=lambda g: (-costs[g], -g)):  # ties: the longer lengths first
         rank = min((r for r in range(world_size) if len(assigned[r]) < accumulation), key=lambda r: (totals[r], r))
@@ -98,12 +127,7 @@ def balanced_plan(
     _refine(assigned, totals, costs)
     for rank_groups in assigned:
         rank_groups.sort(key=lambda g: (-costs[g], -g))
-    plan = [[[indices[p] for p in groups[g]] for g in rank_groups] for rank_groups in assigned]
-    # LPT and single swaps are a heuristic: on rare draws (seen with micro_batch 1 only) the strided split is a
-    # few tokens better. Keep it then, so the slowest rank is never slower than unbalanced.
-    strided = strided_plan(indices, world_size, micro_batch, accumulation)
-    length_of = dict(zip(indices, lengths, strict=True))
-    return strided if max(rank_costs(strided, length_of, cost)) < max(totals) else plan
+    return assigned, totals
 
 
 def _refine(assigned: list[list[int]], totals: list[int], costs: list[int]) -> None:
