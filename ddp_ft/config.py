@@ -312,6 +312,8 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
             action.type = _micro_batch_arg
         if action.dest == "compile":  # `bool | str` is typed bool: take "auto" too; --no-compile turns it off
             action.type = _compile_arg
+        if action.dest == "packing":  # `bool | str`: a yes/no word or "auto"
+            action.type, action.nargs, action.const, action.metavar = _packing_arg, None, None, "{true,false,auto}"
     parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
     return parser
 
@@ -346,6 +348,17 @@ def _micro_batch_arg(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of samples nor {AUTO!r}") from None
+
+
+_PACKING_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(("false", "no", "off", "0"), False)
+
+
+def _packing_arg(text: str) -> bool | str:
+    """``--packing``: true/false (also yes/no, on/off, 1/0) or ``auto``."""
+    word = text.lower()
+    if word != AUTO and word not in _PACKING_WORDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither true, false nor {AUTO!r}")
+    return _PACKING_WORDS.get(word, AUTO)
 
 
 def parse_settings(

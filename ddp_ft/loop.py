@@ -128,6 +128,7 @@ class _Loop:
             effective_batch=t.effective_batch,
             pin_memory=info.device.type == "cuda",
             balance=t.balance_ranks,
+            cost=parts.batch_cost,  # packed micro-batches: the ranks balanced on packed tokens
         )
         # floor(samples / effective batch) steps per epoch, the same on every world size
         self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch

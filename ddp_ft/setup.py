@@ -18,7 +18,16 @@ import torch
 import torch.distributed as dist
 
 from .config import RunSettings, gradient_accumulation_steps
-from .data import TruncationReport, load_raw_splits, make_collator, tokenize_dataset
+from .data import (
+    PackedCollator,
+    TruncationReport,
+    check_packed_model,
+    load_raw_splits,
+    make_collator,
+    packing_problem,
+    resolve_packing,
+    tokenize_dataset,
+)
 from .ddp.autotune import AUTO
 from .defaults import resolve_device_defaults
 from .distributed import DistInfo
@@ -48,9 +57,15 @@ class RunParts:
     tokenizer: PreTrainedTokenizerBase
     train_set: Dataset  # tokenized: input_ids, labels, attention_mask
     eval_set: Dataset
-    collate: Callable[[list[dict]], dict[str, torch.Tensor]]
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]]  # right padding, or a PackedCollator (``packing``)
     truncation: TruncationReport  # how many training samples had to be cut
     faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
+    packing: bool = False  # ``DataSettings.packing`` resolved: micro-batches packed into rows without padding
+
+    @property
+    def batch_cost(self) -> Callable[[list[int]], int] | None:
+        """What a micro-batch of these lengths computes, for the balanced plan: the packed rows', else padded."""
+        return self.collate.cost if isinstance(self.collate, PackedCollator) else None
 
 
 def cache_dir() -> Path:
@@ -195,6 +210,8 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
             f"the training set has {len(train_set)} samples, fewer than one effective batch "
             f"(effective_batch={t.effective_batch}): {fix}."
         )
+    packing = choose_packing(settings, info, model_path)
+    collate = PackedCollator(tokenizer.pad_token_id, settings.data.max_seq_len) if packing else make_collator(tokenizer)
     return RunParts(
         accumulation=accumulation,
         device_map=device_map,
@@ -202,10 +219,34 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
         tokenizer=tokenizer,
         train_set=train_set,
         eval_set=eval_set,
-        collate=make_collator(tokenizer),
+        collate=collate,
         truncation=truncation,
         faults=FaultInjector.from_env(info.rank),
+        packing=packing,
     )
+
+
+def choose_packing(settings: RunSettings, info: DistInfo, model_path: str) -> bool:
+    """``--packing`` resolved for this device and model (``ddp_ft.data.resolve_packing``), logged on rank 0.
+
+    The model's config is read (not the model) only when packing may be on, to find an architecture whose attention
+    would mix packed sequences before anything loads; ``build_model`` checks the loaded model again.
+
+    Raises:
+        ValueError: ``--packing true`` for a model whose attention would let a sequence attend to its neighbour.
+    """
+    packing = settings.data.packing
+    problem = None
+    if packing is True or (packing == AUTO and info.device.type == "cuda"):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        config.use_cache = False  # as load_qlora_model sets it: the cache is the loaded model's check
+        problem = packing_problem(config)
+    chosen, reason = resolve_packing(packing, info.device.type, problem)
+    if info.is_main_process:
+        logger.info("packing %s (%s)", "on" if chosen else "off", reason)
+    return chosen
 
 
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
@@ -219,6 +260,8 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
             f"the tokenizer has {len(parts.tokenizer)} tokens but the model's embedding only {embeddings}: "
             "use the tokenizer that belongs to --model-name-or-path."
         )
+    if parts.packing:  # the attention implementation is known now: refuse one that would mix packed sequences
+        check_packed_model(model)
     parts.faults.attach(model)
     return model
 

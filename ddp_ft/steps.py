@@ -19,10 +19,10 @@ from .distributed import DistInfo
 from .precision import Precision
 
 
-def _count_tokens(group: list[dict], device: torch.device) -> torch.Tensor:
+def _count_tokens(group: list[dict], device: torch.device, pad_token_id: int | None = None) -> torch.Tensor:
     """[answer tokens that carry loss, non-padding input tokens] of a list of micro-batches."""
     answers = sum(answer_tokens(b) for b in group)
-    inputs = sum(count_tokens(b) for b in group)
+    inputs = sum(count_tokens(b, pad_token_id) for b in group)
     return torch.tensor([answers, inputs], dtype=torch.float64, device=device)
 
 
@@ -32,15 +32,21 @@ def _sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
-def step_counts(group: list[dict], info: DistInfo, stop_flag: float = 0.0) -> torch.Tensor:
+def step_counts(
+    group: list[dict], info: DistInfo, stop_flag: float = 0.0, pad_token_id: int | None = None
+) -> torch.Tensor:
     """[answer tokens, input tokens, ranks asking to stop] of one optimizer step, summed over ranks.
 
     One collective, for callers that do not know the step's global samples (``forward_backward``'s default, the
     benchmarks). The training loop needs none: it sums the step's samples' counts from the global order
-    (``ddp_ft.data.step_tokens``) and sends the stop flag with the loss after backward.
+    (``ddp_ft.data.step_tokens``) and sends the stop flag with the loss after backward. Packed batches (no attention
+    mask) need the pad token to leave their rows' padding out of the input tokens (``count_tokens``).
     """
     local = torch.cat(
-        [_count_tokens(group, info.device), torch.tensor([stop_flag], dtype=torch.float64, device=info.device)]
+        [
+            _count_tokens(group, info.device, pad_token_id),
+            torch.tensor([stop_flag], dtype=torch.float64, device=info.device),
+        ]
     )
     return _sum_over_ranks(local, info)
 

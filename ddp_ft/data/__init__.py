@@ -10,7 +10,9 @@ The pipeline, one module per stage:
   ``DistributedSampler`` that cannot be iterated without choosing the epoch; the same steps on every world size, no
   sample twice; exact resume inside an epoch on any world size, see ``DataLayout``);
 * ``balance``: ``balanced_plan`` (a step's samples split over ranks and micro-batches: similar lengths together,
-  the same padded tokens on every rank, the step's samples unchanged).
+  the same padded tokens on every rank, the step's samples unchanged);
+* ``packing``: ``PackedCollator`` (a micro-batch's samples packed whole into rows without padding, kept apart by
+  restarting ``position_ids``), ``packing_problem`` (models whose attention would mix them) and ``resolve_packing``.
 
 ``settings`` holds ``DataSettings`` and the constants the stages share.
 """
@@ -33,6 +35,7 @@ from .loader import (
     make_collator,
     sample_lengths,
 )
+from .packing import PackedCollator, check_packed_model, pack_rows, packed_cost, packing_problem, resolve_packing
 from .settings import (
     FILE_BUILDERS,
     IGNORE_INDEX,
@@ -50,16 +53,22 @@ __all__ = [
     "DataLayout",
     "DataSettings",
     "EpochLoader",
+    "PackedCollator",
     "StepBatchSampler",
     "TruncatedExample",
     "TruncationReport",
     "answer_tokens",
     "balanced_plan",
+    "check_packed_model",
     "check_resume",
     "count_tokens",
     "load_raw_splits",
     "make_collator",
+    "pack_rows",
+    "packed_cost",
+    "packing_problem",
     "rank_costs",
+    "resolve_packing",
     "sample_lengths",
     "strided_plan",
     "template_overhead",

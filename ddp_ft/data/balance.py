@@ -10,7 +10,7 @@ their lengths: every rank computes the same plan, with no communication.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 Plan = list[list[list[int]]]  # plan[rank][micro_step] -> the sample indices of that micro-batch
 
@@ -38,13 +38,21 @@ def micro_batch_cost(lengths: Sequence[int]) -> int:
     return len(lengths) * max(lengths)
 
 
-def rank_costs(plan: Plan, length_of: dict[int, int]) -> list[int]:
-    """Padded tokens each rank of ``plan`` trains in the step (``length_of``: sample index -> tokens)."""
-    return [sum(micro_batch_cost([length_of[i] for i in batch]) for batch in batches) for batches in plan]
+def rank_costs(
+    plan: Plan, length_of: dict[int, int], cost: Callable[[Sequence[int]], int] = micro_batch_cost
+) -> list[int]:
+    """Tokens each rank of ``plan`` computes in the step, padding included (``length_of``: sample index -> tokens;
+    ``cost``: a micro-batch's tokens from its lengths, padded by default)."""
+    return [sum(cost([length_of[i] for i in batch]) for batch in batches) for batches in plan]
 
 
 def balanced_plan(
-    indices: Sequence[int], lengths: Sequence[int], world_size: int, micro_batch: int, accumulation: int
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    world_size: int,
+    micro_batch: int,
+    accumulation: int,
+    cost: Callable[[Sequence[int]], int] = micro_batch_cost,
 ) -> Plan:
     """Split one optimizer step's samples into ``accumulation`` micro-batches of ``micro_batch`` per rank, grouping
     similar lengths and balancing the padded tokens per rank.
@@ -66,6 +74,11 @@ def balanced_plan(
         world_size (int): ranks.
         micro_batch (int): samples per micro-batch.
         accumulation (int): micro-batches per rank.
+        cost (Callable[[Sequence[int]], int]): tokens one micro-batch computes, from its lengths; packed batches
+            give ``PackedCollator.cost``, so the ranks get about the same packed tokens, and the micro-batches are
+            cut as above or dealt in a snake over the sorted samples (mixing long and short), whichever leaves the
+            slowest rank fewer tokens. Default: ``micro_batch_cost`` (right padding; the optimality of the sorted cut
+            above is for this cost)
 
     Returns:
         Plan: ``plan[rank][micro_step]``, a list of ``micro_batch`` sample indices.
@@ -77,8 +90,35 @@ def balanced_plan(
     if len(lengths) != len(indices):
         raise ValueError(f"{len(lengths)} lengths for {len(indices)} samples: one length per sample.")
     by_length = sorted(range(len(indices)), key=lambda p: (lengths[p], p))
-    groups = [by_length[g * micro_batch : (g + 1) * micro_batch] for g in range(world_size * accumulation)]
-    costs = [micro_batch_cost([lengths[p] for p in group]) for group in groups]
+    count = world_size * accumulation
+    candidates = [[by_length[g * micro_batch : (g + 1) * micro_batch] for g in range(count)]]
+    if cost is not micro_batch_cost:
+        # Packed rows fill up when long and short samples share a micro-batch: also try the sorted samples dealt
+        # out in a snake (0, 1, .., n-1, n-1, .., 0, ...), which mixes them, and keep the better of the two.
+        snake = [[] for _ in range(count)]
+        for i, p in enumerate(by_length):
+            turn, g = divmod(i, count)
+            snake[g if turn % 2 == 0 else count - 1 - g].append(p)
+        candidates.append(snake)
+    best = None  # ((slowest rank's cost, the step's cost), micro-batches, each rank's, each rank's cost)
+    for groups in candidates:
+        assigned, totals = _deal(groups, [cost([lengths[p] for p in g]) for g in groups], world_size, accumulation)
+        if best is None or (max(totals), sum(totals)) < best[0]:
+            best = ((max(totals), sum(totals)), groups, assigned, totals)
+    _, groups, assigned, totals = best
+    plan = [[[indices[p] for p in groups[g]] for g in rank_groups] for rank_groups in assigned]
+    # LPT and single swaps are a heuristic: on rare draws (seen with micro_batch 1 only) the strided split is a
+    # few tokens better. Keep it then, so the slowest rank is never slower than unbalanced.
+    strided = strided_plan(indices, world_size, micro_batch, accumulation)
+    length_of = dict(zip(indices, lengths, strict=True))
+    return strided if max(rank_costs(strided, length_of, cost)) < max(totals) else plan
+
+
+def _deal(
+    groups: list[list[int]], costs: list[int], world_size: int, accumulation: int
+) -> tuple[list[list[int]], list[int]]:
+    """Micro-batches to ranks, longest processing time first with a capacity, then refined by swaps; each rank's
+    micro-batches most expensive first. Returns each rank's micro-batch numbers and its total cost."""
     totals, assigned = [0] * world_size, [[] for _ in range(world_size)]
     for g in sorted(range(len(groups)), key=lambda g: (-costs[g], -g)):  # ties: the longer lengths first
         rank = min((r for r in range(world_size) if len(assigned[r]) < accumulation), key=lambda r: (totals[r], r))
@@ -87,12 +127,7 @@ def balanced_plan(
     _refine(assigned, totals, costs)
     for rank_groups in assigned:
         rank_groups.sort(key=lambda g: (-costs[g], -g))
-    plan = [[[indices[p] for p in groups[g]] for g in rank_groups] for rank_groups in assigned]
-    # LPT and single swaps are a heuristic: on rare draws (seen with micro_batch 1 only) the strided split is a
-    # few tokens better. Keep it then, so the slowest rank is never slower than unbalanced.
-    strided = strided_plan(indices, world_size, micro_batch, accumulation)
-    length_of = dict(zip(indices, lengths, strict=True))
-    return strided if max(rank_costs(strided, length_of)) < max(totals) else plan
+    return assigned, totals
 
 
 def _refine(assigned: list[list[int]], totals: list[int], costs: list[int]) -> None:

@@ -4,10 +4,10 @@ over ranks by ``balanced_plan`` (``ddp_ft.data.balance``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .balance import Plan, balanced_plan, strided_plan
+from .balance import Plan, balanced_plan, micro_batch_cost, strided_plan
 from .settings import IGNORE_INDEX
 from .step_tokens import global_order
 
@@ -19,9 +19,17 @@ def make_collator(tokenizer):
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=None)
 
 
-def count_tokens(batch: dict) -> int:
-    """Non-padding tokens of a collated batch (the sum of its attention mask): what throughput counts."""
-    return int(batch["attention_mask"].sum())
+def count_tokens(batch: dict, pad_token_id: int | None = None) -> int:
+    """Non-padding tokens of a collated batch: what throughput counts.
+
+    A padded batch: the sum of its attention mask. A packed batch (``PackedCollator``: no mask) pads only the ends of
+    its rows: the tokens other than ``pad_token_id``, the Trainer's rule for a batch without a mask (exact while no
+    sample holds the pad token, as chat-formatted samples do not); every token when no pad id is given.
+    """
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    ids = batch["input_ids"]
+    return int(ids.numel() if pad_token_id is None else (ids != pad_token_id).sum())
 
 
 def answer_tokens(batch: dict) -> int:
@@ -157,6 +165,9 @@ class EpochLoader:
         balance (bool): balanced ranks and length-grouped micro-batches within each step. Default: True
         lengths (Sequence[int] | None): token length of every sample, for ``balance``. Default: None (read from
             the dataset's ``input_ids`` once, when ``balance``)
+        cost (Callable[[Sequence[int]], int] | None): tokens a micro-batch computes from its lengths, what
+            ``balance`` evens out over the ranks: ``PackedCollator.cost`` for packed batches. Default: None
+            (``micro_batch_cost``: right padding)
 
     Raises:
         ValueError: bad sizes, an empty dataset or one smaller than an effective batch, lengths not one per sample.
@@ -175,6 +186,7 @@ class EpochLoader:
         pin_memory: bool = False,
         balance: bool = True,
         lengths: Sequence[int] | None = None,
+        cost: Callable[[Sequence[int]], int] | None = None,
     ) -> None:
         from torch.utils.data import DistributedSampler
 
@@ -193,7 +205,7 @@ class EpochLoader:
             )
         self.dataset, self.collate_fn, self.micro_batch, self.rank = dataset, collate_fn, micro_batch, rank
         self.pin_memory = pin_memory
-        self.balance = balance
+        self.balance, self.cost = balance, cost or micro_batch_cost
         self.lengths = (list(lengths) if lengths is not None else sample_lengths(dataset)) if balance else None
         if self.lengths is not None and len(self.lengths) != len(dataset):
             raise ValueError(f"{len(self.lengths)} lengths for {len(dataset)} samples: give one length per sample.")
@@ -227,7 +239,7 @@ class EpochLoader:
             if self.lengths is None:
                 yield strided_plan(indices, W, m, A)
             else:
-                yield balanced_plan(indices, [self.lengths[i] for i in indices], W, m, A)
+                yield balanced_plan(indices, [self.lengths[i] for i in indices], W, m, A, self.cost)
 
     def epoch(self, epoch: int, start_sample: int = 0) -> Iterator[dict]:
         """The batches of ``epoch`` on this rank, from global position ``start_sample`` on (checked at the call).

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..ddp.autotune import AUTO
+
 IGNORE_INDEX = -100
 SYNTHETIC = "synthetic"
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -23,7 +25,7 @@ MIN_MAX_SEQ_LEN = DEFAULT_KEEP_PROMPT_HEAD + DEFAULT_KEEP_PROMPT_TAIL + MIN_ANSW
 
 @dataclass
 class DataSettings:
-    """Where the (dialogue, summary) pairs come from and how they become training samples."""
+    """Where the (dialogue, summary) pairs come from and how they become training samples and batches."""
 
     source: str = field(
         default="knkarthick/AMI",
@@ -43,6 +45,14 @@ class DataSettings:
     )
     max_seq_len: int = field(
         default=512, metadata={"help": "Tokens per sample; long transcripts are cut in the middle, answers at the end."}
+    )
+    packing: bool | str = field(
+        default=AUTO,
+        metadata={
+            "help": "Pack each micro-batch's samples into rows of max_seq_len tokens without padding, kept apart by "
+            "position_ids restarting at 0 (same loss and gradient as padded). true, false, or 'auto': on with CUDA "
+            "if the model's attention keeps packed sequences apart, off on the CPU (the choice is logged, with why)."
+        },
     )
     num_synthetic: int = field(default=512, metadata={"help": "Samples generated when source is 'synthetic'."})
     # Not `seed`: one flag namespace holds every settings dataclass, and TrainSettings.seed owns --seed.
@@ -81,6 +91,8 @@ class DataSettings:
                 f"a prompt tail ({DEFAULT_KEEP_PROMPT_TAIL} tokens: end of the transcript and the assistant "
                 f"generation prompt) and {MIN_ANSWER_TOKENS} answer tokens."
             )
+        if self.packing not in (True, False, AUTO) or not isinstance(self.packing, bool | str):
+            raise ValueError(f"DataSettings.packing={self.packing!r}: choose true, false or {AUTO!r}.")
         if self.num_synthetic < 2:
             raise ValueError(f"DataSettings.num_synthetic={self.num_synthetic}: must be >= 2 (train and eval).")
 

@@ -147,9 +147,10 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         device sync on each ``no_sync`` micro-step. Here the count stays a local tensor until the synced micro-step
         (the last of the step), whose single all-gather (:meth:`_gather_step`) updates
         ``state.num_input_tokens_seen`` before any ``on_step_end`` callback reads it. Same counting rule as the
-        Trainer: ``non_padding`` sums the attention mask (without one, as for TRL's padding-free batches, counts the
-        tokens other than the tokenizer's pad token), ``all`` counts every position; without the main input, or for
-        ``non_padding`` without a mask or a pad token, the Trainer counts itself.
+        Trainer: ``non_padding`` sums the attention mask (without one, as for TRL's padding-free batches and
+        ``PackedCollator``'s rows, counts the tokens other than the tokenizer's pad token), ``all`` counts every
+        position; without the main input, or for ``non_padding`` without a mask or a pad token, the Trainer counts
+        itself.
         """
         mode = self.args.include_num_input_tokens_seen
         main_input = getattr(self.model, "main_input_name", "input_ids")

@@ -43,12 +43,25 @@ class PlannedData:
     def get_train_dataloader(self):
         """With ``balance_ranks``, a loader over the plain loop's plans (``StepBatchSampler``), prepared by Accelerate:
         its shard hands rank ``r`` the micro-batches ``EpochLoader(rank=r)`` reads, and the Trainer's
-        ``skip_first_batches`` skips whole steps on a resume. Otherwise the Trainer's own loader."""
+        ``skip_first_batches`` skips whole steps on a resume. Otherwise the Trainer's own loader. A ``PackedCollator``
+        (``ddp_ft.data.packing``) is first checked against the model, whose attention must keep its rows' sequences
+        apart, and the plan balances its packed tokens.
+
+        Raises:
+            ValueError: a ``PackedCollator`` for a model whose attention would mix packed sequences (before any step).
+        """
+        from ..data import PackedCollator  # here: the plugin imports no data pipeline until it trains
+
+        packed = isinstance(self.data_collator, PackedCollator)
+        if packed:
+            from ..data import check_packed_model
+
+            check_packed_model(self.model)
         if not self.balance_ranks:
             return super().get_train_dataloader()
         from torch.utils.data import DataLoader
 
-        from ..data import EpochLoader, StepBatchSampler  # here: the plugin imports no data pipeline until it trains
+        from ..data import EpochLoader, StepBatchSampler
 
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -63,6 +76,7 @@ class PlannedData:
             world,
             seed=args.data_seed if args.data_seed is not None else args.seed,
             effective_batch=micro * args.gradient_accumulation_steps * world,
+            cost=self.data_collator.cost if packed else None,
         )
         self._plan_sampler = StepBatchSampler(plans)
         self._answer_counts = self._planned_token_counts(dataset)
