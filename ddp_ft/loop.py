@@ -29,7 +29,7 @@ from .kernels import apply_liger_to_qwen3, compile_repeated_blocks
 from .metrics import ThroughputMeter, open_metric_sink
 from .preemption import StopSignal
 from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
-from .setup import build_model, check_run_settings, prepare_run
+from .setup import build_model, check_run_settings, prepare_run, probe_run_micro_batch
 from .shared_fs import check_shared_resume, prepare_output_dir
 from .steps import evaluate, forward_backward_timed, rank_balance
 
@@ -116,9 +116,17 @@ class _Loop:
         )
         self.parts = parts = prepare_run(settings, info)
         self.accumulation, self.train_set, self.eval_set = parts.accumulation, parts.train_set, parts.eval_set
+        self._make_loader()  # with --micro-batch auto's first guess; remade once the probe has chosen
+        # floor(samples / effective batch) steps per epoch, the same on every world size
+        self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch
+        if self.resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
+            check_resume_position(self.resume_from, self.loader.layout)
+
+    def _make_loader(self) -> None:
+        t, info = self.t, self.info
         self.loader = EpochLoader(
             self.train_set,
-            parts.faults.wrap_collate(parts.collate),
+            self.parts.faults.wrap_collate(self.parts.collate),
             t.micro_batch,
             info.rank,
             info.world_size,
@@ -127,10 +135,6 @@ class _Loop:
             pin_memory=info.device.type == "cuda",
             balance=t.balance_ranks,
         )
-        # floor(samples / effective batch) steps per epoch, the same on every world size
-        self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch
-        if self.resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
-            check_resume_position(self.resume_from, self.loader.layout)
 
     def _build_model(self) -> None:
         """The model (wrapped in DDP when distributed), optimizer, schedule and loss scaler; the resumed state."""
@@ -145,6 +149,11 @@ class _Loop:
         self.model = build_model(settings, info, self.parts)
         if settings.model.compile:  # in place: names, checkpoints and BucketedDDP's layout unchanged
             compile_repeated_blocks(self.model)
+        self.probe = None  # --micro-batch auto: measured on the model as it trains, unwrapped (no communication)
+        if settings.micro_batch_auto:
+            self.probe = probe_run_micro_batch(self.model, settings, info)
+            self.accumulation = self.probe.accumulation
+            self._make_loader()  # the same global order and steps (DataLayout): only the per-forward split changes
         self.wrapped = settings.ddp.wrap(self.model) if info.is_distributed else self.model
         self.scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -201,6 +210,7 @@ class _Loop:
             truncation=str(self.parts.truncation),
             preset=settings.preset,
             first_batch_indices=all_first,
+            **({"micro_batch_probe": self.probe.as_record()} if self.probe else {}),
         )
         wandb_run = identity.wandb_run(config) if t.report_to == "wandb" else None
         self.sink = open_metric_sink(info, self.output_dir, wandb_run)
@@ -318,6 +328,7 @@ class _Loop:
             epoch=state.epoch,
             **self.meter.stop(result.input_tokens),
             **rank_balance(result.compute_ms, self.info.rank),
+            **({"expected_peak_gb": self.probe.expected_peak / 1e9} if self.probe else {}),  # beside peak_mem_gb
         )
         if self.precision.loss_scaling:
             record.update({"loss_scale": result.loss_scale, "skipped": int(result.skipped)})
