@@ -71,6 +71,18 @@ def cuda_peak_bytes(device: torch.device) -> Measure:
     return measure
 
 
+def host_peak_bytes(model: torch.nn.Module) -> Measure:
+    """On the CPU, where no device counts its peak: ``model``'s resident bytes (parameters, buffers, 4-bit state:
+    ``ddp_ft.memory.parameter_bytes``) plus the step's peak above what was allocated before it
+    (``ddp_ft.memory.step_peak_bytes``, the matmuls answered with zeros, so a 4B-wide model's step takes seconds)."""
+    from .memory import parameter_bytes, step_peak_bytes
+
+    def measure(step: Callable[[], object], micro_batch: int) -> int:
+        return parameter_bytes(model) + step_peak_bytes(step)
+
+    return measure
+
+
 def device_total_bytes(device: torch.device) -> int:
     """The memory of ``device`` (``torch.cuda.mem_get_info``'s total).
 
