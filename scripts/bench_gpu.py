@@ -21,10 +21,10 @@ activation and weight gradients of the adapters, 4*N_lora; attention twice its f
 checkpointing not counted. Peak: ``--peak-tflops``, else ``ddp_ft.bench.PEAK_TFLOPS`` by device name, else unknown.
 ``--shape tiny`` (with ``--device cpu``) is the smoke test.
 
-``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would
-(``ddp_ft.setup.resolve_micro_batch``: ``ddp_ft.memory``'s arithmetic for this shape, ``--seq-len`` and
-``--effective-batch`` against the GPU's memory) and records its expected peak beside the measured
-``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
+``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would: the first guess of
+``ddp_ft.setup.resolve_micro_batch`` (``ddp_ft.memory``'s arithmetic for this shape, ``--seq-len`` and
+``--effective-batch`` against the GPU's memory), then the probe (``ddp_ft.probe``) on the first model built, before
+BucketedDDP wraps it; it records both expected peaks beside the measured ``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
 (``ddp_ft.kernels``); each mode's loss per step is recorded, so a run with them compares with one without
 (``--lora-dropout 0``: no dropout masks, the same losses up to the kernels' rounding).
 """
