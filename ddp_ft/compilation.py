@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 COMPILED_FLAG = "_ddp_ft_compiled"  # set on each block this module compiled, so a second call leaves it
 MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer; in a checkpointed layer that is eager
+RECOMPILES_WARNED = 4  # half of Dynamo's default recompile limit (8)
 DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # peft#3020 / pytorch#121966: compiled dropout in a checkpoint crashed before
 
 
@@ -57,22 +58,21 @@ def is_regionally_compiled(model: nn.Module) -> bool:
 
 
 def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: every dimension of the layer's tensor inputs that has the hidden states' length is dynamic.
+    """Forward pre-hook: every dimension of the layer's tensor inputs that has the hidden states' length or batch
+    size is dynamic.
 
     The first tensor argument is the hidden states (batch, sequence, hidden); the attention mask, position ids and
-    rotary tables carry the same length in other places. ``maybe_mark_dynamic`` does not fail where Dynamo must
-    specialise (a length the code branches on); the recompile counter shows it then.
+    rotary tables carry the same sizes in other places. ``maybe_mark_dynamic`` does not fail where Dynamo must
+    specialise (a size the code branches on, and sizes 0 and 1 always); the recompile counter shows it then.
     """
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     tensors += [t for v in kwargs.values() if isinstance(v, tuple) for t in v if isinstance(t, torch.Tensor)]
     if not tensors or tensors[0].dim() < 2:
         return
-    length = tensors[0].shape[1]
-    if length <= 1:  # Dynamo specialises sizes 0 and 1 anyway
-        return
+    sizes = {size for size in tensors[0].shape[:2] if size > 1}
     for tensor in tensors:
         for dim, size in enumerate(tensor.shape):
-            if size == length:
+            if size in sizes:
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
@@ -222,10 +222,11 @@ def check_compile_mode(mode: str | None, world_size: int, setting: str) -> None:
 class CompileWatch:
     """Counts of this process's Dynamo compilations since it was made: graphs, recompilations, limit hits, seconds.
 
-    Dynamo's counters are process-wide; the watch reads their change. A recompilation is any graph after the first
-    compiled graph of a region: with the sequence dimension dynamic, a run with many lengths should show at most
-    one or two (a no-grad evaluation graph, a specialised size). When Dynamo hits its recompile limit it runs the
-    function eagerly from then on, silently apart from one log line: the watch counts those lines.
+    Dynamo's counters are process-wide; the watch reads their change. A recompilation is any graph after the first.
+    With the sequence and batch dimensions dynamic a run should show a few at most: size 1 is always specialised
+    (the micro-batch probe's first point), evaluation runs without gradients. From :data:`RECOMPILES_WARNED` on,
+    or when Dynamo hits its recompile limit (from then on it runs the layer eagerly, silently apart from one log
+    line, which the watch counts), it warns.
     """
 
     LIMIT_LOGGER = "torch._dynamo.convert_frame"
@@ -256,7 +257,7 @@ class CompileWatch:
         ``compile/time_s`` since the watch was made; a recompilation newly seen is logged once as a warning."""
         graphs, seconds = (now - base for now, base in zip(self._now(), self._base, strict=True))
         recompiles = max(0, graphs - 1)
-        if (recompiles, self.limit_hits) != self._reported and (recompiles > 1 or self.limit_hits):
+        if (recompiles, self.limit_hits) != self._reported and (recompiles >= RECOMPILES_WARNED or self.limit_hits):
             logger.warning(
                 "compile: %d graphs compiled so far (%d recompilations, %d recompile-limit hits, after which Dynamo "
                 "runs the layer eagerly): shapes or values the layers branch on keep changing. "

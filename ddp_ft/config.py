@@ -125,6 +125,10 @@ class RunSettings:
     ddp: DDPSettings
     train: TrainSettings
     preset: str = ""
+    micro_batch_auto: bool = False
+    """Set by ``ddp_ft.setup.check_run_settings`` when it resolved ``micro_batch: auto`` to a first guess: the entry
+    point then probes the built model (``ddp_ft.setup.probe_run_micro_batch``) and sets the measured choice. A
+    state of the run, not a setting: never written to ``run_config.yaml``, which records the number chosen."""
 
 
 SECTIONS = {

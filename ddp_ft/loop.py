@@ -31,7 +31,7 @@ from .metrics import ThroughputMeter, open_metric_sink
 from .perf_traps import loop_fix, watch_idle_device
 from .preemption import StopSignal
 from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
-from .setup import build_model, check_run_settings, prepare_run
+from .setup import build_model, check_run_settings, prepare_run, probe_run_micro_batch
 from .shared_fs import check_shared_resume, prepare_output_dir
 from .steps import evaluate, forward_backward_timed, rank_balance
 
@@ -118,9 +118,17 @@ class _Loop:
         )
         self.parts = parts = prepare_run(settings, info)
         self.accumulation, self.train_set, self.eval_set = parts.accumulation, parts.train_set, parts.eval_set
+        self._make_loader()  # with --micro-batch auto's first guess; remade once the probe has chosen
+        # floor(samples / effective batch) steps per epoch, the same on every world size
+        self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch
+        if self.resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
+            check_resume_position(self.resume_from, self.loader.layout)
+
+    def _make_loader(self) -> None:
+        t, info = self.t, self.info
         self.loader = EpochLoader(
             self.train_set,
-            parts.faults.wrap_collate(parts.collate),
+            self.parts.faults.wrap_collate(self.parts.collate),
             t.micro_batch,
             info.rank,
             info.world_size,
@@ -128,12 +136,8 @@ class _Loop:
             effective_batch=t.effective_batch,
             pin_memory=info.device.type == "cuda",
             balance=t.balance_ranks,
-            cost=parts.batch_cost,  # packed micro-batches: the ranks balanced on packed tokens
+            cost=self.parts.batch_cost,  # packed micro-batches: the ranks balanced on packed tokens
         )
-        # floor(samples / effective batch) steps per epoch, the same on every world size
-        self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch
-        if self.resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
-            check_resume_position(self.resume_from, self.loader.layout)
 
     def _build_model(self) -> None:
         """The model (wrapped in DDP when distributed), optimizer, schedule and loss scaler; the resumed state."""
@@ -149,6 +153,11 @@ class _Loop:
         if settings.model.compile:  # in place, before the wrap: names, checkpoints, overlap unchanged
             compile_repeated_blocks(self.model)
         self.compile_watch = CompileWatch() if settings.model.compile else None
+        self.probe = None  # --micro-batch auto: measured on the model as it trains, unwrapped (no communication)
+        if settings.micro_batch_auto:
+            self.probe = probe_run_micro_batch(self.model, settings, info)
+            self.accumulation = self.probe.accumulation
+            self._make_loader()  # the same global order and steps (DataLayout): only the per-forward split changes
         self.wrapped = settings.ddp.wrap(self.model) if info.is_distributed else self.model
         self.scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -206,6 +215,7 @@ class _Loop:
             truncation=str(self.parts.truncation),
             preset=settings.preset,
             first_batch_indices=all_first,
+            **({"micro_batch_probe": self.probe.as_record()} if self.probe else {}),
         )
         wandb_run = identity.wandb_run(config) if t.report_to == "wandb" else None
         self.sink = open_metric_sink(info, self.output_dir, wandb_run)
@@ -323,6 +333,7 @@ class _Loop:
             epoch=state.epoch,
             **self.meter.stop(result.input_tokens),
             **rank_balance(result.compute_ms, self.info.rank),
+            **({"expected_peak_gb": self.probe.expected_peak / 1e9} if self.probe else {}),  # beside peak_mem_gb
         )
         if self.precision.loss_scaling:
             record.update({"loss_scale": result.loss_scale, "skipped": int(result.skipped)})

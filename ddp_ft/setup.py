@@ -36,6 +36,7 @@ from .integrations.launch import check_accelerate_launch
 from .kernels import check_kernel_settings
 from .memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
+from .probe import MicroBatchProbe, probe_micro_batch
 from .tokenizer import build_tiny_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -100,9 +101,11 @@ def _barrier(info: DistInfo) -> None:
 def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict | str]:
     """The checks that need nothing but the settings and the world size; both entry points run them first.
 
-    The device's defaults are resolved here, in place (``ddp_ft.defaults``; ``--micro-batch auto`` on a GPU by
-    :func:`resolve_micro_batch`): from here on ``settings.train.micro_batch`` is an int and ``settings.model.compile``
-    a bool.
+    The device's defaults are resolved here, in place (``ddp_ft.defaults``: ``compile: auto``, and ``micro_batch:
+    auto`` off CUDA). On a GPU ``--micro-batch auto`` becomes a first guess (:func:`resolve_micro_batch`, or 1 where
+    the arithmetic does not know the model) and ``settings.micro_batch_auto`` tells the entry point to probe the built
+    model (:func:`probe_run_micro_batch`). From here on ``settings.train.micro_batch`` is an int and
+    ``settings.model.compile`` a bool.
 
     Returns:
         tuple[int, dict | str]: gradient accumulation steps, and this rank's device map.
@@ -119,7 +122,8 @@ def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict
     check_kernel_settings(settings.model.liger, False, info.device)  # --liger (--compile: just above, with LoRA's)
     t = settings.train
     if t.micro_batch == AUTO:
-        t.micro_batch = resolve_micro_batch(settings, info).micro_batch
+        guess = resolve_micro_batch(settings, info)
+        t.micro_batch, settings.micro_batch_auto = (guess.micro_batch if guess is not None else 1), True
     accumulation = gradient_accumulation_steps(t.effective_batch, t.micro_batch, info.world_size)
     device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
     check_device_map(device_map, info.world_size)
@@ -128,8 +132,13 @@ def check_run_settings(settings: RunSettings, info: DistInfo) -> tuple[int, dict
 
 def resolve_micro_batch(
     settings: RunSettings, info: DistInfo, shape: Qwen3Shape | None = None, device_bytes: int | None = None
-) -> MicroBatchChoice:
-    """``--micro-batch auto``: the largest micro-batch whose expected peak fits this rank's GPU, logged on rank 0.
+) -> MicroBatchChoice | None:
+    """``--micro-batch auto``'s first guess, before the model loads: the largest micro-batch whose expected peak
+    fits this rank's GPU by arithmetic, logged on rank 0.
+
+    The entry points then probe the built model (:func:`probe_run_micro_batch`), which decides: the arithmetic
+    knows Qwen3 shapes in eager mode only (``--compile`` took 1.84x its expected peak on an H100). It remains the
+    guess the data and the resume position are checked with, and the CPU refusal.
 
     The arithmetic of ``ddp_ft.memory.auto_micro_batch`` at ``max_seq_len``, with the run's dtype, layout and LoRA
     rank, against the device's total memory (``torch.cuda.mem_get_info``; under a process group the smallest of the
@@ -142,8 +151,12 @@ def resolve_micro_batch(
         shape (Qwen3Shape | None): the model's sizes. Default: from the model's ``config.json`` (``AutoConfig``).
         device_bytes (int | None): memory of the device. Default: ``torch.cuda.mem_get_info(info.device)``'s total.
 
+    Returns:
+        MicroBatchChoice | None: the guess; None for the embedded tiny model (no ``config.json`` before it is built)
+        and for a model whose config is not Qwen3-shaped (the probe decides alone).
+
     Raises:
-        ValueError: on the CPU, for the embedded tiny model, or when micro-batch 1 does not fit; naming --micro-batch.
+        ValueError: on the CPU, or when micro-batch 1 does not fit by the arithmetic; naming --micro-batch.
     """
     if device_bytes is None:
         if info.device.type != "cuda":
@@ -159,13 +172,13 @@ def resolve_micro_batch(
     if shape is None:
         name = settings.model.model_name_or_path
         if name == EMBEDDED_MODEL:
-            raise ValueError(
-                f"--micro-batch auto reads the model's config.json; {EMBEDDED_MODEL} (a few MB) has none before it is "
-                "built and fills no GPU: give --micro-batch a number."
-            )
+            return None
         from transformers import AutoConfig
 
-        shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(name))
+        try:
+            shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(name))
+        except AttributeError:  # not a Qwen3-shaped config: no arithmetic for it
+            return None
     precision = settings.model.precision(info.device)
     choice = auto_micro_batch(
         shape,
@@ -181,6 +194,40 @@ def resolve_micro_batch(
     if info.is_main_process:
         logger.info("%s", choice.describe())
     return choice
+
+
+def probe_run_micro_batch(
+    model: torch.nn.Module, settings: RunSettings, info: DistInfo, **overrides: object
+) -> MicroBatchProbe:
+    """``--micro-batch auto``'s decision, on the built model: ``ddp_ft.probe.probe_micro_batch`` at ``max_seq_len``
+    with the run's autocast, its choice written to ``settings.train.micro_batch`` in place of the first guess.
+
+    Call it on every rank, after the model is built as the run trains it (compiled, with Liger) and before
+    BucketedDDP wraps it; then take the accumulation from the result (the effective batch is unchanged).
+
+    Args:
+        model (torch.nn.Module): the unwrapped model.
+        settings (RunSettings): the run's settings; ``train.micro_batch`` is set.
+        info (DistInfo): this rank.
+        **overrides: passed to ``probe_micro_batch`` (``device_bytes``, ``measure``, ``margin``: tests).
+
+    Raises:
+        ValueError: micro-batch 1 does not fit on some rank, naming --micro-batch.
+    """
+    t = settings.train
+    guess = t.micro_batch
+    probe = probe_micro_batch(
+        model,
+        seq_len=settings.data.max_seq_len,
+        effective_batch=t.effective_batch,
+        info=info,
+        precision=settings.model.precision(info.device),
+        **overrides,
+    )
+    if info.is_main_process and probe.micro_batch != guess:
+        logger.info("--micro-batch auto: the probe's %d replaces the first guess %d", probe.micro_batch, guess)
+    t.micro_batch = probe.micro_batch
+    return probe
 
 
 def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:

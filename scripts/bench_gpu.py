@@ -21,10 +21,10 @@ activation and weight gradients of the adapters, 4*N_lora; attention twice its f
 checkpointing not counted. Peak: ``--peak-tflops``, else ``ddp_ft.bench.PEAK_TFLOPS`` by device name, else unknown.
 ``--shape tiny`` (with ``--device cpu``) is the smoke test.
 
-``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would
-(``ddp_ft.setup.resolve_micro_batch``: ``ddp_ft.memory``'s arithmetic for this shape, ``--seq-len`` and
-``--effective-batch`` against the GPU's memory) and records its expected peak beside the measured
-``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
+``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would: the first guess of
+``ddp_ft.setup.resolve_micro_batch`` (``ddp_ft.memory``'s arithmetic for this shape, ``--seq-len`` and
+``--effective-batch`` against the GPU's memory), then the probe (``ddp_ft.probe``) on the first model built, before
+BucketedDDP wraps it; it records both expected peaks beside the measured ``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
 (``ddp_ft.kernels``); each mode's loss per step is recorded, so a run with them compares with one without
 (``--lora-dropout 0``: no dropout masks, the same losses up to the kernels' rounding).
 """
@@ -59,6 +59,7 @@ from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings
 from ddp_ft.memory import MicroBatchChoice, Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES, Precision
+from ddp_ft.probe import MicroBatchProbe, host_peak_bytes, probe_micro_batch
 from ddp_ft.setup import cache_dir, resolve_micro_batch, seed_everything
 from ddp_ft.steps import forward_backward, step_counts
 
@@ -225,12 +226,16 @@ def device_busy(model, optimizer, scaler, batches, info: DistInfo, precision: Pr
     }
 
 
-def build_models(args: argparse.Namespace, setup: ComputeSetup, modes: list[str], folder: Path) -> tuple:
+def build_models(
+    args: argparse.Namespace, setup: ComputeSetup, modes: list[str], folder: Path, probe_auto: bool = False
+) -> tuple:
     """One model per mode (``--liger`` and ``--compile`` as the plain loop applies them), its AdamW and loss scaler;
-    and how many blocks ``--compile`` compiled per model."""
+    how many blocks ``--compile`` compiled per model; with ``probe_auto`` (``--micro-batch auto``) the probe's
+    choice on the first model, unwrapped, alone on the device, which sets ``args.micro_batch`` and
+    ``args.accumulation`` (else None)."""
     if args.liger:  # before the models are built: Liger swaps transformers' Qwen3 classes for this process
         apply_liger_to_qwen3(str(folder))
-    models, optimizers, scalers, compiled = {}, {}, {}, 0
+    models, optimizers, scalers, compiled, probe = {}, {}, {}, 0, None
     for mode in modes:
         seed_everything(0)
         settings = ModelSettings(model_name_or_path=str(folder), compute_dtype=args.compute_dtype)
@@ -238,11 +243,31 @@ def build_models(args: argparse.Namespace, setup: ComputeSetup, modes: list[str]
         model = load_qlora_model(settings, lora, setup.device_map, setup.info.world_size).train()
         if args.compile:  # in place, before BucketedDDP wraps it, as the plain loop does
             compiled = compile_repeated_blocks(model)
+        if probe_auto and probe is None:  # before BucketedDDP wraps it: its hooks would communicate
+            probe = probe_model(args, setup, model)
         models[mode] = BucketedDDP(model) if mode == "bucketed_ddp" else model
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizers[mode] = torch.optim.AdamW(trainable, lr=2e-4)
         scalers[mode] = setup.precision.grad_scaler()
-    return models, optimizers, scalers, compiled
+    return models, optimizers, scalers, compiled, probe
+
+
+def probe_model(args: argparse.Namespace, setup: ComputeSetup, model) -> MicroBatchProbe:
+    """``--micro-batch auto`` as the loop decides it (``ddp_ft.probe``): measured on ``model`` at ``--seq-len``
+    against the GPU's memory or ``--device-memory-gb``; on the CPU by the profiler's memory events."""
+    info = setup.info
+    device_bytes = int(args.device_memory_gb * 1e9) if args.device_memory_gb is not None else None
+    probe = probe_micro_batch(
+        model,
+        seq_len=args.seq_len,
+        effective_batch=args.effective_batch or 16,
+        info=info,
+        precision=setup.precision,
+        device_bytes=device_bytes,
+        measure=None if info.device.type == "cuda" else host_peak_bytes(model),
+    )
+    args.micro_batch, args.accumulation = probe.micro_batch, probe.accumulation
+    return probe
 
 
 class Modes(NamedTuple):
@@ -338,12 +363,14 @@ def main() -> None:
         if info.local_rank == 0:
             build_random_qwen3(folder, shape, torch.bfloat16)
         dist.barrier()
-        if args.micro_batch == AUTO:
+        if args.micro_batch == AUTO:  # the arithmetic's first guess, then the probe on the first model built
             choice = choose_micro_batch(args, info, shape, folder)
             args.micro_batch, args.accumulation = choice.micro_batch, choice.accumulation
             if info.is_main_process:
                 print(choice.describe(), flush=True)
-        models, optimizers, scalers, compiled = build_models(args, setup, modes, folder)
+        models, optimizers, scalers, compiled, probe = build_models(args, setup, modes, folder, choice is not None)
+        if probe is not None and info.is_main_process:
+            print(probe.describe(), flush=True)
         run = Modes(args, setup, models, optimizers, scalers, random_batches(args, shape, info))
         warmups = {mode: measure(run, mode, args.warmup) for mode in modes}
         samples: dict[str, list[dict]] = {m: [] for m in modes}
@@ -353,7 +380,7 @@ def main() -> None:
         profiles = profile(run, modes)
         if info.is_main_process:
             kernels = {"liger": args.liger, "compile": args.compile, "compiled_blocks": compiled}
-            report(args, setup, shape, samples, profiles, warmups, kernels, choice)
+            report(args, setup, shape, samples, profiles, warmups, kernels, probe or choice, choice if probe else None)
     finally:
         destroy_distributed()
 

@@ -13,6 +13,7 @@ LAYERS = [
         "ddp_ft.model",
         "ddp_ft.kernels",
         "ddp_ft.memory",
+        "ddp_ft.probe",
         "ddp_ft.tokenizer",
         "ddp_ft.data",
         "ddp_ft.metrics",

@@ -16,6 +16,7 @@ from ..bench import MFU_FORMULA, ComputeSetup, peak_tflops, qlora_training_flops
 from ..distributed import DistInfo
 from ..memory import MicroBatchChoice, Qwen3Shape
 from ..model import LoraSettings
+from ..probe import MicroBatchProbe
 
 # DESIGN.md: Qwen3-4B QLoRA, seq 512, 2x RTX 4090 over PCIe (with real AMI samples, accumulation 16 / 8).
 REFERENCE = {
@@ -59,7 +60,8 @@ def report(
     profiles: dict[str, dict],
     warmups: dict[str, dict],
     kernels: dict,
-    choice: MicroBatchChoice | None,
+    choice: MicroBatchChoice | MicroBatchProbe | None,
+    first_guess: MicroBatchChoice | None = None,
 ) -> None:
     info, device = setup.info, setup.info.device
     cuda = device.type == "cuda"
@@ -95,7 +97,7 @@ def report(
         "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,  # rank 0, all modes
         "reference": REFERENCE,
         "kernels": kernels,
-        "micro_batch_auto": micro_batch_auto(choice, modes) if choice is not None else None,
+        "micro_batch_auto": micro_batch_auto(choice, modes, first_guess) if choice is not None else None,
     }
     if "single" in samples and "bucketed_ddp" in samples:
         paired = [
@@ -116,11 +118,23 @@ def report(
     print(f"wrote {args.out}")
 
 
-def micro_batch_auto(choice: MicroBatchChoice, modes: dict[str, dict]) -> dict:
+def micro_batch_auto(
+    choice: MicroBatchChoice | MicroBatchProbe, modes: dict[str, dict], first_guess: MicroBatchChoice | None = None
+) -> dict:
     """``--micro-batch auto``'s choice, its expected peak, and the measured ``max_memory_allocated`` beside it (with
-    one mode only: with several, every mode's model is resident and the peak is not one model's)."""
+    one mode only: with several, every mode's model is resident and the peak is not one model's).
+
+    ``choice`` is the probe's (``ddp_ft.probe``: its points and line are kept under ``probe``) or the arithmetic's;
+    ``first_guess``, the arithmetic's when the probe decided, is kept beside it, so a report shows both predictions
+    against the one measurement."""
     measured = next(iter(modes.values()))["peak_allocated_gb"] if len(modes) == 1 else None
     expected = choice.expected_peak / 1e9
+    extra = {"probe": choice.as_record()} if isinstance(choice, MicroBatchProbe) else {}
+    if first_guess is not None:
+        extra["arithmetic"] = {
+            "micro_batch": first_guess.micro_batch,
+            "expected_peak_gb": first_guess.expected_peak / 1e9,
+        }
     return {
         "micro_batch": choice.micro_batch,
         "accumulation": choice.accumulation,
@@ -131,6 +145,7 @@ def micro_batch_auto(choice: MicroBatchChoice, modes: dict[str, dict]) -> dict:
         "measured_peak_allocated_gb": measured,
         "measured_over_expected": measured / expected if measured else None,
         "describe": choice.describe(),
+        **extra,
     }
 
 

@@ -197,6 +197,25 @@ class ThroughputCallback(TrainerCallback):
         return state.global_step * args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
 
 
+class ExpectedPeakCallback(TrainerCallback):
+    """Adds ``expected_peak_gb``, ``--micro-batch auto``'s expected peak for the micro-batch it chose
+    (``ddp_ft.probe``), to every training log, beside the measured ``peak_mem_gb``.
+
+    Insert it ahead of :class:`ThroughputCallback` (``callbacks.insert(0, ...)`` after the trainer is built), which
+    writes the log to ``metrics.jsonl``: the value is then in the file, and in wandb, next to the measurement.
+
+    Args:
+        expected_peak_gb (float): the probe's expected peak, GB.
+    """
+
+    def __init__(self, expected_peak_gb: float) -> None:
+        self.expected_peak_gb = expected_peak_gb
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and "loss" in logs:
+            logs["expected_peak_gb"] = self.expected_peak_gb
+
+
 class GuardedWandbCallback(WandbCallback):
     """transformers' ``WandbCallback`` that never stops training.
 

@@ -12,9 +12,10 @@ from ..config import RunSettings
 from ..distributed import DistInfo
 from ..metrics import resolve_wandb_mode
 from ..precision import Precision
+from ..probe import MicroBatchProbe
 from ..records import RunIdentity, run_identity
-from ..setup import build_model, prepare_run
-from .callbacks import with_step_progress
+from ..setup import build_model, prepare_run, probe_run_micro_batch
+from .callbacks import ExpectedPeakCallback, with_step_progress
 from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
 from .trainer import BucketedTrainer
 
@@ -73,7 +74,8 @@ def build_trainer(
     parts = prepare_run(settings, info)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
-    arguments = training_arguments(settings, info, precision, parts.accumulation)
+    probe = probe_as_the_trainer_trains(model, settings, info, trainer) if settings.micro_batch_auto else None
+    arguments = training_arguments(settings, info, precision, probe.accumulation if probe else parts.accumulation)
     if trainer.endswith("trl"):
         # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
         arguments |= dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
@@ -82,7 +84,7 @@ def build_trainer(
         stock = build_stock_trainer(
             trainer, arguments, settings, stock_find_unused, model=model, data_collator=parts.collate, **data
         )
-        return with_step_progress(stock)
+        return with_step_progress(with_expected_peak(stock, probe))
     trainer_class, args = BucketedTrainer, None
     if trainer == "trl":
         from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
@@ -97,7 +99,50 @@ def build_trainer(
         balance_ranks=t.balance_ranks,
         **data,
     )
-    return with_step_progress(bucketed)  # the loss on rank 0's bar, not thirty keys printed per step
+    return with_step_progress(with_expected_peak(bucketed, probe))  # the loss on rank 0's bar, not thirty keys
+
+
+def probe_as_the_trainer_trains(
+    model: torch.nn.Module, settings: RunSettings, info: DistInfo, trainer: str = "hf", **overrides: object
+) -> MicroBatchProbe:
+    """``--micro-batch auto`` on the Trainer path: the probe (``ddp_ft.setup.probe_run_micro_batch``) on the model as
+    ``Trainer.train()`` will run it, before the Trainer exists (its batch size and accumulation are fixed then).
+
+    - Liger: the Trainer patches the model instance when ``train()`` starts (``use_liger_kernel``); the same patch,
+      transformers' ``apply_liger_kernel``, is applied here first, so the probe measures Liger's fused loss (the
+      Trainer's second application replaces the patched methods with the same ones).
+    - A stock trainer's torch DDP keeps its buckets beside the gradients (``gradient_as_bucket_view=False``): one
+      more copy of the trainable bytes is added to the optimizer's.
+    - Compilation: ``torch_compile=True`` has Accelerate compile the whole wrapped model inside ``train()``, which
+      cannot run before the Trainer exists: the probe measures the uncompiled model, and says so.
+
+    Args:
+        model (torch.nn.Module): the unwrapped model ``build_model`` returned.
+        settings (RunSettings): the run's; ``train.micro_batch`` is set to the choice.
+        info (DistInfo): this rank.
+        trainer (str): the recipe's ``--trainer``. Default: hf
+        **overrides: passed to ``probe_micro_batch`` (``device_bytes``, ``measure``: tests).
+    """
+    if settings.model.liger:
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(model, None)
+    if settings.model.compile and info.is_main_process:
+        logger.warning(
+            "--micro-batch auto with --compile on the Trainer path: Accelerate compiles the whole model inside "
+            "train(), after the probe, so the probe measured the uncompiled model; compiled, the peak can be higher."
+        )
+    if trainer in STOCK_TRAINERS and "optimizer_state" not in overrides:
+        trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        overrides["optimizer_state"] = 3 * trainable  # AdamW's two moments and torch DDP's gradient buckets
+    return probe_run_micro_batch(model, settings, info, **overrides)
+
+
+def with_expected_peak(trainer, probe: MicroBatchProbe | None):
+    """``trainer`` logging the probe's expected peak beside the measured one (:class:`ExpectedPeakCallback`)."""
+    if probe is not None:
+        trainer.callback_handler.callbacks.insert(0, ExpectedPeakCallback(probe.expected_peak / 1e9))
+    return trainer
 
 
 def training_arguments(settings: RunSettings, info: DistInfo, precision: Precision, accumulation: int) -> dict:

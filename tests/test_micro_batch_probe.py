@@ -1,0 +1,212 @@
+"""``--micro-batch auto`` by measurement (``ddp_ft.probe``): probe steps on the built model against a fake device.
+
+No GPU here: the device's memory is given, and the peak is either a fake line in the micro-batch (the choice's
+arithmetic) or measured on the CPU by ``ddp_ft.memory.step_peak_bytes`` on the tiny 4-bit model (the real thing).
+"""
+
+import json
+
+import pytest
+import torch
+
+from ddp_ft.config import settings_from_preset
+from ddp_ft.distributed import DistInfo
+from ddp_ft.memory import step_peak_bytes
+from ddp_ft.probe import PROBE_MARGIN, fit_peak_line, largest_fitting_divisor, probe_micro_batch
+
+from .dist_harness import run_distributed
+
+GB = 10**9
+SEQ = 32
+
+
+def _causal_lm(seed: int = 0) -> torch.nn.Module:
+    """A causal LM that is no Qwen3 (GPT-2, two layers), its embedding frozen: the probe needs no known shape."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(
+        GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
+    )
+    model.transformer.wte.requires_grad_(False)
+    return model
+
+
+def _line(resident: int, per_sample: int):
+    """A fake device's peak: ``resident + per_sample x micro-batch``; the step still runs (its gradients too)."""
+
+    def measure(step, micro_batch):
+        step()
+        return resident + per_sample * micro_batch
+
+    return measure
+
+
+def _probe(model, effective_batch, device_bytes, measure, info=None, margin=0.1, **kwargs):
+    """The probe with a 10% margin: round budgets for the fake lines below."""
+    return probe_micro_batch(
+        model,
+        seq_len=SEQ,
+        effective_batch=effective_batch,
+        info=info or DistInfo(),
+        device_bytes=device_bytes,
+        measure=measure,
+        margin=margin,
+        **kwargs,
+    )
+
+
+def test_the_choice_is_the_largest_micro_batch_whose_fitted_line_fits_the_device_less_the_margin():
+    # 4 GB resident + 1 GB per sample: 8 needs 12 GB, 16 needs 20 GB; a 14 GB device leaves 12.6 GB.
+    probe = _probe(_causal_lm(), 16, 14 * GB, _line(4 * GB, GB), optimizer_state=0)
+    assert (probe.micro_batch, probe.accumulation, probe.world_size) == (8, 2, 1)
+    assert probe.points == ((1, 5 * GB), (2, 6 * GB), (4, 8 * GB))  # measured small, extrapolated
+    assert (probe.resident, probe.per_sample, probe.nonlinearity) == (4 * GB, GB, 0.0)
+    assert probe.expected_peak == 12 * GB and probe.budget == int(14 * GB * 0.9)
+    # the optimizer's state comes on top: 0.7 GB more and 8 no longer fits 12.6 GB
+    assert _probe(_causal_lm(), 16, 14 * GB, _line(4 * GB, GB), optimizer_state=7 * GB // 10).micro_batch == 4
+    # exactly the budget fits; a byte less does not
+    device = -(-12 * GB * 10 // 9)
+    assert _probe(_causal_lm(), 16, device, _line(4 * GB, GB), optimizer_state=0).micro_batch == 8
+    assert _probe(_causal_lm(), 16, device - 2, _line(4 * GB, GB), optimizer_state=0).micro_batch == 4
+
+
+def test_only_divisors_of_the_per_rank_share_are_chosen_so_the_effective_batch_is_kept():
+    # 12 per rank: 7 would fit 11.5 GB (11 GB) but does not divide 12; 6 does.
+    assert largest_fitting_divisor(12, lambda m: 4 + m, 11) == 6
+    assert largest_fitting_divisor(12, lambda m: 4 + m, 4) == 0
+    info = DistInfo(rank=0, world_size=2)  # no process group: this rank's choice alone
+    probe = _probe(_causal_lm(), 24, int(11.5 * GB / 0.9), _line(4 * GB, GB), info=info, optimizer_state=0)
+    assert (probe.micro_batch, probe.accumulation) == (6, 2)
+    assert probe.micro_batch * probe.accumulation * 2 == 24
+
+
+def test_no_micro_batch_fitting_is_an_error_naming_the_setting_the_numbers_and_the_fix():
+    with pytest.raises(ValueError) as error:
+        _probe(_causal_lm(), 16, 5 * GB, _line(4 * GB, GB), optimizer_state=0)  # 5 GB at 1 > 4.5 GB budget
+    message = str(error.value)
+    assert "--micro-batch auto: even micro-batch 1 does not fit on rank 0" in message
+    assert "1: 5.000 GB" in message and "4.500 GB budget" in message
+    assert "--max-seq-len" in message and "--micro-batch 1" in message
+
+
+def test_the_fitted_line_lies_above_every_point_and_follows_the_steepest_part_of_a_curve():
+    assert fit_peak_line([(1, 5), (2, 6), (4, 8)]) == (4, 1, 0.0)
+    resident, slope, off = fit_peak_line([(1, 10), (2, 12), (4, 20)])  # curving up: the last segment's slope 4
+    assert slope == 4 and all(resident + slope * m >= p for m, p in [(1, 10), (2, 12), (4, 20)])
+    assert off > 0.05
+    assert fit_peak_line([(1, 7)]) == (0, 7, 0.0)  # one point: as if nothing were resident
+
+
+def _tiny_qlora(dropout: float = 0.05):
+    from ddp_ft.model import ModelSettings, load_qlora_model
+    from ddp_ft.setup import resolve_model_and_tokenizer
+
+    settings = settings_from_preset("tiny", lora_dropout=dropout)
+    path, _ = resolve_model_and_tokenizer(settings.model.model_name_or_path, DistInfo())
+    torch.manual_seed(0)
+    return load_qlora_model(ModelSettings(model_name_or_path=path), settings.lora, {"": "cpu"}, 1)
+
+
+def test_on_the_tiny_4bit_model_measured_on_the_cpu_the_probe_picks_the_candidate_under_a_device_between_two_peaks():
+    model = _tiny_qlora()
+    measure = lambda step, m: step_peak_bytes(step, skip_matmuls=False)  # noqa: E731  (the allocator's real peak)
+    roomy = _probe(model, 4, 100 * GB, measure, optimizer_state=0, margin=PROBE_MARGIN)
+    peaks = dict(roomy.points)
+    assert roomy.micro_batch == 4 and sorted(peaks) == [1, 2, 4]
+    assert peaks[1] < peaks[2] < peaks[4] and roomy.nonlinearity < 0.05  # activations grow linearly in the batch
+    # a device whose budget lies between the measured peaks at 2 and 4: 2 is chosen, 4 never run
+    device = int((peaks[2] + peaks[4]) / 2 / (1 - PROBE_MARGIN))
+    tight = _probe(model, 4, device, measure, optimizer_state=0, margin=PROBE_MARGIN)
+    assert tight.micro_batch == 2 and tight.accumulation == 2
+    assert peaks[2] <= tight.expected_peak <= tight.budget < peaks[4]
+
+
+def test_the_probe_leaves_gradients_parameters_random_state_and_mode_as_they_were():
+    model = _tiny_qlora(dropout=0.5)  # dropout draws from the generator in every probe step
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable[0].grad = torch.full_like(trainable[0], 3.0)  # as if a micro-step had accumulated into it
+    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    model.eval()
+    rng = torch.get_rng_state()
+    _probe(model, 4, 100 * GB, _line(GB, GB // 10))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not model.training
+    assert torch.equal(trainable[0].grad, torch.full_like(trainable[0], 3.0))
+    assert all(p.grad is None for p in trainable[1:])
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _two_ranks(rank, world_size):
+    info = DistInfo(rank=rank, local_rank=rank, world_size=world_size)
+    # 4 GB + 1 GB per sample, 8 per rank: 14 GB fits 8 (12 GB), 10 GB fits 4 (8 GB of 9)
+    device = (14 if rank == 0 else 10) * GB
+    agreed = _probe(_causal_lm(), 16, device, _line(4 * GB, GB), info=info, optimizer_state=0)
+
+    def failing_on_rank_1(step, micro_batch):
+        if rank == 1:
+            raise RuntimeError("rank 1's probe broke")
+        return _line(4 * GB, GB)(step, micro_batch)
+
+    try:  # a rank that fails does not leave the other waiting in the all-reduce
+        _probe(_causal_lm(), 16, 100 * GB, failing_on_rank_1, info=info)
+        failed = None
+    except RuntimeError as error:
+        failed = str(error)
+    return agreed.micro_batch, agreed.accumulation, failed
+
+
+def test_two_ranks_with_different_devices_both_choose_what_the_smaller_device_fits_and_a_failure_reaches_both():
+    (m0, a0, failed0), (m1, a1, failed1) = run_distributed(_two_ranks, world_size=2, timeout=120)
+    assert (m0, a0) == (m1, a1) == (4, 2)
+    assert "the probe failed on another rank" in failed0
+    assert failed1 == "rank 1's probe broke"
+
+
+def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -> None:
+    """The CPU run's auto as on a GPU of ``device_bytes`` whose step peaks on a line: no arithmetic first guess."""
+    import ddp_ft.probe as probe
+    import ddp_ft.setup as setup
+
+    monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: None)
+    monkeypatch.setattr(probe, "device_total_bytes", lambda device: device_bytes)
+    monkeypatch.setattr(probe, "cuda_peak_bytes", lambda device: _line(resident, per_sample))
+
+
+def test_the_loop_trains_at_the_probed_micro_batch_with_the_effective_batch_kept_and_logs_the_expected_peak(
+    tmp_path, monkeypatch
+):
+    from ddp_ft.loop import train
+
+    _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)  # budget 8.5 GB: 4 (8 GB) of the tiny preset's effective batch 8
+    settings = settings_from_preset("tiny", micro_batch="auto", output_dir=str(tmp_path), max_steps=1)
+    train(settings, DistInfo())
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    config, step = records[0], next(r for r in records if r["type"] == "train")
+    assert (config["micro_batch"], config["accumulation"], config["effective_batch"]) == (4, 2, 8)
+    assert config["micro_batch_probe"]["points"] == [[1, 5.0], [2, 6.0], [4, 8.0]]
+    expected = config["micro_batch_probe"]["expected_peak_gb"]
+    assert expected == step["expected_peak_gb"] > 8.0  # 8 GB and AdamW's moments of the LoRA weights
+    assert "micro_batch: 4\n" in (tmp_path / "run_config.yaml").read_text()  # a rerun gets the number chosen
+
+
+def test_the_trainer_recipe_takes_the_probed_micro_batch_and_its_accumulation_and_logs_the_expected_peak(
+    tmp_path, monkeypatch
+):
+    from ddp_ft.integrations.callbacks import ExpectedPeakCallback
+    from ddp_ft.integrations.recipe import build_trainer
+
+    _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)
+    settings = settings_from_preset("tiny", micro_batch="auto", output_dir=str(tmp_path), report_to="none")
+    from ddp_ft.setup import check_run_settings
+
+    check_run_settings(settings, DistInfo())  # as the recipe's _train does first: the first guess, 1
+    assert settings.train.micro_batch == 1 and settings.micro_batch_auto
+    trainer = build_trainer(settings, DistInfo())
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+    first = trainer.callback_handler.callbacks[0]
+    assert isinstance(first, ExpectedPeakCallback) and first.expected_peak_gb > 8.0
+    logs = {"loss": 1.0}
+    first.on_log(trainer.args, trainer.state, trainer.control, logs=logs)
+    assert logs["expected_peak_gb"] == first.expected_peak_gb
