@@ -274,7 +274,7 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
 
 
 def choose_packing(settings: RunSettings, info: DistInfo, model_path: str) -> bool:
-    """``--packing`` resolved for this device and model (``ddp_ft.data.resolve_packing``), logged on rank 0.
+    """``--packing`` resolved for this device and model (``ddp_ft.data.resolve_packing``) in place, logged on rank 0.
 
     The model's config is read (not the model) only when packing may be on, to find an architecture whose attention
     would mix packed sequences before anything loads; ``build_model`` checks the loaded model again.
@@ -293,6 +293,7 @@ def choose_packing(settings: RunSettings, info: DistInfo, model_path: str) -> bo
     chosen, reason = resolve_packing(packing, info.device.type, problem)
     if info.is_main_process:
         logger.info("packing %s (%s)", "on" if chosen else "off", reason)
+    settings.data.packing = chosen  # resolved in place, as compile and micro_batch: run_config.yaml says what ran
     return chosen
 
 

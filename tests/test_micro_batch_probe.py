@@ -170,6 +170,10 @@ def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -
     import ddp_ft.setup as setup
 
     monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: None)
+    # the device's defaults as on a GPU for the micro-batch (auto kept for the probe), compile off (the CPU's)
+    monkeypatch.setattr(
+        setup, "resolve_device_defaults", lambda settings, info: setattr(settings.model, "compile", False)
+    )
     monkeypatch.setattr(probe, "device_total_bytes", lambda device: device_bytes)
     monkeypatch.setattr(probe, "cuda_peak_bytes", lambda device: _line(resident, per_sample))
 

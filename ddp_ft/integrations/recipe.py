@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..compilation import compile_repeated_blocks
 from ..config import RunSettings
 from ..distributed import DistInfo
 from ..metrics import resolve_wandb_mode
@@ -113,8 +114,11 @@ def probe_as_the_trainer_trains(
       Trainer's second application replaces the patched methods with the same ones).
     - A stock trainer's torch DDP keeps its buckets beside the gradients (``gradient_as_bucket_view=False``): one
       more copy of the trainable bytes is added to the optimizer's.
-    - Compilation: ``torch_compile=True`` has Accelerate compile the whole wrapped model inside ``train()``, which
-      cannot run before the Trainer exists: the probe measures the uncompiled model, and says so.
+    - Compilation: BucketedAccelerator compiles each decoder layer in place when the Trainer prepares the model
+      (``ddp_ft.compilation``); done here first, with the Trainer's backend (inductor), so the probe measures the
+      compiled layers, and the accelerator finds them compiled. A stock trainer's Accelerate compiles the whole
+      wrapped model inside ``train()``, which cannot run before the Trainer exists: the probe measures the
+      uncompiled model there, and says so.
 
     Args:
         model (torch.nn.Module): the unwrapped model ``build_model`` returned.
@@ -127,9 +131,11 @@ def probe_as_the_trainer_trains(
         from transformers.integrations.liger import apply_liger_kernel
 
         apply_liger_kernel(model, None)
-    if settings.model.compile and info.is_main_process:
+    if settings.model.compile and trainer not in STOCK_TRAINERS:
+        compile_repeated_blocks(model, backend="inductor")  # what BucketedAccelerator.prepare_model would do
+    elif settings.model.compile and info.is_main_process:
         logger.warning(
-            "--micro-batch auto with --compile on the Trainer path: Accelerate compiles the whole model inside "
+            "--micro-batch auto with --compile on the stock Trainer: Accelerate compiles the whole model inside "
             "train(), after the probe, so the probe measured the uncompiled model; compiled, the peak can be higher."
         )
     if trainer in STOCK_TRAINERS and "optimizer_state" not in overrides:
