@@ -118,6 +118,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lora-dropout", type=float, default=LoraSettings().lora_dropout, help="LoRA dropout")
     p.add_argument("--liger", action="store_true", help="Liger's Qwen3 kernels, as the plain loop's --liger")
     p.add_argument("--compile", action="store_true", help="regional torch.compile, as the plain loop's --compile")
+    p.add_argument(
+        "--no-gradient-checkpointing",
+        dest="gradient_checkpointing",
+        action="store_false",
+        help="keep every activation instead of recomputing each layer's in backward (the loop's default is on)",
+    )
     p.add_argument("--warmup", type=at_least(0), default=3, help="untimed optimizer steps per mode")
     p.add_argument("--steps", type=at_least(1), default=5, help="timed optimizer steps per mode per repeat")
     p.add_argument("--repeats", type=at_least(1), default=5, help="alternations of the modes")
@@ -156,7 +162,11 @@ def choose_micro_batch(args: argparse.Namespace, info: DistInfo, shape: Qwen3Sha
     # Set after the checks: their floor of 64 tokens holds a chat prompt and an answer; random tokens need neither.
     data.max_seq_len = args.seq_len
     settings = RunSettings(
-        model=ModelSettings(model_name_or_path=str(folder), compute_dtype=args.compute_dtype),
+        model=ModelSettings(
+            model_name_or_path=str(folder),
+            compute_dtype=args.compute_dtype,
+            gradient_checkpointing=getattr(args, "gradient_checkpointing", True),
+        ),
         lora=LoraSettings(lora_dropout=args.lora_dropout),
         data=data,
         ddp=DDPSettings(),
@@ -238,7 +248,11 @@ def build_models(
     models, optimizers, scalers, compiled, probe = {}, {}, {}, 0, None
     for mode in modes:
         seed_everything(0)
-        settings = ModelSettings(model_name_or_path=str(folder), compute_dtype=args.compute_dtype)
+        settings = ModelSettings(
+            model_name_or_path=str(folder),
+            compute_dtype=args.compute_dtype,
+            gradient_checkpointing=getattr(args, "gradient_checkpointing", True),
+        )
         lora = LoraSettings(lora_dropout=args.lora_dropout)
         model = load_qlora_model(settings, lora, setup.device_map, setup.info.world_size).train()
         if args.compile:  # in place, before BucketedDDP wraps it, as the plain loop does
@@ -380,6 +394,7 @@ def main() -> None:
         profiles = profile(run, modes)
         if info.is_main_process:
             kernels = {"liger": args.liger, "compile": args.compile, "compiled_blocks": compiled}
+            kernels["gradient_checkpointing"] = getattr(args, "gradient_checkpointing", True)
             report(args, setup, shape, samples, profiles, warmups, kernels, probe or choice, choice if probe else None)
     finally:
         destroy_distributed()

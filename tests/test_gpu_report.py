@@ -19,17 +19,13 @@ from .dist_harness import PYTHONPATH
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
-CPU_STEPS = [
-    "bench_gpu_reference",
-    "bench_gpu_auto",
-    "variant_baseline",
-    "variant_liger",
-    "variant_compile",
-    "shared_gpu_gloo",
-    "gpu_check",
-    "ladder",
-    "scaling_2gpu",
-]
+E2E = ["loop_defaults", "recipe_defaults", "loop_old_defaults", "stock_reference", "packed_2048"]
+CELLS = {
+    mb: [f"decomp_{c}_{k}_{mb}" for k in ("ckpt", "nockpt") for c in ("eager", "compiled")] for mb in ("auto", "mb1")
+}
+CPU_STEPS = [E2E[0], *CELLS["auto"], *E2E[1:], *CELLS["mb1"], "shared_gpu_gloo", "gpu_check", "ladder", "scaling_2gpu"]
+CPU_RUN = {"loop_defaults", "decomp_eager_ckpt_auto", "decomp_compiled_nockpt_auto", "gpu_check", "ladder"}
+CUDA_STEPS = ["random_model", *E2E[:2], *CELLS["auto"], *E2E[2:], *CELLS["mb1"], *CPU_STEPS[-4:]]
 
 
 def writes(path: Path, payload: dict) -> list[str]:
@@ -193,20 +189,47 @@ def test_a_variant_passes_within_the_dtype_tolerance_of_its_baseline_and_fails_b
 
 
 def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
-    cpu = plan_steps("cpu", 0, tmp_path, ROOT / "scripts", "python")
+    data = ROOT.parent / "shared" / "data"
+    cpu = plan_steps("cpu", 0, tmp_path, ROOT / "scripts", "python", data=data)
     assert [s.name for s in cpu] == CPU_STEPS
-    skipped = {s.name: s.skip for s in cpu if s.skip}
-    assert set(skipped) == {"variant_liger", "shared_gpu_gloo", "scaling_2gpu"}
-    assert "--liger" in skipped["variant_liger"] and "this run is on cpu" in skipped["variant_liger"]
-    assert all("--device" in s.command and "cpu" in s.command for s in cpu if not s.skip)
-    one = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python")}
-    assert [n for n in one] == CPU_STEPS and one["ladder"].skip and one["scaling_2gpu"].skip
-    assert "--shape" not in one["bench_gpu_reference"].command and not one["shared_gpu_gloo"].skip
+    assert {s.name for s in cpu if not s.skip} == CPU_RUN
+    assert all("--device" in s.command or "--preset" in s.command for s in cpu if not s.skip)
+    one = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path / "none")}
+    assert list(one) == CUDA_STEPS and one["ladder"].skip and one["scaling_2gpu"].skip
+    assert all("needs" in one[name].skip and "AMI" in one[name].skip for name in ("random_model", *E2E))  # no data
+    assert "--no-gradient-checkpointing" in one["decomp_eager_nockpt_mb1"].command
+    assert "auto" not in one["decomp_eager_nockpt_mb1"].command and "auto" in one["decomp_eager_ckpt_auto"].command
     assert one["shared_gpu_gloo"].env.keys() == {"CUDA_VISIBLE_DEVICES"} and "gloo" in one["shared_gpu_gloo"].command
     two = {s.name: s for s in plan_steps("cuda", 2, tmp_path, ROOT / "scripts", "python")}
     assert two["ladder"].skip is None and two["scaling_2gpu"].skip is None
     assert "--nproc_per_node=2" in two["scaling_2gpu"].command
-    assert sum(s.expected_s for s in one.values() if not s.skip) <= 600  # one H100: every runnable step fits
+    # one H100 and the data: what a user runs, and the decomposition at auto, fit the default budget of 600 s
+    first = [s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)]
+    valuable = {"random_model", *E2E, *CELLS["auto"]}
+    assert sum(s.expected_s for s in first if s.name in valuable) <= 600
+
+
+def test_an_end_to_end_step_reads_the_runs_metrics_and_holds_the_expected_peak_to_ten_percent(tmp_path):
+    from ddp_ft.gpu_report.e2e import e2e_summary, read_run
+
+    rows = [{"type": "config", "micro_batch": 16, "accumulation": 1}]
+    rows += [
+        {"type": "train", "tokens_per_s": rate, "peak_mem_gb": 20.0, "expected_peak_gb": 19.0, "step_time_s": 9.0}
+        | {"loss": 2.0, "compile/time_s": 14.0, "compile/graphs": 2}
+        for rate in (900.0, 20000.0, 21000.0, 19000.0)
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = read_run(metrics)
+    assert (result["tokens_per_s"], result["tokens_per_s_range"]) == (20000.0, [19000.0, 21000.0])  # step 1 left out
+    summary, problems = e2e_summary(result, {})
+    assert (
+        problems == []
+        and "20,000 non-padding tokens/s" in summary["headline"]
+        and "compile 14 s" in summary["headline"]
+    )
+    _, problems = e2e_summary({**result, "peak_allocated_gb": 22.0}, {})
+    assert problems and "beyond" not in problems[0] and "116%" in problems[0]
 
 
 @pytest.mark.distributed
@@ -223,21 +246,21 @@ def test_gpu_report_runs_end_to_end_on_the_cpu_and_records_every_step(tmp_path):
     assert run.returncode == 0, (run.stdout[-3000:], failed)
     assert [s["name"] for s in report["steps"]] == CPU_STEPS and report["finished"]
     status = {s["name"]: s["status"] for s in report["steps"]}
-    assert {n for n, st in status.items() if st == "skipped"} == {"variant_liger", "shared_gpu_gloo", "scaling_2gpu"}
-    assert {n for n, st in status.items() if st == "passed"} == set(CPU_STEPS) - {
-        "variant_liger",
-        "shared_gpu_gloo",
-        "scaling_2gpu",
-    }
+    assert {n for n, st in status.items() if st == "passed"} == CPU_RUN
+    assert {n for n, st in status.items() if st == "skipped"} == set(CPU_STEPS) - CPU_RUN
     steps = {s["name"]: s for s in report["steps"]}
-    for name in ("bench_gpu_reference", "gpu_check", "ladder"):
+    for name in CPU_RUN:
         assert steps[name]["result"] and steps[name]["summary"]["headline"]
-    auto = steps["bench_gpu_auto"]["summary"]["micro_batch_auto"]
-    assert (auto["micro_batch"], auto["accumulation"]) == (4, 1) and auto["expected_peak_gb"] > 0
-    assert auto["measured_peak_allocated_gb"] is None  # no CUDA allocator on the CPU
-    against = steps["variant_compile"]["summary"]["against_baseline"]
-    assert against["losses_compared"] == 3 and against["loss_max_relative_difference"] <= 1e-4
+    loop = steps["loop_defaults"]["summary"]
+    assert loop["steps"] == 2 and loop["tokens_per_s"] > 0 and loop["micro_batch"] == 2  # the tiny preset's
+    for name in ("decomp_eager_ckpt_auto", "decomp_compiled_nockpt_auto"):
+        auto = steps[name]["summary"]["micro_batch_auto"]
+        assert (auto["micro_batch"], auto["accumulation"]) == (4, 1) and auto["expected_peak_gb"] > 0
+        assert auto["measured_peak_allocated_gb"] is None  # no CUDA allocator on the CPU
+    # its eager twin did not run on the CPU: nothing to compare, said so
+    assert "no baseline" in steps["decomp_compiled_nockpt_auto"]["summary"]["headline"]
     assert steps["gpu_check"]["summary"]["passed"] and steps["gpu_check"]["summary"]["backend"] == "gloo"
     markdown = out.with_suffix(".md").read_text()
-    assert "# GPU report" in markdown and "the smoke test" in markdown and "| 9 | scaling_2gpu | skipped |" in markdown
+    assert "# GPU report" in markdown and "the smoke test" in markdown
+    assert f"| {len(CPU_STEPS)} | scaling_2gpu | skipped |" in markdown
     assert "scaling_2gpu | skipped" in run.stdout

@@ -21,6 +21,7 @@ import torch
 
 from ..bench import cpu_name
 from ..distributed import DEVICE_CHOICES, device_and_backend
+from .e2e import SHARED_DATA
 from .plan import plan_steps
 from .render import format_table, write_markdown
 from .runner import report_failed, run_report
@@ -40,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds for all steps; a step that would not fit in what is left is skipped, with the reason",
     )
     p.add_argument("--out", type=Path, default=Path("bench_results/gpu_report.json"), help="the report JSON")
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=SHARED_DATA,
+        help="folder with qwen2-tokenizer/ and ami/ami_abstractive.jsonl for the end-to-end steps (skipped without)",
+    )
     args = p.parse_args(argv)
     if args.budget_s <= 0:
         p.error("--budget-s must be positive")
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None, scripts: Path | None = None) -> int:
         return 1
     scripts = scripts or Path(__file__).resolve().parents[2] / "scripts"
     header = host_header(device)
-    steps = plan_steps(device, len(header["gpus"]), args.out.with_suffix(""), scripts)
+    steps = plan_steps(device, len(header["gpus"]), args.out.with_suffix(""), scripts, data=args.data)
     report = run_report(
         steps,
         args.out,

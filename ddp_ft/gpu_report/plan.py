@@ -1,25 +1,31 @@
 """The steps of ``make gpu-report``, most valuable first, for this host: what each runs, and what it can skip.
 
-On CUDA (the full shapes, each step's expected seconds from the H100 runs of 2026-11-24 or estimated beside them):
+On CUDA (each step's expected seconds from the H100 run of 2026-11-26, ``../shared/gpu-runs/2026-11-26-h100``):
 
-1. ``bench_gpu_reference``: ``scripts/bench_gpu.py`` as ``make bench-gpu`` runs it (Qwen3-4B shape, sequence 512,
-   micro-batch 1: BucketedDDP against no wrapper).
-2. ``bench_gpu_auto``: the same with ``--micro-batch auto`` (effective batch 16), one mode, so that the expected peak
-   of ``ddp_ft.memory`` stands beside the measured ``max_memory_allocated`` of one model.
-3. ``variant_baseline``, ``variant_liger``, ``variant_compile``: one mode, no LoRA dropout, the same steps, without
-   and with ``--liger`` / ``--compile``; each variant against the baseline: loss at every step within the compute
-   dtype's tolerance (``ddp_ft.gpu_check.GRAD_TOL``), tokens/s and peak memory. A variant this host refuses
-   (``ddp_ft.kernels.check_kernel_settings``: no Triton, no liger-kernel) is skipped with the refusal.
-4. ``shared_gpu_gloo``: ``scripts/gpu_check.py`` on 2 processes sharing one GPU over gloo with CUDA tensors
+1. ``random_model``: a random-weight Qwen3-4B with Qwen's tokenizer (``scripts/random_model.py``; no download).
+2. ``loop_defaults``, ``recipe_defaults``: what a user runs (``ddp_ft.gpu_report.e2e``): ``scripts/train.py`` and
+   ``accelerate launch recipes/qwen_ami.py`` on the AMI meetings at their defaults (micro-batch auto, regional
+   compilation, packing): non-padding tokens/s, peak against the probe's expected peak, compile time and graphs.
+3. The decomposition at micro-batch auto: ``bench_gpu`` {eager, compiled} x {checkpointing on, off}, one mode, no
+   dropout; each compiled cell's losses against its eager twin's (the compute dtype's tolerance), the expected
+   against the measured peak (the 10% gate).
+4. ``loop_old_defaults``: the loop at the seed's settings (micro-batch 1, eager, padded); ``stock_reference``: the
+   stock Trainer at the reference write-up's (micro-batch 1, eager); ``packed_2048``: the loop at sequence 2,048,
+   packed, Unsloth's published shape.
+5. The decomposition at micro-batch 1.
+6. ``shared_gpu_gloo``: ``scripts/gpu_check.py`` on 2 processes sharing one GPU over gloo with CUDA tensors
    (``--backend gloo``, one GPU visible): BucketedDDP against torch DDP and ``no_sync`` with real asynchronous
    communication, which one process cannot give; NCCL refuses two ranks on one GPU.
-5. ``gpu_check``: ``scripts/gpu_check.py`` as ``make gpu-check`` runs it.
-6. ``ladder``: ``scripts/ladder.py`` on 2 GPUs (NCCL). With one GPU it is skipped: its CUDA split reads NCCL's kernels
+7. ``gpu_check``: ``scripts/gpu_check.py`` as ``make gpu-check`` runs it.
+8. ``ladder``: ``scripts/ladder.py`` on 2 GPUs (NCCL). With one GPU it is skipped: its CUDA split reads NCCL's kernels
    from the profiler's trace, and over gloo the communication leaves none to read.
-7. ``scaling_2gpu``: ``torchrun --nproc_per_node=2 scripts/bench_gpu.py`` on 2+ GPUs, else skipped.
+9. ``scaling_2gpu``: ``torchrun --nproc_per_node=2 scripts/bench_gpu.py`` on 2+ GPUs, else skipped.
 
-On the CPU (``--device cpu``, the smoke test) the same steps run with tiny shapes and few steps; what needs CUDA is
-skipped with the reason (Liger's refusal, the shared GPU, the 2-GPU scaling).
+The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The H100 run of
+2026-11-26 made the reference shape's two modes (BucketedDDP against no wrapper at micro-batch 1: within noise) and
+Liger at micro-batch 1 (0.92x) redundant: they are gone. On the CPU (``--device cpu``, the smoke test) the loop's
+defaults on the tiny preset, two decomposition cells at tiny shapes, ``gpu_check`` and the ladder run; what needs
+CUDA is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from ..kernels import check_kernel_settings
 from . import summaries
+from .e2e import SHARED_DATA, e2e_steps
 from .runner import Step
 
 # Liger and --compile against the same run without them: one mode, no dropout masks, the same steps.
@@ -60,7 +67,9 @@ def one_visible_gpu() -> str:
     return visible[0] if visible else "0"
 
 
-def plan_steps(device: str, gpu_count: int, results: Path, scripts: Path, python: str = sys.executable) -> list[Step]:
+def plan_steps(
+    device: str, gpu_count: int, results: Path, scripts: Path, python: str = sys.executable, data: Path = SHARED_DATA
+) -> list[Step]:
     """The report's steps for ``device`` (``cuda`` or ``cpu``) with ``gpu_count`` GPUs visible, in order.
 
     Args:
@@ -69,66 +78,55 @@ def plan_steps(device: str, gpu_count: int, results: Path, scripts: Path, python
         results (Path): the folder each step writes its JSON into (``<step name>.json``).
         scripts (Path): this checkout's ``scripts/``.
         python (str): the interpreter the steps run. Default: this one.
+        data (Path): the folder with ``qwen2-tokenizer/`` and ``ami/ami_abstractive.jsonl`` for the end-to-end
+            steps. Default: ``../shared/data``.
     """
-    return _bench_steps(device, results, scripts, python) + _check_steps(device, gpu_count, results, scripts, python)
+    e2e = e2e_steps(device, results, scripts, python, data)
+    cells = _decomposition(device, results, scripts, python)
+    first, then = e2e[: 3 if device == "cuda" else 1], e2e[3 if device == "cuda" else 1 :]
+    auto = [c for c in cells if c.name.endswith("_auto")]
+    one = [c for c in cells if not c.name.endswith("_auto")]
+    return first + auto + then + one + _check_steps(device, gpu_count, results, scripts, python)
 
 
-def _bench_steps(device: str, results: Path, scripts: Path, python: str) -> list[Step]:
-    """``bench_gpu`` at the reference shape and at ``--micro-batch auto``, then the variants against their baseline."""
+DECOMPOSITION = [(compiled, ckpt, mb) for mb in ("auto", "mb1") for ckpt in (True, False) for compiled in (False, True)]
+CPU_CELLS = {"decomp_eager_ckpt_auto", "decomp_compiled_nockpt_auto"}  # the smoke test's: both flags exercised
+
+
+def cell_name(compiled: bool, ckpt: bool, mb: str) -> str:
+    return f"decomp_{'compiled' if compiled else 'eager'}_{'ckpt' if ckpt else 'nockpt'}_{mb}"
+
+
+def _decomposition(device: str, results: Path, scripts: Path, python: str) -> list[Step]:
+    """{eager, compiled} x {checkpointing on, off} x {micro-batch auto, 1}: ``bench_gpu``, one mode, no dropout (the
+    compiled cell's losses against its eager twin's), tokens/s and peak (expected against measured at auto)."""
     cuda = device == "cuda"
-    tiny = [] if cuda else CPU_TINY
-    steps = CUDA_VARIANT_STEPS if cuda else CPU_STEPS
-    auto = ["--micro-batch", "auto", "--modes", "bucketed_ddp"]
-    auto += ["--warmup", "2", "--steps", "3", "--repeats", "2"] if cuda else ["--effective-batch", "4"]
-    auto += [] if cuda else ["--device-memory-gb", "1", "--warmup", "1", "--steps", "1", "--repeats", "1"]
-
-    def bench(name: str, title: str, args: list[str], expected_s: float, cpu_expected_s: float = 20, **kw) -> Step:
+    steps = []
+    for compiled, ckpt, mb in DECOMPOSITION:
+        name = cell_name(compiled, ckpt, mb)
         out = results / f"{name}.json"
-        command = [python, str(scripts / "bench_gpu.py"), *tiny, *args, "--out", str(out)]
-        if not cuda:
-            expected_s = cpu_expected_s
-        return Step(name, title, command, out, expected_s, 4 * expected_s if cuda else 120 + expected_s, **kw)
-
-    return [
-        bench(
-            "bench_gpu_reference",
-            "bench_gpu at the reference shape (make bench-gpu)",
-            [] if cuda else CPU_STEPS,
-            150,
-            summarize=summaries.bench_gpu,
-        ),
-        bench(
-            "bench_gpu_auto",
-            "bench_gpu --micro-batch auto: expected against measured peak",
-            auto,
-            90,
-            summarize=summaries.micro_batch_auto,
-        ),
-        bench(
-            "variant_baseline",
-            "bench_gpu, one mode, no dropout: the variants' baseline",
-            [*VARIANT_ARGS, *steps],
-            60,
-            summarize=summaries.bench_gpu,
-        ),
-        bench(
-            "variant_liger",
-            "bench_gpu --liger against the baseline",
-            [*VARIANT_ARGS, *steps, "--liger"],
-            60,
-            skip=kernel_refusal(True, False, device),
-            summarize=summaries.variant,
-        ),
-        bench(
-            "variant_compile",
-            "bench_gpu --compile against the baseline",
-            [*VARIANT_ARGS, *steps, "--compile"],
-            90,
-            45,
-            skip=kernel_refusal(False, True, device),
-            summarize=summaries.variant,
-        ),
-    ]
+        args = [*VARIANT_ARGS, *(CUDA_VARIANT_STEPS if cuda else CPU_STEPS), *([] if cuda else CPU_TINY)]
+        args += ["--compile"] * compiled + ["--no-gradient-checkpointing"] * (not ckpt)
+        if mb == "auto":
+            args += ["--micro-batch", "auto", *([] if cuda else ["--effective-batch", "4", "--device-memory-gb", "1"])]
+        skip = kernel_refusal(False, compiled, device)
+        if not cuda and name not in CPU_CELLS:
+            skip = "CUDA only: the CPU smoke test runs " + " and ".join(sorted(CPU_CELLS))
+        twin = cell_name(False, ckpt, mb) if compiled else None
+        steps.append(
+            Step(
+                name,
+                f"bench_gpu {'compiled' if compiled else 'eager'}, checkpointing {'on' if ckpt else 'off'}, "
+                f"micro-batch {mb.removeprefix('mb')}",
+                [python, str(scripts / "bench_gpu.py"), *args, "--out", str(out)],
+                out,
+                35 if cuda else 40,
+                180 if cuda else 240,
+                skip=skip,
+                summarize=summaries.decomposition_cell(twin),
+            )
+        )
+    return steps
 
 
 def _check_steps(device: str, gpu_count: int, results: Path, scripts: Path, python: str) -> list[Step]:

@@ -56,14 +56,40 @@ def micro_batch_auto(result: dict, done: dict[str, dict]) -> tuple[dict, list[st
         f"micro-batch {auto['micro_batch']} x {auto['accumulation']} accumulation: {tokens:,.0f} tokens/s; expected "
         f"peak {_gb(auto['expected_peak_gb'])}{how}, measured {_gb(measured)}{ratio}"
     )
-    return summary, []
+    over = auto["measured_over_expected"]
+    gate = [f"measured peak {over:.0%} of the expected: beyond the 10% gate"] if over and abs(over - 1) > 0.10 else []
+    return summary, gate
 
 
-def variant(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
-    """``bench_gpu --liger`` / ``--compile`` against ``variant_baseline``: the loss at every step within the compute
+def against(baseline_step: str):
+    """The summary of a variant against the step ``baseline_step`` (:func:`variant`'s, with another baseline)."""
+    return lambda result, done: variant(result, done, baseline_step)
+
+
+def decomposition_cell(baseline_step: str | None):
+    """A cell of the compile x checkpointing x micro-batch decomposition: ``micro_batch_auto``'s summary (expected
+    against measured peak) at ``auto``, and, when compiled, the loss and speed against the eager twin
+    ``baseline_step``."""
+
+    def summarize(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
+        summary, problems = (
+            micro_batch_auto(result, done) if result.get("micro_batch_auto") else bench_gpu(result, done)
+        )
+        if baseline_step is None:
+            return summary, problems
+        compared, more = variant(result, done, baseline_step)
+        summary["against_eager"] = compared.get("against_baseline")
+        summary["headline"] += f"; against eager: {compared['headline'].split(' = ', 1)[-1]}"
+        return summary, problems + more
+
+    return summarize
+
+
+def variant(result: dict, done: dict[str, dict], baseline_step: str = "variant_baseline") -> tuple[dict, list[str]]:
+    """``bench_gpu --liger`` / ``--compile`` against ``baseline_step``: the loss at every step within the compute
     dtype's tolerance (relative, ``GRAD_TOL``'s rtol), tokens/s and peak memory as ratios."""
     summary, _ = bench_gpu(result, done)
-    baseline = done.get("variant_baseline", {})
+    baseline = done.get(baseline_step, {})
     if baseline.get("status") != "passed":
         summary["headline"] += f"; no baseline to compare with (its step: {baseline.get('status', 'absent')})"
         return summary, []

@@ -1,0 +1,162 @@
+"""What a user runs, measured end to end for ``make gpu-report``: the loop and the recipe at their defaults and at the
+old ones, the stock Trainer at the reference write-up's settings, sequence 2,048 packed, and the decomposition of
+compile and checkpointing at micro-batch 1 and ``auto``.
+
+Each end-to-end step is ``python -m ddp_ft.gpu_report.e2e --out RESULT.json -- COMMAND...``: the training command
+runs as a user would start it (``--output-dir`` pointing into the report's folder), then its ``metrics.jsonl`` is
+read into the result JSON: non-padding tokens/s per optimizer step (the median of the steps after the first, which
+carries compilation and the micro-batch probe), the measured peak and the probe's expected peak, the compile
+counters and time, the micro-batch and accumulation that ran. The model and the data are the ones of the H100 run of
+2026-11-26 (``../shared/gpu-runs/2026-11-26-h100/README.md``): a random-weight Qwen3-4B built by
+``scripts/random_model.py`` and the AMI meetings; without them the end-to-end steps are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from .runner import write_report
+
+
+def read_run(metrics: Path) -> dict:
+    """The result of one training run from its ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    config = next((r for r in rows if r.get("type") == "config"), {})
+    steps = [r for r in rows if r.get("type") == "train" and "tokens_per_s" in r]
+    timed = steps[1:] or steps
+    rates = [r["tokens_per_s"] for r in timed]
+    last = steps[-1] if steps else {}
+    peak = max((r.get("peak_mem_gb", 0.0) for r in steps), default=None)
+    return {
+        "steps": len(steps),
+        "micro_batch": config.get("micro_batch"),
+        "accumulation": config.get("accumulation"),
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "tokens_per_s_range": [min(rates), max(rates)] if rates else None,
+        "first_step_s": steps[0].get("step_time_s") if steps else None,
+        "peak_allocated_gb": peak,
+        "expected_peak_gb": last.get("expected_peak_gb"),
+        "compile": {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("compile/")},
+        "losses": [r.get("loss") for r in steps],
+    }
+
+
+def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
+    """Headline of one end-to-end step; expected against measured peak beyond 10% is a problem (issue 33's gate)."""
+    rate, peak, expected = result.get("tokens_per_s"), result.get("peak_allocated_gb"), result.get("expected_peak_gb")
+    parts = [f"{rate:,.0f} non-padding tokens/s" if rate else "no step timed"]
+    parts.append(f"micro-batch {result.get('micro_batch')} x {result.get('accumulation')}")
+    if peak:
+        parts.append(f"peak {peak:.2f} GB" + (f" (expected {expected:.2f}: {peak / expected:.0%})" if expected else ""))
+    if result.get("compile", {}).get("time_s"):
+        parts.append(f"compile {result['compile']['time_s']:.0f} s, {result['compile'].get('graphs')} graphs")
+    problems = []
+    if peak and expected and abs(peak / expected - 1) > 0.10:
+        problems.append(f"measured peak {peak:.2f} GB is {peak / expected:.0%} of the expected {expected:.2f} GB")
+    return {**result, "headline": ", ".join(parts)}, problems
+
+
+def run_and_read(command: list[str], output_dir: Path, out: Path) -> int:
+    """Run ``command`` (its ``--output-dir`` is ``output_dir``), then write the run's result to ``out``."""
+    status = subprocess.run(command, check=False).returncode
+    metrics = output_dir / "metrics.jsonl"
+    if status == 0 and metrics.exists():
+        write_report({"command": command, **read_run(metrics)}, out)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="the result JSON")
+    p.add_argument("--output-dir", type=Path, required=True, help="the run's --output-dir")
+    args = p.parse_args(argv[:split])
+    command = argv[split + 1 :]
+    if not command:
+        p.error("give the training command after --")
+    return run_and_read([*command, "--output-dir", str(args.output_dir)], args.output_dir, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# ---------------------------------------------------------------- the report's steps
+
+SHARED_DATA = Path("../shared/data")  # where the project's GPU runs found the tokenizer and the AMI meetings
+CPU_SMOKE = ["--preset", "tiny", "--max-steps", "2", "--report-to", "none"]
+OLD_DEFAULTS = ["--micro-batch", "1", "--no-compile", "--packing", "false"]  # the seed's: micro-batch 1, eager, padded
+
+
+def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path = SHARED_DATA) -> list:
+    """The end-to-end steps, most valuable first: the defaults of the loop and the recipe, the old defaults, the
+    stock Trainer at the reference write-up's settings, sequence 2,048 packed. On the CPU only the loop's defaults
+    run, on the tiny preset (the smoke test of the mechanism); the rest needs CUDA and is skipped there."""
+    from .runner import Step
+
+    cuda = device == "cuda"
+    tokenizer, ami = data / "qwen2-tokenizer", data / "ami" / "ami_abstractive.jsonl"
+    model = results / "qwen3-4b-random"
+    missing = [str(p) for p in (tokenizer, ami) if not p.exists()] if cuda else []
+    no_data = f"needs {' and '.join(missing)} (the tokenizer and the AMI meetings)" if missing else None
+    base = ["--preset", "qwen3-4b-ami", "--model-name-or-path", str(model), "--source", str(ami)]
+    base += ["--report-to", "none"]
+    root = scripts.parent
+    launch = [
+        python,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(root / "accelerate_configs" / "single.yaml"),
+    ]
+    train, recipe = [python, str(scripts / "train.py")], [*launch, str(root / "recipes" / "qwen_ami.py")]
+
+    def run(name: str, title: str, command: list[str], expected_s: float, cuda_only: bool = True) -> Step:
+        out = results / f"{name}.json"
+        wrapped = [python, "-m", "ddp_ft.gpu_report.e2e", "--out", str(out), "--output-dir", str(results / name)]
+        skip = no_data if cuda else ("CUDA only: the CPU smoke test runs loop_defaults" if cuda_only else None)
+        return Step(
+            name, title, [*wrapped, "--", *command], out, expected_s, 3 * expected_s, skip=skip, summarize=e2e_summary
+        )
+
+    build = [python, str(scripts / "random_model.py"), "--tokenizer", str(tokenizer), "--out", str(model)]
+    steps = (
+        []
+        if not cuda
+        else [Step("random_model", "a random-weight Qwen3-4B (no download)", build, None, 45, 300, skip=no_data)]
+    )
+    loop_defaults = [*train, *base, "--max-steps", "6"] if cuda else [*train, *CPU_SMOKE]
+    return steps + [
+        run(
+            "loop_defaults",
+            "the loop at its defaults (micro-batch auto, compile, packing)",
+            loop_defaults,
+            75 if cuda else 40,
+            cuda_only=False,
+        ),
+        run("recipe_defaults", "the Trainer recipe at its defaults", [*recipe, *base, "--max-steps", "6"], 75),
+        run(
+            "loop_old_defaults",
+            "the loop at the old defaults (micro-batch 1, eager, padded)",
+            [*train, *base, *OLD_DEFAULTS, "--max-steps", "3"],
+            50,
+        ),
+        run(
+            "stock_reference",
+            "the stock Trainer at the reference write-up's settings (micro-batch 1, eager)",
+            [*recipe, *base, *OLD_DEFAULTS, "--trainer", "stock-hf", "--max-steps", "3"],
+            50,
+        ),
+        run(
+            "packed_2048",
+            "the loop at its defaults, sequence 2,048 packed (Unsloth's published shape)",
+            [*train, *base, "--max-seq-len", "2048", "--packing", "true", "--max-steps", "4"],
+            60,
+        ),
+    ]
