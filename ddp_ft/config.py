@@ -314,10 +314,10 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
             action.type = _bucket_cap_arg
         if action.dest == "micro_batch":  # `int | str` is typed int: take "auto" too
             action.type = _micro_batch_arg
-        if action.dest == "compile":  # `bool | str` is typed bool: take "auto" too; --no-compile turns it off
-            action.type = _compile_arg
+        if action.dest == "compile":  # `bool | str` is typed bool: take "auto" too (bare --compile: true)
+            action.type, action.metavar = _switch_arg, "{true,false,auto}"
         if action.dest == "packing":  # `bool | str`: a yes/no word or "auto"
-            action.type, action.nargs, action.const, action.metavar = _packing_arg, None, None, "{true,false,auto}"
+            action.type, action.nargs, action.const, action.metavar = _switch_arg, None, None, "{true,false,auto}"
     parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
     return parser
 
@@ -332,18 +332,6 @@ def _bucket_cap_arg(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor {AUTO!r}") from None
 
 
-def _compile_arg(text: str) -> bool | str:
-    """``--compile``: true, false or ``auto``."""
-    if text == AUTO:
-        return text
-    from transformers.hf_argparser import string_to_bool
-
-    try:
-        return string_to_bool(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither true, false nor {AUTO!r}") from None
-
-
 def _micro_batch_arg(text: str) -> int | str:
     """``--micro-batch``: a whole number of samples or ``auto``."""
     if text == AUTO:
@@ -354,15 +342,15 @@ def _micro_batch_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of samples nor {AUTO!r}") from None
 
 
-_PACKING_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(("false", "no", "off", "0"), False)
+_SWITCH_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(("false", "no", "off", "0"), False)
 
 
-def _packing_arg(text: str) -> bool | str:
-    """``--packing``: true/false (also yes/no, on/off, 1/0) or ``auto``."""
+def _switch_arg(text: str) -> bool | str:
+    """``--compile``, ``--packing``: true/false (also yes/no, on/off, 1/0) or ``auto``."""
     word = text.lower()
-    if word != AUTO and word not in _PACKING_WORDS:
+    if word != AUTO and word not in _SWITCH_WORDS:
         raise argparse.ArgumentTypeError(f"{text!r} is neither true, false nor {AUTO!r}")
-    return _PACKING_WORDS.get(word, AUTO)
+    return _SWITCH_WORDS.get(word, AUTO)
 
 
 def parse_settings(

@@ -20,20 +20,19 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint, save_checkpoint
-from .compilation import CompileWatch, compile_repeated_blocks
+from .compilation import CompileWatch
 from .config import RunSettings, write_run_config
 from .data import EpochLoader
 from .data.step_tokens import StepTokenCounts, global_order
 from .ddp import BucketedDDP
 from .distributed import DistInfo, restart_count
-from .kernels import apply_liger_to_qwen3
 from .metrics import ThroughputMeter, open_metric_sink
 from .perf_traps import loop_fix, watch_idle_device
 from .preemption import StopSignal
 from .records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
-from .setup import build_model, check_run_settings, prepare_run, probe_run_micro_batch
+from .setup import build_training_model, check_run_settings, prepare_run
 from .shared_fs import check_shared_resume, prepare_output_dir
-from .steps import evaluate, forward_backward_timed, rank_balance
+from .steps import StepResult, evaluate, forward_backward_timed, rank_balance
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +58,6 @@ def train(settings: RunSettings, info: DistInfo) -> TrainResult:
     """
     with StopSignal() as stop:
         return _Loop(settings, info, stop).run()
-
-
-@dataclass
-class _StepResult:
-    """One optimizer step's scalars, read from the device in one transfer."""
-
-    loss: float
-    grad_norm: float
-    lr: float
-    input_tokens: int
-    compute_ms: list[float]  # every rank's forward/backward time, for rank_balance
-    stop_flags: list[float]  # every rank's stop flag at this step's gather
-    loss_scale: float | None  # float16 only
-    skipped: bool  # float16 gradients overflowed: the scaler skipped the optimizer step
 
 
 class _Loop:
@@ -147,15 +132,9 @@ class _Loop:
         self.precision = precision = settings.model.precision(info.device)
         scaled = ", loss-scaled" if precision.loss_scaling else ""
         logger.info("compute dtype %s (%s)%s", precision.name, precision.reason, scaled)
-        if settings.model.liger:  # refused before the data where it cannot work (check_run_settings)
-            apply_liger_to_qwen3(self.parts.model_path)
-        self.model = build_model(settings, info, self.parts)
-        if settings.model.compile:  # in place, before the wrap: names, checkpoints, overlap unchanged
-            compile_repeated_blocks(self.model)
-        self.compile_watch = CompileWatch() if settings.model.compile else None
-        self.probe = None  # --micro-batch auto: measured on the model as it trains, unwrapped (no communication)
-        if settings.micro_batch_auto:
-            self.probe = probe_run_micro_batch(self.model, settings, info)
+        self.compile_watch = CompileWatch() if settings.model.compile else None  # compiles from the first forward
+        self.model, self.probe = build_training_model(settings, info, self.parts)  # Liger, compiled, probed
+        if self.probe is not None:  # --micro-batch auto: the probe's choice
             self.accumulation = self.probe.accumulation
             self._make_loader()  # the same global order and steps (DataLayout): only the per-forward split changes
         self.wrapped = settings.ddp.wrap(self.model) if info.is_distributed else self.model
@@ -279,7 +258,7 @@ class _Loop:
                 return
             self._between_steps()
 
-    def _step(self, group: list, step_samples) -> _StepResult:
+    def _step(self, group: list, step_samples) -> StepResult:
         """One optimizer step on the micro-batches ``group``; advances the schedule and the data position."""
         info, precision, scaler, optimizer, t = self.info, self.precision, self.scaler, self.optimizer, self.t
         counts = torch.tensor(self.token_counts.totals(step_samples), dtype=torch.float64, device=info.device)
@@ -310,7 +289,7 @@ class _Loop:
         self.state.global_step += 1
         self.state.sample_in_epoch += t.effective_batch
         self.state.samples_seen += t.effective_batch
-        return _StepResult(
+        return StepResult(
             loss=loss,
             grad_norm=grad_norm,
             lr=lr,
@@ -321,7 +300,7 @@ class _Loop:
             skipped=skipped,
         )
 
-    def _log_step(self, result: _StepResult) -> None:
+    def _log_step(self, result: StepResult) -> None:
         """The step's record (throughput, rank balance, loss scale, communication) to the sink and progress bar."""
         state, wrapped = self.state, self.wrapped
         record = train_record(

@@ -181,6 +181,42 @@ def largest_fitting_divisor(per_rank: int, predict: Callable[[int], int], budget
     return 0
 
 
+def _measure_and_fit(
+    model: torch.nn.Module,
+    seq_len: int,
+    info: DistInfo,
+    precision: Precision | None,
+    device_bytes: int | None,
+    measure: Measure | None,
+    margin: float,
+    points: list[int],
+    optimizer_state: int | None,
+) -> MicroBatchProbe:
+    """This rank's points and line, before the ranks agree (``micro_batch`` and ``expected_peak`` still 0)."""
+    device_bytes = device_total_bytes(info.device) if device_bytes is None else device_bytes
+    measure = cuda_peak_bytes(info.device) if measure is None else measure
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = sum(2 * p.numel() * p.element_size() for p in trainable) if optimizer_state is None else optimizer_state
+    budget = int(device_bytes * (1.0 - margin))
+    measured = _measure_points(_ProbeStep(model, trainable, seq_len, info, precision), measure, points, budget - state)
+    resident, per_sample, nonlinearity = fit_peak_line(measured) if measured else (0, 0, 0.0)
+    return MicroBatchProbe(
+        micro_batch=0,  # set once the ranks agree
+        accumulation=0,
+        world_size=info.world_size,
+        seq_len=seq_len,
+        points=tuple(measured),
+        resident=resident,
+        per_sample=per_sample,
+        optimizer_state=state,
+        expected_peak=0,
+        budget=budget,
+        device_bytes=device_bytes,
+        margin=margin,
+        nonlinearity=nonlinearity,
+    )
+
+
 def probe_micro_batch(
     model: torch.nn.Module,
     *,
@@ -232,30 +268,11 @@ def probe_micro_batch(
     per_rank = effective_batch // world
     failure, probe = None, None
     try:  # a rank that fails still joins the all-reduce below: no rank is left waiting in it
-        device_bytes = device_total_bytes(info.device) if device_bytes is None else device_bytes
-        measure = cuda_peak_bytes(info.device) if measure is None else measure
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        state = sum(2 * p.numel() * p.element_size() for p in trainable) if optimizer_state is None else optimizer_state
-        budget = int(device_bytes * (1.0 - margin))
-        step = _ProbeStep(model, trainable, seq_len, info, precision)
-        measured = _measure_points(step, measure, [m for m in points if m <= per_rank] or [1], budget - state)
-        resident, per_sample, nonlinearity = fit_peak_line(measured) if measured else (0, 0, 0.0)
-        probe = MicroBatchProbe(
-            micro_batch=0,  # set below, once the ranks agree
-            accumulation=0,
-            world_size=world,
-            seq_len=seq_len,
-            points=tuple(measured),
-            resident=resident,
-            per_sample=per_sample,
-            optimizer_state=state,
-            expected_peak=0,
-            budget=budget,
-            device_bytes=device_bytes,
-            margin=margin,
-            nonlinearity=nonlinearity,
+        fitting = [m for m in points if m <= per_rank] or [1]
+        probe = _measure_and_fit(
+            model, seq_len, info, precision, device_bytes, measure, margin, fitting, optimizer_state
         )
-        mine = largest_fitting_divisor(per_rank, probe.predict, budget) if measured else 0
+        mine = largest_fitting_divisor(per_rank, probe.predict, probe.budget) if probe.points else 0
     except Exception as error:  # noqa: BLE001  (re-raised below, after the other ranks have heard of it)
         failure, mine = error, -1
     chosen = _smallest_over_ranks(mine, info)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .compilation import compile_repeated_blocks
 from .config import RunSettings, gradient_accumulation_steps
 from .data import (
     PackedCollator,
@@ -33,7 +34,7 @@ from .defaults import resolve_device_defaults
 from .distributed import DistInfo
 from .faults import FaultInjector
 from .integrations.launch import check_accelerate_launch
-from .kernels import check_kernel_settings
+from .kernels import apply_liger_to_qwen3, check_kernel_settings
 from .memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
 from .probe import MicroBatchProbe, probe_micro_batch
@@ -312,6 +313,26 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
         check_packed_model(model)
     parts.faults.attach(model)
     return model
+
+
+def build_training_model(
+    settings: RunSettings, info: DistInfo, parts: RunParts
+) -> tuple[torch.nn.Module, MicroBatchProbe | None]:
+    """The plain loop's model as it will train, before any wrap: Liger's patch before the build (where refused, it was
+    in ``check_run_settings``), the QLoRA model (:func:`build_model`), its decoder layers compiled in place
+    (``ddp_ft.compilation``: names, checkpoints and the overlap unchanged), and with ``--micro-batch auto`` the
+    probe's choice measured on it (:func:`probe_run_micro_batch`; unwrapped, so nothing is communicated).
+
+    Returns:
+        tuple: the model, and the probe's result (None without ``--micro-batch auto``).
+    """
+    if settings.model.liger:
+        apply_liger_to_qwen3(parts.model_path)
+    model = build_model(settings, info, parts)
+    if settings.model.compile:
+        compile_repeated_blocks(model)
+    probe = probe_run_micro_batch(model, settings, info) if settings.micro_batch_auto else None
+    return model, probe
 
 
 def seed_everything(seed: int) -> None:

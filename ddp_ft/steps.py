@@ -174,3 +174,17 @@ def evaluate(
     _sum_over_ranks(totals, info)
     model.train(was_training)
     return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+@dataclass
+class StepResult:
+    """One optimizer step's scalars, read from the device in one transfer (the plain loop's ``_Loop._step``)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    input_tokens: int
+    compute_ms: list[float]  # every rank's forward/backward time, for rank_balance
+    stop_flags: list[float]  # every rank's stop flag at this step's gather
+    loss_scale: float | None  # float16 only
+    skipped: bool  # float16 gradients overflowed: the scaler skipped the optimizer step

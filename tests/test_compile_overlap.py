@@ -243,3 +243,84 @@ def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_r
     assert_close(pairs(compiled), pairs(eager), rtol=1e-5, atol=0.0)
     assert all("compile/graphs" not in row for row in eager)
     assert all(row["compile/graphs"] >= 1 and row["compile/limit_hits"] == 0 for row in compiled), compiled
+
+
+# ---------------------------------------------------------------- TRL, Accelerate, the counters (one process)
+
+
+def test_sft_trainer_torch_compile_compiles_the_decoder_layers_not_the_whole_model(tmp_path):
+    """BucketedSFTTrainer with SFTConfig(torch_compile=True): the decoder layers compiled in place by the accelerator,
+    the trained model never an OptimizedModule, and the compile counters in metrics.jsonl (one process)."""
+    run_distributed(_sft_compiled, str(tmp_path), world_size=1, timeout=240)
+
+
+def _sft_compiled(rank, world_size, out):
+    from pathlib import Path
+
+    _as_accelerate_rank(rank, world_size)
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.integrations import BucketedSFTTrainer
+    from ddp_ft.model import EMBEDDED_MODEL
+    from ddp_ft.setup import resolve_model_and_tokenizer
+
+    from .trl_runs import Case, model_and_peft_config, rows, sft_config
+
+    model_dir, tokenizer_dir = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
+    case = Case("prompt_completion", False, "peft_config", False)
+    model, lora = model_and_peft_config(model_dir, case, 1)
+    args = sft_config(out, case, 1, max_steps=1, torch_compile=True, torch_compile_backend="aot_eager")
+    from transformers import AutoTokenizer
+
+    trainer = BucketedSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows(case.data),
+        peft_config=lora,
+        processing_class=AutoTokenizer.from_pretrained(tokenizer_dir),
+    )
+    trainer.train()
+    assert type(trainer.model_wrapped).__name__ != "OptimizedModule"
+    assert is_regionally_compiled(trainer.model)
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+    assert [r["compile/graphs"] >= 1 for r in records if r.get("type") == "train"] == [True]
+
+
+def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins_options():
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import TorchDynamoPlugin
+    from transformers import Qwen3ForCausalLM
+
+    from ddp_ft.integrations import BucketedAccelerator
+    from ddp_ft.model import tiny_qwen3_config
+
+    try:
+        accelerator = BucketedAccelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="aot_eager", dynamic=False))
+        model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2))
+        prepared = accelerator.prepare(model)
+        assert prepared is model and is_regionally_compiled(model)  # one process: no wrapper, compiled in place
+        compiled = repeated_blocks(model)[0].forward._torchdynamo_orig_callable  # the layer's own forward, compiled
+        assert compiled.__self__ is repeated_blocks(model)[0]
+        assert accelerator.state.dynamo_plugin.backend.value.lower() == "aot_eager"  # off for the prepare only
+        assert accelerator.prepare(model) is model  # prepared again: compiled once
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+def test_the_compile_watch_counts_recompilations_and_warns_from_four_with_the_way_to_the_reason(caplog):
+    from ddp_ft.compilation import CompileWatch
+
+    torch._dynamo.reset()
+    watch = CompileWatch()
+    square = torch.compile(lambda x: x * x, backend="eager", dynamic=False)
+    try:
+        with caplog.at_level("WARNING", logger="ddp_ft.compilation"):
+            for size in range(2, 9):
+                square(torch.ones(size))
+            snapshot = watch.snapshot()
+    finally:
+        watch.close()
+        torch._dynamo.reset()
+    assert snapshot["compile/graphs"] == 7 and snapshot["compile/recompiles"] == 6
+    assert snapshot["compile/time_s"] > 0 and snapshot["compile/limit_hits"] == 0
+    warnings = [r.getMessage() for r in caplog.records if "recompilations" in r.getMessage()]
+    assert len(warnings) == 1 and 'TORCH_LOGS="recompiles"' in warnings[0], warnings
