@@ -136,6 +136,7 @@ def compile_blockers(
     four_bit: bool = True,
     lora_dropout: float = 0.0,
     checkpointing: bool = False,
+    toolchain: bool = True,
     find_spec: Callable[[str], object] = importlib.util.find_spec,
     which: Callable[[str], str | None] = shutil.which,
     version: Callable[[str], tuple[int, ...] | None] = _version,
@@ -147,17 +148,18 @@ def compile_blockers(
         four_bit (bool): the model's linear layers are bitsandbytes 4-bit.
         lora_dropout (float): the adapters' dropout.
         checkpointing (bool): gradient checkpointing is on.
+        toolchain (bool): check what TorchInductor needs (Triton, a C++ compiler); False for other backends.
         find_spec, which, version: module lookup, executable lookup, installed version (injectable for tests).
     """
     found = []
-    if device.type == "cuda" and find_spec("triton") is None:
+    if toolchain and device.type == "cuda" and find_spec("triton") is None:
         found.append(
             Blocker(
                 "on CUDA TorchInductor writes its kernels in Triton, which is not installed",
                 "install the CUDA build of torch (it brings Triton) or `pip install triton`",
             )
         )
-    if device.type == "cpu":
+    if toolchain and device.type == "cpu":
         compiler = os.environ.get("CXX", "g++")
         if which(compiler) is None:
             found.append(
@@ -202,6 +204,33 @@ def refuse_blockers(blockers: list[Blocker], setting: str) -> None:
     if blockers:
         details = "; ".join(f"{b.reason}: {b.fix}" for b in blockers)
         raise ValueError(f"{setting}: {details}; or turn compilation off (--no-compile).")
+
+
+def check_model_compile(
+    model: nn.Module,
+    device: torch.device,
+    setting: str,
+    backend: str = "inductor",
+    blockers: Callable[..., list[Blocker]] = compile_blockers,
+) -> None:
+    """Refuse compiling a user's model where it is known to break, read from the model itself: 4-bit layers
+    (bitsandbytes' version), its LoRA dropout and whether its layers are checkpointed.
+
+    Raises:
+        ValueError: naming ``setting`` (the user's ``torch_compile`` or ``dynamo_backend``), each reason and its fix.
+    """
+    modules = list(model.modules())
+    dropout = max(
+        (m.p for name, m in model.named_modules() if isinstance(m, nn.Dropout) and "lora_dropout" in name), default=0.0
+    )
+    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False)) or any(
+        getattr(m, "gradient_checkpointing", False) is True for m in modules
+    )
+    four_bit = any(type(m).__name__ == "Linear4bit" for m in modules)
+    found = blockers(
+        device, four_bit=four_bit, lora_dropout=dropout, checkpointing=checkpointing, toolchain=backend == "inductor"
+    )
+    refuse_blockers(found, setting)
 
 
 def check_compile_mode(mode: str | None, world_size: int, setting: str) -> None:

@@ -316,7 +316,7 @@ def run_dir(tmp_path, tiny_cache, monkeypatch):
     def loaded(*args, **kwargs):
         raise ModelLoaded("the model loaded before the bad input was refused")
 
-    for module in (loop, recipe):
+    for module in (setup, recipe):  # the loop builds through setup.build_training_model
         monkeypatch.setattr(module, "build_model", loaded)
     monkeypatch.setattr(setup, "load_qlora_model", loaded)
     run = tmp_path / "run"

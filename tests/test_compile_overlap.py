@@ -293,6 +293,7 @@ def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins
     from ddp_ft.integrations import BucketedAccelerator
     from ddp_ft.model import tiny_qwen3_config
 
+    AcceleratorState._reset_state(True)  # the state is shared: a plugin given to an earlier Accelerator would stay
     try:
         accelerator = BucketedAccelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="aot_eager", dynamic=False))
         model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2))

@@ -43,7 +43,8 @@ def test_balanced_ranks_are_on_by_default_and_no_balance_ranks_turns_them_off():
 def test_reference_preset_is_the_reference_run():
     s = settings_from_preset("qwen3-4b-ami")
     assert s.model.model_name_or_path == "Qwen/Qwen3-4B" and s.data.source == "knkarthick/AMI"
-    assert (s.train.effective_batch, s.train.micro_batch, s.train.epochs) == (16, 1, 3)
+    assert (s.train.effective_batch, s.train.micro_batch, s.train.epochs) == (16, "auto", 3)  # on the CPU: 1
+    assert s.model.compile == "auto" and s.data.packing == "auto"
     assert (s.train.learning_rate, s.train.min_learning_rate, s.data.max_seq_len) == (2e-4, 2e-5, 512)
     assert (s.lora.lora_r, s.lora.lora_alpha, s.lora.lora_dropout, s.lora.lora_target_modules) == (
         16,

@@ -116,7 +116,7 @@ def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch,
         calls.append(("build_model", ()))
         raise _Stop
 
-    monkeypatch.setattr(ddp_ft.loop, "build_model", build_model)
+    monkeypatch.setattr(ddp_ft.setup, "build_model", build_model)  # the loop's model: setup.build_training_model
     settings = settings_from_preset("tiny", liger=True, output_dir=str(tmp_path / "run"), report_to="none")
     with pytest.raises(_Stop):
         train(settings, DistInfo())
@@ -231,9 +231,9 @@ def test_max_autotune_is_refused_on_several_processes_only():
 
 
 def test_regional_compilation_marks_the_sequence_dimension_dynamic_so_new_lengths_do_not_recompile():
-    """Six padded lengths through regionally compiled tiny-Qwen3 layers, training: at most two graphs with the
+    """Four padded lengths through regionally compiled tiny-Qwen3 layers, training: at most two graphs with the
     sequence dimension marked dynamic (measured: 2); with every shape static (dynamic=False) each new length compiles
-    again until Dynamo's limit (8), after which it would run eager."""
+    again, until Dynamo's limit (8), after which it would run eager."""
     from torch._dynamo.utils import counters
     from transformers import Qwen3ForCausalLM
 
@@ -246,10 +246,35 @@ def test_regional_compilation_marks_the_sequence_dimension_dynamic_so_new_length
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2)).train()
         compile_repeated_blocks(model, backend="aot_eager", dynamic=dynamic)
-        for length in (8, 11, 16, 21, 9, 30):
+        for length in (8, 11, 16, 21):
             ids = torch.randint(0, 64, (2, length))
             model(input_ids=ids, labels=ids).loss.backward()
         graphs[dynamic] = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
     assert graphs[None] <= 2, graphs
-    assert graphs[False] >= 6, graphs
+    assert graphs[False] >= 4, graphs
+
+
+def test_a_users_model_is_refused_compilation_where_known_to_break_reading_dropout_and_checkpointing_from_it():
+    """TrainingArguments(torch_compile=True) on a LoRA model with dropout in checkpointed layers, on a torch before 2.11
+    (faked): refused naming the setting and the fix; with dropout 0, or on torch 2.11, allowed."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3ForCausalLM
+
+    from ddp_ft.compilation import check_model_compile
+    from ddp_ft.model import tiny_qwen3_config
+
+    def model(dropout: float):
+        base = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2))
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return get_peft_model(base, LoraConfig(r=4, lora_dropout=dropout, target_modules=["q_proj", "v_proj"]))
+
+    def on_torch(version):
+        versions = {"torch": version, "bitsandbytes": (0, 50)}
+        return lambda *args, **kwargs: compile_blockers(*args, version=versions.get, **kwargs)
+
+    setting = "torch_compile=True"
+    with pytest.raises(ValueError, match=r"torch_compile=True: LoRA dropout 0.1 .*peft#3020.*--lora-dropout 0"):
+        check_model_compile(model(0.1), CPU, setting, backend="aot_eager", blockers=on_torch((2, 10)))
+    check_model_compile(model(0.0), CPU, setting, backend="aot_eager", blockers=on_torch((2, 10)))
+    check_model_compile(model(0.1), CPU, setting, backend="aot_eager", blockers=on_torch((2, 11)))

@@ -12,6 +12,7 @@ LAYERS = [
     {
         "ddp_ft.model",
         "ddp_ft.kernels",
+        "ddp_ft.compilation",
         "ddp_ft.memory",
         "ddp_ft.probe",
         "ddp_ft.tokenizer",
@@ -23,7 +24,7 @@ LAYERS = [
         "ddp_ft.integrations.checkpointing",
         "ddp_ft.perf_traps",
     },
-    {"ddp_ft.config", "ddp_ft.checkpoint", "ddp_ft.shared_fs", "ddp_ft.ladder"},
+    {"ddp_ft.config", "ddp_ft.defaults", "ddp_ft.checkpoint", "ddp_ft.shared_fs", "ddp_ft.ladder"},
     {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded"},
     {
         "ddp_ft.loop",

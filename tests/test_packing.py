@@ -114,7 +114,7 @@ def test_the_packing_setting_is_true_false_or_auto_from_flags_and_refused_otherw
     assert parse_settings(["--packing", "off"]).data.packing is False
     with pytest.raises(ValueError, match="DataSettings.packing=.yes.: choose true, false or .auto."):
         DataSettings(packing="yes")
-    with pytest.raises(ValueError, match="packing: 'yes' is a str; packing takes a bool or 'auto'"):
+    with pytest.raises(ValueError, match="packing: 'yes' is a str; packing takes true, false or 'auto'"):
         config_values({"packing": "yes"}, "run.yaml")
     with pytest.raises(SystemExit):
         parse_settings(["--packing", "maybe"])

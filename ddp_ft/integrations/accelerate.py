@@ -22,7 +22,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, DynamoBackend
 from accelerate.utils.other import is_compiled_module
 
-from ..compilation import check_compile_mode, compile_repeated_blocks, is_regionally_compiled, repeated_blocks
+from ..compilation import (
+    check_compile_mode,
+    check_model_compile,
+    compile_repeated_blocks,
+    is_regionally_compiled,
+    repeated_blocks,
+)
 from ..ddp import BucketedDDP, DDPSettings
 from ..perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
@@ -163,6 +169,8 @@ class BucketedAccelerator(Accelerator):
             return False
         if is_regionally_compiled(model):
             return True
+        setting = "torch_compile=True / dynamo_backend (regional compilation)"
+        check_model_compile(model, self.device, setting, backend=plugin.backend.value.lower())
         if not repeated_blocks(model):
             if self._wraps_with_bucketed_ddp(model, False):
                 logger.warning(
