@@ -8,7 +8,8 @@ no all-reduce overlaps it. torch's own DDP survives this only through Dynamo's D
 the last layers' gradients are ready, and their buckets on the wire, while the first layers still compute. The
 layers run the same code, so one compilation serves them all (a 36-layer model compiles one layer, not 36).
 
-In place (the layer's ``forward`` replaced by its compiled version): parameter names, ``state_dict`` keys,
+In place (the layer's ``forward`` replaced by its compiled version while gradients are recorded; evaluation runs
+eagerly): parameter names, ``state_dict`` keys,
 BucketedDDP's layout and checkpoints are those of the eager model. Hooks stay outside the compiled code, so a
 forward pre-hook marks the sequence dimension of each layer's inputs dynamic (``maybe_mark_dynamic``): a new padded
 length reuses the graph instead of recompiling it until Dynamo's limit, after which it would silently run eager.
@@ -76,6 +77,18 @@ def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+def _training_forward(eager: Callable, compiled: Callable) -> Callable:
+    """The compiled forward where gradients are recorded (training, and checkpointing's recomputation), the eager one
+    without (evaluation, generation): a no-grad pass would compile a second graph, and bitsandbytes' no-grad 4-bit
+    path fails to compile on the CPU (its fake kernel's strides). Evaluation is a small share of a run's time."""
+
+    def forward(*args, **kwargs):
+        return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
+
+    forward.compiled, forward.eager = compiled, eager
+    return forward
+
+
 def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
     """``torch.compile`` each block of the model's repeated layers in place (regional compilation).
 
@@ -102,7 +115,7 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
     for block in todo:
         if mark:
             block.register_forward_pre_hook(_mark_sequence_dynamic, with_kwargs=True)
-        block.forward = torch.compile(block.forward, **compile_kwargs)
+        block.forward = _training_forward(block.forward, torch.compile(block.forward, **compile_kwargs))
         setattr(block, COMPILED_FLAG, True)
     if todo:
         logger.info(

@@ -208,7 +208,6 @@ def _loop_runs(rank, world_size, root):
             output_dir=f"{root}/compile-{compile}",
             max_steps=STEPS,
             lora_dropout=0.0,  # the ranks' dropout masks aside, the two runs are the same computation
-            eval_fraction=0.0,
             report_to="none",
             bucket_cap_mb=0.02,
             first_bucket_cap_mb=0.02,
@@ -225,16 +224,18 @@ STEPS = 3
 def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_run_and_the_eager_losses(tmp_path):
     """The plain loop with --compile (TorchInductor), 2 gloo ranks, BucketedDDP: in every synced backward the first
     all-reduce launches with most decoder layers' backward still to run, as in the eager run; each step's loss and
-    gradient norm equal the eager run's to 1e-5 relative; metrics.jsonl counts the graphs, with no limit hit."""
+    gradient norm equal the eager run's to 1e-5 relative, and so does the final evaluation (no-grad passes run the layers
+    eagerly: compiled, bitsandbytes' no-grad 4-bit path crashed on the CPU); metrics.jsonl counts the graphs, with no
+    limit hit."""
     for rank, (eager, (left, layers)) in enumerate(run_distributed(_loop_runs, str(tmp_path), timeout=420)):
         assert all(nodes == 0 for _, nodes in eager[0]), eager
         assert len(left) == STEPS and all(nodes == layers and after >= layers - 1 for after, nodes in left), (
             f"rank {rank}: (compiled backward nodes done after the first launch, in all) per step: {left}, of {layers}"
         )
 
-    def steps(compile):
+    def steps(compile, kind="train"):
         rows = [json.loads(line) for line in (tmp_path / f"compile-{compile}" / "metrics.jsonl").open()]
-        return [row for row in rows if row.get("type") == "train"]
+        return [row for row in rows if row.get("type") == kind]
 
     assert (tmp_path / "compile-True" / "run_config.yaml").read_text().count("compile: true") == 1
     eager, compiled = steps(False), steps(True)
@@ -242,6 +243,9 @@ def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_r
     assert pairs(eager).shape == (STEPS, 2)
     assert_close(pairs(compiled), pairs(eager), rtol=1e-5, atol=0.0)
     assert all("compile/graphs" not in row for row in eager)
+    evaluated = [[row["eval_loss"] for row in steps(compile, "eval")] for compile in (False, True)]
+    assert len(evaluated[0]) == 1, evaluated
+    assert_close(torch.tensor(evaluated[1]), torch.tensor(evaluated[0]), rtol=1e-5, atol=0.0)
     assert all(row["compile/graphs"] >= 1 and row["compile/limit_hits"] == 0 for row in compiled), compiled
 
 
@@ -299,7 +303,7 @@ def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins
         model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2))
         prepared = accelerator.prepare(model)
         assert prepared is model and is_regionally_compiled(model)  # one process: no wrapper, compiled in place
-        compiled = repeated_blocks(model)[0].forward._torchdynamo_orig_callable  # the layer's own forward, compiled
+        compiled = repeated_blocks(model)[0].forward.compiled._torchdynamo_orig_callable  # the layer's own forward
         assert compiled.__self__ is repeated_blocks(model)[0]
         assert accelerator.state.dynamo_plugin.backend.value.lower() == "aot_eager"  # off for the prepare only
         assert accelerator.prepare(model) is model  # prepared again: compiled once

@@ -24,7 +24,7 @@ On CUDA (each step's expected seconds from the H100 run of 2026-11-26, ``../shar
 The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The H100 run of
 2026-11-26 made the reference shape's two modes (BucketedDDP against no wrapper at micro-batch 1: within noise) and
 Liger at micro-batch 1 (0.92x) redundant: they are gone. On the CPU (``--device cpu``, the smoke test) the loop's
-defaults on the tiny preset, two eager decomposition cells at tiny shapes, ``gpu_check`` and the ladder run; what needs
+defaults on the tiny preset, one decomposition cell (eager, checkpointing off) at tiny shapes, ``gpu_check`` and the ladder run; what needs
 CUDA is skipped with the reason.
 """
 
@@ -90,8 +90,8 @@ def plan_steps(
 
 
 DECOMPOSITION = [(compiled, ckpt, mb) for mb in ("auto", "mb1") for ckpt in (True, False) for compiled in (False, True)]
-# the smoke test's: checkpointing on and off (compilation under BucketedDDP is tested in tests/test_compile_overlap.py)
-CPU_CELLS = {"decomp_eager_ckpt_auto", "decomp_eager_nockpt_auto"}
+# the smoke test's: the cell with the new flag (compilation under BucketedDDP: tests/test_compile_overlap.py)
+CPU_CELLS = {"decomp_eager_nockpt_auto"}
 
 
 def cell_name(compiled: bool, ckpt: bool, mb: str) -> str:
