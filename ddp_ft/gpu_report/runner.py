@@ -42,7 +42,7 @@ class Step:
     """One step of the report: a command that writes its result JSON.
 
     Args:
-        name (str): short key, unique in the report (``bench_gpu_reference``).
+        name (str): short key, unique in the report (``loop_defaults``).
         title (str): what it measures, for the table.
         command (list[str]): the argv, run from the current folder.
         result (Path | None): the JSON the command writes (removed before it runs, read after). Default: none.
