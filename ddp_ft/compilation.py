@@ -95,7 +95,8 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
     Args:
         model (nn.Module): the unwrapped model (before BucketedDDP, or any DDP, wraps it).
         **compile_kwargs: ``torch.compile``'s (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
-            ``dynamic`` None (the default) marks the sequence dimension dynamic; False keeps every shape static.
+            ``dynamic`` None (the default) marks the sequence and batch dimensions dynamic; False keeps every shape
+            static.
 
     Returns:
         int: how many blocks were compiled (0 when they already were).
@@ -119,10 +120,10 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
         setattr(block, COMPILED_FLAG, True)
     if todo:
         logger.info(
-            "compile: %d %s blocks compiled in place (regional compilation, sequence length %s)",
+            "compile: %d %s blocks compiled in place (regional compilation, sequence length and batch size %s)",
             len(todo),
             type(todo[0]).__name__,
-            "dynamic" if mark else ("dynamic" if compile_kwargs.get("dynamic") else "static"),
+            "dynamic" if mark or compile_kwargs.get("dynamic") else "static",
         )
     return len(todo)
 
