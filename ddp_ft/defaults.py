@@ -4,9 +4,10 @@ One H100 (2026-11-26, ``../shared/gpu-runs/2026-11-26-h100``) trained the Qwen3-
 micro-batch 1 and eager layers: the host (Python, autograd, thousands of kernel launches per step) set the pace and the
 GPU idled. The same code did 9,561 tokens/s at micro-batch 16 and 20,720 with the decoder layers compiled. So on CUDA
 ``micro_batch: auto`` fills the GPU (``ddp_ft.setup.resolve_micro_batch``; the effective batch is kept, accumulation
-shrinks) and ``compile: auto`` compiles each decoder layer (``ddp_ft.compilation``). On the CPU neither pays: a CPU
-has no separate memory to fill, and a compiled tiny model trains no faster here than an eager one while compiling
-for tens of seconds; so ``auto`` means micro-batch 1 and eager there, as before.
+shrinks) and ``compile: auto`` compiles each decoder layer (``ddp_ft.compilation``). On the CPU ``auto`` keeps the
+settings the CPU runs were measured with, micro-batch 1 and eager: a CPU has no separate memory to fill, compiling
+costs each process about 20 s here (the tiny model's layer graph, 2026-11-26), and whether it pays on a CPU is not
+measured.
 
 Each default is resolved in place before anything loads, so ``run_config.yaml`` records what ran, and said once on
 rank 0. A number for ``--micro-batch`` or ``--no-compile`` turns either off. An explicit ``--compile`` where
@@ -66,7 +67,7 @@ def resolve_device_defaults(
         elif info.device.type != "cuda":
             model.compile = False
             say(
-                "compile: off (auto on %s: a compiled model trains no faster here; --compile turns it on)",
+                "compile: off (auto on %s: compiling costs each process tens of seconds; --compile turns it on)",
                 info.device.type,
             )
         elif found:
