@@ -152,6 +152,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "int | str": (int, str),
     "bool | str": (bool, str),
 }
+_OR_AUTO = {"int | str": "a int", "bool | str": "true, false"}  # what a field that also takes "auto" takes
 
 
 def _kind(annotation: object) -> str:
@@ -185,10 +186,8 @@ def _checked(key: str, kind: str, value: object, where: str) -> object:
         except ValueError:
             if kind == "float | str":
                 return value  # bucket_cap_mb: auto; the dataclass checks the word
-    if kind == "int | str" and isinstance(value, str) and value != AUTO:  # micro_batch: a number or auto
-        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes a int or {AUTO!r}.")
-    if kind == "bool | str" and isinstance(value, str) and value != AUTO:  # compile: true, false or auto
-        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes true, false or {AUTO!r}.")
+    if kind in _OR_AUTO and isinstance(value, str) and value != AUTO:  # micro_batch, compile, packing: or auto
+        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes {_OR_AUTO[kind]} or {AUTO!r}.")
     ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind not in ("bool", "bool | str"))
     if not ok:
         raise ValueError(f"{where}: {key}: {value!r} is a {type(value).__name__}; {key} takes a {kind}.")
@@ -311,9 +310,9 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     )
     for action in parser._actions:  # HfArgumentParser types a `float | str` field as float: take "auto" too
         if action.dest == "bucket_cap_mb":
-            action.type = _bucket_cap_arg
+            action.type = _number_or_auto(float, "a number of MiB")
         if action.dest == "micro_batch":  # `int | str` is typed int: take "auto" too
-            action.type = _micro_batch_arg
+            action.type = _number_or_auto(int, "a whole number of samples")
         if action.dest == "compile":  # `bool | str` is typed bool: take "auto" too (bare --compile: true)
             action.type, action.metavar = _switch_arg, "{true,false,auto}"
         if action.dest == "packing":  # `bool | str`: a yes/no word or "auto"
@@ -322,24 +321,18 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     return parser
 
 
-def _bucket_cap_arg(text: str) -> float | str:
-    """``--bucket-cap-mb``: a number of MiB or ``auto``."""
-    if text == AUTO:
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of MiB nor {AUTO!r}") from None
+def _number_or_auto(cast: type, what: str):
+    """An argparse type: ``auto``, or ``what`` read by ``cast`` (``--bucket-cap-mb``, ``--micro-batch``)."""
 
+    def parse(text: str) -> int | float | str:
+        if text == AUTO:
+            return text
+        try:
+            return cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither {what} nor {AUTO!r}") from None
 
-def _micro_batch_arg(text: str) -> int | str:
-    """``--micro-batch``: a whole number of samples or ``auto``."""
-    if text == AUTO:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number of samples nor {AUTO!r}") from None
+    return parse
 
 
 _SWITCH_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(("false", "no", "off", "0"), False)

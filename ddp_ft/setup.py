@@ -139,12 +139,12 @@ def resolve_micro_batch(
 
     The entry points then probe the built model (:func:`probe_run_micro_batch`), which decides: the arithmetic
     knows Qwen3 shapes in eager mode only (``--compile`` took 1.84x its expected peak on an H100). It remains the
-    guess the data and the resume position are checked with, and the CPU refusal.
+    guess the data and the resume position are checked with.
 
     The arithmetic of ``ddp_ft.memory.auto_micro_batch`` at ``max_seq_len``, with the run's dtype, layout and LoRA
     rank, against the device's total memory (``torch.cuda.mem_get_info``; under a process group the smallest of the
-    ranks', so that every rank makes the same choice). On the CPU there is no device memory to
-    fill (the host's RAM is shared with everything else), so ``auto`` is refused there: give a number.
+    ranks', so that every rank makes the same choice). The entry points call it on CUDA only (on the CPU ``auto``
+    is 1: ``ddp_ft.defaults``); a caller on another device must give ``device_bytes``.
 
     Args:
         settings (RunSettings): the run's settings.
@@ -157,7 +157,8 @@ def resolve_micro_batch(
         and for a model whose config is not Qwen3-shaped (the probe decides alone).
 
     Raises:
-        ValueError: on the CPU, or when micro-batch 1 does not fit by the arithmetic; naming --micro-batch.
+        ValueError: off CUDA without ``device_bytes``, or when micro-batch 1 does not fit by the arithmetic; naming
+            --micro-batch.
     """
     if device_bytes is None:
         if info.device.type != "cuda":

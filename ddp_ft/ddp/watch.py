@@ -41,6 +41,22 @@ DATA_WAIT_SHARE = 0.10  # the share of a step past which waiting for data is wor
 DATA_WAIT_FLOOR_MS = 1.0  # and the wait itself: below a millisecond a toy model's step is all there is to see
 
 
+class OptimizerMatch:
+    """Whether an optimizer steps any of these parameters: decided once per optimizer, kept weakly (torch's global
+    optimizer step hooks see every optimizer of the process, and only ours concern a check)."""
+
+    def __init__(self, params) -> None:
+        self._ids = {id(p) for p in params}
+        self._holds: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
+        holds = self._holds.get(optimizer)
+        if holds is None:
+            holds = any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
+            self._holds[optimizer] = holds
+        return holds
+
+
 class StepWatch:
     """Watches the optimizer steps over one BucketedDDP's parameters (see the module docstring).
 
@@ -52,8 +68,7 @@ class StepWatch:
 
     def __init__(self, wrapper: torch.nn.Module) -> None:
         self._wrapper = weakref.ref(wrapper)
-        self._params = {id(p) for p in wrapper._params}
-        self._holds: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._watches = OptimizerMatch(wrapper._params)
         self._seen_synced = self._seen_unsynced = 0
         self._previous_synced = 0  # synced backwards before the last step
         self._steps = 0
@@ -138,13 +153,6 @@ class StepWatch:
             f"(or logging). DataLoader num_workers in this process: {workers or 'none found'}; raise num_workers "
             "(and pin_memory=True on GPUs), or pre-tokenize the data, before blaming the scaling.",
         )
-
-    def _watches(self, optimizer: torch.optim.Optimizer) -> bool:
-        holds = self._holds.get(optimizer)
-        if holds is None:
-            holds = any(id(p) in self._params for group in optimizer.param_groups for p in group["params"])
-            self._holds[optimizer] = holds
-        return holds
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Read what happened since the last step of a watched optimizer; raise or warn (module docstring).

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..ddp.watch import OptimizerMatch
 from ..memory import AUTO_MARGIN
 
 logger = logging.getLogger(__name__)
@@ -214,8 +215,7 @@ class IdleDeviceCheck:
 
     def __init__(self, model: torch.nn.Module, profiler: StepProfiler, fix: Callable[[MicroBatchAdvice], str]) -> None:
         self._profiler, self._fix = profiler, fix
-        self._params = {id(p) for p in model.parameters() if p.requires_grad}
-        self._holds: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._watches = OptimizerMatch(p for p in model.parameters() if p.requires_grad)
         self._steps = self._tries = 0
         self._armed = self._measuring = self._done = False  # done: the hooks go at the next forward (on_forward)
         self._forwards = self._rows = 0
@@ -300,13 +300,6 @@ class IdleDeviceCheck:
             f"GB){batch}: up to {advice.gain:.1f}x the tokens/s. {self._fix(advice)}"
         )
         logger.warning(self.message)
-
-    def _watches(self, optimizer: torch.optim.Optimizer) -> bool:
-        holds = self._holds.get(optimizer)
-        if holds is None:
-            holds = any(id(p) in self._params for group in optimizer.param_groups for p in group["params"])
-            self._holds[optimizer] = holds
-        return holds
 
 
 # The check of each model, kept while the model lives (the check holds neither the model nor itself).
