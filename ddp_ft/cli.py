@@ -124,15 +124,16 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
     prog = f"ddp-ft {name}"
     if name in ("train", "recipe"):
         from .config import gradient_accumulation_steps, parse_settings
+        from .model_source import check_model_source, choose_default
 
         extra = parents
-        preset = ""
         if name == "recipe":
-            from .commands.recipe import default_preset, recipe_parser
+            from .commands.recipe import recipe_parser
 
-            extra, preset = [recipe_parser(), *parents], default_preset()
+            extra = [recipe_parser(), *parents]
         try:
-            settings = parse_settings(argv, extra, preset, prog)
+            settings = parse_settings(argv, extra, choose_default(argv).preset, prog)
+            check_model_source(settings.model.model_name_or_path)  # an unreachable hub id: seconds, not a minute
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
             _check_kernels(settings.model.liger, settings.model.compile)

@@ -37,8 +37,9 @@ from .integrations.launch import check_accelerate_launch
 from .kernels import apply_liger_to_qwen3, check_kernel_settings
 from .memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model import EMBEDDED_MODEL, build_tiny_qwen3, check_device_map, load_qlora_model
+from .model_source import check_model_source
 from .probe import MicroBatchProbe, probe_micro_batch
-from .tokenizer import build_tiny_tokenizer, load_tokenizer
+from .tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -79,6 +80,7 @@ def resolve_model_and_tokenizer(model_name_or_path: str, info: DistInfo) -> tupl
     """Hub ids and folders pass through; the embedded default is built here once (local rank 0 builds,
     the others wait), then loaded through ``from_pretrained`` like any hub model."""
     if model_name_or_path != EMBEDDED_MODEL:
+        check_model_source(model_name_or_path)  # scripts/train.py and the recipe under their own launchers too
         return model_name_or_path, model_name_or_path
     tokenizer_dir = cache_dir() / "tiny-tokenizer"
     if info.local_rank == 0:
@@ -242,7 +244,7 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
     t = settings.train
     accumulation, device_map = check_run_settings(settings, info)
     model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, settings.data.chat_template)
     splits = load_raw_splits(settings.data)
     train_set, truncation = tokenize_dataset(splits["train"], tokenizer, settings.data)
     eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
@@ -304,12 +306,7 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
     seed_everything(settings.train.seed)
     model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": parts.model_path})
     model = load_qlora_model(model_settings, settings.lora, parts.device_map, info.world_size)
-    embeddings = model.get_input_embeddings().num_embeddings
-    if len(parts.tokenizer) > embeddings:
-        raise ValueError(
-            f"the tokenizer has {len(parts.tokenizer)} tokens but the model's embedding only {embeddings}: "
-            "use the tokenizer that belongs to --model-name-or-path."
-        )
+    check_vocabulary(parts.tokenizer, model.get_input_embeddings().num_embeddings)
     if parts.packing:  # the attention implementation is known now: refuse one that would mix packed sequences
         check_packed_model(model)
     parts.faults.attach(model)

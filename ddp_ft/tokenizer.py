@@ -1,12 +1,16 @@
-"""Tokenizers: the embedded tiny byte-level BPE, and loading any tokenizer with a ChatML fallback.
+"""Tokenizers: the embedded tiny byte-level BPE, and loading any causal LM's tokenizer ready to train.
 
-Every tokenizer leaves here with a chat template, a pad token and right padding, so the data pipeline never
-has to ask. A tokenizer without a template (a base model's, or a bare ``vocab.json`` + ``merges.txt``) gets
-ChatML, the format Qwen models are fine-tuned in.
+Every tokenizer leaves here with a chat template, a pad token and right padding, so the data pipeline never has to
+ask, and with no token added: a QLoRA run trains LoRA adapters only, never the embedding, so a token the model's
+embedding lacks could not be learned (and an id past the embedding would crash). ``--chat-template`` picks the
+format (``DataSettings.chat_template``): the tokenizer's own template, else a plain one written with the tokenizer's
+own bos/eos (``auto``); ChatML, for a tokenizer whose vocabulary holds ``<|im_start|>``/``<|im_end|>``; or a Jinja
+file.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,6 +22,11 @@ from .synthetic import generate_synthetic_meetings
 logger = logging.getLogger(__name__)
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+AUTO, CHATML, PLAIN = "auto", "chatml", "plain"
+CHAT_TEMPLATES = (AUTO, CHATML, PLAIN)  # DataSettings.chat_template: one of these, or a Jinja file
+PLAIN_SEPARATOR = "\n\n### Response:\n"  # the plain template's generation prompt, between transcript and answer
+# Tokens that end a text in common vocabularies, for a tokenizer that names no eos token (first found wins).
+_EOS_CANDIDATES = ("</s>", ENDOFTEXT, "<|end_of_text|>", "<eos>")
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -114,17 +123,25 @@ def _bare_bpe_folder(name_or_path: str) -> bool:
     )
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, chat_template: str = AUTO):
     """``AutoTokenizer.from_pretrained`` plus what training needs: a chat template, a pad token, right padding.
 
     A folder holding only a byte-level BPE ``vocab.json`` + ``merges.txt`` (which ``AutoTokenizer`` cannot place)
-    is loaded as a ``Qwen2Tokenizer``. See ``ensure_chat_format`` for the rest.
+    is loaded as a ``Qwen2Tokenizer`` with Qwen's own special tokens, which its ``vocab.json`` leaves out
+    (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` at 151643-151645, inside Qwen's embedding) and Qwen's ChatML
+    template. See ``ensure_chat_format`` for the rest; a template other than the tokenizer's own is logged.
 
     Args:
         name_or_path (str): hub id or local folder.
+        chat_template (str): ``auto``, ``chatml``, ``plain`` or a Jinja file (``DataSettings.chat_template``).
+            Default: auto
 
     Returns:
         PreTrainedTokenizerBase: ready for ``tokenize_dataset`` and the collator.
+
+    Raises:
+        ValueError: ``chatml`` for a vocabulary without its tokens, or no eos token for the plain template; each
+            naming the fix.
     """
     from transformers import AutoTokenizer
 
@@ -133,36 +150,153 @@ def load_tokenizer(name_or_path: str):
 
         logger.info("%s holds only vocab.json + merges.txt: loading it as a Qwen2 byte-level BPE", name_or_path)
         tokenizer = Qwen2Tokenizer.from_pretrained(name_or_path)
+        tokenizer.add_tokens([t for t in (IM_START, IM_END) if t not in tokenizer.get_vocab()], special_tokens=True)
+        tokenizer.chat_template = tokenizer.chat_template or CHATML_TEMPLATE
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    return ensure_chat_format(tokenizer)
+    own = bool(tokenizer.chat_template)
+    ensure_chat_format(tokenizer, chat_template)
+    if not (own and chat_template == AUTO):
+        logger.info("chat template: %s", describe_template(tokenizer, chat_template, own))
+    return tokenizer
 
 
-def ensure_chat_format(tokenizer):
-    """Give ``tokenizer`` a chat template, a pad token and right padding (in place; returned for chaining).
+def describe_template(tokenizer, chat_template: str, own: bool) -> str:
+    """The template choice in words, for the log: which template and why."""
+    if chat_template == AUTO:
+        if own:
+            return "the tokenizer's own"
+        bos = f"{tokenizer.bos_token} + " if _adds_bos(tokenizer) else ""
+        return (
+            f"plain ({tokenizer.name_or_path} has no chat template): {bos}instruction + transcript + "
+            f"{PLAIN_SEPARATOR!r} + answer + {tokenizer.eos_token}, no token added; --chat-template chooses another"
+        )
+    return "ChatML (--chat-template chatml)" if chat_template == CHATML else f"--chat-template {chat_template}"
 
-    Without a chat template it gets ``CHATML_TEMPLATE``, and ``<|im_start|>`` / ``<|im_end|>`` are added as special
-    tokens if the vocabulary lacks them (for the Qwen2 vocabulary they get Qwen's ids, 151644 and 151645; the
-    model's embedding must cover ``len(tokenizer)``). ``eos_token`` is kept if set (generation should also stop
-    at ``<|im_end|>``), else set to ``<|im_end|>``. The pad token is kept if set, else ``<|endoftext|>`` if in
-    the vocabulary, else eos; labels are padded with -100 separately, so pad == eos never masks the answer's end.
+
+def ensure_chat_format(tokenizer, chat_template: str = AUTO):
+    """Give ``tokenizer`` a chat template, an eos and pad token and right padding, adding no token (in place;
+    returned for chaining).
+
+    The template (``chat_template``): ``auto`` keeps the tokenizer's own, else the plain one (``plain_template``);
+    ``chatml`` sets ``CHATML_TEMPLATE``, refused when the vocabulary lacks ``<|im_start|>``/``<|im_end|>``;
+    ``plain``; or the text of a Jinja file. The eos token is kept if set; else ChatML's ``<|im_end|>`` under ChatML;
+    else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>`` in the vocabulary (logged); the
+    plain template refuses a tokenizer with none (an answer must end with one for the model to learn to stop). The
+    pad token is kept if set, else ``<|endoftext|>`` if in the vocabulary, else eos; labels are padded with -100
+    separately, so pad == eos never masks the answer's end.
+
+    Raises:
+        ValueError: ``chatml`` without its tokens, the plain template without an eos token, nothing to pad with;
+            each naming the setting or file to change.
     """
-    if not tokenizer.chat_template:
-        vocab = tokenizer.get_vocab()
+    vocab = tokenizer.get_vocab()
+    if chat_template == CHATML:
         missing = [token for token in (IM_START, IM_END) if token not in vocab]
         if missing:
-            tokenizer.add_tokens(missing, special_tokens=True)
+            raise ValueError(
+                f"--chat-template chatml (DataSettings.chat_template): the vocabulary of {tokenizer.name_or_path} "
+                f"has no {' and no '.join(missing)}; ddp_ft adds no tokens (QLoRA does not train the embedding). "
+                f"Use --chat-template plain (or auto), or a Jinja file written with this tokenizer's own tokens."
+            )
         tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.eos_token = tokenizer.eos_token or IM_END
+    elif chat_template not in (AUTO, PLAIN):
+        tokenizer.chat_template = Path(chat_template).read_text()
+    if tokenizer.eos_token is None:
+        _fallback_eos(tokenizer, vocab)
+    if chat_template == PLAIN or not tokenizer.chat_template:
         if tokenizer.eos_token is None:
-            tokenizer.eos_token = IM_END
-        logger.warning(
-            "%s has no chat template: using the ChatML fallback (added special tokens: %s)",
-            tokenizer.name_or_path,
-            missing or "none",
-        )
+            raise ValueError(
+                f"{tokenizer.name_or_path} has no eos token, and the plain chat template ends every answer with it "
+                "(so the model learns to stop): set eos_token in its tokenizer_config.json to the token the model "
+                "ends a text with, or give --chat-template a Jinja file."
+            )
+        tokenizer.chat_template = plain_template(tokenizer.bos_token if _adds_bos(tokenizer) else None)
     if tokenizer.pad_token is None:
-        tokenizer.pad_token = ENDOFTEXT if ENDOFTEXT in tokenizer.get_vocab() else tokenizer.eos_token
+        tokenizer.pad_token = ENDOFTEXT if ENDOFTEXT in vocab else tokenizer.eos_token
         if tokenizer.pad_token is None:
-            raise ValueError(f"{tokenizer.name_or_path}: no pad token, no {ENDOFTEXT!r} and no eos token to pad with.")
+            raise ValueError(
+                f"{tokenizer.name_or_path}: no pad token, no {ENDOFTEXT!r} and no eos token to pad with: set "
+                "pad_token (or eos_token) in its tokenizer_config.json to a token of its vocabulary."
+            )
     tokenizer.padding_side = "right"
     return tokenizer
+
+
+def plain_template(bos_token: str | None) -> str:
+    """A chat template made of text and the tokenizer's own bos/eos, for a tokenizer without one.
+
+    ``[bos] user turn + PLAIN_SEPARATOR + answer + eos``: the user turn is the instruction and the transcript
+    (``tokenize_dataset``); the separator is the generation prompt, so the prompt ends with it and the answer, which
+    carries the loss, ends with eos. Further user turns are joined by a blank line.
+
+    Args:
+        bos_token (str | None): written first, for a tokenizer that starts its encodings with it (Llama's);
+            ``apply_chat_template`` encodes without adding special tokens. None: nothing.
+    """
+    separator = json.dumps(PLAIN_SEPARATOR)  # a Jinja string literal, its newlines escaped
+    return (
+        ("{{- bos_token }}" if bos_token else "")
+        + "{%- for message in messages %}"
+        + "{%- if message['role'] == 'assistant' %}{{- "
+        + separator
+        + " + message['content'] + eos_token }}"
+        + "{%- else %}{%- if not loop.first %}{{- '\\n\\n' }}{%- endif %}{{- message['content'] }}{%- endif %}"
+        + "{%- endfor %}"
+        + "{%- if add_generation_prompt %}{{- "
+        + separator
+        + " }}{%- endif %}"
+    )
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Whether encoding text starts with the bos token (Llama's tokenizers do; byte-level BPEs mostly do not)."""
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def _fallback_eos(tokenizer, vocab: dict[str, int]) -> None:
+    """Set eos to the first conventional end token the vocabulary holds, if any, and say so."""
+    for token in _EOS_CANDIDATES:
+        if token in vocab:
+            tokenizer.eos_token = token
+            logger.info("%s sets no eos token: using %r, its vocabulary's end token", tokenizer.name_or_path, token)
+            return
+
+
+def check_vocabulary(tokenizer, embeddings: int) -> None:
+    """Refuse a tokenizer with ids past the model's embedding, naming which case it is and its fix.
+
+    Either the tokenizer's own vocabulary is larger (it is another model's tokenizer), or tokens were added to it
+    after the model was saved (its ``added_tokens``): QLoRA trains no embedding row, so neither can be trained.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the run's, from ``load_tokenizer`` (which adds no token).
+        embeddings (int): rows of the model's input embedding.
+
+    Raises:
+        ValueError: ``len(tokenizer) > embeddings``, with both numbers and what to do.
+    """
+    size = len(tokenizer)
+    if size <= embeddings:
+        return
+    head = (
+        f"the tokenizer of {tokenizer.name_or_path} has {size} tokens but the model's embedding only {embeddings} "
+        f"rows (ids {embeddings} to {size - 1} have none; QLoRA trains no embedding rows and ddp_ft adds no tokens)"
+    )
+    if tokenizer.vocab_size > embeddings:
+        raise ValueError(
+            f"{head}: its own vocabulary has {tokenizer.vocab_size} tokens, so it is another model's tokenizer. "
+            "Train a model with the tokenizer saved beside it: --model-name-or-path a folder (or hub id) holding "
+            "both, from the same save_pretrained or download."
+        )
+    past = sorted((i, t) for t, i in tokenizer.get_added_vocab().items() if i >= embeddings)
+    shown = ", ".join(f"{t!r} ({i})" for i, t in past[:5]) + (", ..." if len(past) > 5 else "")
+    raise ValueError(
+        f"{head}: {len(past)} token(s) were added to the tokenizer after the model was saved: {shown}. Remove them "
+        "from its files (added_tokens in tokenizer.json, added_tokens.json), or train a model whose embedding was "
+        "resized to hold them (model.resize_token_embeddings, then trained and saved)."
+    )

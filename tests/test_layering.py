@@ -25,7 +25,7 @@ LAYERS = [
         "ddp_ft.perf_traps",
     },
     {"ddp_ft.config", "ddp_ft.defaults", "ddp_ft.checkpoint", "ddp_ft.shared_fs", "ddp_ft.ladder"},
-    {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded"},
+    {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded", "ddp_ft.model_source"},
     {
         "ddp_ft.loop",
         "ddp_ft.steps",

@@ -1,16 +1,20 @@
-"""The embedded tiny tokenizer (deterministic, idempotent, atomic, ChatML) and the ChatML fallback of load_tokenizer."""
+"""The embedded tiny tokenizer (deterministic, idempotent, atomic, ChatML), and any tokenizer made ready to train
+without a token added: the plain template for one without a chat template, ``--chat-template chatml|plain|PATH``, an
+eos/pad fallback or a refusal, and the refusal of a tokenizer larger than the model's embedding naming its cause."""
 
 import time
 from pathlib import Path
 
 import pytest
 
+from ddp_ft.data import DataSettings
 from ddp_ft.tokenizer import (
     CHATML_TEMPLATE,
     ENDOFTEXT,
     IM_END,
     IM_START,
     build_tiny_tokenizer,
+    check_vocabulary,
     ensure_chat_format,
     load_tokenizer,
 )
@@ -63,16 +67,73 @@ def test_tiny_tokenizer_round_trips_any_text_byte_level(tiny_dir):
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
 
 
-def test_chatml_fallback_for_template_less_tokenizer_adds_tokens_and_pads_with_eos_when_no_endoftext():
+def _word_tokenizer(words: list[str], **special: str):
+    """A template-less WordLevel tokenizer over ``words`` (id = position), with the special tokens given."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "</s>": 2}, unk_token="[UNK]"))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = ensure_chat_format(PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", padding_side="left"))
-    assert tok.chat_template == CHATML_TEMPLATE
-    assert tok.convert_tokens_to_ids([IM_START, IM_END]) == [3, 4]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left", **special)
+
+
+WORDS = ["[UNK]", "hello", "</s>", "Summarize", ":", "we", "chose", "yellow", ".", "Yellow", "#", "Response"]
+
+
+def test_template_less_tokenizer_gets_the_plain_template_with_its_own_eos_and_no_token_added():
+    tok = _word_tokenizer(WORDS, eos_token="</s>")
+    ensure_chat_format(tok)
+    assert len(tok) == len(WORDS) and IM_START not in tok.get_vocab()
+    assert tok.apply_chat_template(CONVERSATION, tokenize=False) == (
+        "Summarize: we chose yellow.\n\n### Response:\nYellow.</s>"
+    )
+    prompt = tok.apply_chat_template(CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == "Summarize: we chose yellow.\n\n### Response:\n"
+    assert tok.apply_chat_template(CONVERSATION)["input_ids"][-1] == 2  # the answer ends with the tokenizer's eos
     assert (tok.pad_token, tok.padding_side) == ("</s>", "right")
+
+
+def test_chatml_is_refused_for_a_vocabulary_without_its_tokens_naming_them_and_the_plain_template():
+    with pytest.raises(ValueError, match=r"chatml.*has no <\|im_start\|> and no <\|im_end\|>.*--chat-template plain"):
+        ensure_chat_format(_word_tokenizer(WORDS, eos_token="</s>"), "chatml")
+
+
+def test_chatml_plain_and_a_jinja_file_replace_a_tokenizers_own_template_without_adding_tokens(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    plain = load_tokenizer(str(tiny_dir), "plain")
+    assert plain.apply_chat_template(CONVERSATION, tokenize=False).endswith("### Response:\nYellow.<|im_end|>")
+    template = tmp_path / "mine.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}")
+    assert DataSettings(chat_template=str(template)).chat_template == str(template)
+    mine = load_tokenizer(str(tiny_dir), str(template))
+    assert mine.apply_chat_template(CONVERSATION, tokenize=False).startswith("user> Summarize")
+    bare = AutoTokenizer.from_pretrained(str(tiny_dir))
+    bare.chat_template, size = None, len(bare)
+    assert ensure_chat_format(bare, "chatml").chat_template == CHATML_TEMPLATE and len(bare) == size
+
+
+def test_chat_template_setting_refuses_an_unknown_word_or_missing_file_naming_the_setting():
+    with pytest.raises(ValueError, match=r"chat_template='llama3' \(--chat-template\): neither one of auto, chatml"):
+        DataSettings(chat_template="llama3")
+
+
+def test_missing_eos_takes_the_vocabularys_end_token_and_without_one_is_refused_naming_the_file():
+    fallback = ensure_chat_format(_word_tokenizer(WORDS))  # no eos, no pad set; "</s>" in the vocabulary
+    assert (fallback.eos_token, fallback.pad_token) == ("</s>", "</s>")
+    words = [w for w in WORDS if w != "</s>"]
+    with pytest.raises(ValueError, match="has no eos token.*set eos_token in its tokenizer_config.json"):
+        ensure_chat_format(_word_tokenizer(words))
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_naming_the_real_cause():
+    check_vocabulary(_word_tokenizer(WORDS), len(WORDS))  # fits: nothing to say
+    with pytest.raises(ValueError, match=r"has 12 tokens but the model's embedding only 8 rows.*another model's"):
+        check_vocabulary(_word_tokenizer(WORDS), 8)
+    added = _word_tokenizer(WORDS)
+    added.add_tokens(["<tool>", "<think>"], special_tokens=True)
+    with pytest.raises(ValueError, match=r"2 token\(s\) were added.*'<tool>' \(12\), '<think>' \(13\)"):
+        check_vocabulary(added, len(WORDS))
 
 
 def test_existing_chat_template_and_pad_token_are_kept(tiny_dir):

@@ -1,18 +1,15 @@
 """The Trainer path of the reference recipe (``recipes/qwen_ami.py``, ``ddp-ft recipe``): the HF Trainer (or TRL's
 SFTTrainer) with BucketedDDP, on the same model, data and settings as the plain loop.
 
-Without a preset (``--preset``, or ``preset:`` in the ``--config`` file) it picks ``qwen3-4b-ami`` when CUDA is
-available and ``tiny`` otherwise, and says so in its first log line.
+A run that names no model starts from ``qwen3-4b-ami`` with CUDA and the embedded ``tiny`` without, as ``ddp-ft train``
+does (``ddp_ft.model_source``), and says so in its first log line.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Sequence
-
-import torch
 
 from ..config import RunSettings, parse_settings, write_run_config
 from ..distributed import (
@@ -25,6 +22,7 @@ from ..distributed import (
 )
 from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
 from ..integrations.stock import FIND_UNUSED, check_stock_settings
+from ..model_source import choose_default, log_choice
 from ..setup import check_run_settings
 from ..shared_fs import check_shared_resume, prepare_output_dir
 
@@ -52,11 +50,6 @@ def recipe_parser() -> argparse.ArgumentParser:
     return own
 
 
-def default_preset() -> str:
-    """The preset when none is named: the reference run with CUDA, the embedded tiny run without."""
-    return "qwen3-4b-ami" if torch.cuda.is_available() else "tiny"
-
-
 def main(
     argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
 ) -> None:
@@ -70,13 +63,11 @@ def main(
     with failure_recorded():  # an exception on any rank reaches the launcher's summary: rank, host, traceback
         own = recipe_parser()
         entry, _ = own.parse_known_args(argv)
-        settings = parse_settings(argv, [own, *parents], default_preset(), prog)  # --help: all
+        choice = choose_default(argv)
+        settings = parse_settings(argv, [own, *parents], choice.preset, prog)  # --help: all
         info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
         setup_logging(info)
-        named = any(a.split("=")[0] in ("--preset", "--config") for a in (sys.argv[1:] if argv is None else argv))
-        why = "CUDA available" if torch.cuda.is_available() else "no CUDA: the embedded tiny default"
-        why = "from --preset or --config" if named else why
-        logger.info("preset %s (%s), %d process(es)", settings.preset or "none", why, info.world_size)
+        log_choice(settings, choice, info.world_size)
         try:
             _train(settings, info, entry.trainer, entry.stock_find_unused)
         finally:

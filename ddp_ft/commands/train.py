@@ -2,6 +2,9 @@
 
 python -m ddp_ft.commands.train --preset tiny                                # one process
 torchrun --standalone --nproc_per_node=2 -m ddp_ft.commands.train --config configs/tiny.yaml
+
+A run that names no model starts from ``qwen3-4b-ami`` with CUDA and the embedded ``tiny`` without, as the recipe does
+(``ddp_ft.model_source``), and says so in its first log line.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from ..config import parse_settings
 from ..distributed import destroy_distributed, failure_recorded, init_distributed, setup_logging
 from ..loop import train
+from ..model_source import choose_default, log_choice
 
 logger = logging.getLogger("ddp_ft.train")
 
@@ -28,9 +32,11 @@ def main(
         prog (str | None): the command named in usage and errors. Default: the script's name
     """
     with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
-        settings = parse_settings(argv, parents, prog=prog)
+        choice = choose_default(argv)
+        settings = parse_settings(argv, parents, choice.preset, prog)
         info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
         setup_logging(info)
+        log_choice(settings, choice, info.world_size)
         try:
             result = train(settings, info)
             if info.is_main_process:

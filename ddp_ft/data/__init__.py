@@ -1,4 +1,4 @@
-"""Meeting transcripts -> ChatML prompt/answer ids -> truncated, label-masked samples -> per-rank batches.
+"""Meeting transcripts -> chat-formatted prompt/answer ids -> truncated, label-masked samples -> per-rank batches.
 
 The pipeline, one module per stage:
 

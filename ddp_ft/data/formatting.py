@@ -1,5 +1,6 @@
-"""Chat formatting and truncation: a (dialogue, summary) pair becomes ChatML prompt and answer ids, cut to
-``max_seq_len`` in the middle of the transcript, with loss only on the answer."""
+"""Chat formatting and truncation: a (dialogue, summary) pair becomes prompt and answer ids through the tokenizer's
+chat template (its own, ChatML or the plain one: ``ddp_ft.tokenizer``), cut to ``max_seq_len`` in the middle of the
+transcript, with loss only on the answer."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def truncate_example(
 ) -> TruncatedExample:
     """Fit prompt + answer into ``max_len`` tokens, cutting the prompt in its middle and the answer at its end.
 
-    A prompt is ``<|im_start|>user\\n{instruction}\\n\\n{transcript}<|im_end|>\\n<|im_start|>assistant\\n``: its
+    A prompt is e.g. ``<|im_start|>user\\n{instruction}\\n\\n{transcript}<|im_end|>\\n<|im_start|>assistant\\n``: its
     head holds the template and the instruction, its tail the generation prompt the model answers after, so
     both are kept and the transcript loses its middle. The answer first gives up its end, keeping at most
     ``max_len - min(len(prompt), min_prompt_tokens)`` tokens (never fewer than one); then the prompt keeps its
@@ -168,7 +169,8 @@ def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
 
     Args:
         raw (datasets.Dataset): from ``load_raw_splits``.
-        tokenizer (PreTrainedTokenizerBase): with a chat template (``load_tokenizer`` guarantees one).
+        tokenizer (PreTrainedTokenizerBase): with a chat template (``load_tokenizer`` guarantees one, adding no
+            token).
         settings (DataSettings): ``instruction`` and ``max_seq_len``.
         num_proc (int): worker processes for ``Dataset.map``. Default: 1
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ddp.autotune import AUTO
+from ..tokenizer import CHAT_TEMPLATES
 
 IGNORE_INDEX = -100
 SYNTHETIC = "synthetic"
@@ -61,6 +62,14 @@ class DataSettings:
         default="Summarize the following meeting transcript.",
         metadata={"help": "Instruction put before the transcript in the user turn."},
     )
+    chat_template: str = field(
+        default="auto",
+        metadata={
+            "help": "How prompt and answer are written: auto (the tokenizer's own chat template, else plain), "
+            "plain (instruction + transcript, '### Response:', answer + the tokenizer's eos; for base models), "
+            "chatml (needs <|im_start|>/<|im_end|> in the vocabulary), or a Jinja file. No token is ever added."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not self.source or not self.source.strip():
@@ -93,6 +102,11 @@ class DataSettings:
             )
         if self.packing not in (True, False, AUTO) or not isinstance(self.packing, bool | str):
             raise ValueError(f"DataSettings.packing={self.packing!r}: choose true, false or {AUTO!r}.")
+        if self.chat_template not in CHAT_TEMPLATES and not Path(self.chat_template).is_file():
+            raise ValueError(
+                f"DataSettings.chat_template={self.chat_template!r} (--chat-template): neither one of "
+                f"{', '.join(CHAT_TEMPLATES)} nor an existing Jinja file; give a choice or the path of a file."
+            )
         if self.num_synthetic < 2:
             raise ValueError(f"DataSettings.num_synthetic={self.num_synthetic}: must be >= 2 (train and eval).")
 
