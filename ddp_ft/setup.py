@@ -248,6 +248,9 @@ def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
     splits = load_raw_splits(settings.data)
     train_set, truncation = tokenize_dataset(splits["train"], tokenizer, settings.data)
     eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
+    if info.is_main_process and truncation.advice():  # the synthetic meetings are cut on purpose: a short CPU run
+        level = logging.INFO if settings.data.source_kind == "synthetic" else logging.WARNING
+        logger.log(level, "%s", truncation.advice())
     if len(train_set) < t.effective_batch:
         least = t.micro_batch * info.world_size  # the smallest effective batch this world size can train
         if len(train_set) < least:

@@ -5,6 +5,7 @@ import csv
 import json
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -519,3 +520,18 @@ def test_the_tokenizer_builds_from_the_synthetic_generator_without_importing_the
     code = "import sys, ddp_ft.tokenizer; assert 'ddp_ft.data' not in sys.modules, sorted(sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_a_cut_names_the_longest_sample_and_the_setting_and_no_cut_says_nothing(tiny_tokenizer):
+    """The truncation report measures the longest sample before cutting (what --max-seq-len must reach to keep every
+    sample whole), and its advice names the setting; data that fits gets no advice."""
+    settings = DataSettings(source="synthetic", num_synthetic=24, max_seq_len=256, eval_fraction=0.0)
+    raw = load_raw_splits(settings)["train"]
+    whole, fits = tokenize_dataset(raw, tiny_tokenizer, replace(settings, max_seq_len=8192))
+    longest = max(len(ids) for ids in whole["input_ids"])
+    _, cut = tokenize_dataset(raw, tiny_tokenizer, settings)
+    assert cut.longest == fits.longest == longest > 256
+    assert fits.advice() is None
+    advice = cut.advice()
+    assert f"raise --max-seq-len (up to {longest} keeps every sample whole" in advice
+    assert advice.startswith(f"24 samples, {cut.prompt_cut} prompts")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .settings import (
@@ -97,11 +97,24 @@ class TruncationReport:
     prompt_cut: int
     answer_cut: int
     max_len: int
+    longest: int = field(default=0, compare=False)  # prompt + answer tokens of the longest sample, before cutting
 
     def __str__(self) -> str:
         return (
             f"{self.samples} samples, {self.prompt_cut} prompts and {self.answer_cut} answers cut to "
             f"{self.max_len} tokens"
+        )
+
+    def advice(self) -> str | None:
+        """What a cut costs and the setting that avoids it, when any sample was cut; None when none was."""
+        if not (self.prompt_cut or self.answer_cut):
+            return None
+        share = max(self.prompt_cut, self.answer_cut) / self.samples
+        return (
+            f"{self} ({share:.0%} of the training samples; the longest has {self.longest} tokens): a cut prompt "
+            "loses the middle of its input, a cut answer its end, so the model learns answers without the text they "
+            f"came from. If the cut part matters, raise --max-seq-len (up to {self.longest} keeps every sample "
+            "whole; memory per micro-batch grows with it) or shorten the inputs (docs/own_data.md)."
         )
 
 
@@ -141,7 +154,7 @@ def _encode_batch(batch, tokenizer, instruction, max_len, head, tail, min_prompt
     fulls = [_messages(instruction, d, s) for d, s in zip(batch["dialogue"], batch["summary"], strict=True)]
     prompt_ids = _id_lists(tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True))
     full_ids = _id_lists(tokenizer.apply_chat_template(fulls, tokenize=True))
-    out = {"input_ids": [], "labels": [], "prompt_cut": [], "answer_cut": []}
+    out = {"input_ids": [], "labels": [], "prompt_cut": [], "answer_cut": [], "full_len": []}
     for prompt, full, prompt_msgs, full_msgs in zip(prompt_ids, full_ids, prompts, fulls, strict=True):
         if full[: len(prompt)] == prompt:
             answer = full[len(prompt) :]
@@ -153,8 +166,9 @@ def _encode_batch(batch, tokenizer, instruction, max_len, head, tail, min_prompt
             )
             answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
         sample = truncate_example(prompt, answer, max_len, head, tail, min_prompt)
-        for key in out:
+        for key in ("input_ids", "labels", "prompt_cut", "answer_cut"):
             out[key].append(getattr(sample, key))
+        out["full_len"].append(len(prompt) + len(answer))
     return out
 
 
@@ -209,6 +223,8 @@ def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
         num_proc=num_proc if num_proc > 1 else None,
         desc="Tokenizing",
     )
-    report = TruncationReport(len(ds), sum(ds["prompt_cut"]), sum(ds["answer_cut"]), settings.max_seq_len)
+    report = TruncationReport(
+        len(ds), sum(ds["prompt_cut"]), sum(ds["answer_cut"]), settings.max_seq_len, max(ds["full_len"])
+    )
     logger.info("tokenized %s: %s", settings.source, report)
-    return ds.remove_columns(["prompt_cut", "answer_cut"]), report
+    return ds.remove_columns(["prompt_cut", "answer_cut", "full_len"]), report
