@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ddp.autotune import AUTO
+from ..ranges import DATA_RANGES, check_ranges
 
 IGNORE_INDEX = -100
 SYNTHETIC = "synthetic"
@@ -63,6 +64,7 @@ class DataSettings:
     )
 
     def __post_init__(self) -> None:
+        check_ranges(self, DATA_RANGES, "DataSettings.")
         if not self.source or not self.source.strip():
             raise ValueError(
                 "DataSettings.source is empty: give a hub dataset id, a .jsonl/.json/.csv/.parquet file or 'synthetic'."
@@ -82,8 +84,6 @@ class DataSettings:
             )
         if self.eval_split == "":
             raise ValueError("DataSettings.eval_split is empty: give a split name or None (hold out eval_fraction).")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"DataSettings.eval_fraction={self.eval_fraction}: must be in [0, 1).")
         if self.max_seq_len < MIN_MAX_SEQ_LEN:
             raise ValueError(
                 f"DataSettings.max_seq_len={self.max_seq_len}: must be >= {MIN_MAX_SEQ_LEN}, the least that holds "
@@ -93,8 +93,6 @@ class DataSettings:
             )
         if self.packing not in (True, False, AUTO) or not isinstance(self.packing, bool | str):
             raise ValueError(f"DataSettings.packing={self.packing!r}: choose true, false or {AUTO!r}.")
-        if self.num_synthetic < 2:
-            raise ValueError(f"DataSettings.num_synthetic={self.num_synthetic}: must be >= 2 (train and eval).")
 
     @property
     def source_kind(self) -> str:
