@@ -27,6 +27,7 @@ from .ddp import DDPSettings
 from .ddp.autotune import AUTO
 from .distributed import DistInfo
 from .model import LoraSettings, ModelSettings
+from .ranges import TRAIN_RANGES, check_ranges
 
 
 @dataclass
@@ -78,20 +79,13 @@ class TrainSettings:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.micro_batch, str) and self.micro_batch != AUTO:
-            raise ValueError(f"micro_batch={self.micro_batch!r}: must be a whole number >= 1 or {AUTO!r}.")
-        for name in ("effective_batch", "micro_batch", "epochs"):
-            if getattr(self, name) != AUTO and getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1.")
-        if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError(f"max_steps={self.max_steps}: must be a positive number of steps, or -1 for all epochs.")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio}: must be in [0, 1).")
+        check_ranges(self, TRAIN_RANGES)  # each number's own range first, then the relations between them
         if self.report_to not in ("wandb", "none"):
             raise ValueError(f"report_to={self.report_to!r}: choose wandb or none.")
         if self.min_learning_rate > self.learning_rate:
             raise ValueError(
-                f"min_learning_rate={self.min_learning_rate} is above learning_rate={self.learning_rate}: lower it."
+                f"min_learning_rate={self.min_learning_rate} is above learning_rate={self.learning_rate}, the peak the "
+                f"cosine decays from: lower min_learning_rate to at most that (e.g. {self.learning_rate / 10:g})."
             )
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -269,3 +271,38 @@ def hold_library_notices() -> None:
     """Hold bitsandbytes' CPU hub-kernel notice back; :func:`setup_logging` says it once, at INFO on rank 0. The
     entry points call this before anything imports bitsandbytes (``ddp_ft.commands``)."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_HubKernelNotice())
+
+
+# Upstream notices every process prints alike, kept to rank 0 (exact messages; rank 0 still shows each once): peft
+# reads the deprecated `is_gradient_checkpointing` in every get_peft_model and calls the deprecated
+# `gradient_checkpointing_enable` from prepare_model_for_kbit_training; TRL's configs default to the deprecated
+# `gradient_checkpointing`; torch asks for `use_reentrant` where a caller's checkpointing leaves it out.
+_RANK_ZERO_WARNINGS = (
+    (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
+    (FutureWarning, "`gradient_checkpointing_enable` is deprecated"),
+    (FutureWarning, "`gradient_checkpointing` is deprecated"),
+    (UserWarning, "torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly"),
+)
+
+
+class _OtherRankNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_HUB_KERNEL_NOTICE)
+
+
+def keep_upstream_notices_to_rank_zero(environ: Mapping[str, str] | None = None) -> None:
+    """On a launched process of rank > 0, hold back the upstream notices every rank would print alike: bitsandbytes'
+    hub-kernel notice (at its import: ``import ddp_ft`` first, as the examples do) and ``_RANK_ZERO_WARNINGS``.
+    Rank 0 and a single process keep them. Called when ``ddp_ft`` is imported; only those exact messages.
+
+    Args:
+        environ (Mapping[str, str] | None): the launcher's environment (``RANK``). Default: ``os.environ``
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("RANK", "0") in ("", "0"):
+        return
+    for category, message in _RANK_ZERO_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+    notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _OtherRankNotice) for f in notices.filters):
+        notices.addFilter(_OtherRankNotice())

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .precision import DTYPES, Precision, precision_for
+from .ranges import LORA_RANGES, check_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,7 @@ class LoraSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.lora_r <= 0:
-            raise ValueError(f"lora_r={self.lora_r}: must be a positive integer.")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"lora_dropout={self.lora_dropout}: must be in [0, 1).")
+        check_ranges(self, LORA_RANGES)
 
     @property
     def target_modules(self) -> str | list[str]:

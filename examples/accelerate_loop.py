@@ -3,18 +3,19 @@
 accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/accelerate_loop.py
 """
 
+from ddp_ft.integrations import BucketedAccelerator  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
 
 from ddp_ft.embedded import tiny_qwen3_and_meetings
-from ddp_ft.integrations import BucketedAccelerator
 
 
 def main() -> None:
     # instead of Accelerator(...); cpu=True on a machine without CUDA, or each process would train alone
     accelerator = BucketedAccelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
+    set_seed(0)  # before the LoRA adapters are drawn and the data shuffled: the same adapter on every run
     model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=16)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     texts = [f"{m['dialogue']}\nSummary: {m['summary']}{tokenizer.eos_token}" for m in meetings]
@@ -24,12 +25,14 @@ def main() -> None:
         enc["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         return enc
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
     base = AutoModelForCausalLM.from_pretrained(
-        model_path, quantization_config=quantization, device_map={"": accelerator.device}
+        model_path, quantization_config=nf4, device_map={"": accelerator.device}
     )
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = get_peft_model(prepare_model_for_kbit_training(base), lora)
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # its own: a deprecated API
+    base.activation_checkpointing_enable()  # non-reentrant, transformers' default: reentrant starves DDP's hooks
+    model = get_peft_model(base, lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     loader = DataLoader(texts, batch_size=2, shuffle=True, collate_fn=collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)  # the model comes back in BucketedDDP

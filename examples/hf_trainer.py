@@ -4,6 +4,7 @@ accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/hf_tr
 torchrun --standalone --nproc_per_node=2 examples/hf_trainer.py
 """
 
+from ddp_ft.integrations import BucketedTrainer  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -13,10 +14,10 @@ from transformers import (
     BitsAndBytesConfig,
     DataCollatorForLanguageModeling,
     TrainingArguments,
+    set_seed,
 )
 
 from ddp_ft.embedded import tiny_qwen3_and_meetings
-from ddp_ft.integrations import BucketedTrainer
 
 
 def main() -> None:
@@ -27,22 +28,22 @@ def main() -> None:
         gradient_accumulation_steps=2,
         max_steps=4,
         learning_rate=1e-3,
+        activation_checkpointing=True,  # non-reentrant, transformers' default: reentrant starves DDP's gradient hooks
         logging_steps=1,
         save_strategy="no",
         report_to=[],
     )
+    set_seed(args.seed)  # before the LoRA adapters are drawn: the same adapter on every run
     model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=16)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     texts = [f"{m['dialogue']}\nSummary: {m['summary']}{tokenizer.eos_token}" for m in meetings]
     train_set = Dataset.from_dict({"text": texts}).map(
         lambda row: tokenizer(row["text"], truncation=True, max_length=128), remove_columns=["text"]
     )
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
-    base = AutoModelForCausalLM.from_pretrained(
-        model_path, quantization_config=quantization, device_map={"": args.device}
-    )
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    base = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=nf4, device_map={"": args.device})
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = get_peft_model(prepare_model_for_kbit_training(base), lora)
+    model = get_peft_model(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False), lora)
     trainer = BucketedTrainer(  # instead of Trainer(...): the model trains in BucketedDDP
         model=model,
         args=args,

@@ -3,14 +3,14 @@
 torchrun --standalone --nproc_per_node=2 examples/plain_torch.py
 """
 
+from ddp_ft.ddp import BucketedDDP  # isort: skip (first: upstream notices then print on rank 0 only)
 import contextlib
 
 import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
 
-from ddp_ft.ddp import BucketedDDP
 from ddp_ft.distributed import destroy_distributed, init_distributed
 from ddp_ft.embedded import tiny_qwen3_and_meetings
 
@@ -20,6 +20,7 @@ ACCUMULATION = 2  # micro-batches per optimizer step
 def main() -> None:
     info = init_distributed()  # from torchrun's environment: gloo on CPU, NCCL on this rank's GPU
     try:
+        set_seed(0)  # before the LoRA adapters are drawn: the same adapter on every run
         model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=16)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         texts = [f"{m['dialogue']}\nSummary: {m['summary']}{tokenizer.eos_token}" for m in meetings]
@@ -29,12 +30,12 @@ def main() -> None:
             enc["labels"] = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
             return {k: v.to(info.device) for k, v in enc.items()}
 
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
-        base = AutoModelForCausalLM.from_pretrained(
-            model_path, quantization_config=quantization, device_map={"": info.device}
-        )
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+        base = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=nf4, device_map={"": info.device})
         lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
-        model = BucketedDDP(get_peft_model(prepare_model_for_kbit_training(base), lora))
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # its own: a deprecated API
+        base.activation_checkpointing_enable()  # non-reentrant, transformers' default: reentrant starves DDP's hooks
+        model = BucketedDDP(get_peft_model(base, lora))
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         sampler = DistributedSampler(texts, shuffle=True, seed=0)  # each rank reads its own half
         loader = DataLoader(texts, batch_size=2, sampler=sampler, collate_fn=collate)

@@ -4,6 +4,7 @@ accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/trl_s
 torchrun --standalone --nproc_per_node=2 examples/trl_sft.py
 """
 
+from ddp_ft.integrations import BucketedSFTTrainer  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from datasets import Dataset
 from peft import LoraConfig
@@ -11,7 +12,6 @@ from transformers import AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig
 
 from ddp_ft.embedded import tiny_qwen3_and_meetings
-from ddp_ft.integrations import BucketedSFTTrainer
 
 
 def main() -> None:
@@ -26,6 +26,7 @@ def main() -> None:
         max_steps=4,
         max_length=128,
         learning_rate=1e-3,
+        activation_checkpointing=True,  # TRL's default, by its new name (the old one warns on every rank)
         logging_steps=1,
         save_strategy="no",
         report_to=[],

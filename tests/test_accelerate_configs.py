@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import ClusterConfig
 
+from ddp_ft.integrations.launch import launched_alone
+
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "accelerate_configs").glob("*.yaml"))
 
 
@@ -21,3 +23,17 @@ def test_config_loads_in_accelerate_and_its_header_shows_the_launch_command(path
     assert config.num_processes == expected_processes
     if path.stem == "multinode":
         assert config.num_machines == 2
+
+
+@pytest.mark.parametrize(
+    ("environ", "alone"),
+    [
+        ({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, True),  # --cpu, N > 1
+        ({"ACCELERATE_USE_CPU": "True"}, False),  # --cpu with one process: no rendezvous exported
+        ({"ACCELERATE_USE_CPU": "False", "MASTER_PORT": "29500", "PMI_SIZE": "2"}, False),  # mpirun: a world of 2
+        ({"MASTER_PORT": "29500", "WORLD_SIZE": "2", "RANK": "0"}, False),  # torchrun / the multi-GPU launcher
+        ({}, False),  # python script.py
+    ],
+)
+def test_the_single_process_launchers_trace_is_told_from_real_launches(environ, alone):
+    assert (launched_alone(environ) is not None) == alone

@@ -78,3 +78,28 @@ def test_bitsandbytes_cpu_hub_kernel_notice_is_said_once_on_rank_zero_and_the_lo
     monkeypatch.setenv(distributed.LOG_LEVEL_ENV, "warning")
     distributed.setup_logging(distributed.DistInfo())
     assert logging.getLogger().level == logging.WARNING
+
+
+def test_upstream_notices_every_rank_prints_are_held_back_on_ranks_above_zero_only(monkeypatch, caplog):
+    """The exact messages of ddp_ft.distributed's table, on RANK > 0 only: rank 0 and a single process keep them, and
+    any other warning passes (tests/test_examples.py counts them on real 2-rank runs)."""
+    import logging
+
+    from ddp_ft import distributed
+
+    notice = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    monkeypatch.setattr(notice, "filters", [])
+    for rank, held in (("0", False), ("1", True)):
+        with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger=notice.name):
+            warnings.simplefilter("always")
+            distributed.keep_upstream_notices_to_rank_zero({"RANK": rank})
+            for message, category in (
+                ("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning),
+                ("torch.utils.checkpoint: the use_reentrant parameter should be passed explicitly.", UserWarning),
+                ("`is_gradient_checkpointing` is something else", UserWarning),  # not in the table: passes
+            ):
+                warnings.warn(message, category, stacklevel=1)
+            notice.warning("%s: No module named 'kernels'", distributed._HUB_KERNEL_NOTICE)
+        assert len(caught) == (1 if held else 3), [str(w.message) for w in caught]
+        assert (distributed._HUB_KERNEL_NOTICE in caplog.text) is not held
+        caplog.clear()

@@ -78,6 +78,8 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
             ["recipe", "--preset", "tiny", "--liger", "--nproc", "2"],
             "--liger (liger: true): Liger's kernels are Triton",
         ),
+        (["train", "--learning-rate", "-1", "--nproc", "2"], "learning_rate=-1.0: must be a positive number; e.g."),
+        (["recipe", "--preset", "tiny", "--lora-dropout", "1", "--nproc", "2"], "lora_dropout=1.0: must be in [0, 1)"),
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),

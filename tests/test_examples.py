@@ -22,7 +22,11 @@ SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 FINAL_LINE = re.compile(r"rank (\d+) of world_size=(\d+): (\d+) steps, adapter checksum (-?\d+(?:\.\d+)?(?:e[-+]\d+)?)")
 
 
-def _launch(launcher: str, script: str, tmp_path: Path) -> str:
+# An upstream notice as Python's warnings module or bitsandbytes' logger prints it (possibly after a progress bar's \r).
+NOTICE = re.compile(r"\S+\.py:\d+: \w*Warning: [^\n]*|Failed to load CPU gemm_4bit_forward[^\n]*")
+
+
+def _launch(launcher: str, script: str, tmp_path: Path) -> tuple[str, str]:
     if launcher == "accelerate":
         command = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "accelerate_configs/2cpu_gloo.yaml")]
     else:
@@ -32,7 +36,7 @@ def _launch(launcher: str, script: str, tmp_path: Path) -> str:
         [*command, str(ROOT / "examples" / script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-6000:])
-    return run.stdout
+    return run.stdout, run.stderr
 
 
 @pytest.mark.distributed
@@ -48,13 +52,51 @@ def _launch(launcher: str, script: str, tmp_path: Path) -> str:
 )
 def test_example_trains_data_parallel_at_two_ranks(script, launcher, tmp_path):
     """Both ranks report world_size=2, 4 optimizer steps and the same adapter: with random LoRA init and each rank on
-    its own half of the data, only synced gradients (and rank 0's start weights) make the checksums equal."""
-    out = _launch(launcher, script, tmp_path)
+    its own half of the data, only synced gradients (and rank 0's start weights) make the checksums equal. No upstream
+    notice (bitsandbytes' kernel notice, transformers' and torch's checkpointing warnings) is printed per rank."""
+    out, err = _launch(launcher, script, tmp_path)
     finals = {int(rank): (int(world), int(steps), checksum) for rank, world, steps, checksum in FINAL_LINE.findall(out)}
     assert sorted(finals) == [0, 1], out[-3000:]
     assert finals[0] == finals[1] and finals[0][:2] == (2, 4), finals
     if script in ("plain_torch.py", "accelerate_loop.py"):  # their progress lines come from rank 0 only
         assert out.count("step 4 loss ") == 1, out[-3000:]
+    notices = NOTICE.findall(err)
+    assert not {n for n in notices if notices.count(n) > 1}, notices
+
+
+_TWICE = """
+import runpy, sys
+import torch.distributed as dist
+
+for name in sys.argv[1:]:
+    main = runpy.run_path(name, run_name="example")["main"]
+    for _ in range(2):
+        if name.endswith("plain_torch.py"):  # BucketedDDP needs a process group: one of one process
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        main()
+"""
+
+
+@pytest.mark.slow
+def test_examples_give_the_same_adapter_on_every_run_and_say_so_when_accelerate_launched_them_alone(tmp_path):
+    """Each unseeded example's main() twice in one process: the second starts from the RNG state the first left, so
+    only a seed set before the adapters are drawn gives the same checksum (hf_trainer.py gave another on every run).
+    The process is started as a user might, `accelerate launch --cpu --num_processes 2`, which starts one: the
+    Trainer's and BucketedAccelerator's warning says so, once."""
+    (tmp_path / "twice.py").write_text(_TWICE)
+    scripts = [str(ROOT / "examples" / name) for name in ("hf_trainer.py", "accelerate_loop.py", "plain_torch.py")]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    launch = [str(BIN / "accelerate"), "launch", "--cpu", "--num_processes", "2", "twice.py", *scripts]
+    run = subprocess.run(
+        launch, cwd=tmp_path, env={**env, "PYTHONPATH": PYTHONPATH}, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-6000:])
+    finals = FINAL_LINE.findall(run.stdout)
+    assert [(rank, world) for rank, world, _, _ in finals] == [("0", "1")] * 6, run.stdout[-3000:]
+    checksums = [checksum for *_, checksum in finals]
+    assert checksums[0::2] == checksums[1::2], checksums  # each example twice, in turn
+    assert run.stderr.count("accelerate launch started this process alone") == 1, run.stderr[-3000:]
+    assert "accelerate launch --multi_gpu --num_processes N script.py" in run.stderr
 
 
 def test_every_example_is_short_and_says_how_to_launch_it():

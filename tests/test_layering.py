@@ -8,7 +8,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ddp_ft"
 # Lowest first; the layout table of docs/design.md states the same floors. A module may import from any layer below its own,
 # and within its own layer without a cycle.
 LAYERS = [
-    {"ddp_ft.ddp", "ddp_ft.precision", "ddp_ft.distributed", "ddp_ft.preemption", "ddp_ft.records", "ddp_ft.synthetic"},
+    {
+        "ddp_ft.ddp",
+        "ddp_ft.precision",
+        "ddp_ft.distributed",
+        "ddp_ft.preemption",
+        "ddp_ft.records",
+        "ddp_ft.synthetic",
+        "ddp_ft.ranges",
+    },
     {
         "ddp_ft.model",
         "ddp_ft.kernels",

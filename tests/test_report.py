@@ -336,3 +336,63 @@ def test_ddp_over_the_limit_is_reported_with_its_caveat_the_host_was_busy(tmp_pa
     assert "the host was busy" in note and f"Note: {note}." in report["markdown"]
     quiet = write_report(base, other, tmp_path / "quiet", independent_dirs=[base, base])  # 86.4%: no caveat
     assert quiet["notes"] == [] and "over 100%" not in quiet["markdown"]
+
+
+def _texts(figure) -> str:
+    from matplotlib.text import Text
+
+    return "\n".join(t.get_text() for t in figure.findobj(Text))
+
+
+def _limit_bars(figure):
+    container = next(c for c in figure.axes[1].containers if c.get_label().startswith("limit"))
+    return container.get_label(), list(container)
+
+
+def test_ddp_over_the_limit_is_marked_on_the_figure_itself_not_a_result(tmp_path):
+    """The figure goes to wandb and into slides without the text: over 100% of the limit, the limit's bars are grey
+    and hatched, their legend says they are not a result, and a line under the figure says why; at 86% nothing
+    of it appears and the limit's bars are plain."""
+    from matplotlib.colors import to_rgba
+
+    from ddp_ft.report import comparison_figure, load_run
+
+    base, base_records = load_run(write_run(tmp_path / "single", single_run()))
+    other, other_records = load_run(write_run(tmp_path / "ddp", ddp_run()))
+    busy = [{**r, "tokens_per_s": r["tokens_per_s"] / 2} if r["type"] == "train" else r for r in single_run()]
+    slowed = [load_run(write_run(tmp_path / f"alone{i}", busy))[0] for i in range(2)]
+    figure = comparison_figure(compare_runs(base, base_records, other, other_records, slowed))
+    label, bars = _limit_bars(figure)
+    assert label == "limit: 2 independent runs (not a result)"
+    assert all(b.get_hatch() == "//" and b.get_facecolor() == to_rgba("lightgray") for b in bars)
+    text = _texts(figure)
+    assert "ddp-2 at 172.7% of the limit is not a result" in text and "the host was busy" in text.replace("\n", " ")
+    assert "Throughput (speedup 1.73x; the limit is not a result)" in text
+
+    quiet = comparison_figure(compare_runs(base, base_records, other, other_records, [base, base]))
+    label, bars = _limit_bars(quiet)
+    assert label == "limit: 2 independent runs" and all(b.get_hatch() is None for b in bars)
+    assert "not a result" not in _texts(quiet) and "Throughput (speedup 1.73x, 86.4% of the limit)" in _texts(quiet)
+
+
+def test_a_run_without_a_name_is_labelled_by_its_folder_in_the_table_text_and_figure(tmp_path):
+    """A user's BucketedTrainer run writes run_name None (TrainingArguments.run_name unset): the comparison used to
+    label both runs "None"; an empty name or none at all takes the folder's too."""
+    from ddp_ft.report import load_run
+
+    def unnamed(records, name=None):
+        config = {k: v for k, v in records[0].items() if k != "run_name"}
+        return [config if name == "missing" else {**config, "run_name": name}, *records[1:]]
+
+    base = write_run(tmp_path / "trainer-1gpu", unnamed(single_run()))
+    other = write_run(tmp_path / "trainer-ddp", unnamed(ddp_run()))
+    report = write_report(base, other, tmp_path / "out")
+    assert report["table"]["columns"] == ["metric", "trainer-1gpu", "trainer-ddp"]
+    assert "None" not in report["markdown"] and "(global tokens/s, trainer-ddp / trainer-1gpu)" in report["markdown"]
+    from ddp_ft.report import comparison_figure  # the figure's title: after the text, which old code got wrong too
+
+    (b, b_records), (o, o_records) = load_run(base), load_run(other)
+    title = comparison_figure(compare_runs(b, b_records, o, o_records)).get_suptitle()
+    assert title == "trainer-1gpu (1 device(s)) vs trainer-ddp (2 device(s))"
+    for name in ("", "missing"):
+        assert load_run(write_run(tmp_path / f"run-{name}", unnamed(single_run(), name)))[0].run_name == f"run-{name}"

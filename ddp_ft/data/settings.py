@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..ddp.autotune import AUTO
+from ..ranges import DATA_RANGES, check_ranges
 from ..tokenizer import CHAT_TEMPLATES
 
 IGNORE_INDEX = -100
@@ -72,6 +73,7 @@ class DataSettings:
     )
 
     def __post_init__(self) -> None:
+        check_ranges(self, DATA_RANGES, "DataSettings.")
         if not self.source or not self.source.strip():
             raise ValueError(
                 "DataSettings.source is empty: give a hub dataset id, a .jsonl/.json/.csv/.parquet file or 'synthetic'."
@@ -91,8 +93,6 @@ class DataSettings:
             )
         if self.eval_split == "":
             raise ValueError("DataSettings.eval_split is empty: give a split name or None (hold out eval_fraction).")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"DataSettings.eval_fraction={self.eval_fraction}: must be in [0, 1).")
         if self.max_seq_len < MIN_MAX_SEQ_LEN:
             raise ValueError(
                 f"DataSettings.max_seq_len={self.max_seq_len}: must be >= {MIN_MAX_SEQ_LEN}, the least that holds "
@@ -107,8 +107,6 @@ class DataSettings:
                 f"DataSettings.chat_template={self.chat_template!r} (--chat-template): neither one of "
                 f"{', '.join(CHAT_TEMPLATES)} nor an existing Jinja file; give a choice or the path of a file."
             )
-        if self.num_synthetic < 2:
-            raise ValueError(f"DataSettings.num_synthetic={self.num_synthetic}: must be >= 2 (train and eval).")
 
     @property
     def source_kind(self) -> str:

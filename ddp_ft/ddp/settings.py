@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ranges import DDP_RANGES, check_ranges
 from .autotune import AUTO
 from .comm_hooks import COMM_HOOKS
 from .wrapper import BucketedDDP
@@ -49,31 +50,14 @@ class DDPSettings:
     )
 
     def __post_init__(self) -> None:
+        check_ranges(self, DDP_RANGES)  # each number's own range (NaN too: it would put every gradient in one bucket)
         if self.comm_hook not in COMM_HOOK_CHOICES:
             raise ValueError(f"comm_hook={self.comm_hook!r}: choose one of {', '.join(COMM_HOOK_CHOICES)}.")
-        if self.powersgd_rank < 1 or self.powersgd_start_iter < 2:
+        if self.bucket_cap_mb == AUTO and self.comm_hook == "powersgd":
             raise ValueError(
-                f"powersgd_rank={self.powersgd_rank}, powersgd_start_iter={self.powersgd_start_iter}: need a rank "
-                ">= 1 and start_iter >= 2 (torch's PowerSGD needs one plain step to build its buckets' state)."
+                "bucket_cap_mb='auto' with comm_hook='powersgd': PowerSGD keeps its state per bucket index, which "
+                "the trial's layout changes would scramble. Give bucket_cap_mb a number, or another comm_hook."
             )
-        if isinstance(self.bucket_cap_mb, str):
-            if self.bucket_cap_mb != AUTO:
-                raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: give a positive number of MiB or {AUTO!r}.")
-            if self.comm_hook == "powersgd":
-                raise ValueError(
-                    "bucket_cap_mb='auto' with comm_hook='powersgd': PowerSGD keeps its state per bucket index, which "
-                    "the trial's layout changes would scramble. Give bucket_cap_mb a number, or another comm_hook."
-                )
-        for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
-            if name == "bucket_cap_mb" and self.bucket_cap_mb == AUTO:
-                continue
-            if not getattr(self, name) > 0:  # also NaN, which would put every gradient in one bucket
-                raise ValueError(
-                    f"{name}={getattr(self, name)}: must be a positive number of MiB (torch DDP's defaults: "
-                    "bucket_cap_mb=25, first_bucket_cap_mb=1)."
-                )
-        if self.ddp_timeout <= 0:
-            raise ValueError(f"ddp_timeout={self.ddp_timeout}: must be a positive number of seconds.")
 
     def wrap(self, module: torch.nn.Module) -> BucketedDDP:
         """``module`` in a BucketedDDP configured by these settings (comm hook registered)."""

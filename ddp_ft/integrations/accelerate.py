@@ -13,6 +13,7 @@ compiles the whole model after wrapping, which leaves BucketedDDP's all-reduces 
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from ..compilation import (
 from ..ddp import BucketedDDP, DDPSettings
 from ..perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
-from .launch import TRAINER_CPU_FIX, check_world_seen
+from .launch import TRAINER_CPU_FIX, check_world_seen, launched_alone
 from .settings import describe_sources, resolve_ddp_settings
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,19 @@ logger = logging.getLogger(__name__)
 _DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
 # The BucketedDDP of each module this process wrapped (by id; checked against ``wrapper.module``), kept weakly.
 _WRAPPERS: weakref.WeakValueDictionary[int, BucketedDDP] = weakref.WeakValueDictionary()
+
+
+def _warn_if_launched_alone(num_processes: int) -> None:
+    """Say (once per process) that ``accelerate launch``, asked for several processes, started this one alone
+    (``ddp_ft.integrations.launch.launched_alone``)."""
+    why = launched_alone() if num_processes == 1 else None
+    if why:
+        _warn_once(why)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:  # the Trainer adopts its accelerator again at each train(): one line is enough
+    logger.warning(message)
 
 
 class BucketedAccelerator(Accelerator):
@@ -61,6 +75,7 @@ class BucketedAccelerator(Accelerator):
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         check_world_seen(self.num_processes, "BucketedAccelerator(cpu=True)")
+        _warn_if_launched_alone(self.num_processes)
         self._resolve_settings(ddp_settings, None, self.ddp_handler)
         self._check_compile_mode("TorchDynamoPlugin(mode=...)")
 
@@ -79,6 +94,7 @@ class BucketedAccelerator(Accelerator):
         """
         fix = TRAINER_CPU_FIX if training_args is not None else "cpu=True"
         check_world_seen(accelerator.num_processes, fix)
+        _warn_if_launched_alone(accelerator.num_processes)
         adopted = cls.__new__(cls)
         adopted.__dict__.update(accelerator.__dict__)
         handler = None if training_args is not None else accelerator.ddp_handler

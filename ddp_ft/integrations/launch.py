@@ -151,6 +151,40 @@ if __name__ == "__main__":  # python -m ddp_ft.integrations.launch CONFIG.yaml [
     print(f"{sys.argv[1]}: ddp_ft can honour this accelerate config")
 
 
+# What a process launched by torchrun, Accelerate's multi-process launcher or mpirun finds: the size of its world.
+_WORLD_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_alone(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this process is the only one ``accelerate launch`` started though it was asked for several, or None.
+
+    ``accelerate launch --cpu --num_processes 2`` (also ``use_cpu: true`` or ``distributed_type: 'NO'`` with
+    ``num_processes: 2``) runs its single-process launcher: one process, no word said (Accelerate 1.15 has no
+    multi-CPU launch flag; ``--cpu`` only forces the CPU). That launcher leaves a trace: it exports
+    ``ACCELERATE_USE_CPU`` always, and ``MASTER_ADDR``/``MASTER_PORT`` only when asked for more than one process,
+    while no launcher of several processes is involved (no world size in the environment). The same trace comes from
+    a ``MASTER_PORT`` exported by the user around a one-process launch, so this is a warning, not an error.
+
+    Args:
+        environ (Mapping[str, str] | None): the launched process's environment. Default: ``os.environ``
+
+    Returns:
+        str | None: the warning, naming the launch commands that start several CPU processes; None without the trace.
+    """
+    environ = os.environ if environ is None else environ
+    alone = "ACCELERATE_USE_CPU" in environ and "MASTER_PORT" in environ
+    if not alone or any(variable in environ for variable in _WORLD_VARIABLES):
+        return None
+    return (
+        "accelerate launch started this process alone, though it was asked for several (it exported MASTER_ADDR/"
+        "MASTER_PORT, which its single-process launcher does for --num_processes > 1): --cpu, use_cpu: true and "
+        "distributed_type 'NO' start one process whatever num_processes says, so this run trains on one process. "
+        "For N CPU processes: accelerate launch --multi_gpu --num_processes N script.py (without CUDA they run on the "
+        "CPU over gloo; the script passes cpu=True / use_cpu=True), or --config_file accelerate_configs/2cpu_gloo.yaml. "
+        "If you meant one process, unset MASTER_PORT."
+    )
+
+
 def check_world_seen(seen: int, fix: str, environ: Mapping[str, str] | None = None) -> None:
     """Refuse a launched process that sees a world of one: it would train alone, silently, on the whole data.
 

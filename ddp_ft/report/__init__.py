@@ -10,14 +10,15 @@ One module per part, each importing only the ones before it:
 
 * ``summary``: :class:`RunSummary`, :class:`LossCurve`, :class:`Comparison`, :func:`summarize_run`,
   :func:`loss_curve`, :func:`compare_runs` (pure, unit-tested);
-* ``render``: :func:`table_rows`, :func:`summary_lines`, :func:`markdown_table` (pure) and :func:`plot_comparison`;
+* ``render``: :func:`table_rows`, :func:`summary_lines`, :func:`markdown_table` (pure), :func:`comparison_figure`
+  and :func:`plot_comparison`;
 * ``wandb_io``: :func:`records_from_wandb` (a run logged online as records) and :func:`log_report_to_wandb`;
 * ``files``: :func:`load_run` and :func:`write_report`, the thin I/O around the rest.
 """
 
 from ..metrics import resolve_wandb_mode
 from .files import load_run, write_report
-from .render import TOKENS_NOTE, markdown_table, plot_comparison, summary_lines, table_rows
+from .render import TOKENS_NOTE, comparison_figure, markdown_table, plot_comparison, summary_lines, table_rows
 from .summary import MEMORY_METRICS, Comparison, LossCurve, RunSummary, compare_runs, loss_curve, summarize_run
 from .wandb_io import WANDB_PREFIX, log_report_to_wandb, records_from_wandb
 
@@ -29,6 +30,7 @@ __all__ = [
     "LossCurve",
     "RunSummary",
     "compare_runs",
+    "comparison_figure",
     "load_run",
     "log_report_to_wandb",
     "loss_curve",

@@ -19,17 +19,21 @@ logger = logging.getLogger(__name__)
 def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list[dict]]:
     """Read ``run_dir/metrics.jsonl`` (or the wandb run ``wandb:entity/project/run_id``); return summary and records.
 
+    A run whose records name no run (``BucketedTrainer`` without ``TrainingArguments.run_name``) is named after its
+    folder (the wandb run: its id), in the table, the text and the figure.
+
     Raises:
         FileNotFoundError: if ``run_dir`` holds no ``metrics.jsonl``.
     """
     if str(run_dir).startswith(WANDB_PREFIX):
-        records = records_from_wandb(str(run_dir)[len(WANDB_PREFIX) :])
-        return summarize_run(records, skip_first), records
+        path = str(run_dir)[len(WANDB_PREFIX) :]
+        records = records_from_wandb(path)
+        return summarize_run(records, skip_first, path.rstrip("/").rpartition("/")[2]), records
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass the output_dir of a training run")
     records = timeline(read_jsonl(path))
-    return summarize_run(records, skip_first), records
+    return summarize_run(records, skip_first, Path(run_dir).resolve().name), records
 
 
 def write_report(

@@ -1,6 +1,6 @@
 """A :class:`~ddp_ft.report.summary.Comparison` rendered: the per-run table (shared by markdown and wandb), the
-summary sentences, the markdown, and the two-panel PNG. Pure up to :func:`markdown_table`; :func:`plot_comparison`
-writes a file.
+summary sentences, the markdown, and the two-panel figure. Pure up to :func:`comparison_figure`, which builds the
+figure (tested through its matplotlib objects); :func:`plot_comparison` writes it to a PNG.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def markdown_table(comparison: Comparison) -> str:
 
 
 def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
-    """Save a two-panel PNG: loss vs samples seen (eval loss as markers) and throughput bars.
+    """Save :func:`comparison_figure` as a PNG.
 
     Args:
         comparison (Comparison): what to draw.
@@ -109,6 +109,25 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
 
     Returns:
         Path: ``path``.
+    """
+    path = Path(path)
+    comparison_figure(comparison).savefig(path, dpi=110)
+    return path
+
+
+LIMIT_CAVEAT = "not a result"  # the words the text report also uses for a ratio to the limit over 100%
+
+
+def comparison_figure(comparison: Comparison):
+    """Two panels: loss vs samples seen (eval loss as markers) and throughput bars, with the limit when given.
+
+    A DDP run above the limit is no measurement of the limit (the independent runs were slowed by something else on
+    the host): the limit's bars are then grey and hatched, their legend entry and the bars' title say it is not a
+    result, and a line under the figure says why, as the text report's note does; the figure goes to wandb and
+    into slides without the text.
+
+    Returns:
+        matplotlib.figure.Figure: the figure, with an Agg canvas (no display needed).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -135,27 +154,47 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     loss_ax.set(xlabel="samples seen", ylabel="loss", title="Loss vs samples seen")
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
+    _throughput_bars(bar_ax, comparison, names)
+    fig.suptitle(f"{base.run_name} ({base.world_size} device(s)) vs {other.run_name} ({other.world_size} device(s))")
+    if comparison.of_limit is not None and comparison.of_limit > 1:
+        fig.supxlabel(
+            f"{other.run_name} at {comparison.of_limit:.1%} of the limit is {LIMIT_CAVEAT}: the independent runs, which "
+            "do no communication,\nran slower than DDP, so the host was busy while they ran. Rerun the comparison on a "
+            "quiet host.",
+            color="firebrick",
+            fontsize=10,
+        )
+    return fig
 
+
+def _throughput_bars(bar_ax, comparison: Comparison, names: tuple[str, str]) -> None:
+    """The bars of global and per-device tokens/s for each run, and the limit's (hatched grey when over 100%)."""
     groups = ("global", "per device")
     series = [
-        (name, run.tokens_per_s, run.tokens_per_s_per_device, color)
-        for name, run, color in zip(names, (base, other), ("tab:blue", "tab:orange"), strict=True)
+        (name, run.tokens_per_s, run.tokens_per_s_per_device, dict(color=color))
+        for name, run, color in zip(
+            names, (comparison.baseline, comparison.other), ("tab:blue", "tab:orange"), strict=True
+        )
     ]
+    over = comparison.of_limit is not None and comparison.of_limit > 1
+    ratio = f", {_fmt(comparison.of_limit, '.1%')} of the limit" if comparison.of_limit is not None else ""
     if comparison.limit_tokens_per_s is not None:
-        devices = other.world_size
-        limit = comparison.limit_tokens_per_s
-        series.append((f"limit: {devices} independent runs", limit, limit / devices, "tab:gray"))
+        devices, limit = comparison.other.world_size, comparison.limit_tokens_per_s
+        label = f"limit: {devices} independent runs"
+        style = dict(color="tab:gray")
+        if over:
+            label += f" ({LIMIT_CAVEAT})"
+            style = dict(facecolor="lightgray", edgecolor="dimgray", hatch="//")
+            ratio = f"; the limit is {LIMIT_CAVEAT}"
+        series.append((label, limit, limit / devices, style))
     width = 0.8 / len(series)
-    for i, (name, total, per_device, color) in enumerate(series):
+    for i, (name, total, per_device, style) in enumerate(series):
         values = [total or 0.0, per_device or 0.0]
         offset = (i - (len(series) - 1) / 2) * width
-        bars = bar_ax.bar([g + offset for g in range(len(groups))], values, width, color=color, label=name)
+        bars = bar_ax.bar([g + offset for g in range(len(groups))], values, width, label=name, **style)
         bar_ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=2)
     bar_ax.set_xticks(range(len(groups)), [f"tokens/s {g}" for g in groups])
-    bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput (speedup {_fmt(comparison.speedup, '.2f')}x)")
-    bar_ax.margins(y=0.12)  # room for the value labels
+    speedup = _fmt(comparison.speedup, ".2f")
+    bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput (speedup {speedup}x{ratio})")
+    bar_ax.margins(y=0.3)  # room for the value labels and the legend above the bars
     bar_ax.legend()
-    fig.suptitle(f"{base.run_name} ({base.world_size} device(s)) vs {other.run_name} ({other.world_size} device(s))")
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path

@@ -18,7 +18,8 @@ class RunSummary:
     """One run reduced to the numbers the comparison needs.
 
     Args:
-        run_name (str): ``run_name`` of the run's first config record.
+        run_name (str): ``run_name`` of the run's first config record; where it has none (a ``BucketedTrainer`` run
+            without ``TrainingArguments.run_name``), the name the caller gave (``load_run``: the run's folder).
         world_size (int): devices (ranks) of the run, from its first config record.
         effective_batch (int | None): samples per optimizer step, from the first config record.
         steps (int): distinct optimizer steps logged.
@@ -136,7 +137,7 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
+def summarize_run(records: list[dict], skip_first: int = 1, name: str = "run") -> RunSummary:
     """Reduce one run's ``metrics.jsonl`` records to a :class:`RunSummary`.
 
     Medians (tokens/s, step time, exposed communication, overlap) skip the first ``skip_first`` train
@@ -149,6 +150,7 @@ def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
     Args:
         records (list[dict]): the records of one ``metrics.jsonl``, in file order.
         skip_first (int): warm-up train steps left out of the medians. Default: 1.
+        name (str): the run's name where its config record has none (or an empty one). Default: run
 
     Returns:
         RunSummary: the run's summary.
@@ -176,7 +178,7 @@ def summarize_run(records: list[dict], skip_first: int = 1) -> RunSummary:
     evals = [r for r in of_type(records, EVAL) if r.get("eval_loss") is not None]
     first = configs[0]
     return RunSummary(
-        run_name=str(first.get("run_name", "run")),
+        run_name=str(first.get("run_name") or name),
         world_size=int(first["world_size"]),
         effective_batch=first.get("effective_batch"),
         steps=len({r["step"] for r in trains}),
