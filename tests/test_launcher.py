@@ -19,7 +19,7 @@ import pytest
 
 from ddp_ft.metrics import read_jsonl, timeline
 
-from .dist_harness import PYTHONPATH
+from .dist_harness import PYTHONPATH, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
@@ -87,16 +87,23 @@ def _stopped_cleanly(output: str, sig: str, checkpoint: Path) -> None:
     )
 
 
+def _uninterrupted(rank: int, world_size: int, output_dir: str) -> None:
+    from ddp_ft.config import settings_from_preset
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.loop import train
+
+    settings = settings_from_preset("tiny", max_steps=5, save_every=0, report_to="none", output_dir=output_dir)
+    train(settings, DistInfo(rank, rank, world_size, world_size))
+
+
 def test_ctrl_c_to_ddp_ft_train_stops_both_ranks_with_one_checkpoint_and_the_resume_continues_exactly(tmp_path):
     """A terminal's Ctrl-C reaches ddp-ft only (the workers run in sessions of their own); ddp-ft sends each worker
     one SIGINT, they stop after the same step and rank 0 saves. Against an uninterrupted run: every step's loss and
     samples bit for bit (LoRA dropout on)."""
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
-    steps = ["--max-steps", "5"]
-    run = _run([*DDP_FT, "train", *FLAGS, *steps, "--output-dir", str(full)], tmp_path)
-    assert run.returncode == 0, run.stderr[-6000:]
-
-    command = [*DDP_FT, "train", *FLAGS, *steps, "--output-dir", str(interrupted)]
+    # The uninterrupted run on the suite's two ready processes (no launcher start-up: the same loop, group and data)
+    run_distributed(_uninterrupted, str(full))
+    command = [*DDP_FT, "train", *FLAGS, "--max-steps", "5", "--output-dir", str(interrupted)]
     status, output = _signalled(command, interrupted, signal.SIGINT, whole_group=True)
     assert status == 130, output[-6000:]
     (stop,) = [r for r in read_jsonl(interrupted / "metrics.jsonl") if r["type"] == "stop"]
