@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .launcher import launch
+from .launcher import console, launch
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     """``ddp-ft NAME [flags]``. Returns the exit status (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     build_parser().parse_args(argv[:1])  # --help, or an unknown name: argparse lists the subcommands and exits
-    return run_subcommand(argv[0], argv[1:])
+    try:
+        return run_subcommand(argv[0], argv[1:])
+    except KeyboardInterrupt:  # while the settings are checked, before a worker starts, or a lone process's 2nd Ctrl-C
+        console().warning("ddp-ft %s: interrupted; exit status 130", argv[0])
+        return 130
 
 
 if __name__ == "__main__":

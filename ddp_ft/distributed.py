@@ -204,8 +204,8 @@ def failure_recorded() -> Iterator[None]:
     so the rank that failed first is the one named (the launcher usually stops the waiting rank before it writes).
 
     Under ``ddp-ft --nproc`` (``DDP_FT_FAILURE_DIR`` set) the traceback goes to ``traceback_file`` instead of the
-    console and the rank exits with status 1 (130 for a Ctrl-C that came before the stop handler): ddp-ft prints one
-    line naming the first rank that failed, its error and that file, instead of a traceback per rank.
+    console and the rank exits with status 1: ddp-ft prints one line naming the first rank that failed, its error and
+    that file, instead of a traceback per rank.
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -228,10 +228,6 @@ def failure_recorded() -> Iterator[None]:
         except OSError:  # the launcher names torch's error file instead, which holds the traceback too
             pass
         raise SystemExit(1) from None
-    except KeyboardInterrupt:
-        if not quiet:
-            raise
-        raise SystemExit(130) from None
 
 
 def destroy_distributed() -> None:

@@ -1,12 +1,13 @@
 """Graceful stop on preemption or Ctrl-C: a signal becomes one checkpoint after the step in flight, on every rank.
 
 SIGTERM (what torchrun, Kubernetes and SLURM send), SIGUSR1 (SLURM's ``--signal`` warning) and SIGINT (Ctrl-C, which
-``ddp-ft --nproc`` and torchrun send on to every rank) may reach one rank, some, or all. The handler only records the
-signal: a rank cannot save alone, since saving gathers RNG states from every rank. After the last backward of the
-step in flight the ranks share their flags in a collective that already happens there (the loop's and the Trainer's
-all-gather of loss and compute time), so they all see the same verdict at the same step, save one checkpoint and
-stop. A second signal while saving only sets the flag again: nothing is interrupted half-way. The one exception is
-a second Ctrl-C to a process that runs alone (no launcher, one process): the user insists, and it interrupts.
+torchrun sends on to every rank; ``ddp-ft --nproc`` sends it on as SIGTERM) may reach one rank, some, or all. The
+handler only records the signal: a rank cannot save alone, since saving gathers RNG states from every rank. After
+the last backward of the step in flight the ranks share their flags in a collective that already happens there (the
+loop's and the Trainer's all-gather of loss and compute time), so they all see the same verdict at the same step,
+save one checkpoint and stop. A second signal while saving only sets the flag again: nothing is interrupted
+half-way. The one exception is a second Ctrl-C to a process that runs alone (no launcher, one process): the user
+insists, and it interrupts.
 
 The launcher's own grace period bounds all this: torchrun sends SIGKILL ``--shutdown-timeout`` seconds (default
 30) after forwarding the signal. A step plus one save must fit in it; the checkpoint is atomic, so a SIGKILL mid-save

@@ -122,7 +122,7 @@ def test_nproc_is_taken_off_the_workers_command_line_and_the_agent_forwards_sigu
     assert args == [
         "--standalone",
         "--nproc_per_node=2",
-        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",  # torchrun's default lacks SLURM's SIGUSR1
+        "--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # torchrun's lacks SLURM's SIGUSR1; SIGINT: ddp-ft's
         "-m",
         "ddp_ft.commands.train",
         "--preset",
@@ -204,7 +204,7 @@ def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_
     assert "| 4 KiB |" in run.stdout and out.exists() and out.with_suffix(".png").exists()
 
 
-def test_a_rank_killed_without_a_traceback_is_named_with_its_signal_in_the_one_line(tmp_path):
+def test_a_rank_killed_or_exiting_without_a_traceback_is_named_by_its_signal_or_exit_status(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     killed = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file=str(tmp_path / "none.json"))
@@ -213,3 +213,6 @@ def test_a_rank_killed_without_a_traceback_is_named_with_its_signal_in_the_one_l
         "ddp-ft train: rank 1 failed: Signal 9 (SIGKILL) received by PID 4242 (no traceback recorded: see the output "
         "above)"
     )
+    exited = ProcessFailure(local_rank=0, pid=4243, exitcode=1, error_file=str(tmp_path / "none.json"))
+    line = launcher.failure_line("ddp-ft doctor", ChildFailedError("doctor", {0: exited}), tmp_path, since=0.0)
+    assert line == "ddp-ft doctor: rank 0 failed: exit status 1 (no traceback recorded: see the output above)"
