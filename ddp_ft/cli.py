@@ -93,9 +93,9 @@ def launch_parser(sub: Subcommand) -> argparse.ArgumentParser:
         type=int,
         default=argparse.SUPPRESS,  # no "(default: None)" from the settings' help formatter: the line says it
         metavar="N",
-        help=f"processes on this machine; above 1 ddp-ft runs torchrun's agent (--standalone) itself with N workers, "
-        f"and Ctrl-C stops them with a checkpoint. Under a launcher already, leave it out or give the launched "
-        f"WORLD_SIZE. Default: {sub.nproc}",
+        help=f"processes on this machine; above 1 ddp-ft starts N workers itself, as torchrun --standalone (its agent "
+        f"runs in ddp-ft's process). Under a launcher already, leave it out or give the launched WORLD_SIZE. "
+        f"Default: {sub.nproc}",
     )
     return parser
 
