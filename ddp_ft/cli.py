@@ -7,9 +7,10 @@
 
 Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``, ``ddp_ft.ladder.*_cli``),
 the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N`` (N > 1) the command checks its flags
-in this process first, so a wrong setting fails before any worker starts, then runs
-``python -m torch.distributed.run --standalone --nproc_per_node N -m <module> ...`` and returns its exit status. Under
-a launcher already (``torchrun -m ddp_ft.cli train ...``: WORLD_SIZE is set) it runs in the launched process.
+in this process first, so a wrong setting fails before any worker starts (one line, not the usage), then runs
+``torchrun --standalone --nproc_per_node N -m <module> ...``'s elastic agent in this process (``ddp_ft.launcher``):
+ddp-ft owns its workers, sends them the signals it receives, and ends a failure with one line. Under a launcher
+already (``torchrun -m ddp_ft.cli train ...``: WORLD_SIZE is set) it runs in the launched process.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from .launcher import console, launch
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,11 @@ def launch_parser(sub: Subcommand) -> argparse.ArgumentParser:
     parser.add_argument(
         "--nproc",
         type=int,
-        default=None,
+        default=argparse.SUPPRESS,  # no "(default: None)" from the settings' help formatter: the line says it
         metavar="N",
-        help=f"processes on this machine; above 1 ddp-ft starts torchrun (--standalone) with N workers. Under a "
-        f"launcher already, leave it out or give the launched WORLD_SIZE. Default: {sub.nproc}",
+        help=f"processes on this machine; above 1 ddp-ft starts N workers itself, as torchrun --standalone (its agent "
+        f"runs in ddp-ft's process). Under a launcher already, leave it out or give the launched WORLD_SIZE. "
+        f"Default: {sub.nproc}",
     )
     return parser
 
@@ -109,19 +113,21 @@ def strip_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
-def torchrun_command(module: str, nproc: int, argv: list[str]) -> list[str]:
-    """The torchrun command line that runs ``module`` on ``nproc`` local workers with ``argv``."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return [*run, "-m", module, *argv]
+def _validate(
+    name: str, argv: list[str], parents: list[argparse.ArgumentParser], nproc: int
+) -> tuple[list[str], Path | None]:
+    """Parse (and for training, build) the subcommand's settings in this process.
 
-
-def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser], nproc: int) -> list[str]:
-    """Parse (and for training, build) the subcommand's settings in this process; ``argv`` for the workers.
+    Returns:
+        tuple[list[str], Path | None]: ``argv`` for the workers; for training, ``<output_dir>/logs``, where a failing
+        worker writes its traceback (else None: a temporary folder).
 
     Raises:
-        SystemExit: a wrong flag or value, naming it (argparse's usage error, exit status 2); ``--help`` (0).
+        SystemExit: a wrong flag or value, naming it (one line and a pointer to ``--help``, exit status 2); ``--help``
+            (0).
     """
     prog = f"ddp-ft {name}"
+    failure_dir = None
     if name in ("train", "recipe"):
         from .config import gradient_accumulation_steps, parse_settings
         from .model_source import check_model_source, choose_default
@@ -144,6 +150,7 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
                 check_stock_settings(settings, own.trainer, own.stock_find_unused)
         except ValueError as error:
             _fail(prog, str(error))
+        failure_dir = Path(settings.train.output_dir).absolute() / "logs"
     elif name == "doctor":
         from .commands.doctor import parse_args
 
@@ -156,7 +163,7 @@ def _validate(name: str, argv: list[str], parents: list[argparse.ArgumentParser]
         compare_parser(parents, prog).parse_args(argv)
     else:
         importlib.import_module(SUBCOMMANDS[name].module).parse_args(argv, parents, prog)
-    return argv
+    return argv, failure_dir
 
 
 def _check_kernels(liger: bool, compile: bool | str) -> None:
@@ -171,8 +178,11 @@ def _check_kernels(liger: bool, compile: bool | str) -> None:
 
 
 def _fail(prog: str, message: str) -> None:
-    """A usage error naming the setting, as argparse reports one (exit status 2)."""
-    argparse.ArgumentParser(prog=prog).error(message)
+    """A usage error naming the setting: one line and where the settings are listed, not the whole usage (exit
+    status 2, as argparse's)."""
+    from .config import brief_usage_error
+
+    brief_usage_error(prog, message)
 
 
 def _in_process(name: str, argv: list[str], parents: list[argparse.ArgumentParser]) -> int:
@@ -203,7 +213,7 @@ def run_subcommand(name: str, argv: list[str]) -> int:
     prog = f"ddp-ft {name}"
     nproc = sub.nproc
     if parents:
-        given = parents[0].parse_known_args(argv)[0].nproc
+        given = getattr(parents[0].parse_known_args(argv)[0], "nproc", None)
         launched = int(os.environ.get("WORLD_SIZE", "0") or 0)
         if given is not None and given < sub.min_nproc:
             _fail(prog, f"--nproc {given}: {name} needs at least {sub.min_nproc} processes.")
@@ -212,18 +222,21 @@ def run_subcommand(name: str, argv: list[str]) -> int:
         nproc = launched or (given if given is not None else sub.nproc)
         if launched:
             return _in_process(name, strip_option(argv, "--nproc"), parents)
-    argv = _validate(name, argv, parents, nproc)
+    argv, failure_dir = _validate(name, argv, parents, nproc)
     if nproc <= 1:
         return _in_process(name, strip_option(argv, "--nproc"), parents)
-    command = torchrun_command(sub.module, nproc, strip_option(argv, "--nproc"))
-    return subprocess.call(command)
+    return launch(prog, sub.module, nproc, strip_option(argv, "--nproc"), failure_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``ddp-ft NAME [flags]``. Returns the exit status (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     build_parser().parse_args(argv[:1])  # --help, or an unknown name: argparse lists the subcommands and exits
-    return run_subcommand(argv[0], argv[1:])
+    try:
+        return run_subcommand(argv[0], argv[1:])
+    except KeyboardInterrupt:  # while the settings are checked, before a worker starts, or a lone process's 2nd Ctrl-C
+        console().warning("ddp-ft %s: interrupted; exit status 130", argv[0])
+        return 130
 
 
 if __name__ == "__main__":

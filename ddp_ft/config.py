@@ -14,7 +14,9 @@ writes its resolved settings to ``<output_dir>/run_config.yaml``; ``--config`` o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import sys
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -289,6 +291,7 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     parser = HfArgumentParser(
         list(SECTIONS.values()), prog=prog, description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
     )
+    parser.error = functools.partial(brief_usage_error, parser.prog)  # argparse's prints the usage: 45 lines first
     parser.add_argument(
         "--preset",
         default="",
@@ -313,6 +316,12 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
             action.type, action.nargs, action.const, action.metavar = _switch_arg, None, None, "{true,false,auto}"
     parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
     return parser
+
+
+def brief_usage_error(prog: str, message: str) -> typing.NoReturn:
+    """A command-line error as argparse's (exit status 2), without its usage: one line and where the settings are."""
+    sys.stderr.write(f"{prog}: error: {message}\n{prog} --help lists the settings.\n")
+    raise SystemExit(2)
 
 
 def _number_or_auto(cast: type, what: str):

@@ -6,11 +6,13 @@ import logging
 import os
 import re
 import time
+import traceback
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -185,6 +187,13 @@ def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.St
 # Messages of a collective that failed because another rank went away: a consequence, not the cause.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 PEER_ERROR_DELAY_S = 2.0
+# Set by ddp-ft --nproc (ddp_ft.launcher) for its workers: the folder where a failing rank writes its traceback.
+FAILURE_DIR_ENV = "DDP_FT_FAILURE_DIR"
+
+
+def traceback_file(folder: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` writes its traceback under ``ddp-ft --nproc`` (``failure_recorded``)."""
+    return Path(folder) / f"rank{rank}-traceback.txt"
 
 
 @contextmanager
@@ -195,11 +204,16 @@ def failure_recorded() -> Iterator[None]:
     rank 1 raises, rank 0's collective fails a moment later with "Connection closed by peer" and often ties, and the
     tie goes to rank 0. A rank that only lost a peer therefore waits ``PEER_ERROR_DELAY_S`` before writing its file,
     so the rank that failed first is the one named (the launcher usually stops the waiting rank before it writes).
+
+    Under ``ddp-ft --nproc`` (``DDP_FT_FAILURE_DIR`` set) the traceback goes to ``traceback_file`` instead of the
+    console and the rank exits with status 1: ddp-ft prints one line naming the first rank that failed, its error and
+    that file, instead of a traceback per rank.
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     handler = get_error_handler()
     handler.initialize()
+    quiet = os.environ.get(FAILURE_DIR_ENV)
     try:
         yield
     except Exception as error:
@@ -207,7 +221,15 @@ def failure_recorded() -> Iterator[None]:
             logger.error("lost a peer rank (see its error: it failed first): %s", error)
             time.sleep(PEER_ERROR_DELAY_S)
         handler.record_exception(error)
-        raise
+        if not quiet:
+            raise
+        try:
+            path = traceback_file(quiet, _env_int("RANK", 0))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(traceback.format_exception(error)))
+        except OSError:  # the launcher names torch's error file instead, which holds the traceback too
+            pass
+        raise SystemExit(1) from None
 
 
 def destroy_distributed() -> None:

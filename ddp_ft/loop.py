@@ -262,7 +262,8 @@ class _Loop:
         """One optimizer step on the micro-batches ``group``; advances the schedule and the data position."""
         info, precision, scaler, optimizer, t = self.info, self.precision, self.scaler, self.optimizer, self.t
         counts = torch.tensor(self.token_counts.totals(step_samples), dtype=torch.float64, device=info.device)
-        outcome = forward_backward_timed(self.wrapped, group, info, counts, precision, scaler, self.stop.local_flag)
+        stop = lambda: self.stop.local_flag  # noqa: E731 - read after the step's last backward: the step in flight
+        outcome = forward_backward_timed(self.wrapped, group, info, counts, precision, scaler, stop)
         loss, counts = outcome.loss, outcome.counts
         # The gradients are already averaged over the ranks, so every rank unscales the same numbers, and finds the
         # same inf/nan: the scaler skips the same steps everywhere with no extra collective.
@@ -376,13 +377,10 @@ class _Loop:
                 "checkpoint": str(checkpoint) if checkpoint else None,
             }
         )
-        logger.warning(
-            "stopped by %s after step %d of %d: %s; continue with --resume latest",
-            self.stopped_by,
-            state.global_step,
-            self.total_steps,
-            "checkpoint saved" if new_work else "the latest checkpoint already holds this step",
-        )
+        where = f"checkpoint {checkpoint}" if checkpoint else "the latest checkpoint holds this step"
+        done = f"{where}; continue with the same command and --resume latest" if self.info.is_main_process else ""
+        step = f"{state.global_step} of {self.total_steps}"  # the one line saying where and how to go on: rank 0's
+        logger.warning("stopped by %s after step %s: %s", self.stopped_by, step, done or "rank 0 saved the checkpoint")
         return checkpoint
 
     def _finish(self) -> Path | None:

@@ -1,11 +1,13 @@
-"""Graceful stop on preemption: a signal becomes one checkpoint at the next optimizer-step boundary, on every rank.
+"""Graceful stop on preemption or Ctrl-C: a signal becomes one checkpoint after the step in flight, on every rank.
 
-SIGTERM (what torchrun, Kubernetes and SLURM send) and SIGUSR1 (SLURM's ``--signal`` warning) may reach one rank,
-some, or all (torchrun forwards what it receives to every rank it started). The handler only records the signal:
-a rank cannot save alone, since saving gathers RNG states from every rank. At the next optimizer-step boundary
-the ranks share their flags in a collective that already happens there (the loop's post-backward gather of
-loss and compute time, the Trainer's input-token count), so they all see the same verdict at the same step, save one checkpoint and stop. A second
-signal while saving only sets the flag again: nothing is interrupted half-way.
+SIGTERM (what torchrun, Kubernetes and SLURM send), SIGUSR1 (SLURM's ``--signal`` warning) and SIGINT (Ctrl-C, which
+torchrun sends on to every rank; ``ddp-ft --nproc`` sends it on as SIGTERM) may reach one rank, some, or all. The
+handler only records the signal: a rank cannot save alone, since saving gathers RNG states from every rank. After
+the last backward of the step in flight the ranks share their flags in a collective that already happens there (the
+loop's and the Trainer's all-gather of loss and compute time), so they all see the same verdict at the same step,
+save one checkpoint and stop. A second signal while saving only sets the flag again: nothing is interrupted
+half-way. The one exception is a second Ctrl-C to a process that runs alone (no launcher, one process): the user
+insists, and it interrupts.
 
 The launcher's own grace period bounds all this: torchrun sends SIGKILL ``--shutdown-timeout`` seconds (default
 30) after forwarding the signal. A step plus one save must fit in it; the checkpoint is atomic, so a SIGKILL mid-save
@@ -23,11 +25,11 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopSignal:
-    """Records SIGTERM / SIGUSR1 instead of dying; ``install()`` and ``uninstall()`` pair around training.
+    """Records SIGTERM / SIGUSR1 / SIGINT instead of dying; ``install()`` and ``uninstall()`` pair around training.
 
     Installing also asks Linux to send this process SIGTERM if its launcher dies (``PR_SET_PDEATHSIG``): a
     launcher that exits without forwarding a signal (``accelerate launch`` of one process does not forward one;
@@ -38,14 +40,16 @@ class StopSignal:
         self.received: str | None = None
         self._previous: dict[int, object] = {}
         self._orphan_signal = False
+        self._alone = False  # no launcher and one process: a second Ctrl-C interrupts
 
     def install(self) -> StopSignal:
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("not on the main thread: SIGTERM/SIGUSR1 will not stop this run gracefully")
+            logger.warning("not on the main thread: SIGTERM/SIGUSR1/SIGINT will not stop this run gracefully")
             return self
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         self._orphan_signal = _launched() and _die_with_parent(signal.SIGTERM)
+        self._alone = not _launched() and int(os.environ.get("WORLD_SIZE") or 1) <= 1
         return self
 
     def uninstall(self) -> None:
@@ -58,9 +62,13 @@ class StopSignal:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
+        if self.received is not None and signum == signal.SIGINT and self._alone:
+            raise KeyboardInterrupt  # Ctrl-C twice: no launcher forwards a repeat here, the user pressed it again
         if self.received is None:
+            again = " (Ctrl-C again interrupts)" if signum == signal.SIGINT and self._alone else ""
             # A signal handler must not take the logging lock (the interrupted code may hold it): write directly.
-            os.write(2, f"[pid {os.getpid()}] {name}: stopping at the next optimizer step with a checkpoint\n".encode())
+            text = f"[pid {os.getpid()}] {name}: stopping after the step in flight, with a checkpoint{again}\n"
+            os.write(2, text.encode())
         self.received = self.received or name
 
     @property

@@ -8,6 +8,7 @@ all ranks), so one process with accumulation 2k and two with k compute the same 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ def forward_backward_timed(
     counts: torch.Tensor | None = None,
     precision: Precision | None = None,
     scaler: torch.amp.GradScaler | None = None,
-    stop_flag: float = 0.0,
+    stop_flag: Callable[[], float] | None = None,
 ) -> StepOutcome:
     """:func:`forward_backward`, also gathering each rank's compute ms (see :func:`rank_balance`).
 
@@ -124,6 +125,11 @@ def forward_backward_timed(
     replaces), so every rank learns at the same step boundary whether any rank received a stop signal. Compute
     ends when the wrapper's last gradient was ready (``BucketedDDP.last_gradient_ready_at``; host time), else
     when backward returned.
+
+    Args:
+        stop_flag (Callable[[], float] | None): this rank's stop flag (``StopSignal.local_flag``), read after the
+            last backward: a signal that arrives during this step stops the run after this step, not the next.
+            Default: never stop.
     """
     started = time.perf_counter()
     counts = step_counts(group, info) if counts is None else counts
@@ -140,7 +146,8 @@ def forward_backward_timed(
         local_loss += loss.detach().double()
     ready = getattr(model, "last_gradient_ready_at", None)
     compute_ms = ((ready if ready is not None and ready > started else time.perf_counter()) - started) * 1e3
-    extra = torch.tensor([compute_ms, stop_flag], dtype=torch.float64, device=info.device)
+    stop = stop_flag() if stop_flag is not None else 0.0
+    extra = torch.tensor([compute_ms, stop], dtype=torch.float64, device=info.device)
     mine = torch.cat([local_loss.unsqueeze(0), extra])
     if info.is_distributed:
         per_rank = [torch.empty_like(mine) for _ in range(info.world_size)]

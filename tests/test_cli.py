@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft import cli
+from ddp_ft import cli, launcher
 from ddp_ft.commands import doctor
 from ddp_ft.config import RUN_CONFIG, parse_settings
 from ddp_ft.metrics import read_jsonl
@@ -86,7 +86,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
     ],
 )
 def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(argv, needle, capsys, monkeypatch):
-    monkeypatch.setattr(cli.subprocess, "call", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail(f"launched {a}"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as error:
         cli.main(argv)
@@ -94,14 +94,37 @@ def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(arg
     assert needle in capsys.readouterr().err
 
 
-def test_nproc_is_taken_off_the_workers_command_line_and_torchrun_runs_the_subcommands_module():
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        ("learning_rate: abc\n", "learning_rate: 'abc' is a str; learning_rate takes a float."),  # the file's type
+        ("lora_dropout: 3\n", "lora_dropout=3.0: must be in [0, 1)."),  # the dataclass's check
+    ],
+)
+def test_a_config_error_is_one_line_and_a_pointer_to_help_not_the_usage(config, needle, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text(config)
+    with pytest.raises(SystemExit) as error:
+        cli.main(["train", "--config", str(tmp_path / "bad.yaml"), "--nproc", "2"])
+    assert error.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("ddp-ft train: error: ") and needle in lines[0], lines
+    assert lines[1] == "ddp-ft train --help lists the settings."  # no usage: 45 lines before the one that matters
+
+
+def test_nproc_help_says_its_default_once(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "WORLD_SIZE. Default: 1" in text and "(default: None)" not in text
+
+
+def test_nproc_is_taken_off_the_workers_command_line_and_the_agent_forwards_sigusr1_too():
     assert cli.strip_option(["--a", "1", "--nproc", "2", "--b", "--nproc=3"], "--nproc") == ["--a", "1", "--b"]
-    command = cli.torchrun_command("ddp_ft.commands.train", 2, ["--preset", "tiny"])
-    assert command[1:] == [
-        "-m",
-        "torch.distributed.run",
+    args = launcher.torchrun_args("ddp_ft.commands.train", 2, ["--preset", "tiny"])
+    assert args == [
         "--standalone",
         "--nproc_per_node=2",
+        "--signals-to-handle=SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # torchrun's lacks SLURM's SIGUSR1; SIGINT: ddp-ft's
         "-m",
         "ddp_ft.commands.train",
         "--preset",
@@ -181,3 +204,17 @@ def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_
     run = _run([sys.executable, "-m", "ddp_ft.cli", "bench-comm", *flags], tmp_path, timeout=120)  # --nproc: 2
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert "| 4 KiB |" in run.stdout and out.exists() and out.with_suffix(".png").exists()
+
+
+def test_a_rank_killed_or_exiting_without_a_traceback_is_named_by_its_signal_or_exit_status(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    killed = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    line = launcher.failure_line("ddp-ft train", ChildFailedError("train", {1: killed}), tmp_path, since=0.0)
+    assert line == (
+        "ddp-ft train: rank 1 failed: Signal 9 (SIGKILL) received by PID 4242 (no traceback recorded: see the output "
+        "above)"
+    )
+    exited = ProcessFailure(local_rank=0, pid=4243, exitcode=1, error_file=str(tmp_path / "none.json"))
+    line = launcher.failure_line("ddp-ft doctor", ChildFailedError("doctor", {0: exited}), tmp_path, since=0.0)
+    assert line == "ddp-ft doctor: rank 0 failed: exit status 1 (no traceback recorded: see the output above)"

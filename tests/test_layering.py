@@ -52,6 +52,7 @@ LAYERS = [
         "ddp_ft.gpu_report",
         "ddp_ft.integrations",
         "ddp_ft.commands",
+        "ddp_ft.launcher",
         "ddp_ft.cli",
     },
 ]

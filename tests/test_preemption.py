@@ -39,6 +39,37 @@ def test_a_stop_signal_is_recorded_not_fatal_and_the_previous_handlers_come_back
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_ctrl_c_is_a_stop_and_a_second_one_interrupts_only_a_process_running_alone(monkeypatch):
+    """Under a launcher (ddp-ft, torchrun) a repeated SIGINT is the launcher's or a terminal's double delivery: one
+    stop. A process running alone (one process, no launcher) gets a repeat only from the user pressing it again."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT" and stop.local_flag == 1.0
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr("ddp_ft.preemption._launched", lambda: True)
+    monkeypatch.setattr("ddp_ft.preemption._die_with_parent", lambda sig: False)  # not this test process's parent
+    with StopSignal() as stop:
+        for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+            os.kill(os.getpid(), sig)
+        assert stop.received == "SIGINT"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_during_a_step_stops_the_loop_after_that_step_not_the_next(tmp_path, monkeypatch):
+    """The flag is read after the step's last backward: SIGUSR1 sent in step 2's forward stops the run after step 2
+    with its checkpoint (it used to be read before the forward: the run went on to step 3)."""
+    from ddp_ft.config import settings_from_preset
+    from ddp_ft.loop import train
+
+    monkeypatch.setenv(ENV, "sigusr1-self@2")
+    settings = settings_from_preset("tiny", max_steps=4, save_every=0, report_to="none", output_dir=str(tmp_path))
+    result = train(settings, DistInfo())
+    assert (result.steps, result.stopped_by) == (2, "SIGUSR1")
+    assert resolve_checkpoint("latest", tmp_path).name == "ddp_ft-checkpoint-2"
+
+
 class _TinyLM(torch.nn.Module):
     """Called as the loop calls a causal LM."""
 
@@ -72,10 +103,11 @@ def _agree(rank, world_size):
 
         setattr(dist, name, recording)
     with StopSignal() as stop:
-        before = forward_backward_timed(model, group, info, counts, stop_flag=stop.local_flag).stop_flags.tolist()
+        flag = lambda: stop.local_flag  # noqa: E731
+        before = forward_backward_timed(model, group, info, counts, stop_flag=flag).stop_flags.tolist()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
-        after = forward_backward_timed(model, group, info, counts, stop_flag=stop.local_flag).stop_flags.tolist()
+        after = forward_backward_timed(model, group, info, counts, stop_flag=flag).stop_flags.tolist()
         return before, after, stop.received, blocking
 
 

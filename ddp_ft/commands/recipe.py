@@ -86,11 +86,14 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
     trainer.train(resume_from_checkpoint=resume)
     if getattr(trainer, "stopped_by", None):  # a stock trainer has no stop handling
+        step = trainer.state.global_step
+        where = f"checkpoint {output_dir}/checkpoint-{step}; continue with the same command and --resume latest"
+        # the one line saying where and how to go on is rank 0's
         logger.warning(
-            "stopped by %s after step %d: checkpoint saved; continue with --resume latest (a torchrun "
-            "restart continues on its own)",
+            "stopped by %s after step %d: %s",
             trainer.stopped_by,
-            trainer.state.global_step,
+            step,
+            where if info.is_main_process else "rank 0 saved the checkpoint",
         )
         return
     metrics = trainer.evaluate()

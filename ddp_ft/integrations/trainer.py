@@ -56,9 +56,7 @@ class _StopCallback(TrainerCallback):
         if self._trainer.stop_requested():
             control.should_save = True
             control.should_training_stop = True
-            logger.warning(
-                "stopping after step %d (%s): saving a checkpoint", state.global_step, self._trainer.stopped_by
-            )
+            logger.info("stopping after step %d (%s): saving a checkpoint", state.global_step, self._trainer.stopped_by)
 
 
 class _StepClockCallback(TrainerCallback):
