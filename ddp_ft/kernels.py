@@ -20,7 +20,7 @@ from .compilation import compile_blockers, refuse_blockers
 
 logger = logging.getLogger(__name__)
 
-LIGER_INSTALL = 'pip install "ddp_ft[liger]"'  # the optional extra that brings liger-kernel (and Triton with it)
+LIGER_INSTALL = 'pip install "liger-kernel>=0.7,<1"'  # the [liger] extra's requirement: ddp_ft is not on PyPI
 
 
 def check_kernel_settings(

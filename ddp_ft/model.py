@@ -63,7 +63,7 @@ class ModelSettings:
             "help": "Liger's fused Triton kernels for Qwen3 (RMSNorm, RoPE, SwiGLU, and the fused linear cross-entropy "
             "that never materialises the logits): the plain loop patches transformers' Qwen3 before the model loads, "
             "the recipe sets TrainingArguments' use_liger_kernel. Opt-in: 0.92x the speed on one H100 at micro-batch "
-            '1. Needs CUDA, Triton and the liger-kernel package (pip install "ddp_ft[liger]"); refused before the '
+            '1. Needs CUDA, Triton and the liger-kernel package (pip install "liger-kernel>=0.7,<1", the [liger] extra); refused before the '
             "model loads."
         },
     )

@@ -1,4 +1,4 @@
-"""Your own TRL script, with BucketedSFTTrainer instead of SFTTrainer (the one-line swap; pip install "ddp_ft[trl]").
+"""Your own TRL script, with BucketedSFTTrainer instead of SFTTrainer (the one-line swap; the [trl] extra: pip install ".[trl]" in the clone).
 
 accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/trl_sft.py
 torchrun --standalone --nproc_per_node=2 examples/trl_sft.py

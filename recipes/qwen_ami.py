@@ -7,7 +7,7 @@
 Without --preset (or a preset: key in --config) it picks ``qwen3-4b-ami`` when CUDA is available and ``tiny``
 otherwise, and says so in its first log line. Every flag of ``scripts/train.py`` works here too (``--help``, including
 ``--config FILE.yaml``), and one of its own: ``--trainer {hf,trl}`` trains with ``BucketedTrainer`` (default) or TRL's
-SFTTrainer as ``BucketedSFTTrainer`` (``pip install ddp_ft[trl]``) on the same data, writing the same
+SFTTrainer as ``BucketedSFTTrainer`` (the ``[trl]`` extra) on the same data, writing the same
 ``metrics.jsonl``. The body is ``ddp_ft.commands.recipe`` (also ``ddp-ft recipe``).
 """
 

@@ -47,3 +47,40 @@ def test_the_accelerate_api_page_links_to_the_settings_table_where_it_is():
     assert links == {"integrations.md#how-the-plugin-wraps"}, links
     table = _section(ROOT / "docs" / "integrations.md", "how-the-plugin-wraps")
     assert "| source | honoured | refused (error before training, naming it) |" in table
+
+
+def _flags(text: str) -> set[str]:
+    return set(re.findall(r"(--[a-z][a-z0-9-]+)", text))
+
+
+def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_that_exist():
+    """`pip install "ddp_ft[trl]"` (the old README) fails: ddp_ft is not on the registry. The README's install section,
+    before the Quickstart, installs from a clone, and every extra it or a docs page names is one pyproject defines."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    install = _section(ROOT / "README.md", "install-into-your-own-environment")
+    assert install is not None and readme.index(install) < readme.index("## Quickstart")
+    assert 'pip install -c constraints.txt ".[trl]"' in install and "git clone" in install
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    for page in PAGES:
+        text = page.read_text()
+        assert "ddp_ft[" not in text, f"{page.name} installs ddp_ft from the registry"
+        for named in re.findall(r'pip install[^\n`]*?"\.\[([a-z,]+)\]"', text):
+            assert set(named.split(",")) <= extras, (page.name, named)
+
+
+def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
+    """Your own data was undocumented (columns, instruction, eval split, truncation): the README's first screen
+    says each, and every flag it or docs/own_data.md names is one `ddp-ft train --help` lists."""
+    from ddp_ft.cli import SUBCOMMANDS, launch_parser
+    from ddp_ft.config import build_parser
+
+    section = _section(ROOT / "README.md", "your-own-model-and-data")
+    for said in ("`dialogue`", "`summary`", "--instruction", "5% of the rows", "--max-seq-len", "--chat-template"):
+        assert said in section, said
+    own_data = (ROOT / "docs" / "own_data.md").read_text()
+    parser = build_parser([launch_parser(SUBCOMMANDS["train"])])
+    known = {option for action in parser._actions for option in action.option_strings}
+    unknown = (_flags(section) | _flags(own_data)) - known
+    assert not unknown, unknown

@@ -33,7 +33,7 @@ from ..ladder.bench_comm import format_size, measure_all_reduce, parse_size
 from ..precision import DTYPES, choose_precision
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl")  # what ddp_ft subclasses or calls
-OPTIONAL = {"trl": "ddp_ft[trl], for --trainer trl"}
+OPTIONAL = {"trl": 'the [trl] extra (pip install ".[trl]" in the clone), for --trainer trl'}
 
 
 @dataclass(frozen=True)

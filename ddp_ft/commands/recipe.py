@@ -37,7 +37,7 @@ def recipe_parser() -> argparse.ArgumentParser:
         choices=TRAINERS,
         default="hf",
         help="hf: BucketedTrainer (transformers' Trainer); trl: BucketedSFTTrainer (TRL's SFTTrainer, the "
-        "ddp_ft[trl] extra); stock-hf, stock-trl: transformers' Trainer or TRL's SFTTrainer themselves, on torch DDP "
+        "[trl] extra); stock-hf, stock-trl: transformers' Trainer or TRL's SFTTrainer themselves, on torch DDP "
         "(what ddp_ft is measured against; needs --no-balance-ranks). Default: hf",
     )
     own.add_argument(

@@ -1,5 +1,5 @@
 """BucketedDDP for Accelerate, the HF Trainer and TRL: one-line swaps for ``Accelerator``, ``Trainer`` and
-``SFTTrainer`` (``BucketedSFTTrainer`` imports trl, an optional dependency: ``pip install ddp_ft[trl]``)."""
+``SFTTrainer`` (``BucketedSFTTrainer`` imports trl, an optional dependency: ``pip install ".[trl]"`` in a clone, or ``pip install "trl>=1.16,<2"``)."""
 
 from .accelerate import BucketedAccelerator
 from .callbacks import ThroughputCallback

@@ -52,7 +52,7 @@ def build_trainer(
     Args:
         settings (RunSettings): the run.
         info (DistInfo): this process.
-        trainer (str): ``hf``: ``BucketedTrainer``; ``trl``: ``BucketedSFTTrainer`` (the ``ddp_ft[trl]`` extra) on
+        trainer (str): ``hf``: ``BucketedTrainer``; ``trl``: ``BucketedSFTTrainer`` (the ``[trl]`` extra) on
             the same tokenized rows and collator, with TRL's loss and metrics. TRL stores the adapters of a 4-bit
             model in bfloat16, so its run is not the ``hf`` one to the bit. ``stock-hf`` and ``stock-trl``: the
             same on ``transformers.Trainer`` and ``trl.SFTTrainer`` with torch DDP (``ddp_ft.integrations.stock``),
