@@ -65,7 +65,7 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
         "8",
     ]
     ddp = _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(tmp_path / "recipe-ddp"), *data)
-    assert "preset tiny (no CUDA" in ddp.stderr
+    assert "preset tiny (no model named and no CUDA" in ddp.stderr
     assert "wrapped the model in BucketedDDP" in ddp.stderr and "DistributedDataParallel(" not in ddp.stderr
     # one progress bar with the loss on it, not every log dict printed under it
     assert "{'loss'" not in ddp.stdout + ddp.stderr and "loss=" in ddp.stderr
