@@ -98,7 +98,7 @@ def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(arg
     "config,needle",
     [
         ("learning_rate: abc\n", "learning_rate: 'abc' is a str; learning_rate takes a float."),  # the file's type
-        ("lora_dropout: 3\n", "lora_dropout=3.0: must be in [0, 1)."),  # the dataclass's check
+        ("lora_dropout: 3\n", "lora_dropout=3.0: must be in [0, 1); e.g. lora_dropout=0.05"),  # the range check
     ],
 )
 def test_a_config_error_is_one_line_and_a_pointer_to_help_not_the_usage(config, needle, tmp_path, capsys):

@@ -46,11 +46,23 @@ def _steps(out: Path) -> int:
     return sum('"type": "train"' in line for line in path.read_text().splitlines()) if path.exists() else 0
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A terminal's job takes Ctrl-C; a suite started in the background (``cmd &``) ignores SIGINT, and its children
+    would inherit that (ddp-ft keeps an ignored Ctrl-C ignored, as a background job should)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signalled(command: list[str], out: Path, sig: signal.Signals, whole_group: bool) -> tuple[int, str]:
     """Start ``command`` as a terminal starts a job (its own process group), send ``sig`` once step 1 is logged (to
     the group, as Ctrl-C is, or to the ddp-ft process alone); its exit status and output."""
     job = subprocess.Popen(
-        command, cwd=out.parent, env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command,
+        cwd=out.parent,
+        env=_env(),
+        start_new_session=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 240
     while _steps(out) < 1 and job.poll() is None and time.monotonic() < deadline:
