@@ -210,7 +210,8 @@ def _training_surface(rank, world_size):
     reference = Net()
     ours, theirs = accelerator.prepare(copy.deepcopy(reference)), TorchDDP(copy.deepcopy(reference))
     # Accelerate joins on GPU-like devices only (on the CPU join_uneven_inputs is a no-op with a warning): take its
-    # multi-GPU path, where a stock Join over BucketedDDP would fail even with even batches.
+    # multi-GPU path, where a stock Join over BucketedDDP failed even with even batches before BucketedDDP was a
+    # torch Joinable (BucketedAccelerator joins on CPU processes too).
     BucketedAccelerator.multi_device = property(lambda self: True)
     opt_ours, opt_theirs = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs))
     opt_ours, opt_theirs = accelerator.prepare(opt_ours, opt_theirs)
@@ -240,9 +241,6 @@ def _training_surface(rank, world_size):
             for name, model in (("ours", ours), ("theirs", theirs)):
                 predictions[name].append(accelerator.gather_for_metrics(model(batch)))
     _assert_equal(predictions["ours"], predictions["theirs"], "gather_for_metrics")
-    with pytest.raises(ValueError, match="even_batches=False"):
-        with accelerator.join_uneven_inputs([ours], even_batches=False):
-            pass
     return synced, sum(len(p) for p in predictions["ours"])
 
 
@@ -250,7 +248,6 @@ def test_accumulate_backward_clipping_join_and_gather_for_metrics_match_torch_dd
     """`accumulate` (no_sync on all but the last micro-step), `backward`, `clip_grad_norm_`, `clip_grad_value_`,
     `join_uneven_inputs` with even batches (on its multi-GPU path: no join, as Accelerate) and `gather_for_metrics` on an uneven eval set:
     gradients, norms, parameters and gathered predictions bitwise equal to torch DDP's under the same accelerator.
-    `join_uneven_inputs(even_batches=False)` needs torch's Join protocol, which BucketedDDP lacks: refused by
-    name, on every rank."""
+    Uneven batches under `join_uneven_inputs(even_batches=False)`: `tests/test_join.py`."""
     for synced, gathered in run_distributed(_training_surface):
         assert synced == 2 and gathered == 7

@@ -110,6 +110,19 @@ def allreduce_hook(
     return _result(bucket, dist.all_reduce(buffer, group=group, async_op=True).get_future())
 
 
+def allreduce_divided_hook(
+    state: tuple[dist.ProcessGroup | None, int], bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Divide the bucket by ``state[1]``, then sum it over ``state[0]``: the default averaging of a join whose
+    ``divide_by_initial_world_size`` is False, over the ranks still training (the joined ones send zeros), as torch
+    DDP's reducer divides by that count before its sum. A sum on NCCL too (its AVG would divide by the group's size).
+    """
+    process_group, divisor = state
+    buffer = bucket.buffer()
+    buffer.div_(divisor)
+    return _result(bucket, dist.all_reduce(buffer, group=_group(process_group), async_op=True).get_future())
+
+
 def bf16_compress_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:

@@ -21,7 +21,7 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from .buckets import BucketSpec
-from .comm_hooks import CommHook, allreduce_hook, wire_dtype
+from .comm_hooks import CommHook, allreduce_divided_hook, allreduce_hook, wire_dtype
 from .grad_buffers import BucketBuffer
 from .stats import CommRecorder, Measurement, start_timer, stop_timer
 
@@ -97,6 +97,7 @@ class Reducer:
         # Per-iteration state, reset by prepare_for_backward (each forward).
         self._armed = False
         self._sync = False
+        self._divisor: int | None = None  # a join's divisor for this iteration (None: the comm hook's own)
         self._finalizer_queued = False
         self._pass_accumulates = True
         self._ready = [False] * len(params)
@@ -158,6 +159,13 @@ class Reducer:
         self._comm_hook, self._comm_state = hook, state
         self._wire_bytes = self._bytes_on_wire()
 
+    def launch_hook(self, divisor: int | None) -> tuple[CommHook, object]:
+        """The hook and state each bucket is launched with: the registered ones, or with a join's ``divisor`` the
+        default averaging dividing by it (:mod:`~ddp_ft.ddp.join` refuses a divisor with another hook)."""
+        if divisor is None:
+            return self._comm_hook, self._comm_state
+        return allreduce_divided_hook, (self.process_group, divisor)
+
     def _bytes_on_wire(self) -> list[int]:
         """Bytes each bucket hands to the collective under the current hook: fixed once the hook is."""
         return [b.buffer.numel() * wire_dtype(self._comm_hook, b.buffer.dtype).itemsize for b in self.buckets]
@@ -171,13 +179,16 @@ class Reducer:
         for bucket in self.buckets:
             bucket.attach_grad_views(replaced_none)
 
-    def prepare_for_backward(self, sync: bool) -> None:
-        """Arm one iteration (each forward with grad enabled): ``sync`` is whether its backward communicates."""
+    def prepare_for_backward(self, sync: bool, divisor: int | None = None) -> None:
+        """Arm one iteration (each forward with grad enabled): ``sync`` is whether its backward communicates;
+        ``divisor``, if given, what the default averaging divides by instead of the world size (a join's ranks
+        still training, :mod:`~ddp_ft.ddp.join`)."""
         if self._armed and self._sync and self._next_launch > 0:
             # The previous synced backward stopped half-way (an exception elsewhere in it): drain its collectives.
             self._wait_launched()
         self._armed = True
         self._sync = sync
+        self._divisor = divisor
         self.unsynced_forwards += not sync
         self._finalizer_queued = False
         self._pass_accumulates = True
@@ -264,7 +275,8 @@ class Reducer:
             # if it runs there while the interpreter exits, aborts the process ("terminate called without an
             # active exception"). The window is stamped in the finalizer instead.
             bucket.grad_bucket.reset_buffer()  # a hook may have replaced it last time (set_buffer)
-            bucket.future = self._comm_hook(self._comm_state, bucket.grad_bucket)
+            hook, state = self.launch_hook(self._divisor)
+            bucket.future = hook(state, bucket.grad_bucket)
             sent = bucket.grad_bucket.buffer()  # the hook may have replaced it with a compressed copy (set_buffer)
             nbytes = self._wire_bytes[self._next_launch] if sent is bucket.buffer else sent.nbytes
             self.stats.add_allreduce(nbytes)

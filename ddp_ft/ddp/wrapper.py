@@ -14,6 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .autotune import AUTO, BucketAutotuner, BucketChoice, check_comm_hook
 from .buckets import ParamSpec, compute_bucket_assignment
 from .comm_hooks import CommHook
+from .join import JoinableDDP
 from .placement import device_identity, model_device
 from .reducer import Reducer
 from .state_dict import add_module_prefix, report_keys_unprefixed, strip_module_prefix
@@ -24,7 +25,7 @@ from .watch import StepWatch
 logger = logging.getLogger(__name__)
 
 
-class BucketedDDP(nn.Module):
+class BucketedDDP(nn.Module, JoinableDDP):
     """Data parallelism with fixed gradient buckets whose all-reduces overlap the rest of backward.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` where the knobs mean the same thing,
@@ -73,6 +74,10 @@ class BucketedDDP(nn.Module):
     Inside :meth:`no_sync` nothing is communicated: gradients accumulate locally (into the bucket
     buffers when they are views) and the next synced backward reduces everything accumulated. As in
     torch DDP, whether a backward syncs is decided by the forward that produced its graph.
+
+    Uneven inputs: inside :meth:`join` (torch's ``Join`` protocol; Accelerate's ``join_uneven_inputs``) a rank out of
+    batches shadows the others' bucket all-reduces with zeros, and the ranks end with the same model, as with torch
+    DDP (:mod:`~ddp_ft.ddp.join`).
 
     Args:
         module (nn.Module): the model; its trainable parameters are the ones with ``requires_grad``.
@@ -126,6 +131,7 @@ class BucketedDDP(nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        self._init_join()  # torch's Join protocol: model.join(), Join([model]) (ddp_ft.ddp.join)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "BucketedDDP needs an initialised process group: call ddp_ft.distributed.init_distributed() "
@@ -157,7 +163,7 @@ class BucketedDDP(nn.Module):
         verify_across_ranks(module, specs, layout, self.world_size, process_group, device_identity(device))
         # Fixed at construction, as torch DDP's modules_buffers.
         self._module_buffers = list(module.named_buffers())
-        self._broadcast_from_rank0([*self._params, *(b for _, b in self._module_buffers)])
+        self._broadcast_from([*self._params, *(b for _, b in self._module_buffers)])
         self._buffer_versions = [b._version for _, b in self._module_buffers]
 
         # The per-backward half (readiness, ordered launch, finalizer, abort, unused parameters): see reducer.py.
@@ -198,8 +204,10 @@ class BucketedDDP(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._watch.on_forward(inputs, kwargs)
-            self._reducer.prepare_for_backward(sync=self.require_backward_grad_sync)
-            if self._buffers_need_sync and self.broadcast_buffers:
+            joining = self._join_config.enable  # in a torch Join over uneven inputs: its round first (join.py)
+            divisor = self._join_forward(self._buffers_need_sync) if joining else None
+            self._reducer.prepare_for_backward(sync=self.require_backward_grad_sync, divisor=divisor)
+            if self._buffers_need_sync and self.broadcast_buffers and not joining:
                 self._broadcast_buffers()
             self._buffers_need_sync = self.require_backward_grad_sync
         output = self.module(*inputs, **kwargs)
@@ -232,7 +240,9 @@ class BucketedDDP(nn.Module):
         """
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = True
-        self._reducer.prepare_for_backward(sync=True)
+        # Under join the joined ranks learn of this synced backward as of a forward's (a round without buffers).
+        divisor = self._join_forward(buffers_due=False) if self._join_config.enable else None
+        self._reducer.prepare_for_backward(sync=True, divisor=divisor)
         self._buffers_need_sync = True
         try:
             yield
@@ -333,10 +343,12 @@ class BucketedDDP(nn.Module):
 
     # ------------------------------------------------------------------ construction helpers
 
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast_from(self, tensors: list[torch.Tensor], src: int | None = None) -> None:
+        """Broadcast ``tensors`` in place from global rank ``src`` (None: the group's rank 0), flat per dtype."""
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        if src is None:
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
@@ -358,14 +370,14 @@ class BucketedDDP(nn.Module):
         if not changed or self.world_size == 1:
             return
         count = torch.tensor([len(changed)], dtype=torch.int64, device=changed[0][1].device)
-        self._broadcast_from_rank0([count])
+        self._broadcast_from([count])
         if int(count) != len(changed):
             raise RuntimeError(
                 f"BucketedDDP: rank {self.rank} changed {len(changed)} buffer(s) since the last broadcast "
                 f"({[name for name, _ in changed]}), rank 0 changed {int(count)}: buffers must be written by the "
                 "same code on every rank (see broadcast_buffers)."
             )
-        self._broadcast_from_rank0([b for _, b in changed])
+        self._broadcast_from([b for _, b in changed])
         self._buffer_versions = [b._version for _, b in self._module_buffers]
 
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 import weakref
 from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.utils import DistributedType, DynamoBackend
 from accelerate.utils.other import is_compiled_module
+from torch.distributed.algorithms.join import Join
 
 from ..compilation import (
     check_compile_mode,
@@ -237,35 +240,34 @@ class BucketedAccelerator(Accelerator):
 
     @contextmanager
     def join_uneven_inputs(self, joinables, even_batches=None):
-        """Accelerate's, with BucketedDDP among the joinables only while the batches are even.
+        """Accelerate's, joining on CPU processes too: torch's ``Join`` over the joinables while the batches are
+        uneven (``even_batches=False``), with the prepared map-style loaders' ``even_batches`` overridden for the
+        context when given, as Accelerate does on GPUs.
 
-        With even batches (Accelerate's default) every rank runs the same number of steps and the join is off, as
-        in Accelerate. Uneven batches (``even_batches=False``) need torch's Join protocol, which BucketedDDP does not
-        implement (a rank out of data would have to shadow every bucket's all-reduce): refused, before any step.
-
-        Raises:
-            ValueError: a BucketedDDP joins with ``even_batches`` False on several processes.
+        BucketedDDP is a torch ``Joinable`` (:mod:`ddp_ft.ddp.join`): a rank out of batches shadows the others'
+        all-reduces with zero gradients, divided by the initial world size, and the ranks end with the last joiner's
+        model. Stock Accelerate joins on GPU types only; on CPU processes it warns and does nothing (the override
+        included), so uneven batches there would leave a rank waiting. With even batches the join is off, as in
+        Accelerate. On one process: Accelerate's (a no-op).
         """
-        ours = [j for j in joinables if isinstance(j, BucketedDDP)]
+        if not (self.num_processes > 1 and self.distributed_type in _DATA_PARALLEL):
+            with super().join_uneven_inputs(joinables, even_batches):
+                yield
+            return
         even = self.even_batches if even_batches is None else even_batches
-        if ours and self.num_processes > 1 and not even:
-            raise ValueError(
-                "join_uneven_inputs with even_batches=False: BucketedDDP does not implement torch's Join protocol "
-                "for ranks with fewer batches. Keep even_batches=True (Accelerate's default: the last batches are "
-                "completed with samples from the start, so every rank steps alike), or drop the last partial "
-                "batch (drop_last=True)."
-            )
-        rest = [j for j in joinables if not isinstance(j, BucketedDDP)]
-        if rest:
-            with super().join_uneven_inputs(rest, even_batches):
-                yield
-        else:  # torch's Join needs a joinable: only the loaders' even_batches, for the context, as Accelerate's
-            with self._even_batches(even_batches):
-                yield
+        with self._even_batches(even_batches), Join(joinables, enable=not even, throw_on_early_termination=False):
+            yield
 
     @contextmanager
     def _even_batches(self, even_batches: bool | None):
-        """Set the prepared map-style loaders' ``even_batches`` for the context (None: leave them)."""
+        """Set the prepared map-style loaders' ``even_batches`` for the context (None: leave them); warn, as
+        Accelerate does, that an iterable-style loader cannot be overridden."""
+        if even_batches is not None and any(isinstance(dl, DataLoaderDispatcher) for dl in self._dataloaders):
+            warnings.warn(
+                "Overriding even_batches is only supported for map-style datasets, yet some dataloaders given were "
+                "iterable",
+                stacklevel=3,
+            )
         samplers = [getattr(loader, "batch_sampler", None) for loader in self._dataloaders]
         samplers = [s for s in samplers if hasattr(s, "even_batches")] if even_batches is not None else []
         before = [s.even_batches for s in samplers]
