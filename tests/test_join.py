@@ -3,6 +3,7 @@ samples, and Accelerate's ``join_uneven_inputs`` with ``BucketedAccelerator``. 2
 
 import contextlib
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -226,3 +227,44 @@ def test_bucketed_accelerator_joins_uneven_inputs_as_torch_ddp_does():
         for case, (ours, theirs, _) in results.items():
             _assert_same(ours, theirs, f"rank {rank} {case} against torch DDP")
         assert [results[case][2] for case in results] == [3 - rank, 2, 2]
+
+
+# ---------------------------------------------------------------- the HF Trainer, which never joins
+
+
+def _trainer_even_batches_off(rank, world_size):
+    _as_accelerate_rank(rank, world_size)
+    from ddp_ft.integrations import BucketedTrainer
+
+    from .test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
+
+    outcomes = {}
+    for samples in (20, 16):  # 5 batches of 4: rank 0 three, rank 1 two; 4 batches: two each
+        torch.manual_seed(0)
+        model = _Regressor()
+        before = [p.detach().clone() for p in model.parameters()]
+        with tempfile.TemporaryDirectory() as out:
+            args = _gloo_trainer_args(
+                out,
+                per_device_train_batch_size=4,
+                num_train_epochs=1,
+                dataloader_drop_last=False,
+                accelerator_config={"even_batches": False},
+            )
+            trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(samples))
+            try:
+                trainer.train()
+                outcomes[samples] = trainer.state.global_step
+            except ValueError as error:
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+                outcomes[samples] = str(error)
+    return outcomes
+
+
+def test_trainer_refuses_even_batches_off_only_where_the_ranks_get_different_batch_counts():
+    """`TrainingArguments(accelerator_config={"even_batches": False})`: the Trainer never joins, so a loader giving
+    the ranks 3 and 2 batches is refused on every rank before any step (the stock Trainer with torch DDP goes out of
+    step); with even data the setting trains."""
+    for outcomes in run_distributed(_trainer_even_batches_off):
+        assert "gives the ranks [3, 2] batches" in outcomes[20], outcomes[20]
+        assert outcomes[16] == 2

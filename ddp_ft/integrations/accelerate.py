@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
-from accelerate.data_loader import DataLoaderDispatcher
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
 from accelerate.utils import DistributedType, DynamoBackend
 from accelerate.utils.other import is_compiled_module
 from torch.distributed.algorithms.join import Join
@@ -74,6 +74,7 @@ class BucketedAccelerator(Accelerator):
 
     # How the idle-device warning tells this entry point to set the micro-batch (the Trainer sets its own).
     micro_batch_fix = staticmethod(accelerate_fix)
+    _for_trainer = False  # adopted by the HF Trainer (adopt with training_args), which never joins uneven inputs
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -102,6 +103,7 @@ class BucketedAccelerator(Accelerator):
         adopted.__dict__.update(accelerator.__dict__)
         handler = None if training_args is not None else accelerator.ddp_handler
         adopted._resolve_settings(ddp_settings, training_args, handler)
+        adopted._for_trainer = training_args is not None
         adopted._check_compile_mode("TrainingArguments(torch_compile_mode=...)" if training_args else "mode")
         return adopted
 
@@ -258,6 +260,16 @@ class BucketedAccelerator(Accelerator):
         with self._even_batches(even_batches), Join(joinables, enable=not even, throw_on_early_termination=False):
             yield
 
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Accelerate's; for the HF Trainer, a loader whose ``even_batches=False`` gives the ranks different numbers
+        of batches is refused (:func:`check_trainer_batches`)."""
+        prepared = super().prepare_data_loader(
+            data_loader, device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch
+        )
+        if self._for_trainer and self.num_processes > 1:
+            check_trainer_batches(prepared, self.num_processes)
+        return prepared
+
     @contextmanager
     def _even_batches(self, even_batches: bool | None):
         """Set the prepared map-style loaders' ``even_batches`` for the context (None: leave them); warn, as
@@ -283,3 +295,40 @@ class BucketedAccelerator(Accelerator):
         if isinstance(model, BucketedDDP):
             model = model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
+
+
+def batches_per_rank(loader, num_processes: int) -> list[int] | None:
+    """Each rank's number of batches from a loader Accelerate prepared, computed alike on every rank (no
+    communication); None where it cannot be known here (iterable or dispatched data, ``split_batches``: the same
+    count on every rank)."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, BatchSamplerShard) or sampler.split_batches:
+        return None
+    try:
+        total = len(sampler.batch_sampler)
+    except TypeError:
+        return None
+    if sampler.even_batches or sampler.drop_last:  # completed from the start, or cut where a rank runs out
+        return [len(sampler)] * num_processes
+    return [len(range(rank, total, num_processes)) for rank in range(num_processes)]
+
+
+def check_trainer_batches(loader, num_processes: int) -> None:
+    """Refuse a Trainer's loader that gives the ranks different numbers of batches (``even_batches=False``).
+
+    The Trainer steps and evaluates every rank in lockstep and never joins uneven inputs: the rank with a batch
+    more would all-reduce (or gather) alone, and the ranks go out of step. The stock Trainer with torch DDP does
+    the same, unrefused.
+
+    Raises:
+        ValueError: the counts differ, naming them and the fix.
+    """
+    counts = batches_per_rank(loader, num_processes)
+    if counts is not None and len(set(counts)) > 1:
+        raise ValueError(
+            f"TrainingArguments(accelerator_config={{'even_batches': False}}): this loader gives the ranks {counts} "
+            "batches, and the Trainer steps and evaluates every rank in lockstep without a join, so the rank with "
+            "more would all-reduce alone (the stock Trainer with torch DDP goes out of step silently there). Keep "
+            "even_batches=True (the default: the last batches are completed with samples from the start), or set "
+            "dataloader_drop_last=True."
+        )
