@@ -54,7 +54,16 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        return self._views
+        """Each parameter's gradient as a view into :meth:`buffer`: after :meth:`set_buffer`, into the new tensor,
+        as torch's ``GradBucket`` slices its current buffer (PowerSGD inside torch's compress wrappers compresses
+        these 16-bit views)."""
+        if self._buffer is self._flat:
+            return self._views
+        base = self._flat.storage_offset()
+        return [
+            self._buffer[v.storage_offset() - base : v.storage_offset() - base + v.numel()].view(v.shape)
+            for v in self._views
+        ]
 
     def parameters(self) -> list[torch.Tensor]:
         return self._parameters
