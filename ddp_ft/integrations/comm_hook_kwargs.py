@@ -75,7 +75,7 @@ class AccelerateCommHook:
     def known_failure(self) -> str | None:
         """Why torch's hook will fail once it compresses, in torch DDP as in BucketedDDP; None when it works.
 
-        torch's ``batched_powerSGD_hook`` hands ``_orthogonalize`` one matrix, which since torch 1.12 asserts a
+        torch's ``batched_powerSGD_hook`` hands ``_orthogonalize`` one matrix, which since pytorch#75157 asserts a
         batch of them: it raises ``AssertionError`` at its first compressing step (``start_powerSGD_iter``). Probed,
         not keyed on a version, so a torch that fixes it gets no warning.
         """
