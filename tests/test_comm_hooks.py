@@ -97,3 +97,23 @@ def test_each_of_our_hooks_registers_on_torch_ddp_and_gives_its_default_gradient
             for g, e in zip(grads, result["expected"], strict=True):
                 scale = e.abs().max().item()
                 torch.testing.assert_close(g, e, rtol=rtol, atol=atol * scale, msg=f"{name} hook, rank {rank}")
+
+
+def test_gradients_are_views_into_the_buffer_a_hook_set_as_torchs_grad_bucket_slices_its_current_buffer():
+    """torch's compress wrappers hand the hook a 16-bit copy (set_buffer) and PowerSGD then compresses
+    ``bucket.gradients()``: those must be views into that copy, in its dtype, as in torch's GradBucket."""
+    from ddp_ft.ddp import GradBucket
+
+    flat = torch.arange(10.0)
+    params = [torch.zeros(2, 3), torch.zeros(4)]
+    views = [flat[0:6].view(2, 3), flat[6:10]]
+    bucket = GradBucket(0, flat, params, views, is_last=True)
+    assert [v.data_ptr() for v in bucket.gradients()] == [v.data_ptr() for v in views]
+    half = flat.to(torch.float16)
+    bucket.set_buffer(half)
+    grads = bucket.gradients()
+    assert [g.dtype for g in grads] == [torch.float16] * 2 and [g.shape for g in grads] == [(2, 3), (4,)]
+    grads[1].fill_(-1)  # written through into the buffer the hook reduces
+    assert half[6:].tolist() == [-1] * 4 and flat[6:].tolist() == [6, 7, 8, 9]
+    bucket.reset_buffer()
+    assert bucket.gradients()[0].data_ptr() == flat.data_ptr()

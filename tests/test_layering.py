@@ -42,6 +42,7 @@ LAYERS = [
         "ddp_ft.integrations.trainer_plan",
         "ddp_ft.integrations.trainer_checkpoints",
         "ddp_ft.integrations.settings",
+        "ddp_ft.integrations.comm_hook_kwargs",
         "ddp_ft.integrations.callbacks",
         "ddp_ft.bench_e2e",
     },

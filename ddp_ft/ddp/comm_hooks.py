@@ -13,6 +13,7 @@ them and refuses anything else, so each of ours registers on torch DDP too. Buck
 :class:`GradBucket`, which has the same methods.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -54,7 +55,16 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        return self._views
+        """Each parameter's gradient as a view into :meth:`buffer`: after :meth:`set_buffer`, into the new tensor,
+        as torch's ``GradBucket`` slices its current buffer (PowerSGD inside torch's compress wrappers compresses
+        these 16-bit views)."""
+        if self._buffer is self._flat:
+            return self._views
+        base = self._flat.storage_offset()
+        return [
+            self._buffer[v.storage_offset() - base : v.storage_offset() - base + v.numel()].view(v.shape)
+            for v in self._views
+        ]
 
     def parameters(self) -> list[torch.Tensor]:
         return self._parameters
@@ -171,3 +181,31 @@ def wire_dtype(hook: CommHook, buffer_dtype: torch.dtype) -> torch.dtype:
     """The dtype ``hook`` sends, for byte counting: bf16 or fp16 for the compress hooks (ours and torch's
     ``default_hooks``), else the buffer's dtype. Matched by identity, so any callable is accepted."""
     return next((dtype for known, dtype in _WIRE_DTYPES if known is hook), buffer_dtype)
+
+
+def check_powersgd_buckets(
+    bucket_sizes: list[int], process_group: dist.ProcessGroup | None, setting: str, one_bucket: str
+) -> None:
+    """Refuse torch's PowerSGD where its all-reduces can go out of order across ranks: several buckets off NCCL.
+
+    PowerSGD launches its later all-reduces (P, then Q) from future callbacks, which gloo runs on its own thread, so
+    with several buckets one rank can launch bucket 1's first all-reduce before bucket 0's second while another does
+    the opposite. Seen: a 2-bucket tiny run hung at its 4th step; 1 bucket trained to the end.
+
+    Args:
+        bucket_sizes (list[int]): elements per bucket (``BucketedDDP.bucket_sizes``).
+        process_group (ProcessGroup | None): the wrapper's group.
+        setting (str): how the user asked for PowerSGD, named in the error.
+        one_bucket (str): the settings that give one bucket, with ``{mb}`` for the cap that holds every gradient.
+
+    Raises:
+        ValueError: several buckets on a backend other than NCCL.
+    """
+    backend = dist.get_backend(_group(process_group))
+    if len(bucket_sizes) > 1 and backend != "nccl":
+        mb = f"{math.ceil(sum(bucket_sizes) * 4 / 2**20 * 100) / 100:.2f}"  # rounded up: a cap that holds them all
+        raise ValueError(
+            f"{setting} on {backend} with {len(bucket_sizes)} buckets: PowerSGD launches its later all-reduces from "
+            "callbacks, which gloo runs on its own thread, so with several buckets their order can differ across "
+            f"ranks and the run hangs. Use one bucket ({one_bucket.format(mb=mb)}) or NCCL."
+        )

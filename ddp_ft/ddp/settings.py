@@ -12,7 +12,7 @@ import torch
 
 from ..ranges import DDP_RANGES, check_ranges
 from .autotune import AUTO
-from .comm_hooks import COMM_HOOKS
+from .comm_hooks import COMM_HOOKS, check_powersgd_buckets
 from .wrapper import BucketedDDP
 
 COMM_HOOK_CHOICES = (*COMM_HOOKS, "powersgd")
@@ -72,16 +72,13 @@ class DDPSettings:
         if self.comm_hook == "powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-            if len(wrapped.bucket_sizes) > 1 and torch.distributed.get_backend(wrapped.process_group) != "nccl":
-                # Seen: a 2-bucket tiny run hung at its 4th step; 1 bucket trained to the end.
-                raise ValueError(
-                    f"comm_hook='powersgd' on {torch.distributed.get_backend(wrapped.process_group)} with "
-                    f"{len(wrapped.bucket_sizes)} buckets: PowerSGD launches its later all-reduces from callbacks, "
-                    "which gloo runs on its own thread, so with several buckets their order can differ across "
-                    "ranks and the run hangs. Use one bucket (--first-bucket-cap-mb and --bucket-cap-mb at least "
-                    f"{sum(wrapped.bucket_sizes) * 4 / 2**20:.2f}) or NCCL."
-                )
-
+            check_powersgd_buckets(
+                wrapped.bucket_sizes,
+                wrapped.process_group,
+                "comm_hook='powersgd'",
+                "--first-bucket-cap-mb and --bucket-cap-mb, or DDPSettings(first_bucket_cap_mb=, bucket_cap_mb=), "
+                "at least {mb}",
+            )
             state = powersgd.PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=self.powersgd_rank,

@@ -36,6 +36,7 @@ from ..compilation import (
 from ..ddp import BucketedDDP, DDPSettings
 from ..perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
+from .comm_hook_kwargs import accelerate_comm_hook
 from .launch import TRAINER_CPU_FIX, check_world_seen, launched_alone
 from .settings import describe_sources, resolve_ddp_settings
 
@@ -62,6 +63,11 @@ def _warn_once(message: str) -> None:  # the Trainer adopts its accelerator agai
 class BucketedAccelerator(Accelerator):
     """``Accelerator`` with BucketedDDP as the data-parallel wrapper.
 
+    ``DistributedDataParallelKwargs`` in ``kwargs_handlers`` are honoured as torch DDP's: its knobs through
+    :func:`~ddp_ft.integrations.settings.resolve_ddp_settings`, its ``comm_hook``/``comm_wrapper``/
+    ``comm_state_option`` registered on each BucketedDDP as Accelerate registers them
+    (:mod:`ddp_ft.integrations.comm_hook_kwargs`).
+
     Args:
         *args: passed to ``Accelerator``.
         ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
@@ -70,6 +76,7 @@ class BucketedAccelerator(Accelerator):
     Raises:
         RuntimeError: the process was launched with ``WORLD_SIZE`` > 1 but Accelerate sees one process (on a machine
             without CUDA, ``cpu=True`` is missing): the processes would train apart.
+        ValueError: a ``DistributedDataParallelKwargs`` setting BucketedDDP cannot honour, naming it and the fix.
     """
 
     # How the idle-device warning tells this entry point to set the micro-batch (the Trainer sets its own).
@@ -114,8 +121,18 @@ class BucketedAccelerator(Accelerator):
 
     def _resolve_settings(self, explicit: DDPSettings | None, training_args: object | None, handler: object) -> None:
         self.ddp_settings, sources = resolve_ddp_settings(explicit, training_args, handler)
+        # A comm hook of Accelerate's that DDPSettings.comm_hook cannot name (PowerSGD, a wrapper): registered as
+        # Accelerate registers it, after each wrap (ddp_ft.integrations.comm_hook_kwargs).
+        hook = accelerate_comm_hook(handler)
+        self.comm_hook = hook if hook is not None and hook.ddp_settings_hook is None else None
+        if self.comm_hook is not None:
+            self.comm_hook.check(self.ddp_settings)
+            failure = self.comm_hook.known_failure()
+            if failure and self.is_main_process and self.num_processes > 1:
+                _warn_once(failure)
         if self.is_main_process and self.num_processes > 1:
-            logger.info("BucketedDDP settings: %s", describe_sources(self.ddp_settings, sources))
+            line = describe_sources(self.ddp_settings, sources)
+            logger.info("BucketedDDP settings: %s%s", line, f"; {self.comm_hook.describe()}" if self.comm_hook else "")
 
     def _wraps_with_bucketed_ddp(self, model: torch.nn.Module, evaluation_mode: bool) -> bool:
         return (
@@ -171,6 +188,8 @@ class BucketedAccelerator(Accelerator):
         wrapped = _WRAPPERS.get(id(model))
         if wrapped is None or wrapped.module is not model or wrapped.hooks_removed:
             wrapped = self.ddp_settings.wrap(model)
+            if self.comm_hook is not None:
+                self.comm_hook.register(wrapped)
             _WRAPPERS[id(model)] = wrapped
             logger.info("wrapped the model in BucketedDDP (%d buckets) instead of torch DDP", len(wrapped.bucket_sizes))
         wrapped._is_accelerate_prepared = True

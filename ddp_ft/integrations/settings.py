@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from ..ddp import COMM_HOOK_CHOICES, DDPSettings
+from ..ddp import DDPSettings
+from .comm_hook_kwargs import accelerate_comm_hook
 
 _TRAINING_ARGUMENTS = {  # TrainingArguments field -> DDPSettings field
     "ddp_find_unused_parameters": "find_unused_parameters",
@@ -25,7 +26,6 @@ _DDP_KWARGS = (
     "gradient_as_bucket_view",
     "static_graph",
 )
-_ACCELERATE_COMM_HOOKS = {"no": "allreduce", "fp16": "fp16", "bf16": "bf16"}
 
 STATIC_GRAPH_REFUSED = (
     "static_graph=True is not supported by BucketedDDP: its bucket layout is already fixed (reverse registration "
@@ -59,7 +59,9 @@ def resolve_ddp_settings(
     Raises:
         ValueError: two sources set one knob to different values; ``static_graph=True``; a
             ``DistributedDataParallelKwargs`` setting BucketedDDP has no equivalent for (``dim``,
-            ``check_reduction``, PowerSGD or a comm wrapper). Each names the setting and where it came from.
+            ``check_reduction``) or comm-hook options that cannot hold
+            (:func:`~ddp_ft.integrations.comm_hook_kwargs.accelerate_comm_hook`). Each names the setting and where
+            it came from.
     """
     candidates: list[tuple[str, str, object]] = []  # (knob, source, value)
     if explicit is not None:
@@ -106,27 +108,22 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
 
     defaults = DistributedDataParallelKwargs()
     name = "DistributedDataParallelKwargs"
-    for unsupported in ("dim", "check_reduction", "comm_wrapper", "comm_state_option"):
+    for unsupported in ("dim", "check_reduction"):
         if getattr(kwargs, unsupported) != getattr(defaults, unsupported):
             raise ValueError(
                 f"{name}.{unsupported}={getattr(kwargs, unsupported)!r} has no BucketedDDP equivalent: remove it "
-                f"(BucketedDDP's comm hooks are set with DDPSettings.comm_hook: {', '.join(COMM_HOOK_CHOICES)}; "
-                "PowerSGD with --comm-hook powersgd --powersgd-rank R)."
+                f"from {name}(...)."
             )
     found = [
         (knob, f"{name}.{knob}", getattr(kwargs, knob))
         for knob in _DDP_KWARGS
         if getattr(kwargs, knob) != getattr(defaults, knob)
     ]
-    hook = str(getattr(kwargs.comm_hook, "value", kwargs.comm_hook)).lower()
-    if hook != str(getattr(defaults.comm_hook, "value", defaults.comm_hook)).lower():
-        if hook not in _ACCELERATE_COMM_HOOKS:
-            raise ValueError(
-                f"{name}.comm_hook={hook!r} is not available through Accelerate's kwargs with BucketedDDP: use one of "
-                f"{', '.join(_ACCELERATE_COMM_HOOKS)}, or DDPSettings.comm_hook (PowerSGD: --comm-hook powersgd "
-                "--powersgd-rank R)."
-            )
-        found.append(("comm_hook", f"{name}.comm_hook", _ACCELERATE_COMM_HOOKS[hook]))
+    # comm_hook FP16/BF16 alone is DDPSettings.comm_hook by that name; any other hook (PowerSGD, a wrapper) is
+    # registered by BucketedAccelerator as Accelerate registers it (ddp_ft.integrations.comm_hook_kwargs).
+    hook = accelerate_comm_hook(kwargs)
+    if hook is not None and hook.ddp_settings_hook is not None:
+        found.append(("comm_hook", f"{name}.comm_hook", hook.ddp_settings_hook))
     return found
 
 
