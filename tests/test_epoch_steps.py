@@ -118,7 +118,7 @@ ROWS, EPOCHS = 17, 2
 # Per-device batch 1 x accumulation 2 x 2 ranks: per epoch 9 batches a rank (the 17th row's round completed with
 # the epoch's first row), so 5 optimizer steps, the last of one micro-batch. With dataloader_drop_last, accumulation
 # 3 (effective batch 6): 8 batches a rank, 3 steps, the last of two micro-batches (the plan used to make 2).
-# micro-steps per optimizer step of an epoch, on each rank, by dataloader_drop_last:
+# Micro-steps of each optimizer step of an epoch, on each rank, by dataloader_drop_last:
 CUTS = {False: [2, 2, 2, 2, 1], True: [3, 3, 2]}
 SCHEDULE = dict(
     num_train_epochs=EPOCHS,
@@ -162,7 +162,7 @@ def _record(trainer, seen: _Seen, model=None) -> dict:
         "epochs": seen.epochs,
         "given": getattr(
             model, "seen", None
-        ),  # the HF model's (answer tokens, num_items_in_batch, loss) per micro-step
+        ),  # _CausalTokens': (answer tokens, num_items_in_batch, loss) per micro-step
     }
 
 
@@ -297,3 +297,56 @@ def test_the_short_last_step_divides_its_loss_by_its_own_answer_tokens_over_both
             total = sum(answers for answers, _, _ in micro)
             assert total > 0 and all(items == total for _, items, _ in micro), (kind, start, micro)
             start += cut
+
+
+def test_a_sampling_strategy_the_plan_would_replace_is_refused_naming_balance_ranks(tmp_path):
+    """``train_sampling_strategy`` other than ``random`` orders the samples its own way, which the plan's seeded
+    shuffle would replace: refused when the loader is built (before any step), naming ``balance_ranks=False``."""
+    from transformers import TrainingArguments
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    from .test_plugin_wrapping import _dataset, _Regressor
+
+    for strategy in ("sequential", "group_by_length"):
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to=[],
+            remove_unused_columns=False,
+            train_sampling_strategy=strategy,
+        )
+        trainer = BucketedTrainer(model=_Regressor(), args=args, train_dataset=_dataset(8), balance_ranks=True)
+        with pytest.raises(ValueError, match=rf"balance_ranks=True cannot honour train_sampling_strategy='{strategy}'"):
+            trainer.get_train_dataloader()
+
+
+@pytest.mark.parametrize(
+    ("split", "even", "rows", "drop_last", "refused"),
+    [
+        (True, True, 16, False, "split_batches=True"),
+        (False, False, 17, False, "even_batches=False on 17 rows"),
+        (False, False, 16, False, None),  # every rank gets whole batches: stock's split, kept
+        (False, False, 17, True, None),  # the partial round dropped, as stock does
+    ],
+)
+def test_accelerate_loader_settings_the_plan_cannot_keep_are_refused_naming_balance_ranks(
+    split, even, rows, drop_last, refused
+):
+    """On 2 processes Accelerate's ``split_batches=True`` would split the plan's micro-batches again, and
+    ``even_batches=False`` gives the ranks unequal batches where the rows do not fill every rank (the plan completes
+    them): refused, naming ``balance_ranks=False``; ``even_batches=False`` on rows that fill them changes nothing."""
+    from types import SimpleNamespace
+
+    from ddp_ft.integrations.trainer_plan import check_plan_settings
+
+    args = SimpleNamespace(
+        train_sampling_strategy="random", per_device_train_batch_size=2, world_size=2, dataloader_drop_last=drop_last
+    )
+    accelerator = SimpleNamespace(split_batches=split, even_batches=even)
+    if refused is None:
+        check_plan_settings(args, accelerator, rows)
+        return
+    with pytest.raises(ValueError, match=refused) as error:
+        check_plan_settings(args, accelerator, rows)
+    assert "balance_ranks=False" in str(error.value)
