@@ -160,9 +160,8 @@ def _record(trainer, seen: _Seen, model=None) -> dict:
         "steps": trainer.state.global_step,
         "learning_rates": [entry["learning_rate"] for entry in logs],
         "epochs": seen.epochs,
-        "given": getattr(
-            model, "seen", None
-        ),  # _CausalTokens': (answer tokens, num_items_in_batch, loss) per micro-step
+        # _CausalTokens': (answer tokens, num_items_in_batch, loss) per micro-step
+        "given": getattr(model, "seen", None),
     }
 
 
