@@ -104,7 +104,7 @@ class _Loop:
         self.parts = parts = prepare_run(settings, info)
         self.accumulation, self.train_set, self.eval_set = parts.accumulation, parts.train_set, parts.eval_set
         self._make_loader()  # with --micro-batch auto's first guess; remade once the probe has chosen
-        # floor(samples / effective batch) steps per epoch, the same on every world size
+        logger.info("%s", self.loader.describe_epoch())  # floor(samples / effective batch): what is left out, once
         self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.loader.layout.steps_per_epoch
         if self.resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
             check_resume_position(self.resume_from, self.loader.layout)

@@ -205,24 +205,27 @@ def test_on_mixed_length_meetings_balanced_ranks_cut_the_slowest_rank_and_the_pa
 @pytest.mark.parametrize("world,micro", [(1, 2), (2, 1), (2, 2), (4, 1)])
 def test_the_trainer_shard_of_the_step_batch_sampler_is_the_loop_plan_also_resumed_and_in_later_epochs(world, micro):
     """What ``BucketedTrainer(balance_ranks=True)`` feeds Accelerate: its shard (batch i to rank i % world) gives each
-    rank the batches ``EpochLoader`` gives that rank in the plain loop; skipping ``n * accumulation`` batches (the
-    Trainer's resume) is resuming ``n`` steps later."""
+    rank the batches ``EpochLoader`` gives that rank, with the stock Trainer's steps (``dataloader_drop_last=True``
+    here: 45 rows make 5 whole steps of 8 and a short one); skipping ``n * accumulation`` batches (the Trainer's
+    resume) is resuming ``n`` steps later."""
     from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 
     lengths = [random.Random(i).randint(10, 500) for i in range(45)]
     data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
     accumulation = 8 // (micro * world)
-    sampler = StepBatchSampler(EpochLoader(data, None, micro, 0, world, seed=5, effective_batch=8))
+    sampler = StepBatchSampler(
+        EpochLoader(data, None, micro, 0, world, seed=5, effective_batch=8, trainer_drop_last=True)
+    )
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         for rank in range(world):
-            loop = EpochLoader(data, _ids, micro, rank, world, seed=5, effective_batch=8)
+            loop = EpochLoader(data, _ids, micro, rank, world, seed=5, effective_batch=8, trainer_drop_last=True)
             shard = (
                 BatchSamplerShard(sampler, world, rank, split_batches=False, even_batches=True)
                 if world > 1
                 else sampler
             )
-            assert len(shard) == len(loop) == 5 * accumulation
+            assert len(shard) == len(loop) == 45 // micro // world and loop.steps.steps == 6
             assert [[i for i in batch] for batch in shard] == list(loop.epoch(epoch)), (epoch, rank)
             resumed = SkipBatchSampler(shard, skip_batches=2 * accumulation)
             assert list(resumed) == list(loop.epoch(epoch, start_sample=2 * 8)), (epoch, rank)
@@ -263,17 +266,17 @@ def _trainer_batches(rank, world_size):
             balance_ranks=True,
         )
         loader = trainer.get_train_dataloader()
-        loop = EpochLoader(data, _ids, 2, rank, world_size, seed=5, effective_batch=8)
-        assert len(loader) == len(loop) == 5 * 2
+        loop = EpochLoader(data, _ids, 2, rank, world_size, seed=5, effective_batch=8, trainer_drop_last=True)
+        assert len(loader) == len(loop) == 11  # the stock Trainer's 45 // 2 // 2 batches a rank: 6 steps
         state, control = TrainerState(), TrainerControl()
         for epoch in (0, 1):  # as the Trainer runs an epoch: callbacks, then set_epoch on the loader
-            state.global_step = epoch * 5
+            state.global_step = epoch * 6
             trainer.callback_handler.on_epoch_begin(args, state, control)
             loader.set_epoch(epoch)
             assert [b["index"].tolist() for b in loader] == list(loop.epoch(epoch)), (rank, epoch)
         # a resume 2 steps into epoch 1: the Trainer skips 2 x accumulation batches of a loader it then re-epochs
         loader = trainer.get_train_dataloader()  # a resumed train() builds its loader, then begins the epoch
-        state.global_step = 5 + 2
+        state.global_step = 6 + 2
         trainer.callback_handler.on_epoch_begin(args, state, control)
         resumed = skip_first_batches(loader, 2 * 2)
         resumed.set_epoch(1)

@@ -220,8 +220,8 @@ def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_t
     tmp_path,
 ):
     """7 training samples, effective batch 2: floor(7 / 2) = 3 steps per epoch on 1 and on 2 processes, the trailing
-    sample dropped (a padding DistributedSampler gave 2 ranks 8 samples: a 4th step, one sample trained twice).
-    Epochs-based: total_steps = 2 epochs x 3 on both. With --eval-fraction 0 there is no eval loss to log."""
+    sample dropped (a padding DistributedSampler gave 2 ranks 8 samples: a 4th step, one sample trained twice), and
+    the log says so once. Epochs-based: total_steps = 2 epochs x 3 on both. With --eval-fraction 0 there is no eval loss to log."""
     source = write_mixed_length_meetings(tmp_path / "seven.jsonl", n=7)
     flags = [
         "--source",
@@ -242,8 +242,11 @@ def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_t
         "--save-every",
         "0",
     ]
-    _train(tmp_path, "--output-dir", str(tmp_path / "single"), *flags, nproc=1)
-    _train(tmp_path, "--output-dir", str(tmp_path / "ddp"), *flags)
+    single_run = _train(tmp_path, "--output-dir", str(tmp_path / "single"), *flags, nproc=1)
+    ddp_run = _train(tmp_path, "--output-dir", str(tmp_path / "ddp"), *flags)
+    for run in (single_run, ddp_run):  # said once, by rank 0: how many samples an epoch leaves out, and why
+        said = "an epoch is 3 optimizer steps of 2 samples: the last 1 of the 7 training samples"
+        assert run.stderr.count(said) == 1, run.stderr[-3000:]
     for run in ("single", "ddp"):
         assert _records(tmp_path / run, "config")[0]["total_steps"] == 6, run
         assert not _records(tmp_path / run, "eval"), run  # no eval split: no eval loss (it was logged as 0.0)

@@ -9,6 +9,8 @@ The pipeline, one module per stage:
 * ``loader``: ``make_collator`` (right padding, labels padded with -100), the token counts, and ``EpochLoader`` (a
   ``DistributedSampler`` that cannot be iterated without choosing the epoch; the same steps on every world size, no
   sample twice; exact resume inside an epoch on any world size, see ``DataLayout``);
+* ``epoch_steps``: ``EpochSteps`` (an epoch's optimizer steps: the plain loop's whole steps, or the stock Trainer's
+  for ``dataloader_drop_last``, every sample trained and a shorter last step);
 * ``balance``: ``balanced_plan`` (a step's samples split over ranks and micro-batches: similar lengths together,
   the same padded tokens on every rank, the step's samples unchanged);
 * ``packing``: ``PackedCollator`` (a micro-batch's samples packed whole into rows without padding, kept apart by
@@ -18,6 +20,7 @@ The pipeline, one module per stage:
 """
 
 from .balance import balanced_plan, rank_costs, strided_plan
+from .epoch_steps import EpochSteps
 from .formatting import (
     TruncatedExample,
     TruncationReport,
@@ -53,6 +56,7 @@ __all__ = [
     "DataLayout",
     "DataSettings",
     "EpochLoader",
+    "EpochSteps",
     "PackedCollator",
     "StepBatchSampler",
     "TruncatedExample",

@@ -18,6 +18,8 @@ Plan = list[list[list[int]]]  # plan[rank][micro_step] -> the sample indices of 
 def _check(indices: Sequence[int], world_size: int, micro_batch: int, accumulation: int) -> None:
     if min(world_size, micro_batch, accumulation) < 1:
         raise ValueError(f"world_size={world_size}, micro_batch={micro_batch}, accumulation={accumulation}: need >= 1.")
+    if world_size == 1 and (accumulation - 1) * micro_batch < len(indices) <= accumulation * micro_batch:
+        return  # one rank: its last micro-batch may be partial (the Trainer's last batch on one process)
     if len(indices) != world_size * micro_batch * accumulation:
         raise ValueError(
             f"a step of {len(indices)} samples is not world_size={world_size} x micro_batch={micro_batch} x "
@@ -81,10 +83,12 @@ def balanced_plan(
             above is for this cost)
 
     Returns:
-        Plan: ``plan[rank][micro_step]``, a list of ``micro_batch`` sample indices.
+        Plan: ``plan[rank][micro_step]``, a list of ``micro_batch`` sample indices (on one rank the last may hold
+        fewer: a step of fewer than ``micro_batch * accumulation`` samples, the stock Trainer's last on one process).
 
     Raises:
-        ValueError: ``len(indices) != world_size * micro_batch * accumulation``, or lengths not aligned.
+        ValueError: ``len(indices) != world_size * micro_batch * accumulation`` (on one rank: not within its last
+            micro-batch), or lengths not aligned.
     """
     _check(indices, world_size, micro_batch, accumulation)
     if len(lengths) != len(indices):

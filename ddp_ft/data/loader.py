@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .balance import Plan, balanced_plan, micro_batch_cost, strided_plan
+from .epoch_steps import EpochSteps
 from .settings import IGNORE_INDEX
 from .step_tokens import global_order
 
@@ -135,11 +136,14 @@ def check_resume(saved: DataLayout, current: DataLayout, sample_in_epoch: int) -
 class EpochLoader:
     """This rank's micro-batches, one epoch at a time: ``for batch in loader.epoch(n, start_sample=k)``.
 
-    Policy: **no sample trains twice in an epoch and every world size trains the same steps.** An epoch is
-    ``floor(len(dataset) / effective_batch)`` optimizer steps on any world size; the trailing partial batch (fewer
-    than ``effective_batch`` samples) is dropped, never padded with repeats. The global order is the permutation of a
-    ``DistributedSampler`` (``drop_last=True``, shuffled by ``seed + epoch``), the same for every world size: step
-    ``s`` is its positions ``[s * effective_batch, (s + 1) * effective_batch)`` (see ``DataLayout``). Only
+    Policy (the plain loop's): **no sample trains twice in an epoch and every world size trains the same steps.** An
+    epoch is ``floor(len(dataset) / effective_batch)`` optimizer steps on any world size; the trailing partial batch
+    (fewer than ``effective_batch`` samples) is left out, never padded with repeats (``steps.left_out`` says how
+    many). The global order is the permutation of a ``DistributedSampler`` (``drop_last=True``, shuffled by
+    ``seed + epoch``), the same for every world size: step ``s`` is its positions
+    ``[s * effective_batch, (s + 1) * effective_batch)`` (see ``DataLayout``). ``trainer_drop_last`` gives the stock
+    Trainer's steps instead (``BucketedTrainer``'s plan): every sample trained, the last step shorter and the first
+    samples of the order repeated as Accelerate's shard does (``ddp_ft.data.epoch_steps``). Only
     ``epoch()`` iterates, and it always calls ``sampler.set_epoch`` first, so the classic bug of every epoch seeing
     the same order cannot happen (``iter(loader)`` raises). ``start_sample`` (samples of the epoch already trained,
     over all ranks) resumes exactly, also on another world size or micro-batch: skipped samples are skipped as
@@ -168,9 +172,13 @@ class EpochLoader:
         cost (Callable[[Sequence[int]], int] | None): tokens a micro-batch computes from its lengths, what
             ``balance`` evens out over the ranks: ``PackedCollator.cost`` for packed batches. Default: None
             (``micro_batch_cost``: right padding)
+        trainer_drop_last (bool | None): the stock Trainer's epoch with this ``dataloader_drop_last``
+            (``EpochSteps``): False trains every sample, completing the last step with the epoch's first samples; True
+            drops the partial per-device batch. Default: None (the plain loop's whole steps)
 
     Raises:
-        ValueError: bad sizes, an empty dataset or one smaller than an effective batch, lengths not one per sample.
+        ValueError: bad sizes, an empty dataset or one smaller than an effective batch (with ``trainer_drop_last``
+            True: smaller than one micro-batch per rank), lengths not one per sample.
     """
 
     def __init__(
@@ -187,6 +195,7 @@ class EpochLoader:
         balance: bool = True,
         lengths: Sequence[int] | None = None,
         cost: Callable[[Sequence[int]], int] | None = None,
+        trainer_drop_last: bool | None = None,
     ) -> None:
         from torch.utils.data import DistributedSampler
 
@@ -197,11 +206,16 @@ class EpochLoader:
         if len(dataset) == 0:
             raise ValueError("EpochLoader got an empty dataset.")
         effective_batch = micro_batch * world_size if effective_batch is None else effective_batch
-        self.layout = DataLayout(len(dataset), seed, effective_batch, world_size, micro_batch)
-        if self.layout.steps_per_epoch == 0:
+        self.layout = layout = DataLayout(len(dataset), seed, effective_batch, world_size, micro_batch)
+        self.steps = EpochSteps(len(dataset), world_size, micro_batch, layout.accumulation, trainer_drop_last)
+        if self.steps.steps == 0:
             raise ValueError(
                 f"the dataset has {len(dataset)} samples, fewer than one effective batch "
                 f"(effective_batch={effective_batch}): lower --effective-batch or use more data."
+                if trainer_drop_last is None
+                else f"the dataset has {len(dataset)} samples, fewer than one batch of per_device_train_batch_size="
+                f"{micro_batch} on each of {world_size} ranks: with dataloader_drop_last=True no step is left. "
+                "Use more data, a smaller batch, or dataloader_drop_last=False."
             )
         self.dataset, self.collate_fn, self.micro_batch, self.rank = dataset, collate_fn, micro_batch, rank
         self.pin_memory = pin_memory
@@ -214,12 +228,24 @@ class EpochLoader:
 
     @property
     def samples_per_epoch(self) -> int:
-        """Samples trained per epoch over all ranks: whole effective batches only."""
-        return self.layout.steps_per_epoch * self.layout.effective_batch
+        """Samples trained per epoch over all ranks (the plain loop's: whole effective batches only)."""
+        return self.steps.samples
 
     def __len__(self) -> int:
-        """Micro-batches per epoch on this rank, all full: ``steps_per_epoch * accumulation``."""
-        return self.layout.steps_per_epoch * self.layout.accumulation
+        """Micro-batches per epoch on this rank, all full (the plain loop's: ``steps_per_epoch * accumulation``)."""
+        return self.steps.micro_batches_per_rank
+
+    def describe_epoch(self) -> str:
+        """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why."""
+        steps, layout = self.steps, self.layout
+        line = f"an epoch is {steps.steps} optimizer steps of {layout.effective_batch} samples"
+        if steps.left_out:
+            line += (
+                f": the last {steps.left_out} of the {layout.train_samples} training samples in each epoch's shuffled "
+                "order are left out (a different few every epoch), so every world size trains the same whole steps "
+                "and no sample twice in an epoch"
+            )
+        return line
 
     def __iter__(self):
         raise TypeError(
@@ -230,12 +256,12 @@ class EpochLoader:
     def plans(self, epoch: int, start_step: int = 0) -> Iterator[Plan]:
         """Every rank's micro-batches (``plan[rank][micro_step]``, sample indices) of each step of ``epoch`` from
         ``start_step`` on; the same on every rank."""
-        layout = self.layout
+        steps = self.steps
         self.sampler.set_epoch(epoch)
-        order = [int(i) for i in self.sampler]
-        W, m, A = layout.world_size, layout.micro_batch, layout.accumulation
-        for step in range(start_step, layout.steps_per_epoch):
-            indices = order[layout.step_positions(step)]
+        order = steps.extend([int(i) for i in self.sampler])
+        W, m = steps.world_size, steps.micro_batch
+        for step in range(start_step, steps.steps):
+            indices, A = order[steps.positions(step)], steps.accumulation_of(step)
             if self.lengths is None:
                 yield strided_plan(indices, W, m, A)
             else:
@@ -253,11 +279,11 @@ class EpochLoader:
         if epoch < 0:
             raise ValueError(f"epoch={epoch}: must be >= 0.")
         layout = self.layout
-        if start_sample % layout.effective_batch or not 0 <= start_sample <= self.samples_per_epoch:
+        if start_sample % layout.effective_batch or not 0 <= start_sample <= self.steps.steps * layout.effective_batch:
             raise ValueError(
                 f"start_sample={start_sample}: a resume position must be a multiple of the effective batch "
-                f"({layout.effective_batch}) within the epoch's {layout.steps_per_epoch} steps of "
-                f"{layout.effective_batch} samples ({layout.train_samples} samples, the remainder dropped)."
+                f"({layout.effective_batch}) within the epoch's {self.steps.steps} steps of "
+                f"{layout.effective_batch} samples ({layout.train_samples} samples, {self.steps.left_out} left out)."
             )
         batches = [b for plan in self.plans(epoch, start_sample // layout.effective_batch) for b in plan[self.rank]]
         # A private generator: a DataLoader otherwise draws its base seed from the global RNG, which would shift
@@ -286,7 +312,8 @@ class StepBatchSampler:
     ``i % world_size`` (Accelerate's ``BatchSamplerShard`` with ``split_batches=False``, which ``Trainer`` gets from
     ``accelerator.prepare``): per step, micro-step ``k`` of rank ``r`` at position ``k * world_size + r``. So each
     rank of a Trainer reads exactly what ``loader.epoch`` gives that rank in the plain loop, and skipping the first
-    ``n`` of its batches (the Trainer's resume) skips ``n / accumulation`` whole steps.
+    ``n`` of its batches (the Trainer's resume) skips ``n / accumulation`` whole steps. The steps are the loader's
+    (``EpochLoader(trainer_drop_last=...)``: the stock Trainer's, a last step of fewer micro-batches included).
 
     Args:
         loader (EpochLoader): the plans (its ``rank`` and ``collate_fn`` are not used).
@@ -300,14 +327,14 @@ class StepBatchSampler:
 
     def step_samples(self, step: int) -> list[int]:
         """Every rank's samples of optimizer step ``step``, counted from the run's first (the Trainer's
-        ``global_step`` before the step): ``DataLayout.step_positions`` of the step within its epoch, in epoch
-        ``step // steps_per_epoch``'s global order, as ``loader.plans`` cuts them."""
-        layout = self.loader.layout
-        epoch, within = divmod(step, layout.steps_per_epoch)
+        ``global_step`` before the step): ``EpochSteps.positions`` of the step within its epoch, in epoch
+        ``step // steps``'s global order (extended by its repeats), as ``loader.plans`` cuts them."""
+        layout, steps = self.loader.layout, self.loader.steps
+        epoch, within = divmod(step, steps.steps)
         if self._order is None or self._order[0] != epoch:
             shuffle = self.loader.sampler.shuffle
-            self._order = (epoch, global_order(layout.train_samples, layout.seed, epoch, shuffle))
-        return self._order[1][layout.step_positions(within)]
+            self._order = (epoch, steps.extend(global_order(layout.train_samples, layout.seed, epoch, shuffle)))
+        return self._order[1][steps.positions(within)]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -316,8 +343,7 @@ class StepBatchSampler:
         return len(self.loader) * self.loader.layout.world_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        layout = self.loader.layout
         for plan in self.loader.plans(self.epoch):
-            for k in range(layout.accumulation):
-                for rank in range(layout.world_size):
+            for k in range(len(plan[0])):  # the step's accumulation: the last step's may be shorter
+                for rank in range(len(plan)):
                     yield plan[rank][k]

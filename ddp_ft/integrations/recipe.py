@@ -185,7 +185,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         activation_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
         include_num_input_tokens_seen="non_padding",
         average_tokens_across_devices=True,
-        dataloader_drop_last=True,
+        dataloader_drop_last=True,  # whole rounds of batches: the plain loop's full steps (a short last one as stock's)
         ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,

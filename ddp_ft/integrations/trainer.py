@@ -77,10 +77,11 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         *args: passed to ``Trainer``.
         ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
         balance_ranks (bool): train each optimizer step's samples split over ranks and micro-batches by
-            ``balanced_plan`` (``ddp_ft.data.balance``), exactly as the plain loop's ``EpochLoader`` does: the same
-            global order (``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), the same
-            steps (the trailing partial batch dropped, whatever ``dataloader_drop_last``), the same per-rank
-            micro-batches. Default: False (the stock Trainer's sampling)
+            ``balanced_plan`` (``ddp_ft.data.balance``), as the plain loop's ``EpochLoader`` does (the same global
+            order: ``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), with the stock
+            Trainer's steps: the same micro-batches per rank, optimizer steps and learning-rate schedule, every sample
+            of the epoch trained unless ``dataloader_drop_last`` (``ddp_ft.integrations.trainer_plan``); settings it
+            cannot keep are refused. Default: False (the stock Trainer's sampling)
         faults (FaultInjector | None): test-only fault injection (``ddp_ft.faults``); the recipe passes the one
             ``DDP_FT_INJECT_FAULT`` describes. Default: none
         **kwargs: passed to ``Trainer``.

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 class PlanEpochCallback(TrainerCallback):
     """Sets the epoch of the balanced plan before each epoch's batches are drawn. ``Trainer`` calls ``set_epoch``
     too, but not through the loader ``skip_first_batches`` builds on a resume mid-epoch on several ranks (its batch
-    sampler wraps Accelerate's shard, which wraps ours); the epoch is ``global_step // steps_per_epoch``, as the
-    Trainer counts the epochs it resumes past."""
+    sampler wraps Accelerate's shard, which wraps ours); the epoch is ``global_step // steps`` (the Trainer's
+    ``num_update_steps_per_epoch``), as the Trainer counts the epochs it resumes past."""
 
     def __init__(self, trainer: PlannedData) -> None:
         self._trainer = trainer
@@ -29,7 +29,7 @@ class PlanEpochCallback(TrainerCallback):
     def on_epoch_begin(self, args, state, control, **kwargs):
         sampler = self._trainer._plan_sampler
         if sampler is not None:
-            sampler.set_epoch(state.global_step // sampler.loader.layout.steps_per_epoch)
+            sampler.set_epoch(state.global_step // sampler.loader.steps.steps)
 
 
 class PlannedData:
@@ -43,12 +43,17 @@ class PlannedData:
     def get_train_dataloader(self):
         """With ``balance_ranks``, a loader over the plain loop's plans (``StepBatchSampler``), prepared by Accelerate:
         its shard hands rank ``r`` the micro-batches ``EpochLoader(rank=r)`` reads, and the Trainer's
-        ``skip_first_batches`` skips whole steps on a resume. Otherwise the Trainer's own loader. A ``PackedCollator``
-        (``ddp_ft.data.packing``) is first checked against the model, whose attention must keep its rows' sequences
-        apart, and the plan balances its packed tokens.
+        ``skip_first_batches`` skips whole steps on a resume. The epoch is the stock Trainer's
+        (``EpochLoader(trainer_drop_last=args.dataloader_drop_last)``, ``ddp_ft.data.epoch_steps``): the same
+        micro-batches per rank, optimizer steps (a shorter last one included) and learning-rate schedule, every sample
+        trained unless ``dataloader_drop_last``, the same samples repeated to complete the last step (the first of
+        the epoch's order, as Accelerate's shard repeats the first of its own). Otherwise the Trainer's own loader. A
+        ``PackedCollator`` (``ddp_ft.data.packing``) is first checked against the model, whose attention must keep
+        its rows' sequences apart, and the plan balances its packed tokens.
 
         Raises:
-            ValueError: a ``PackedCollator`` for a model whose attention would mix packed sequences (before any step).
+            ValueError: a ``PackedCollator`` for a model whose attention would mix packed sequences; with
+                ``balance_ranks``, a setting the plan cannot honour (:func:`check_plan_settings`). Before any step.
         """
         from ..data import PackedCollator  # here: the plugin imports no data pipeline until it trains
 
@@ -68,6 +73,7 @@ class PlannedData:
         args = self.args
         dataset = self._remove_unused_columns(self.train_dataset, description="Training")
         micro, world = args.per_device_train_batch_size, args.world_size
+        check_plan_settings(args, self.accelerator, len(dataset))
         plans = EpochLoader(
             dataset,
             None,
@@ -77,6 +83,7 @@ class PlannedData:
             seed=args.data_seed if args.data_seed is not None else args.seed,
             effective_batch=micro * args.gradient_accumulation_steps * world,
             cost=self.data_collator.cost if packed else None,
+            trainer_drop_last=args.dataloader_drop_last,
         )
         self._plan_sampler = StepBatchSampler(plans)
         self._answer_counts = self._planned_token_counts(dataset)
@@ -132,3 +139,43 @@ class PlannedData:
         answers = counts.totals(sampler.step_samples(step))[0]
         self._planned_answers = (step + 1, answers, local)
         return torch.tensor(float(answers), device=device)  # the gathered int64 sum over 1, as the Trainer returns it
+
+
+def check_plan_settings(args, accelerator, train_samples: int) -> None:
+    """Refuse, before any step, what the balanced plan cannot honour as the stock Trainer would.
+
+    The plan replaces the Trainer's sampler and deals whole micro-batches of ``per_device_train_batch_size``, the same
+    number to every rank. So it cannot keep:
+
+    - ``train_sampling_strategy`` other than ``random`` (``sequential``, ``group_by_length``, ``batch_rebalance``):
+      the plan's order is a seeded shuffle, its micro-batches grouped by length within each step;
+    - Accelerate's ``split_batches=True``: each batch would be split over the ranks again;
+    - ``even_batches=False`` on an epoch whose batches do not fill every rank: stock then gives the ranks unequal or
+      partial batches, where the plan completes them.
+
+    Args:
+        args (TrainingArguments): the Trainer's.
+        accelerator: the Trainer's accelerator (its ``split_batches`` and ``even_batches``).
+        train_samples (int): rows of the training set.
+
+    Raises:
+        ValueError: naming ``balance_ranks=False`` (``--no-balance-ranks``) and the setting.
+    """
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    micro, world = args.per_device_train_batch_size, args.world_size
+    uneven = not args.dataloader_drop_last and (train_samples % micro or -(-train_samples // micro) % world)
+    if strategy != "random":
+        setting = f"train_sampling_strategy={strategy!r}: the plan orders the samples itself (a seeded shuffle)"
+    elif world > 1 and accelerator.split_batches:
+        setting = "Accelerate's split_batches=True: the plan deals whole micro-batches to the ranks"
+    elif world > 1 and not accelerator.even_batches and uneven:
+        setting = (
+            f"Accelerate's even_batches=False on {train_samples} rows in batches of {micro} on {world} ranks: stock "
+            "gives the ranks unequal batches there, where the plan completes the last step with repeats"
+        )
+    else:
+        return
+    raise ValueError(
+        f"balance_ranks=True cannot honour {setting}. Pass balance_ranks=False to the trainer (--no-balance-ranks "
+        "on ddp-ft / the recipe) for the stock Trainer's sampling, or drop the setting."
+    )
