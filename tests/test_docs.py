@@ -7,6 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+UPSTREAM_TESTS = {"test_ddp_comm_hook.py", "test_distributed_data_loop.py", "test_sft.py"}  # the peers' suites
 
 
 def _anchor(heading: str) -> str:
@@ -84,3 +85,19 @@ def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
     known = {option for action in parser._actions for option in action.option_strings}
     unknown = (_flags(section) | _flags(own_data)) - known
     assert not unknown, unknown
+
+
+def test_every_test_the_docs_cite_exists():
+    """The docs back their claims with tests by name (`test_x.py`, `test_x.py::test_name`, a name cut short with
+    `...`): each named file exists and holds the named test, so a claim cannot outlive its test."""
+    missing = []
+    for page in PAGES:
+        for file, name, cut in re.findall(r"(test_\w+\.py)(?:::(test_\w+)(\.\.\.|…)?)?", page.read_text()):
+            path = ROOT / "tests" / file
+            if file in UPSTREAM_TESTS:
+                continue
+            if not path.is_file():
+                missing.append(f"{page.name}: {file}")
+            elif name and not re.search(f"def {name}" + ("" if cut else r"\b"), path.read_text()):
+                missing.append(f"{page.name}: {file}::{name}")
+    assert not missing, missing

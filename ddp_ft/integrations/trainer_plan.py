@@ -162,6 +162,7 @@ def check_plan_settings(args, accelerator, train_samples: int) -> None:
         ValueError: naming ``balance_ranks=False`` (``--no-balance-ranks``) and the setting.
     """
     strategy = getattr(args, "train_sampling_strategy", "random")
+    drop = ", or drop the setting."
     micro, world = args.per_device_train_batch_size, args.world_size
     uneven = not args.dataloader_drop_last and (train_samples % micro or -(-train_samples // micro) % world)
     if strategy != "random":
@@ -173,9 +174,11 @@ def check_plan_settings(args, accelerator, train_samples: int) -> None:
             f"Accelerate's even_batches=False on {train_samples} rows in batches of {micro} on {world} ranks: stock "
             "gives the ranks unequal batches there, where the plan completes the last step with repeats"
         )
+        drop = " (the Trainer never joins: where the ranks' batch counts differ that is refused too), keep "
+        drop += "even_batches=True, or set dataloader_drop_last=True."
     else:
         return
     raise ValueError(
         f"balance_ranks=True cannot honour {setting}. Pass balance_ranks=False to the trainer (--no-balance-ranks "
-        "on ddp-ft / the recipe) for the stock Trainer's sampling, or drop the setting."
+        f"on ddp-ft / the recipe) for the stock Trainer's sampling{drop}"
     )
