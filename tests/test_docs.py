@@ -101,3 +101,16 @@ def test_every_test_the_docs_cite_exists():
             elif name and not re.search(f"def {name}" + ("" if cut else r"\b"), path.read_text()):
                 missing.append(f"{page.name}: {file}::{name}")
     assert not missing, missing
+
+
+def test_the_docs_map_reaches_every_page_and_starts_from_the_tasks():
+    """docs/README.md is the map a newcomer opens first: every page of docs/ is linked from it, and it starts from the
+    tasks (own data, own model, own script, several GPUs and nodes, a GPU report, a failed run, the guarantees)."""
+    map_page = ROOT / "docs" / "README.md"
+    linked = {link.partition("#")[0] for link in LINK.findall(map_page.read_text())}
+    pages = {page.name for page in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert pages <= linked, pages - linked
+    text = map_page.read_text().lower()
+    for task in ("own data", "own model", "script", "several nodes", "gpu", "fails", "guaranteed"):
+        assert task in text, task
+    assert "docs/README.md" in (ROOT / "README.md").read_text()  # the README sends newcomers to the map
