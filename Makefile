@@ -58,7 +58,7 @@ ladder: install
 bucket-sweep: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bucket_sweep.py --out bench_results/bucket_sweep.json
 
-# All-reduce from 4 KiB to 256 MiB through the backend and through the ring (ddp_ft.ladder.ring), 2 ranks: time,
+# All-reduce from 4 KiB to 256 MiB through the backend and through the ring (ddp_ft.tools.ladder.ring), 2 ranks: time,
 # algbw and busbw per size, and the smallest size near the peak busbw, a floor for bucket_cap_mb (table, JSON, PNG).
 bench-comm: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 scripts/bench_comm.py --out bench_results/bench_comm.json

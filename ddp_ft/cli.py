@@ -5,8 +5,8 @@
     ddp-ft doctor --nproc 2                                           # preflight: launch, devices, versions, comm
     ddp-ft compare runs/single runs/ddp --out runs/compare
 
-Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``, ``ddp_ft.ladder.*_cli``),
-the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N`` (N > 1) the command checks its flags
+Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``,
+``ddp_ft.tools.ladder.*_cli``), the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N`` (N > 1) the command checks its flags
 in this process first, so a wrong setting fails before any worker starts (one line, not the usage), then runs
 ``torchrun --standalone --nproc_per_node N -m <module> ...``'s elastic agent in this process (``ddp_ft.launcher``):
 ddp-ft owns its workers, sends them the signals it receives, and ends a failure with one line. Under a launcher
@@ -58,14 +58,20 @@ SUBCOMMANDS = {
         "ddp_ft.commands.doctor",
     ),
     "ladder": Subcommand(
-        "Measure the DDP ladder, naive all-reduce to BucketedDDP (scripts/ladder.py).", "ddp_ft.ladder.ladder_cli", 2, 2
+        "Measure the DDP ladder, naive all-reduce to BucketedDDP (scripts/ladder.py).",
+        "ddp_ft.tools.ladder.ladder_cli",
+        2,
+        2,
     ),
     "bucket-sweep": Subcommand(
-        "Measure BucketedDDP over bucket_cap_mb settings (scripts/bucket_sweep.py).", "ddp_ft.ladder.sweep_cli", 2, 2
+        "Measure BucketedDDP over bucket_cap_mb settings (scripts/bucket_sweep.py).",
+        "ddp_ft.tools.ladder.sweep_cli",
+        2,
+        2,
     ),
     "bench-comm": Subcommand(
         "Measure all-reduce time and bus bandwidth, backend vs ring (scripts/bench_comm.py).",
-        "ddp_ft.ladder.bench_comm_cli",
+        "ddp_ft.tools.ladder.bench_comm_cli",
         2,
         2,
     ),

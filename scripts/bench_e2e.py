@@ -2,10 +2,10 @@
 
     python scripts/bench_e2e.py --repeats 5 --out bench_results/bench_e2e.json
 
-``--help`` lists every configuration; the body is ``ddp_ft.bench_e2e``.
+``--help`` lists every configuration; the body is ``ddp_ft.tools.bench_e2e``.
 """
 
-from ddp_ft.bench_e2e.cli import main
+from ddp_ft.tools.bench_e2e.cli import main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
 No download: a Qwen3-4B-shaped model (``ddp_ft.memory.QWEN3_4B``) with random weights is built once into
 ``$DDP_FT_CACHE`` (local rank 0 builds, the others wait) and loaded through ``load_qlora_model``: NF4 with double
 quantisation, LoRA r=16 on every linear layer, non-reentrant gradient checkpointing, the compute dtype for the device
-(``ddp_ft.bench.compute_setup``). Each optimizer step trains ``--accumulation`` random sequences of ``--seq-len``
+(``ddp_ft.tools.bench.compute_setup``). Each optimizer step trains ``--accumulation`` random sequences of ``--seq-len``
 tokens per rank (``--micro-batch`` sequences each) with the loop's ``forward_backward``, clipping and AdamW. Modes,
 each with its own model, alternate within the run (order rotating every repeat) after ``--warmup`` steps each:
 
@@ -15,10 +15,11 @@ each with its own model, alternate within the run (order rotating every repeat) 
 - N processes: ``single`` (rank 0 alone, the others wait), ``independent`` (every rank unwrapped at once, no
   communication: the ceiling the devices allow) and ``bucketed_ddp``: the scaling.
 
-Model FLOPs per token (``ddp_ft.bench.MFU_FORMULA``): 4*N_base + 6*N_lora + 12*L*T*d_attn (forward 2*N_base +
+Model FLOPs per token (``ddp_ft.tools.bench.MFU_FORMULA``): 4*N_base + 6*N_lora + 12*L*T*d_attn (forward 2*N_base +
 2*N_lora + 4*L*T*d_attn; the backward computes activation gradients through the frozen weights, 2*N_base, and
 activation and weight gradients of the adapters, 4*N_lora; attention twice its forward); recomputation under
-checkpointing not counted. Peak: ``--peak-tflops``, else ``ddp_ft.bench.PEAK_TFLOPS`` by device name, else unknown.
+checkpointing not counted. Peak: ``--peak-tflops``, else ``ddp_ft.tools.bench.PEAK_TFLOPS`` by device name, else
+unknown.
 ``--shape tiny`` (with ``--device cpu``) is the smoke test.
 
 ``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would: the first guess of
@@ -40,21 +41,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddp_ft.bench import (
-    BENCH_SHAPES,
-    ComputeSetup,
-    build_random_qwen3,
-    compute_setup,
-    random_qwen3_name,
-    synchronize,
-)
 from ddp_ft.compilation import compile_repeated_blocks
 from ddp_ft.config import RunSettings, TrainSettings
 from ddp_ft.data import DataSettings
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.autotune import AUTO
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
-from ddp_ft.gpu_report.bench_gpu_result import micro_batch_auto, report  # noqa: F401  (micro_batch_auto: tests)
 from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings
 from ddp_ft.memory import MicroBatchChoice, Qwen3Shape
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
@@ -62,6 +54,15 @@ from ddp_ft.precision import DTYPES, Precision
 from ddp_ft.probe import MicroBatchProbe, host_peak_bytes, probe_micro_batch
 from ddp_ft.setup import cache_dir, resolve_micro_batch, seed_everything
 from ddp_ft.steps import forward_backward, step_counts
+from ddp_ft.tools.bench import (
+    BENCH_SHAPES,
+    ComputeSetup,
+    build_random_qwen3,
+    compute_setup,
+    random_qwen3_name,
+    synchronize,
+)
+from ddp_ft.tools.gpu_report.bench_gpu_result import micro_batch_auto, report  # noqa: F401  (micro_batch_auto: tests)
 
 OVERRIDES = {  # --flag -> Qwen3Shape field
     "layers": "num_hidden_layers",

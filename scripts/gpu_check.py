@@ -1,5 +1,6 @@
 """The first thing to run on a CUDA host: BucketedDDP against torch DDP, no communication under no_sync, the compute
-dtype for these GPUs, and a short QLoRA run's tokens/s, peak memory and exposed communication (``ddp_ft.gpu_check``).
+dtype for these GPUs, and a short QLoRA run's tokens/s, peak memory and exposed communication
+(``ddp_ft.tools.gpu_check``).
 
     python scripts/gpu_check.py --out bench_results/gpu_check.json   # make gpu-check; 1 process, then 2 on 2+ GPUs
     python scripts/gpu_check.py --device cpu                         # the same checks on 2 CPU processes (gloo)
@@ -15,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddp_ft.gpu_check import GpuCheckSettings, format_report, run_gpu_check
+from ddp_ft.tools.gpu_check import GpuCheckSettings, format_report, run_gpu_check
 
 
 def parse_args() -> tuple[GpuCheckSettings, Path]:

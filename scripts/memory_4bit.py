@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ddp_ft.bench import build_random_qwen3, cpu_name
 from ddp_ft.distributed import DistInfo
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
 from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.precision import DTYPES
 from ddp_ft.steps import forward_backward
+from ddp_ft.tools.bench import build_random_qwen3, cpu_name
 
 LAYOUTS = {"upcast": True, "kept": False}  # name -> upcast_frozen_weights
 SLACK_BYTES = 64 * 1024  # the step's small tensors (token ids, labels, norm statistics, loss scalars) are not modelled

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.ladder.bench_comm import CommRow, default_sizes, favoured_size, format_size, parse_size, repeats_at
+from ddp_ft.tools.ladder.bench_comm import CommRow, default_sizes, favoured_size, format_size, parse_size, repeats_at
 
 from .dist_harness import PYTHONPATH
 

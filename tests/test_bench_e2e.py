@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddp_ft.bench_e2e import cli, runs, summary, table
+from ddp_ft.tools.bench_e2e import cli, runs, summary, table
 
 ROOT = Path(__file__).resolve().parents[1]
 bench_e2e = SimpleNamespace(

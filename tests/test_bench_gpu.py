@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
 from ddp_ft.memory import QWEN3_4B, Qwen3Shape
+from ddp_ft.tools.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
 
 from .dist_harness import PYTHONPATH
 

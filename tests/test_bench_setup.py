@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_ft.bench import compute_setup
 from ddp_ft.distributed import device_and_backend
+from ddp_ft.tools.bench import compute_setup
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
-from ddp_ft.gpu_report.plan import plan_steps
+from ddp_ft.tools.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
+from ddp_ft.tools.gpu_report.plan import plan_steps
 
 from .dist_harness import PYTHONPATH
 
@@ -210,7 +210,7 @@ def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
 
 
 def test_an_end_to_end_step_reads_the_runs_metrics_and_holds_the_expected_peak_to_ten_percent(tmp_path):
-    from ddp_ft.gpu_report.e2e import e2e_summary, read_run
+    from ddp_ft.tools.gpu_report.e2e import e2e_summary, read_run
 
     rows = [{"type": "config", "micro_batch": 16, "accumulation": 1}]
     rows += [

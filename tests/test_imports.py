@@ -4,7 +4,8 @@
 modules nor any Hugging Face library. The plugin (``ddp_ft.integrations``) subclasses ``Trainer`` and
 ``Accelerator``, so it imports transformers and accelerate (and with ``transformers.Trainer``, whatever that imports:
 peft, datasets, bitsandbytes when installed), but not ddp_ft's model loading, data pipeline or synthetic generator,
-nor trl (an optional extra, imported when ``BucketedSFTTrainer`` is first used).
+nor trl (an optional extra, imported when ``BucketedSFTTrainer`` is first used). Neither loads the measurement tools
+(``ddp_ft.tools``).
 """
 
 import os
@@ -17,6 +18,11 @@ from .dist_harness import PYTHONPATH
 ROOT = Path(__file__).resolve().parents[1]
 HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}
 RUN_MODULES = {"ddp_ft.data", "ddp_ft.model", "ddp_ft.synthetic", "ddp_ft.config", "ddp_ft.checkpoint"}
+TOOLS = "ddp_ft.tools"
+
+
+def _tools(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m == TOOLS or m.startswith(TOOLS + "."))
 
 
 def _imported_by(statement: str) -> set[str]:
@@ -32,12 +38,14 @@ def test_import_ddp_needs_only_torch():
     assert "ddp_ft.ddp.settings" in modules  # DDPSettings lives beside the wrapper
     assert not {m for m in modules if m.split(".")[0] in HF_LIBRARIES}, "ddp_ft.ddp imported a Hugging Face library"
     assert not modules & RUN_MODULES, f"ddp_ft.ddp imported {sorted(modules & RUN_MODULES)}"
+    assert not _tools(modules), f"ddp_ft.ddp imported {_tools(modules)}"
 
 
 def test_import_integrations_leaves_out_the_model_data_and_settings_modules():
     modules = _imported_by("import ddp_ft.integrations")
     assert {"ddp_ft.integrations.trainer", "ddp_ft.integrations.accelerate", "transformers", "accelerate"} <= modules
     assert not modules & RUN_MODULES, f"ddp_ft.integrations imported {sorted(modules & RUN_MODULES)}"
+    assert not _tools(modules), f"ddp_ft.integrations imported {_tools(modules)}"
     assert "wandb" not in modules
     assert not {"trl", "ddp_ft.integrations.trl"} & modules, (
         "trl is an optional extra: only BucketedSFTTrainer needs it"

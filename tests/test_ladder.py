@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from ddp_ft.ladder.rungs import RUNGS, accumulate, build_rung
-from ddp_ft.ladder.timeline import Timeline
+from ddp_ft.tools.ladder.rungs import RUNGS, accumulate, build_rung
+from ddp_ft.tools.ladder.timeline import Timeline
 from tests.dist_harness import PYTHONPATH, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

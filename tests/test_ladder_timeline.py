@@ -4,7 +4,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddp_ft.ladder.timeline import StepBreakdown, intersect, length, profiled_intervals, subtract, summarize, union
+from ddp_ft.tools.ladder.timeline import (
+    StepBreakdown,
+    intersect,
+    length,
+    profiled_intervals,
+    subtract,
+    summarize,
+    union,
+)
 
 
 def test_interval_arithmetic():

@@ -1,4 +1,5 @@
-"""Imports only point down: each module of ddp_ft imports only from the layers below its own (docs/design.md, Layout)."""
+"""Imports only point down: each module of ddp_ft imports only from the layers below its own (docs/design.md, Layout),
+and the library never imports the measurement tools (``ddp_ft.tools``)."""
 
 import ast
 from pathlib import Path
@@ -27,12 +28,11 @@ LAYERS = [
         "ddp_ft.data",
         "ddp_ft.metrics",
         "ddp_ft.faults",
-        "ddp_ft.bench",
         "ddp_ft.integrations.launch",
         "ddp_ft.integrations.checkpointing",
         "ddp_ft.perf_traps",
     },
-    {"ddp_ft.config", "ddp_ft.defaults", "ddp_ft.checkpoint", "ddp_ft.shared_fs", "ddp_ft.ladder"},
+    {"ddp_ft.config", "ddp_ft.defaults", "ddp_ft.checkpoint", "ddp_ft.shared_fs"},
     {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded", "ddp_ft.model_source"},
     {
         "ddp_ft.loop",
@@ -44,19 +44,36 @@ LAYERS = [
         "ddp_ft.integrations.settings",
         "ddp_ft.integrations.comm_hook_kwargs",
         "ddp_ft.integrations.callbacks",
-        "ddp_ft.bench_e2e",
     },
     {
         "ddp_ft.integrations.recipe",
         "ddp_ft.integrations.stock",
-        "ddp_ft.gpu_check",
-        "ddp_ft.gpu_report",
         "ddp_ft.integrations",
+    },
+    # The measurement tools: one package apart from the library, above all of it; only the CLI and scripts/ import it.
+    {
+        "ddp_ft.tools",
+        "ddp_ft.tools.bench",
+        "ddp_ft.tools.ladder",
+        "ddp_ft.tools.bench_e2e",
+        "ddp_ft.tools.gpu_check",
+        "ddp_ft.tools.gpu_report",
+    },
+    {
         "ddp_ft.commands",
         "ddp_ft.launcher",
         "ddp_ft.cli",
     },
 ]
+
+# The library never imports the measurement tools, whatever its layer (the layers alone would let a new module placed
+# above the tools, beside the CLI, import them). Only the tools themselves and the CLI do (and scripts/, outside).
+TOOLS = "ddp_ft.tools"
+TOOL_USERS = (TOOLS, "ddp_ft.cli", "ddp_ft.commands")
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
 
 
 def _unit(module: str) -> str | None:
@@ -112,6 +129,20 @@ def test_every_module_imports_only_from_layers_below_its_own():
         if _layer(_unit(target)) > _layer(_unit(module))
     ]
     assert not upward, upward
+
+
+def test_the_library_never_imports_the_measurement_tools():
+    """Imports inside functions count too: a tool imported lazily is still imported."""
+    graph = _graph()
+    assert any(_within(m, (TOOLS,)) for m in graph), f"{TOOLS} not found: the test would pass on nothing"
+    library = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if not _within(module, TOOL_USERS)
+        for target in targets
+        if _within(target, (TOOLS,))
+    ]
+    assert not library, f"library modules importing {TOOLS} (move what they need into the library): {library}"
 
 
 def test_no_import_cycle_between_modules():

@@ -11,7 +11,7 @@ launcher set against the one expected (``--expect-world-size``, set by ``--nproc
 the backend for the device (NCCL on CUDA, gloo on the CPU); the precision ``--compute-dtype`` resolves to (bf16
 needs compute capability 8.0); the installed torch, transformers, accelerate, peft, bitsandbytes and trl against
 ddp_ft's bounds; an all-reduce that sums correctly and its bus bandwidth at a few sizes
-(``ddp_ft.ladder.bench_comm.measure_all_reduce``, few repeats: a smoke test, not ``ddp-ft bench-comm``).
+(``ddp_ft.tools.ladder.bench_comm.measure_all_reduce``, few repeats: a smoke test, not ``ddp-ft bench-comm``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from ..ddp.placement import device_identity, shared_device
 from ..distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, device_and_backend, init_distributed
 from ..integrations.launch import check_world_seen
-from ..ladder.bench_comm import format_size, measure_all_reduce, parse_size
 from ..precision import DTYPES, choose_precision
+from ..tools.ladder.bench_comm import format_size, measure_all_reduce, parse_size
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl")  # what ddp_ft subclasses or calls
 OPTIONAL = {"trl": 'the [trl] extra (pip install ".[trl]" in the clone), for --trainer trl'}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...distributed import DEVICE_CHOICES
+from ...precision import DTYPES
 from ..bench import BACKEND_CHOICES
-from ..distributed import DEVICE_CHOICES
-from ..precision import DTYPES
 
 
 @dataclass

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
+from ...distributed import DistInfo
+from ...memory import MicroBatchChoice, Qwen3Shape
+from ...model import LoraSettings
+from ...probe import MicroBatchProbe
 from ..bench import MFU_FORMULA, ComputeSetup, peak_tflops, qlora_training_flops
-from ..distributed import DistInfo
-from ..memory import MicroBatchChoice, Qwen3Shape
-from ..model import LoraSettings
-from ..probe import MicroBatchProbe
 
 # DESIGN.md: Qwen3-4B QLoRA, seq 512, 2x RTX 4090 over PCIe (with real AMI samples, accumulation 16 / 8).
 REFERENCE = {
@@ -68,7 +68,7 @@ def report(
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     flops = qlora_training_flops(shape, args.seq_len, LoraSettings().lora_r)
     peak = args.peak_tflops or peak_tflops(name, setup.precision.dtype)
-    peak_source = "--peak-tflops" if args.peak_tflops else ("ddp_ft.bench.PEAK_TFLOPS" if peak else "unknown")
+    peak_source = "--peak-tflops" if args.peak_tflops else ("ddp_ft.tools.bench.PEAK_TFLOPS" if peak else "unknown")
     modes = {}
     for mode, runs in samples.items():
         devices = 1 if mode == "single" else info.world_size

@@ -1,7 +1,7 @@
 """The end-to-end benchmark's numbers: per configuration, ratios paired within each repeat, and the loss check.
 
 - DDP against the limit: ``ddp_over_pair_<entry>`` (DDP / two independent processes), over the plan ceiling, and
-  had no rank waited (``ddp_ft.bench_e2e.runs.step_parts``).
+  had no rank waited (``ddp_ft.tools.bench_e2e.runs.step_parts``).
 - ddp_ft against what a user would run instead (``STOCK_PAIRS``): ``vs_stock``, on the step-timed tokens/s and on
   the wall tokens/s (``runs.wall_tokens_per_s``).
 - Where the difference comes from (``STOCK_STEPS``): the chain from the stock Trainer to ddp_ft's default, one

@@ -1,17 +1,17 @@
 """The DDP ladder, measured: from a naive all-reduce to BucketedDDP, on two workloads, in one run.
 
     ddp-ft ladder --nproc 2 --out bench_results/ladder.json
-    torchrun --standalone --nproc_per_node=2 -m ddp_ft.ladder.ladder_cli --out bench_results/ladder.json   # the same
+    torchrun --standalone --nproc_per_node=2 -m ddp_ft.tools.ladder.ladder_cli --out bench_results/ladder.json   # the same
     torchrun --standalone --nproc_per_node=2 scripts/ladder.py --out bench_results/ladder.json            # the same
 
-Every rung of ``ddp_ft.ladder.rungs`` wraps a fresh copy of the same model and trains on the same batches with the
+Every rung of ``ddp_ft.tools.ladder.rungs`` wraps a fresh copy of the same model and trains on the same batches with the
 same loop (gradient accumulation: all micro-steps but the last under ``no_sync``). After a warm-up the rungs' weights
 are compared (they must have trained alike), then they are measured interleaved: ``--repeats`` rounds, each running
 every rung for ``--steps`` optimizer steps, the order rotating every round. Per rung it prints the reference
 write-up's columns (compute %, non-compute %, idle %, overlap %, all-reduce calls and ms per optimizer step) with
 bytes, exposed communication and tokens/s (median and min..max of the repeats), as a markdown table, and writes JSON,
 the table (``.md``) and a PNG beside ``--out``. How each column is measured on CPU/gloo and on CUDA/NCCL:
-``ddp_ft/ladder/timeline.py`` and ``docs/ladder.md``. On a CUDA host with 2+ GPUs it runs with NCCL unchanged.
+``ddp_ft/tools/ladder/timeline.py`` and ``docs/ladder.md``. On a CUDA host with 2+ GPUs it runs with NCCL unchanged.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 On CUDA (each step's expected seconds from the H100 run of 2026-11-26, ``../shared/gpu-runs/2026-11-26-h100``):
 
 1. ``random_model``: a random-weight Qwen3-4B with Qwen's tokenizer (``scripts/random_model.py``; no download).
-2. ``loop_defaults``, ``recipe_defaults``: what a user runs (``ddp_ft.gpu_report.e2e``): ``scripts/train.py`` and
+2. ``loop_defaults``, ``recipe_defaults``: what a user runs (``ddp_ft.tools.gpu_report.e2e``): ``scripts/train.py`` and
    ``accelerate launch recipes/qwen_ami.py`` on the AMI meetings at their defaults (micro-batch auto, regional
    compilation, packing): non-padding tokens/s, peak against the probe's expected peak, compile time and graphs.
 3. The decomposition at micro-batch auto: ``bench_gpu`` {eager, compiled} x {checkpointing on, off}, one mode, no
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import check_kernel_settings
+from ...kernels import check_kernel_settings
 from . import summaries
 from .e2e import SHARED_DATA, e2e_steps
 from .runner import Step

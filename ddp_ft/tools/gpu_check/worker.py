@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ...distributed import destroy_distributed
 from ..bench import compute_setup
-from ..distributed import destroy_distributed
 from .checks import run_checks
 from .settings import GpuCheckSettings
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ...distributed import DEVICE_CHOICES, device_and_backend
 from ..bench import cpu_name
-from ..distributed import DEVICE_CHOICES, device_and_backend
 from .e2e import SHARED_DATA
 from .plan import plan_steps
 from .render import format_table, write_markdown
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None, scripts: Path | None = None) -> int:
     except ValueError as error:  # --device cuda without CUDA
         print(f"gpu_report: {error}", file=sys.stderr)
         return 1
-    scripts = scripts or Path(__file__).resolve().parents[2] / "scripts"
+    scripts = scripts or Path(__file__).resolve().parents[3] / "scripts"
     header = host_header(device)
     steps = plan_steps(device, len(header["gpus"]), args.out.with_suffix(""), scripts, data=args.data)
     report = run_report(

@@ -1,6 +1,6 @@
 """Each step's headline numbers, read from the JSON its command wrote: ``summarize(result, done) -> (summary,
-problems)`` (:data:`~ddp_ft.gpu_report.runner.Summarize`). A problem fails a step whose command succeeded: a variant
-whose losses leave the baseline's by more than the compute dtype's tolerance."""
+problems)`` (:data:`~ddp_ft.tools.gpu_report.runner.Summarize`). A problem fails a step whose command succeeded: a
+variant whose losses leave the baseline's by more than the compute dtype's tolerance."""
 
 from __future__ import annotations
 

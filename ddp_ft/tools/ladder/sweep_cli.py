@@ -1,7 +1,7 @@
 """Bucket sizing, measured: BucketedDDP under many ``bucket_cap_mb`` / ``first_bucket_cap_mb`` settings, one run.
 
     ddp-ft bucket-sweep --nproc 2 --out bench_results/bucket_sweep.json
-    torchrun --standalone --nproc_per_node=2 -m ddp_ft.ladder.sweep_cli --out bench_results/bucket_sweep.json  # same
+    torchrun --standalone --nproc_per_node=2 -m ddp_ft.tools.ladder.sweep_cli --out bench_results/bucket_sweep.json  # same
     torchrun --standalone --nproc_per_node=2 scripts/bucket_sweep.py --out bench_results/bucket_sweep.json    # same
 
 The trade-off: small buckets start communicating early in backward and hide more of it, but each is a separate
@@ -29,8 +29,8 @@ from typing import NoReturn
 
 import torch
 
-from ..ddp import ParamSpec, compute_bucket_assignment
-from ..ddp.autotune import AUTO
+from ...ddp import ParamSpec, compute_bucket_assignment
+from ...ddp.autotune import AUTO
 from .measure import (
     WORKLOADS,
     Stepper,

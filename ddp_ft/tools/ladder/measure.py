@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
+from ...model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
+from ...precision import DTYPES
 from ..bench import ComputeSetup, compute_setup, synchronize
-from ..distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
-from ..model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
-from ..precision import DTYPES
 from .rungs import Rung, accumulate
 from .timeline import StepBreakdown, Timeline, profiled_intervals, summarize
 

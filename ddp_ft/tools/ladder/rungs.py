@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..ddp import BucketedDDP
-from ..ddp.buckets import MB
-from ..ddp.comm_hooks import allreduce_hook
+from ...ddp import BucketedDDP
+from ...ddp.buckets import MB
+from ...ddp.comm_hooks import allreduce_hook
 from .timeline import Timeline
 
 

@@ -1,4 +1,4 @@
-"""The all-reduce through the backend and through :func:`~ddp_ft.ladder.ring.ring_all_reduce`, timed per size.
+"""The all-reduce through the backend and through :func:`~ddp_ft.tools.ladder.ring.ring_all_reduce`, timed per size.
 
 Bandwidths are reported as nccl-tests defines them, in GB/s (1e9 bytes per second), for a tensor of ``S`` bytes
 reduced in ``t`` seconds over N ranks:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .distributed import DistInfo, destroy_distributed, device_and_backend, init_distributed
-from .memory import QWEN3_4B, Qwen3Shape, lora_parameters
-from .model import tiny_qwen3_config
-from .precision import Precision, precision_for
+from ..distributed import DistInfo, destroy_distributed, device_and_backend, init_distributed
+from ..memory import QWEN3_4B, Qwen3Shape, lora_parameters
+from ..model import tiny_qwen3_config
+from ..precision import Precision, precision_for
 
 
 @dataclass(frozen=True)

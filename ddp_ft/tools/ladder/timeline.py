@@ -7,7 +7,7 @@ four numbers are defined here from two sets of intervals per step, recorded by t
   runs on its communication thread the moment the collective is done, the wait for the peer included);
 * **blocked** ``B``: the training thread waiting for communication: a blocking all-reduce, a ``wait()``, or, for
   torch DDP and BucketedDDP, whose wait is inside ``backward()``, the time from the step's last gradient to the end
-  of ``backward()`` (what :class:`~ddp_ft.bench.ExposedWaitProbe` measures).
+  of ``backward()`` (what :class:`~ddp_ft.tools.bench.ExposedWaitProbe` measures).
 
 Over the step's wall window ``T``, on CPU/gloo, where one thread computes and another communicates:
 

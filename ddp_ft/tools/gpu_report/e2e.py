@@ -2,7 +2,7 @@
 old ones, the stock Trainer at the reference write-up's settings, sequence 2,048 packed, and the decomposition of
 compile and checkpointing at micro-batch 1 and ``auto``.
 
-Each end-to-end step is ``python -m ddp_ft.gpu_report.e2e --out RESULT.json -- COMMAND...``: the training command
+Each end-to-end step is ``python -m ddp_ft.tools.gpu_report.e2e --out RESULT.json -- COMMAND...``: the training command
 runs as a user would start it (``--output-dir`` pointing into the report's folder), then its ``metrics.jsonl`` is
 read into the result JSON: non-padding tokens/s per optimizer step (the median of the steps after the first, which
 carries compilation and the micro-batch probe), the measured peak and the probe's expected peak, the compile
@@ -119,7 +119,7 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
 
     def run(name: str, title: str, command: list[str], expected_s: float, cuda_only: bool = True) -> Step:
         out = results / f"{name}.json"
-        wrapped = [python, "-m", "ddp_ft.gpu_report.e2e", "--out", str(out), "--output-dir", str(results / name)]
+        wrapped = [python, "-m", "ddp_ft.tools.gpu_report.e2e", "--out", str(out), "--output-dir", str(results / name)]
         skip = no_data if cuda else ("CUDA only: the CPU smoke test runs loop_defaults" if cuda_only else None)
         return Step(
             name, title, [*wrapped, "--", *command], out, expected_s, 3 * expected_s, skip=skip, summarize=e2e_summary

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..distributed import device_and_backend
+from ...distributed import device_and_backend
 from .settings import GpuCheckSettings
 from .worker import run_worker
 

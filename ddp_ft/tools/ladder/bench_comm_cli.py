@@ -1,7 +1,7 @@
-"""All-reduce through the backend and through the ring (ddp_ft.ladder.ring), from 4 KiB to 256 MiB.
+"""All-reduce through the backend and through the ring (ddp_ft.tools.ladder.ring), from 4 KiB to 256 MiB.
 
     ddp-ft bench-comm --nproc 2 --out bench_results/bench_comm.json
-    torchrun --standalone --nproc_per_node=2 -m ddp_ft.ladder.bench_comm_cli --out bench_results/bench_comm.json  # same
+    torchrun --standalone --nproc_per_node=2 -m ddp_ft.tools.ladder.bench_comm_cli --out bench_results/bench_comm.json  # same
     torchrun --standalone --nproc_per_node=2 scripts/bench_comm.py --out bench_results/bench_comm.json            # same
 
 Per size and method: the median time with its min..max, algorithm bandwidth (bytes / time) and bus bandwidth
@@ -24,8 +24,8 @@ from typing import NoReturn
 
 import torch
 
+from ...distributed import DEVICE_CHOICES, destroy_distributed
 from ..bench import compute_setup, cpu_name
-from ..distributed import DEVICE_CHOICES, destroy_distributed
 from .bench_comm import (
     FAVOURED_FRACTION,
     METHODS,
@@ -84,7 +84,7 @@ def run(argv: list[str] | None = None) -> None:
     try:
         if info.world_size < 2:
             raise SystemExit(
-                "run with: ddp-ft bench-comm --nproc 2 (or torchrun --standalone --nproc_per_node=2 -m ddp_ft.ladder.bench_comm_cli)"
+                "run with: ddp-ft bench-comm --nproc 2 (or torchrun --standalone --nproc_per_node=2 -m ddp_ft.tools.ladder.bench_comm_cli)"
             )
         rows = measure_all_reduce(sizes, args.repeats, args.warmup, info.device, byte_budget=args.byte_budget)
         if info.is_main_process:
