@@ -136,6 +136,7 @@ def _validate(
     failure_dir = None
     if name in ("train", "recipe"):
         from .config import gradient_accumulation_steps, parse_settings
+        from .data.sources import check_local_file
         from .model_source import check_model_source, choose_default
 
         extra = parents
@@ -146,6 +147,7 @@ def _validate(
         try:
             settings = parse_settings(argv, extra, choose_default(argv).preset, prog)
             check_model_source(settings.model.model_name_or_path)  # an unreachable hub id: seconds, not a minute
+            check_local_file(settings.data)  # a wrong --source path: here, not once per worker
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
             _check_kernels(settings.model.liger, settings.model.compile)
@@ -154,7 +156,7 @@ def _validate(
 
                 own = recipe_parser().parse_known_args(argv)[0]
                 check_stock_settings(settings, own.trainer, own.stock_find_unused)
-        except ValueError as error:
+        except (ValueError, FileNotFoundError) as error:
             _fail(prog, str(error))
         failure_dir = Path(settings.train.output_dir).absolute() / "logs"
     elif name == "doctor":

@@ -80,6 +80,10 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         ),
         (["train", "--learning-rate", "-1", "--nproc", "2"], "learning_rate=-1.0: must be a positive number; e.g."),
         (["recipe", "--preset", "tiny", "--lora-dropout", "1", "--nproc", "2"], "lora_dropout=1.0: must be in [0, 1)"),
+        (  # a wrong local --source: refused here, not by every worker after its start-up (issue 34)
+            ["train", "--preset", "tiny", "--source", "missing.jsonl", "--nproc", "2"],
+            "DataSettings.source='missing.jsonl': no such file",
+        ),
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),

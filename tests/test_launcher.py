@@ -141,17 +141,22 @@ def test_sigterm_to_ddp_ft_recipe_stops_the_trainer_on_both_ranks_with_one_check
     assert not (out / "final").exists()  # stopped: no final evaluation and save
 
 
-def test_a_wrong_data_path_ends_the_launch_with_one_line_naming_the_rank_the_error_and_the_traceback_file(tmp_path):
-    """Each rank fails as it loads the data; ddp-ft prints one line (instead of a traceback per rank and torchrun's
-    summary: 141 lines) and keeps each rank's traceback in <output_dir>/logs."""
+def test_data_without_its_columns_ends_the_launch_with_one_line_naming_the_rank_the_error_and_the_traceback_file(
+    tmp_path,
+):
+    """Each rank fails as it loads the data (a file without the dialogue column: only a worker reads it); ddp-ft
+    prints one line (instead of a traceback per rank and torchrun's summary: 151 lines) and keeps each rank's
+    traceback in <output_dir>/logs."""
     out = tmp_path / "run"
-    run = _run([*DDP_FT, "train", *FLAGS, "--source", "missing.jsonl", "--output-dir", str(out)], tmp_path)
+    data = tmp_path / "meetings.jsonl"
+    data.write_text("".join(f'{{"transcript": "meeting {i}", "summary": "s {i}"}}\n' for i in range(20)))
+    run = _run([*DDP_FT, "train", *FLAGS, "--source", str(data), "--output-dir", str(out)], tmp_path)
     assert run.returncode == 1, run.stderr[-6000:]
     assert "Traceback" not in run.stdout + run.stderr, run.stderr[-6000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("ddp-ft train: rank "), run.stderr[-6000:]
     rank = int(last.split("rank ")[1].split()[0])
-    assert "FileNotFoundError: DataSettings.source='missing.jsonl': no such file" in last, last
+    assert f"ValueError: DataSettings.source='{data}', split 'train': missing column(s) 'dialogue'" in last, last
     traceback_file = out / "logs" / f"rank{rank}-traceback.txt"
     assert f"full traceback: {traceback_file}" in last, last
     assert "Traceback (most recent call last)" in traceback_file.read_text()

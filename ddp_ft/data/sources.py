@@ -12,6 +12,27 @@ from .settings import FILE_BUILDERS, DataSettings
 logger = logging.getLogger(__name__)
 
 
+def check_local_file(settings: DataSettings) -> Path | None:
+    """A local data file that exists and is not empty (``ddp-ft`` checks it before any worker starts); None for a
+    source that is no file.
+
+    Raises:
+        FileNotFoundError: no such file, naming ``--source``.
+        ValueError: an empty file.
+    """
+    if settings.source_kind != "file":
+        return None
+    path = Path(settings.source).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"DataSettings.source={settings.source!r}: no such file (resolved to {path.resolve()}); "
+            "fix --source or use a hub dataset id or 'synthetic'."
+        )
+    if path.stat().st_size == 0:
+        raise ValueError(f"DataSettings.source={settings.source!r}: the file is empty (split 'train' has no rows).")
+    return path
+
+
 def _load_source(settings: DataSettings, cache_dir: str | None):
     """The source as a DatasetDict (files and synthetic data have one split, 'train')."""
     from datasets import Dataset, DatasetDict, load_dataset
@@ -21,14 +42,7 @@ def _load_source(settings: DataSettings, cache_dir: str | None):
         rows = generate_synthetic_meetings(settings.num_synthetic, settings.data_seed)
         return DatasetDict({"train": Dataset.from_list(rows)})
     if kind == "file":
-        path = Path(settings.source).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"DataSettings.source={settings.source!r}: no such file (resolved to {path.resolve()}); "
-                "fix --source or use a hub dataset id or 'synthetic'."
-            )
-        if path.stat().st_size == 0:
-            raise ValueError(f"DataSettings.source={settings.source!r}: the file is empty (split 'train' has no rows).")
+        path = check_local_file(settings)
         builder = FILE_BUILDERS[path.suffix.lower()]
         try:
             return load_dataset(builder, data_files={"train": str(path)}, cache_dir=cache_dir)
