@@ -188,7 +188,7 @@ def _check_kernels(liger: bool, compile: bool | str) -> None:
 def _fail(prog: str, message: str) -> None:
     """A usage error naming the setting: one line and where the settings are listed, not the whole usage (exit
     status 2, as argparse's)."""
-    from .config import brief_usage_error
+    from .ranges import brief_usage_error
 
     brief_usage_error(prog, message)
 

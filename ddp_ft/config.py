@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import sys
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -29,7 +28,7 @@ from .ddp import DDPSettings
 from .ddp.autotune import AUTO
 from .distributed import DistInfo
 from .model import LoraSettings, ModelSettings
-from .ranges import TRAIN_RANGES, check_ranges
+from .ranges import TRAIN_RANGES, brief_usage_error, check_ranges
 
 
 @dataclass
@@ -283,9 +282,8 @@ def write_run_config(settings: RunSettings, info: DistInfo) -> Path:
 
 
 def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
-    """One flag per dataclass field (``--micro-batch`` and ``--micro_batch``), documented from its help; an entry
-    point's own flags come in through ``parents`` (built with ``add_help=False``), so ``--help`` lists them too;
-    ``prog`` names the command in usage and errors (default: the script's name)."""
+    """One flag per dataclass field (``--micro-batch``, ``--micro_batch``), documented from its help; an entry point's
+    own flags come in through ``parents`` (``add_help=False``: ``--help`` lists them); ``prog`` names the command."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(
@@ -305,23 +303,18 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
         help="YAML settings over the preset and under the flags: field names flat or under model:/lora:/data:/ddp:/"
         "train:, and optionally preset:. A run's <output_dir>/run_config.yaml reruns it.",
     )
-    for action in parser._actions:  # HfArgumentParser types a `float | str` field as float: take "auto" too
-        if action.dest == "bucket_cap_mb":
-            action.type = _number_or_auto(float, "a number of MiB")
-        if action.dest == "micro_batch":  # `int | str` is typed int: take "auto" too
-            action.type = _number_or_auto(int, "a whole number of samples")
-        if action.dest == "compile":  # `bool | str` is typed bool: take "auto" too (bare --compile: true)
-            action.type, action.metavar = _switch_arg, "{true,false,auto}"
-        if action.dest == "packing":  # `bool | str`: a yes/no word or "auto"
-            action.type, action.nargs, action.const, action.metavar = _switch_arg, None, None, "{true,false,auto}"
+    switch = {"type": _switch_arg, "metavar": "{true,false,auto}"}
+    or_auto = {  # HfArgumentParser types `float | str` as float, `int | str` as int, `bool | str` as bool: take "auto"
+        "bucket_cap_mb": {"type": _number_or_auto(float, "a number of MiB")},
+        "micro_batch": {"type": _number_or_auto(int, "a whole number of samples")},
+        "compile": switch,  # bare --compile: true
+        "packing": {**switch, "nargs": None, "const": None},  # a yes/no word or "auto"
+    }
+    for action in parser._actions:
+        for name, value in or_auto.get(action.dest, {}).items():
+            setattr(action, name, value)
     parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
     return parser
-
-
-def brief_usage_error(prog: str, message: str) -> typing.NoReturn:
-    """A command-line error as argparse's (exit status 2), without its usage: one line and where the settings are."""
-    sys.stderr.write(f"{prog}: error: {message}\n{prog} --help lists the settings.\n")
-    raise SystemExit(2)
 
 
 def _number_or_auto(cast: type, what: str):

@@ -2,12 +2,15 @@
 
 A value outside its own range is refused naming the setting, its range and a valid value (the field's default),
 before any relation between settings is checked: a negative learning rate is refused as a learning rate, not as
-"min_learning_rate is above it". Pure (no torch): the settings of every layer use it.
+"min_learning_rate is above it". Pure (no torch): the settings of every layer use it. Also the one-line command-line
+error the settings' parsers raise (``brief_usage_error``).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+import typing
 from dataclasses import MISSING, dataclass, fields
 
 SEED_MAX = 2**32 - 1  # numpy's seed range, which transformers' set_seed (the Trainer's) passes the seed to
@@ -135,3 +138,9 @@ DDP_RANGES = {
     "ddp_timeout": Range(0, low_open=True, unit="seconds"),
 }
 """``DDPSettings``: every numeric field."""
+
+
+def brief_usage_error(prog: str, message: str) -> typing.NoReturn:
+    """A command-line error as argparse's (exit status 2), without its usage: one line and where the settings are."""
+    sys.stderr.write(f"{prog}: error: {message}\n{prog} --help lists the settings.\n")
+    raise SystemExit(2)

@@ -159,3 +159,17 @@ def gather_tensors(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             offset += n
         result.append(parts)
     return result
+
+
+def processes_running_with(marker: str) -> list[str]:
+    """``pid: command line`` of each live process whose command line holds ``marker`` (an output folder): what a
+    launcher left running."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found

@@ -15,7 +15,7 @@ import pytest
 
 from ddp_ft.metrics import read_jsonl
 
-from .dist_harness import PYTHONPATH
+from .dist_harness import PYTHONPATH, processes_running_with
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
@@ -64,20 +64,8 @@ def _launch(
     start = time.monotonic()
     run = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300)
     elapsed = time.monotonic() - start
-    assert not _processes_running_with(str(out)), "a rank outlived its launcher"
+    assert not processes_running_with(str(out)), "a rank outlived its launcher"
     return run, elapsed
-
-
-def _processes_running_with(marker: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if marker in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
 
 
 def _root_cause(log: str) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from ddp_ft.metrics import read_jsonl, timeline
 
-from .dist_harness import PYTHONPATH, run_distributed
+from .dist_harness import PYTHONPATH, processes_running_with, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
@@ -70,20 +70,8 @@ def _signalled(command: list[str], out: Path, sig: signal.Signals, whole_group: 
     assert job.poll() is None, job.communicate()[0].decode()[-6000:]
     os.killpg(job.pid, sig) if whole_group else job.send_signal(sig)
     output = job.communicate(timeout=120)[0].decode()
-    assert not _processes_running_with(str(out)), "a worker outlived ddp-ft"
+    assert not processes_running_with(str(out)), "a worker outlived ddp-ft"
     return job.returncode, output
-
-
-def _processes_running_with(marker: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if marker in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
 
 
 def _stopped_cleanly(output: str, checkpoint: Path, last_line: str) -> None:
