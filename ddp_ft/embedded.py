@@ -11,9 +11,9 @@ import fcntl
 from typing import NamedTuple
 
 from .distributed import DistInfo
-from .model import EMBEDDED_MODEL
-from .setup import cache_dir, resolve_model_and_tokenizer
-from .synthetic import generate_synthetic_meetings
+from .training.data.synthetic import generate_synthetic_meetings
+from .training.model.qlora import EMBEDDED_MODEL
+from .training.setup import cache_dir, resolve_model_and_tokenizer
 
 
 class Embedded(NamedTuple):

@@ -30,9 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed
-from ddp_ft.model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
-from ddp_ft.precision import DTYPES, Precision
 from ddp_ft.tools.bench import ComputeSetup, ExposedWaitProbe, compute_setup, cpu_name, synchronize
+from ddp_ft.training.model.precision import DTYPES, Precision
+from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 
 MODES = ("single", "torch_ddp", "bucketed_ddp")
 

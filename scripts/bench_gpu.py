@@ -3,7 +3,7 @@
     python scripts/bench_gpu.py                                     # 1 GPU: BucketedDDP vs no wrapper
     torchrun --standalone --nproc_per_node=2 scripts/bench_gpu.py   # 2 GPUs: scaling
 
-No download: a Qwen3-4B-shaped model (``ddp_ft.memory.QWEN3_4B``) with random weights is built once into
+No download: a Qwen3-4B-shaped model (``ddp_ft.training.model.memory.QWEN3_4B``) with random weights is built once into
 ``$DDP_FT_CACHE`` (local rank 0 builds, the others wait) and loaded through ``load_qlora_model``: NF4 with double
 quantisation, LoRA r=16 on every linear layer, non-reentrant gradient checkpointing, the compute dtype for the device
 (``ddp_ft.tools.bench.compute_setup``). Each optimizer step trains ``--accumulation`` random sequences of ``--seq-len``
@@ -23,10 +23,11 @@ unknown.
 ``--shape tiny`` (with ``--device cpu``) is the smoke test.
 
 ``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would: the first guess of
-``ddp_ft.setup.resolve_micro_batch`` (``ddp_ft.memory``'s arithmetic for this shape, ``--seq-len`` and
-``--effective-batch`` against the GPU's memory), then the probe (``ddp_ft.probe``) on the first model built, before
-BucketedDDP wraps it; it records both expected peaks beside the measured ``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
-(``ddp_ft.kernels``); each mode's loss per step is recorded, so a run with them compares with one without
+``ddp_ft.training.setup.resolve_micro_batch`` (``ddp_ft.training.model.memory``'s arithmetic for this shape,
+``--seq-len`` and ``--effective-batch`` against the GPU's memory), then the probe (``ddp_ft.training.model.probe``) on
+the first model built, before BucketedDDP wraps it; it records both expected peaks beside the measured
+``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
+(``ddp_ft.training.model.kernels``); each mode's loss per step is recorded, so a run with them compares with one without
 (``--lora-dropout 0``: no dropout masks, the same losses up to the kernels' rounding).
 """
 
@@ -41,19 +42,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ddp_ft.compilation import compile_repeated_blocks
-from ddp_ft.config import RunSettings, TrainSettings
-from ddp_ft.data import DataSettings
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.autotune import AUTO
 from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
-from ddp_ft.kernels import apply_liger_to_qwen3, check_kernel_settings
-from ddp_ft.memory import MicroBatchChoice, Qwen3Shape
-from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
-from ddp_ft.precision import DTYPES, Precision
-from ddp_ft.probe import MicroBatchProbe, host_peak_bytes, probe_micro_batch
-from ddp_ft.setup import cache_dir, resolve_micro_batch, seed_everything
-from ddp_ft.steps import forward_backward, step_counts
 from ddp_ft.tools.bench import (
     BENCH_SHAPES,
     ComputeSetup,
@@ -63,6 +54,16 @@ from ddp_ft.tools.bench import (
     synchronize,
 )
 from ddp_ft.tools.gpu_report.bench_gpu_result import micro_batch_auto, report  # noqa: F401  (micro_batch_auto: tests)
+from ddp_ft.training.config import RunSettings, TrainSettings
+from ddp_ft.training.data import DataSettings
+from ddp_ft.training.model.compilation import compile_repeated_blocks
+from ddp_ft.training.model.kernels import apply_liger_to_qwen3, check_kernel_settings
+from ddp_ft.training.model.memory import MicroBatchChoice, Qwen3Shape
+from ddp_ft.training.model.precision import DTYPES, Precision
+from ddp_ft.training.model.probe import MicroBatchProbe, host_peak_bytes, probe_micro_batch
+from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, load_qlora_model
+from ddp_ft.training.setup import cache_dir, resolve_micro_batch, seed_everything
+from ddp_ft.training.steps import forward_backward, step_counts
 
 OVERRIDES = {  # --flag -> Qwen3Shape field
     "layers": "num_hidden_layers",
@@ -141,7 +142,7 @@ def parse_args() -> argparse.Namespace:
         help="a subset of the modes (default: all for the world size; one mode alone: its own peak memory)",
     )
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="cuda: NCCL; cpu: gloo")
-    p.add_argument("--compute-dtype", choices=["auto", *DTYPES], default="auto", help="ddp_ft.precision")
+    p.add_argument("--compute-dtype", choices=["auto", *DTYPES], default="auto", help="ddp_ft.training.model.precision")
     p.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s in the compute dtype (MFU)")
     p.add_argument("--out", type=Path, default=Path("bench_results/bench_gpu.json"), help="JSON result file")
     args = p.parse_args()
@@ -153,7 +154,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def choose_micro_batch(args: argparse.Namespace, info: DistInfo, shape: Qwen3Shape, folder: Path) -> MicroBatchChoice:
-    """``--micro-batch auto`` as the run settings resolve it (``ddp_ft.setup.resolve_micro_batch``), with this
+    """``--micro-batch auto`` as the run settings resolve it (``ddp_ft.training.setup.resolve_micro_batch``), with this
     benchmark's shape, sequence length, dtype and LoRA settings; ``--device-memory-gb`` replaces the GPU's total.
 
     Raises:
@@ -180,8 +181,8 @@ def choose_micro_batch(args: argparse.Namespace, info: DistInfo, shape: Qwen3Sha
 def train_steps(
     model, optimizer, scaler, batches, info: DistInfo, precision: Precision, steps: int
 ) -> tuple[list[float], list[float]]:
-    """``steps`` optimizer steps as ``ddp_ft.loop`` takes them (forward_backward, unscale, clip, AdamW); the seconds
-    and the loss of each (read after the last step: no host sync in the timed steps). ``info`` is the job's for
+    """``steps`` optimizer steps as ``ddp_ft.training.loop`` takes them (forward_backward, unscale, clip, AdamW); the
+    seconds and the loss of each (read after the last step: no host sync in the timed steps). ``info`` is the job's for
     BucketedDDP, a world of one for the unwrapped modes (no collectives)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     alone = isinstance(model, BucketedDDP) and not info.is_distributed  # forward_backward skips no_sync here
@@ -268,7 +269,7 @@ def build_models(
 
 
 def probe_model(args: argparse.Namespace, setup: ComputeSetup, model) -> MicroBatchProbe:
-    """``--micro-batch auto`` as the loop decides it (``ddp_ft.probe``): measured on ``model`` at ``--seq-len``
+    """``--micro-batch auto`` as the loop decides it (``ddp_ft.training.model.probe``): measured on ``model`` at ``--seq-len``
     against the GPU's memory or ``--device-memory-gb``; on the CPU by the profiler's memory events."""
     info = setup.info
     device_bytes = int(args.device_memory_gb * 1e9) if args.device_memory_gb is not None else None

@@ -2,13 +2,13 @@
 
     python scripts/memory_4bit.py --out docs/memory_4bit_cpu.json
 
-The arithmetic (``ddp_ft.memory.estimate``) is checked against a CPU proxy: Qwen3-4B at full width (hidden 2560,
-vocab 151,936, tied embeddings) with 2 decoder layers instead of 36, random weights written with ``save_pretrained``
-and loaded through ``load_qlora_model`` (NF4 on the CPU by bitsandbytes), one step of the training loop's
-``forward_backward`` under autocast at ``--seq-len``. Measured: the bytes of parameters, buffers and quantisation
+The arithmetic (``ddp_ft.training.model.memory.estimate``) is checked against a CPU proxy: Qwen3-4B at full width
+(hidden 2560, vocab 151,936, tied embeddings) with 2 decoder layers instead of 36, random weights written with
+``save_pretrained`` and loaded through ``load_qlora_model`` (NF4 on the CPU by bitsandbytes), one step of the training
+loop's ``forward_backward`` under autocast at ``--seq-len``. Measured: the bytes of parameters, buffers and quantisation
 state (their storages), of the LoRA gradients and AdamW moments, and the peak of the CPU allocator's accounting over
-the step (matmuls skipped, ``ddp_ft.memory.step_peak_bytes``). The arithmetic, once it matches, gives 36 layers.
-Exits 1 if it does not. About 35 s and 4.2 GB of RAM on 2 cores.
+the step (matmuls skipped, ``ddp_ft.training.model.memory.step_peak_bytes``). The arithmetic, once it matches, gives 36
+layers. Exits 1 if it does not. About 35 s and 4.2 GB of RAM on 2 cores.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from ddp_ft.distributed import DistInfo
-from ddp_ft.memory import QWEN3_4B, Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
-from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
-from ddp_ft.precision import DTYPES
-from ddp_ft.steps import forward_backward
 from ddp_ft.tools.bench import build_random_qwen3, cpu_name
+from ddp_ft.training.model.memory import QWEN3_4B, Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
+from ddp_ft.training.model.precision import DTYPES
+from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, load_qlora_model
+from ddp_ft.training.steps import forward_backward
 
 LAYOUTS = {"upcast": True, "kept": False}  # name -> upcast_frozen_weights
 SLACK_BYTES = 64 * 1024  # the step's small tensors (token ids, labels, norm statistics, loss scalars) are not modelled

@@ -7,9 +7,9 @@ learning.
         --source ../shared/data/ami/ami_abstractive.jsonl --max-steps 4
 
 The weights come from ``ddp_ft.tools.bench.build_random_qwen3`` (bf16, as the hub's checkpoint; the same shapes as
-``scripts/bench_gpu.py --shape``), the tokenizer from ``ddp_ft.tokenizer.load_tokenizer`` (chat template, pad token),
-saved beside them. Refused: a tokenizer with more tokens than the model's vocabulary, and a folder that already
-holds a model of another shape (one of this shape is kept, not rebuilt).
+``scripts/bench_gpu.py --shape``), the tokenizer from ``ddp_ft.training.data.tokenizer.load_tokenizer`` (chat template,
+pad token), saved beside them. Refused: a tokenizer with more tokens than the model's vocabulary, and a folder that
+already holds a model of another shape (one of this shape is kept, not rebuilt).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ddp_ft.memory import Qwen3Shape
-from ddp_ft.tokenizer import load_tokenizer
 from ddp_ft.tools.bench import BENCH_SHAPES, build_random_qwen3
+from ddp_ft.training.data.tokenizer import load_tokenizer
+from ddp_ft.training.model.memory import Qwen3Shape
 
 
 def parse_args() -> argparse.Namespace:

@@ -60,8 +60,8 @@ def gpu_environment() -> dict[str, str]:
 def tiny_cache(tmp_path_factory) -> str:
     """A ``DDP_FT_CACHE`` folder holding the embedded tiny tokenizer and model, built once per session (~4 s)."""
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.model import EMBEDDED_MODEL
-    from ddp_ft.setup import resolve_model_and_tokenizer
+    from ddp_ft.training.model.qlora import EMBEDDED_MODEL
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     cache = tmp_path_factory.mktemp("ddp_ft_cache")
     previous = os.environ.get("DDP_FT_CACHE")

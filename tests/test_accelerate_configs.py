@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from accelerate.commands.config.config_args import ClusterConfig
 
-from ddp_ft.integrations.launch import launched_alone
+from ddp_ft.distributed.launch import launched_alone
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "accelerate_configs").glob("*.yaml"))
 

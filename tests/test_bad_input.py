@@ -1,10 +1,10 @@
 """Every refused setting and input, one row each (docs/bad_input.md).
 
 Each row goes through the real entry in process: the command line (``parse_settings``) and then the plain loop
-(``ddp_ft.loop.train``), the Trainer recipe's ``build_trainer``, or Accelerate's config checks. Each asserts the error
-type and a fragment naming the setting, that the model never loaded, and that the checkpoint already in --output-dir
-is byte for byte what it was. The one 2-rank row (world size larger than the dataset) runs under torchrun, which
-also shows the exit code and the message on stderr.
+(``ddp_ft.training.loop.train``), the Trainer recipe's ``build_trainer``, or Accelerate's config checks. Each asserts
+the error type and a fragment naming the setting, that the model never loaded, and that the checkpoint already in
+--output-dir is byte for byte what it was. The one 2-rank row (world size larger than the dataset) runs under torchrun,
+which also shows the exit code and the message on stderr.
 """
 
 import json
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft import loop, setup
-from ddp_ft.checkpoint import FORMAT_VERSION, TrainState, save_checkpoint
-from ddp_ft.config import parse_settings
-from ddp_ft.data import DataLayout, load_raw_splits
 from ddp_ft.distributed import DistInfo
+from ddp_ft.distributed.launch import check_accelerate_config, check_accelerate_launch
 from ddp_ft.integrations import recipe
-from ddp_ft.integrations.launch import check_accelerate_config, check_accelerate_launch
+from ddp_ft.training import loop, setup
+from ddp_ft.training.checkpoint import FORMAT_VERSION, TrainState, save_checkpoint
+from ddp_ft.training.config import parse_settings
+from ddp_ft.training.data import DataLayout, load_raw_splits
 
 from .dist_harness import PYTHONPATH
 from .test_checkpoint import _parts, _trainer_checkpoint
@@ -81,8 +81,8 @@ _MEETING = {"dialogue": "A: we pick the red case. B: agreed, red it is.", "summa
 _LONG_INSTRUCTION = "Summarize the meeting below in one short paragraph. " * 6
 
 # id -> (entry, flags (str, or a function of the test's Inputs returning a str), error type, message fragment)
-#   parse: the command line only; train: command line + ddp_ft.loop.train; recipe: command line + build_trainer with
-#   the environment `accelerate launch` exports; config: an accelerate config file; cuda-launch: the exported
+#   parse: the command line only; train: command line + ddp_ft.training.loop.train; recipe: command line + build_trainer
+# with   the environment `accelerate launch` exports; config: an accelerate config file; cuda-launch: the exported
 #   environment checked as on a CUDA machine (none here).
 ROWS = {
     "bucket_cap_mb<=0": (

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from ddp_ft.data import (
+from ddp_ft.training.data import (
     DataSettings,
     EpochLoader,
     StepBatchSampler,
@@ -15,7 +15,7 @@ from ddp_ft.data import (
     strided_plan,
     tokenize_dataset,
 )
-from ddp_ft.tokenizer import build_tiny_tokenizer, load_tokenizer
+from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
 from .dist_harness import run_distributed
 from .meetings import write_mixed_length_meetings

@@ -160,7 +160,7 @@ def test_step_parts_splits_two_ranks_steps_into_compute_and_the_mean_wait_for_th
 
 
 def test_the_plan_ceiling_is_one_when_every_sample_fills_the_sequence_and_below_one_for_mixed_lengths(tmp_path):
-    from ddp_ft.synthetic import write_mixed_length_meetings
+    from ddp_ft.training.data.synthetic import write_mixed_length_meetings
 
     assert bench_e2e.plan_ceiling(None, 16, tmp_path / "tiny") == 1.0  # the tiny preset: every sample 256 tokens
     mixed = write_mixed_length_meetings(tmp_path / "mixed.jsonl", n=160)

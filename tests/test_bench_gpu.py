@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft.memory import QWEN3_4B, Qwen3Shape
 from ddp_ft.tools.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
+from ddp_ft.training.model.memory import QWEN3_4B, Qwen3Shape
 
 from .dist_harness import PYTHONPATH
 
@@ -145,11 +145,11 @@ def test_bench_gpu_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
 
 
 def test_bench_gpu_micro_batch_auto_is_the_run_settings_choice(tmp_path):
-    """``--micro-batch auto`` goes through ``ddp_ft.setup.resolve_micro_batch``: the choice and expected peak of
-    ``ddp_ft.memory.auto_micro_batch`` for the benchmark's shape, sequence length and dtype; refused on the CPU
-    without ``--device-memory-gb``, as the run settings refuse it."""
+    """``--micro-batch auto`` goes through ``ddp_ft.training.setup.resolve_micro_batch``: the choice and expected peak
+    of ``ddp_ft.training.model.memory.auto_micro_batch`` for the benchmark's shape, sequence length and dtype; refused
+    on the CPU without ``--device-memory-gb``, as the run settings refuse it."""
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.memory import auto_micro_batch
+    from ddp_ft.training.model.memory import auto_micro_batch
 
     spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
     bench_gpu = importlib.util.module_from_spec(spec)

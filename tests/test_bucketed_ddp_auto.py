@@ -192,7 +192,7 @@ def test_auto_follows_the_timings_skips_a_trial_with_one_layout_and_refuses_powe
 
 def test_the_choice_record_names_the_kept_caps_and_every_candidates_median():
     from ddp_ft.ddp import BucketCandidate, BucketChoice
-    from ddp_ft.records import BUCKET_CHOICE, bucket_choice_record
+    from ddp_ft.report.records import BUCKET_CHOICE, bucket_choice_record
 
     candidates = (BucketCandidate(25.0, 1.0, 1), BucketCandidate(0.5, 0.5, 3))
     record = bucket_choice_record(step=10, choice=BucketChoice(candidates, ((4.0, 2.0, 3.0), (1.0, 9.0, 2.0)), 1))

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddp_ft import checkpoint as ckpt
-from ddp_ft.checkpoint import TrainState, resolve_checkpoint, save_checkpoint
-from ddp_ft.data import DataLayout
 from ddp_ft.distributed import DistInfo
+from ddp_ft.training import checkpoint as ckpt
+from ddp_ft.training.checkpoint import TrainState, resolve_checkpoint, save_checkpoint
+from ddp_ft.training.data import DataLayout
 
 
 class _Adapter(torch.nn.Module):
@@ -354,7 +354,7 @@ def test_verify_checkpoint_refuses_a_truncated_file_naming_it(tmp_path):
 
 
 def test_the_loop_refuses_a_checkpoint_with_pickled_objects_before_the_model_loads(tmp_path):
-    from ddp_ft.checkpoint import check_resume_position
+    from ddp_ft.training.checkpoint import check_resume_position
 
     layout = DataLayout(train_samples=16, seed=0, effective_batch=2, world_size=1, micro_batch=1)
     model, optimizer, scheduler = _parts()

@@ -32,8 +32,8 @@ def test_the_embedded_model_has_the_tokenizers_special_tokens_so_the_trainer_ali
     from transformers.trainer_utils import align_special_tokens
 
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.model import build_tiny_qwen3
-    from ddp_ft.setup import resolve_model_and_tokenizer
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     model_dir, tokenizer_dir = resolve_model_and_tokenizer("embedded:tiny-qwen3", DistInfo())
     model = AutoModelForCausalLM.from_pretrained(model_dir)

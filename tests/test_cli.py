@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft import cli, launcher
-from ddp_ft.commands import doctor
-from ddp_ft.config import RUN_CONFIG, parse_settings
-from ddp_ft.metrics import read_jsonl
+from ddp_ft.commands import cli, doctor, launcher
+from ddp_ft.report.metrics import read_jsonl
+from ddp_ft.training.config import RUN_CONFIG, parse_settings
 
 from .dist_harness import PYTHONPATH
 
@@ -35,7 +34,7 @@ def _run(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.Comple
 
 
 def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
-    run = _run([sys.executable, "-m", "ddp_ft.cli", "--help"], tmp_path, timeout=60)
+    run = _run([sys.executable, "-m", "ddp_ft", "--help"], tmp_path, timeout=60)  # ddp_ft/__main__.py
     assert run.returncode == 0, run.stderr
     for name in cli.SUBCOMMANDS:
         assert f"    {name}" in run.stdout, name
@@ -141,7 +140,7 @@ def test_nproc_is_taken_off_the_workers_command_line_and_the_agent_forwards_sigu
 def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_that_reruns_it(tmp_path):
     flags = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--max-steps", "2", "--save-every", "0"]
     flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4"]
-    run = _run([sys.executable, "-m", "ddp_ft.cli", "train", "--nproc", "2", *flags], tmp_path)
+    run = _run([sys.executable, "-m", "ddp_ft.commands.cli", "train", "--nproc", "2", *flags], tmp_path)
     assert run.returncode == 0, run.stderr[-6000:]
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     config = [r for r in records if r["type"] == "config"]
@@ -156,7 +155,9 @@ def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_t
 @pytest.mark.slow
 def test_recipe_with_nproc_two_trains_two_ranks_with_bucketed_ddp_not_two_copies(tmp_path):
     flags = ["--preset", "tiny", "--max-steps", "1", "--save-every", "0", "--report-to", "none"]
-    run = _run([sys.executable, "-m", "ddp_ft.cli", "recipe", "--nproc", "2", *flags, "--output-dir", "out"], tmp_path)
+    run = _run(
+        [sys.executable, "-m", "ddp_ft.commands.cli", "recipe", "--nproc", "2", *flags, "--output-dir", "out"], tmp_path
+    )
     assert run.returncode == 0, run.stderr[-6000:]
     assert "2 process(es)" in run.stderr and "wrapped the model in BucketedDDP" in run.stderr
     assert "world size 2" in run.stderr
@@ -165,7 +166,17 @@ def test_recipe_with_nproc_two_trains_two_ranks_with_bucketed_ddp_not_two_copies
 
 @pytest.mark.distributed
 def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_path):
-    command = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "ddp_ft.cli", "doctor", "--sizes", "4K", "64K"]
+    command = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "ddp_ft.commands.cli",
+        "doctor",
+        "--sizes",
+        "4K",
+        "64K",
+    ]
     run = _run(command, tmp_path, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert run.stdout.count("check ") == 1 and "All checks passed." in run.stdout, run.stdout
@@ -177,7 +188,7 @@ def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_
 @pytest.mark.distributed
 def test_doctor_started_as_one_process_when_two_are_expected_prints_the_fix_and_exits_1(tmp_path):
     """The common slip: ``python ...`` where ``torchrun`` was meant (one process, no launcher variables)."""
-    command = [sys.executable, "-m", "ddp_ft.cli", "doctor", "--nproc", "1", "--expect-world-size", "2"]
+    command = [sys.executable, "-m", "ddp_ft.commands.cli", "doctor", "--nproc", "1", "--expect-world-size", "2"]
     run = _run([*command, "--sizes", "4K"], tmp_path, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr[-4000:]
     assert "world size        FAIL    1 process(es) launched (WORLD_SIZE=unset), 2 expected" in run.stdout, run.stdout
@@ -205,7 +216,7 @@ def test_doctor_checks_name_the_fix_for_accelerate_seeing_one_process_and_two_ra
 def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_its_results(tmp_path):
     out = tmp_path / "comm.json"
     flags = ["--sizes", "4K", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
-    run = _run([sys.executable, "-m", "ddp_ft.cli", "bench-comm", *flags], tmp_path, timeout=120)  # --nproc: 2
+    run = _run([sys.executable, "-m", "ddp_ft.commands.cli", "bench-comm", *flags], tmp_path, timeout=120)  # --nproc: 2
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert "| 4 KiB |" in run.stdout and out.exists() and out.with_suffix(".png").exists()
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ddp_ft.compilation import is_regionally_compiled, repeated_blocks
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.comm_hooks import allreduce_hook
+from ddp_ft.training.model.compilation import is_regionally_compiled, repeated_blocks
 
 from .dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
@@ -128,8 +128,8 @@ def _trainer_run(rank, world_size, compile: bool):
 
     from ddp_ft.distributed import DistInfo
     from ddp_ft.integrations import BucketedTrainer
-    from ddp_ft.model import EMBEDDED_MODEL
-    from ddp_ft.setup import resolve_model_and_tokenizer
+    from ddp_ft.training.model.qlora import EMBEDDED_MODEL
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     model_dir, _ = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
     model = _user_qlora_model(model_dir)
@@ -187,9 +187,9 @@ def test_trainer_torch_compile_compiles_each_layer_before_the_wrap_keeping_overl
 
 def _loop_runs(rank, world_size, root):
     """The plain loop on the tiny preset, eager then --compile, on this rank: layers left at each first launch."""
-    from ddp_ft import loop
-    from ddp_ft.config import settings_from_preset
     from ddp_ft.distributed import DistInfo
+    from ddp_ft.training import loop
+    from ddp_ft.training.config import settings_from_preset
 
     probes, wrap = [], DDPSettings.wrap
 
@@ -224,9 +224,9 @@ STEPS = 3
 def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_run_and_the_eager_losses(tmp_path):
     """The plain loop with --compile (TorchInductor), 2 gloo ranks, BucketedDDP: in every synced backward the first
     all-reduce launches with most decoder layers' backward still to run, as in the eager run; each step's loss and
-    gradient norm equal the eager run's to 1e-5 relative, and so does the final evaluation (no-grad passes run the layers
-    eagerly: compiled, bitsandbytes' no-grad 4-bit path crashed on the CPU); metrics.jsonl counts the graphs, with no
-    limit hit."""
+    gradient norm equal the eager run's to 1e-5 relative, and so does the final evaluation (no-grad passes run the
+    layers eagerly: compiled, bitsandbytes' no-grad 4-bit path crashed on the CPU); metrics.jsonl counts the graphs,
+    with no limit hit."""
     for rank, (eager, (left, layers)) in enumerate(run_distributed(_loop_runs, str(tmp_path), timeout=420)):
         assert all(nodes == 0 for _, nodes in eager[0]), eager
         assert len(left) == STEPS and all(nodes == layers and after >= layers - 1 for after, nodes in left), (
@@ -264,8 +264,8 @@ def _sft_compiled(rank, world_size, out):
     _as_accelerate_rank(rank, world_size)
     from ddp_ft.distributed import DistInfo
     from ddp_ft.integrations import BucketedSFTTrainer
-    from ddp_ft.model import EMBEDDED_MODEL
-    from ddp_ft.setup import resolve_model_and_tokenizer
+    from ddp_ft.training.model.qlora import EMBEDDED_MODEL
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     from .trl_runs import Case, model_and_peft_config, rows, sft_config
 
@@ -295,7 +295,7 @@ def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins
     from transformers import Qwen3ForCausalLM
 
     from ddp_ft.integrations import BucketedAccelerator
-    from ddp_ft.model import tiny_qwen3_config
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
 
     AcceleratorState._reset_state(True)  # the state is shared: a plugin given to an earlier Accelerator would stay
     try:
@@ -312,13 +312,13 @@ def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins
 
 
 def test_the_compile_watch_counts_recompilations_and_warns_from_four_with_the_way_to_the_reason(caplog):
-    from ddp_ft.compilation import CompileWatch
+    from ddp_ft.training.model.compilation import CompileWatch
 
     torch._dynamo.reset()
     watch = CompileWatch()
     square = torch.compile(lambda x: x * x, backend="eager", dynamic=False)
     try:
-        with caplog.at_level("WARNING", logger="ddp_ft.compilation"):
+        with caplog.at_level("WARNING", logger="ddp_ft.training.model.compilation"):
             for size in range(2, 9):
                 square(torch.ones(size))
             snapshot = watch.snapshot()

@@ -2,8 +2,14 @@
 
 import pytest
 
-from ddp_ft.config import PRESETS, build_parser, gradient_accumulation_steps, parse_settings, settings_from_preset
-from ddp_ft.model import check_device_map
+from ddp_ft.training.config import (
+    PRESETS,
+    build_parser,
+    gradient_accumulation_steps,
+    parse_settings,
+    settings_from_preset,
+)
+from ddp_ft.training.model.qlora import check_device_map
 
 
 @pytest.mark.parametrize("effective,micro,world,expected", [(16, 1, 1, 16), (16, 1, 2, 8), (16, 2, 2, 4), (8, 2, 4, 1)])
@@ -148,8 +154,8 @@ def _yaml(tmp_path, text: str):
 def test_presets_are_the_shipped_yaml_files_with_their_comments_and_the_repo_configs_folder_shows_them():
     from pathlib import Path
 
-    from ddp_ft.config import CONFIG_DIR, load_config
-    from ddp_ft.model import EMBEDDED_MODEL
+    from ddp_ft.training.config import CONFIG_DIR, load_config
+    from ddp_ft.training.model.qlora import EMBEDDED_MODEL
 
     assert sorted(PRESETS) == ["qwen3-4b-ami", "tiny"]
     assert PRESETS["tiny"]["model_name_or_path"] == EMBEDDED_MODEL
@@ -199,8 +205,8 @@ def test_config_file_with_a_bad_choice_names_the_key_and_the_choices(tmp_path):
 
 
 def test_the_written_run_config_reruns_the_same_settings(tmp_path):
-    from ddp_ft.config import RUN_CONFIG, write_run_config
     from ddp_ft.distributed import DistInfo
+    from ddp_ft.training.config import RUN_CONFIG, write_run_config
 
     argv = ["--preset", "tiny", "--output-dir", str(tmp_path / "run"), "--lora-r", "4", "--bucket-cap-mb", "auto"]
     argv += ["--no-balance-ranks", "--eval-split", "test"]

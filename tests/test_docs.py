@@ -74,8 +74,8 @@ def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_th
 def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
     """Your own data was undocumented (columns, instruction, eval split, truncation): the README's first screen
     says each, and every flag it or docs/own_data.md names is one `ddp-ft train --help` lists."""
-    from ddp_ft.cli import SUBCOMMANDS, launch_parser
-    from ddp_ft.config import build_parser
+    from ddp_ft.commands.cli import SUBCOMMANDS, launch_parser
+    from ddp_ft.training.config import build_parser
 
     section = _section(ROOT / "README.md", "your-own-model-and-data")
     for said in ("`dialogue`", "`summary`", "--instruction", "5% of the rows", "--max-seq-len", "--chat-template"):

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ddp_ft.data import EpochLoader, EpochSteps, StepBatchSampler
+from ddp_ft.training.data import EpochLoader, EpochSteps, StepBatchSampler
 
 from .dist_harness import run_distributed
 
@@ -67,8 +67,8 @@ def test_trainer_epoch_steps_are_the_stock_trainers_steps_samples_and_repeats(wo
 def test_the_trainer_shard_of_the_plan_gives_every_rank_its_steps_a_short_last_one_included(world, micro, drop_last):
     """``BucketedTrainer``'s plan on 45 samples, effective batch 8 (a partial last step): Accelerate's shard of the
     ``StepBatchSampler`` gives each rank the plain loop's plan for that rank with the Trainer's steps, as many
-    batches as stock, all full (on one process the last partial, as stock's); the samples of every step are ``step_samples``, and the epoch trains every sample
-    (``dataloader_drop_last=False``)."""
+    batches as stock, all full (on one process the last partial, as stock's); the samples of every step are
+    ``step_samples``, and the epoch trains every sample (``dataloader_drop_last=False``)."""
     from accelerate.data_loader import BatchSamplerShard
 
     lengths = [random.Random(i).randint(10, 500) for i in range(45)]
@@ -240,8 +240,8 @@ def _stock_and_balanced(rank, world_size, paths):
 @pytest.fixture(scope="module")
 def stock_and_balanced(tmp_path_factory):
     pytest.importorskip("trl")
-    from ddp_ft.model import build_tiny_qwen3
-    from ddp_ft.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("steps")
     tokenizer = build_tiny_tokenizer(root / "tokenizer")

@@ -48,13 +48,13 @@ def _one_and_two_processes(rank, world_size, cache, source):
     from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset, concatenate_datasets
 
-    from ddp_ft.config import settings_from_preset
-    from ddp_ft.data import load_raw_splits, make_collator, tokenize_dataset
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.model import ModelSettings, load_qlora_model
-    from ddp_ft.setup import resolve_model_and_tokenizer
-    from ddp_ft.steps import evaluate
-    from ddp_ft.tokenizer import load_tokenizer
+    from ddp_ft.training.config import settings_from_preset
+    from ddp_ft.training.data import load_raw_splits, make_collator, tokenize_dataset
+    from ddp_ft.training.data.tokenizer import load_tokenizer
+    from ddp_ft.training.model.qlora import ModelSettings, load_qlora_model
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
+    from ddp_ft.training.steps import evaluate
 
     from .test_plugin_wrapping import _as_accelerate_rank
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.run
 
-from ddp_ft.config import parse_settings
+from ddp_ft.training.config import parse_settings
 
 from .dist_harness import PYTHONPATH
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft.precision import Precision, choose_precision
 from ddp_ft.tools.gpu_check import (
     INJECT_ENV,
     GpuCheckSettings,
@@ -19,6 +18,7 @@ from ddp_ft.tools.gpu_check import (
     merge_ranks,
     plan_world_sizes,
 )
+from ddp_ft.training.model.precision import Precision, choose_precision
 
 from .dist_harness import PYTHONPATH
 

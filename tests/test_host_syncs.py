@@ -7,16 +7,16 @@ import inspect
 import pytest
 import torch
 
-from ddp_ft.metrics import ThroughputMeter
+from ddp_ft.report.metrics import ThroughputMeter
 
 
 def test_the_loop_reads_the_device_once_per_step_one_transfer_of_what_it_logs_and_the_stop_flags(tmp_path, monkeypatch):
     """Each ``.item()``/``.tolist()`` waits for the device. The loop's own, per step: one transfer of loss, grad norm,
     token count, the ranks' compute times and stop flags. Before: two (the stop flag read before the step, then the
     logged scalars); before that, four (loss, grad norm, tokens, flag)."""
-    from ddp_ft import loop
-    from ddp_ft.config import parse_settings
     from ddp_ft.distributed import DistInfo
+    from ddp_ft.training import loop
+    from ddp_ft.training.config import parse_settings
 
     reads = []
     for name in ("item", "tolist"):

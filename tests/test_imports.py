@@ -17,7 +17,15 @@ from .dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}
-RUN_MODULES = {"ddp_ft.data", "ddp_ft.model", "ddp_ft.synthetic", "ddp_ft.config", "ddp_ft.checkpoint"}
+RUN_MODULES = {
+    "ddp_ft.training.data",
+    "ddp_ft.training.model.qlora",
+    "ddp_ft.training.data.synthetic",
+    "ddp_ft.training.config",
+    "ddp_ft.training.checkpoint",
+    "ddp_ft.training.loop",
+    "ddp_ft.training.steps",
+}
 TOOLS = "ddp_ft.tools"
 
 

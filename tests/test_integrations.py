@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.metrics import read_jsonl, timeline
-from ddp_ft.report import load_run
+from ddp_ft.report.comparison import load_run
+from ddp_ft.report.metrics import read_jsonl, timeline
 
 from .dist_harness import PYTHONPATH
 from .meetings import write_mixed_length_meetings
@@ -92,7 +92,7 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     _run(loop, tmp_path)
     recipe_steps, loop_steps = _train_records(tmp_path / "recipe-ddp"), _train_records(tmp_path / "loop-ddp")
     assert len(recipe_steps) == len(loop_steps) == 8
-    # one run identity for both entry points (ddp_ft.records), and records the report reads alike
+    # one run identity for both entry points (ddp_ft.report.records), and records the report reads alike
     summaries = [load_run(tmp_path / run)[0] for run in ("recipe-ddp", "loop-ddp")]
     assert [s.run_name for s in summaries] == ["tiny-ddp-2", "tiny-ddp-2"]
     assert all(s.exposed_comm_ms is not None and s.tokens_per_s and s.peak_memory_gb for s in summaries), summaries

@@ -1,14 +1,20 @@
 """Memory of the 4-bit model (issue 11, item 8): the frozen weights that are not quantised stay in the compute dtype
-unless ``upcast_frozen_weights``, at no cost in accuracy; the arithmetic of ``ddp_ft.memory`` is what a model
-measures. Tiny Qwen3 on the CPU, seconds."""
+unless ``upcast_frozen_weights``, at no cost in accuracy; the arithmetic of ``ddp_ft.training.model.memory`` is what a
+model measures. Tiny Qwen3 on the CPU, seconds."""
 
 import pytest
 import torch
 
 from ddp_ft.distributed import DistInfo
-from ddp_ft.memory import Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
-from ddp_ft.model import LoraSettings, ModelSettings, _frozen_weights_kept, build_tiny_qwen3, load_qlora_model
-from ddp_ft.steps import forward_backward
+from ddp_ft.training.model.memory import Qwen3Shape, estimate, parameter_bytes, step_peak_bytes
+from ddp_ft.training.model.qlora import (
+    LoraSettings,
+    ModelSettings,
+    _frozen_weights_kept,
+    build_tiny_qwen3,
+    load_qlora_model,
+)
+from ddp_ft.training.steps import forward_backward
 
 VOCAB = 512
 

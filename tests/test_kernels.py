@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddp_ft.compilation import Blocker, check_compile_mode, compile_blockers, compile_repeated_blocks
-from ddp_ft.config import parse_settings, settings_from_preset
-from ddp_ft.defaults import resolve_device_defaults
 from ddp_ft.distributed import DistInfo
 from ddp_ft.integrations.recipe import training_arguments
-from ddp_ft.kernels import LIGER_INSTALL, check_kernel_settings
-from ddp_ft.loop import train
-from ddp_ft.setup import check_run_settings
+from ddp_ft.training.config import parse_settings, settings_from_preset
+from ddp_ft.training.defaults import resolve_device_defaults
+from ddp_ft.training.loop import train
+from ddp_ft.training.model.compilation import Blocker, check_compile_mode, compile_blockers, compile_repeated_blocks
+from ddp_ft.training.model.kernels import LIGER_INSTALL, check_kernel_settings
+from ddp_ft.training.setup import check_run_settings
 
 CUDA = torch.device("cuda", 0)  # only named: nothing here touches a GPU
 CPU = torch.device("cpu")
@@ -102,21 +102,23 @@ def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch,
     import sys
     from types import ModuleType
 
-    import ddp_ft.loop
-    import ddp_ft.setup
+    import ddp_ft.training.loop
+    import ddp_ft.training.setup
 
     calls = []
     fake = ModuleType("liger_kernel.transformers")
     fake.apply_liger_kernel_to_qwen3 = lambda **kwargs: calls.append(("liger", kwargs))
     monkeypatch.setitem(sys.modules, "liger_kernel", ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
-    monkeypatch.setattr(ddp_ft.setup, "check_kernel_settings", lambda *args: calls.append(("checked", args)))
+    monkeypatch.setattr(ddp_ft.training.setup, "check_kernel_settings", lambda *args: calls.append(("checked", args)))
 
     def build_model(*args):
         calls.append(("build_model", ()))
         raise _Stop
 
-    monkeypatch.setattr(ddp_ft.setup, "build_model", build_model)  # the loop's model: setup.build_training_model
+    monkeypatch.setattr(
+        ddp_ft.training.setup, "build_model", build_model
+    )  # the loop's model: setup.build_training_model
     settings = settings_from_preset("tiny", liger=True, output_dir=str(tmp_path / "run"), report_to="none")
     with pytest.raises(_Stop):
         train(settings, DistInfo())
@@ -129,7 +131,7 @@ def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch,
 def test_liger_refuses_a_model_that_is_not_qwen3_naming_the_setting(tmp_path):
     from transformers import LlamaConfig
 
-    from ddp_ft.kernels import apply_liger_to_qwen3
+    from ddp_ft.training.model.kernels import apply_liger_to_qwen3
 
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"--liger \(liger: true\) applies Liger's Qwen3 kernels, and .* 'llama'"):
@@ -167,7 +169,7 @@ def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_
     for device, expected in ((CUDA, True), (CPU, False)):
         settings = settings_from_preset("qwen3-4b-ami")
         assert (settings.model.compile, settings.train.micro_batch) == ("auto", "auto")  # the preset keeps them auto
-        with caplog.at_level("INFO", logger="ddp_ft.defaults"):
+        with caplog.at_level("INFO", logger="ddp_ft.training.defaults"):
             resolve_device_defaults(settings, _info(device), blockers=nothing)
         assert settings.model.compile is expected
         assert settings.train.micro_batch == ("auto" if device.type == "cuda" else 1)
@@ -176,7 +178,7 @@ def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_
     assert any("compile: off (auto on cpu" in m for m in said) and any("micro-batch: 1 (auto on cpu" in m for m in said)
     caplog.clear()
     quiet = settings_from_preset("qwen3-4b-ami")
-    with caplog.at_level("INFO", logger="ddp_ft.defaults"):
+    with caplog.at_level("INFO", logger="ddp_ft.training.defaults"):
         resolve_device_defaults(quiet, _info(CPU, rank=1), blockers=nothing)  # another rank: nothing said
     assert not [r for r in caplog.records if r.levelno >= 20], caplog.records
     explicit = settings_from_preset("qwen3-4b-ami", compile=False, micro_batch=4)
@@ -187,7 +189,7 @@ def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_
 def test_compile_where_it_is_known_to_break_is_off_by_default_with_the_reason_and_refused_when_asked(caplog):
     blocked = lambda *args, **kwargs: [Blocker("bitsandbytes 0.49 graph-breaks", "pip install x")]  # noqa: E731
     settings = settings_from_preset("qwen3-4b-ami")
-    with caplog.at_level("WARNING", logger="ddp_ft.defaults"):
+    with caplog.at_level("WARNING", logger="ddp_ft.training.defaults"):
         resolve_device_defaults(settings, _info(CUDA), blockers=blocked)
     assert settings.model.compile is False
     assert any("compile: off" in r.getMessage() and "pip install x" in r.getMessage() for r in caplog.records)
@@ -236,7 +238,7 @@ def test_regional_compilation_marks_the_sequence_dimension_dynamic_so_new_length
     from torch._dynamo.utils import counters
     from transformers import Qwen3ForCausalLM
 
-    from ddp_ft.model import tiny_qwen3_config
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
 
     graphs = {}
     for dynamic in (None, False):
@@ -260,8 +262,8 @@ def test_a_users_model_is_refused_compilation_where_known_to_break_reading_dropo
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3ForCausalLM
 
-    from ddp_ft.compilation import check_model_compile
-    from ddp_ft.model import tiny_qwen3_config
+    from ddp_ft.training.model.compilation import check_model_compile
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
 
     def model(dropout: float):
         base = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2))

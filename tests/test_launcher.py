@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.metrics import read_jsonl, timeline
+from ddp_ft.report.metrics import read_jsonl, timeline
 
 from .dist_harness import PYTHONPATH, processes_running_with, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
-DDP_FT = [sys.executable, "-m", "ddp_ft.cli"]
+DDP_FT = [sys.executable, "-m", "ddp_ft.commands.cli"]
 FLAGS = ["--nproc", "2", "--preset", "tiny", "--save-every", "0", "--report-to", "none"]
 
 
@@ -85,9 +85,9 @@ def _stopped_cleanly(output: str, checkpoint: Path, last_line: str) -> None:
 
 
 def _uninterrupted(rank: int, world_size: int, output_dir: str) -> None:
-    from ddp_ft.config import settings_from_preset
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.loop import train
+    from ddp_ft.training.config import settings_from_preset
+    from ddp_ft.training.loop import train
 
     settings = settings_from_preset("tiny", max_steps=5, save_every=0, report_to="none", output_dir=output_dir)
     train(settings, DistInfo(rank, rank, world_size, world_size))

@@ -1,42 +1,50 @@
-"""Imports only point down: each module of ddp_ft imports only from the layers below its own (docs/design.md, Layout),
-and the library never imports the measurement tools (``ddp_ft.tools``)."""
+"""Imports only point down, at two scales (docs/design.md, Layout): each room of the package (a top-level name:
+``ddp/``, ``distributed/``, ``report/``, ``training/``, ...) imports only from its own room and the rooms below it, and
+each module imports only from the layers below its own. The library never imports the measurement tools
+(``ddp_ft.tools``), and a room's index (``ddp_ft.training``, ``ddp_ft.report``) imports nothing."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ddp_ft"
 
-# Lowest first; the layout table of docs/design.md states the same floors. A module may import from any layer below its own,
-# and within its own layer without a cycle.
+# The rooms, lowest first: what docs/design.md draws. A module may import from its own room and any room below it.
+ROOMS = ["ddp", "distributed", "report", "training", "integrations", "embedded", "tools", "commands", "__main__"]
+
+# A room's index: a docstring that maps the room, importing nothing, so that importing one piece of the room (the
+# Trainer path imports ``ddp_ft.training.model.qlora``) loads no other.
+INDEXES = {"ddp_ft.training", "ddp_ft.training.model", "ddp_ft.report"}
+
+# Module by module, lowest first; the layout table of docs/design.md states the same floors. A module may import from
+# any layer below its own, and within its own layer without a cycle.
 LAYERS = [
     {
         "ddp_ft.ddp",
-        "ddp_ft.precision",
         "ddp_ft.distributed",
-        "ddp_ft.preemption",
-        "ddp_ft.records",
-        "ddp_ft.synthetic",
-        "ddp_ft.ranges",
+        "ddp_ft.training.model.precision",
+        "ddp_ft.training.preemption",
+        "ddp_ft.report.records",
+        "ddp_ft.training.data.synthetic",
+        "ddp_ft.training.data.tokenizer",
+        "ddp_ft.training.ranges",
     },
     {
-        "ddp_ft.model",
-        "ddp_ft.kernels",
-        "ddp_ft.compilation",
-        "ddp_ft.memory",
-        "ddp_ft.probe",
-        "ddp_ft.tokenizer",
-        "ddp_ft.data",
-        "ddp_ft.metrics",
-        "ddp_ft.faults",
-        "ddp_ft.integrations.launch",
+        "ddp_ft.training.model.qlora",
+        "ddp_ft.training.model.kernels",
+        "ddp_ft.training.model.compilation",
+        "ddp_ft.training.model.memory",
+        "ddp_ft.training.model.probe",
+        "ddp_ft.training.data",
+        "ddp_ft.report.metrics",
+        "ddp_ft.training.faults",
         "ddp_ft.integrations.checkpointing",
-        "ddp_ft.perf_traps",
+        "ddp_ft.training.perf_traps",
     },
-    {"ddp_ft.config", "ddp_ft.defaults", "ddp_ft.checkpoint", "ddp_ft.shared_fs"},
-    {"ddp_ft.setup", "ddp_ft.report", "ddp_ft.embedded", "ddp_ft.model_source"},
+    {"ddp_ft.training.config", "ddp_ft.training.defaults", "ddp_ft.training.checkpoint"},
+    {"ddp_ft.training.setup", "ddp_ft.report.comparison", "ddp_ft.embedded", "ddp_ft.training.model.source"},
     {
-        "ddp_ft.loop",
-        "ddp_ft.steps",
+        "ddp_ft.training.loop",
+        "ddp_ft.training.steps",
         "ddp_ft.integrations.accelerate",
         "ddp_ft.integrations.trainer",
         "ddp_ft.integrations.trainer_plan",
@@ -59,17 +67,13 @@ LAYERS = [
         "ddp_ft.tools.gpu_check",
         "ddp_ft.tools.gpu_report",
     },
-    {
-        "ddp_ft.commands",
-        "ddp_ft.launcher",
-        "ddp_ft.cli",
-    },
+    {"ddp_ft.commands", "ddp_ft.commands.launcher", "ddp_ft.commands.cli", "ddp_ft.__main__"},
 ]
 
 # The library never imports the measurement tools, whatever its layer (the layers alone would let a new module placed
 # above the tools, beside the CLI, import them). Only the tools themselves and the CLI do (and scripts/, outside).
 TOOLS = "ddp_ft.tools"
-TOOL_USERS = (TOOLS, "ddp_ft.cli", "ddp_ft.commands")
+TOOL_USERS = (TOOLS, "ddp_ft.commands.cli", "ddp_ft.commands")
 
 
 def _within(module: str, packages: tuple[str, ...]) -> bool:
@@ -117,14 +121,39 @@ def _graph() -> dict[str, set[str]]:
     return {m: {t for t in _imports(p, m) if t in modules and t != m} for m, p in modules.items()}
 
 
-def test_every_module_imports_only_from_layers_below_its_own():
+def _room(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_room_imports_only_from_itself_and_the_rooms_below():
     graph = _graph()
-    unplaced = [m for m in graph if m != "ddp_ft" and _unit(m) is None]
-    assert not unplaced, f"modules missing from LAYERS (and the layout table of docs/design.md): {unplaced}"
+    top = {m.split(".")[1] for m in graph if m != "ddp_ft"}
+    assert top == set(ROOMS), f"top-level names not in ROOMS (and docs/design.md), or gone: {top ^ set(ROOMS)}"
     upward = [
         f"{module} -> {target}"
         for module, targets in graph.items()
         if module != "ddp_ft"
+        for target in targets
+        if ROOMS.index(_room(target)) > ROOMS.index(_room(module))
+    ]
+    assert not upward, upward
+
+
+def test_a_rooms_index_imports_nothing():
+    graph = _graph()
+    assert INDEXES <= graph.keys(), f"indexes gone: {INDEXES - graph.keys()}"
+    loaded = {index: graph[index] for index in INDEXES if graph[index]}
+    assert not loaded, f"a room's index imports its modules, so one piece of the room loads them all: {loaded}"
+
+
+def test_every_module_imports_only_from_layers_below_its_own():
+    graph = _graph()
+    unplaced = [m for m in graph if m != "ddp_ft" and m not in INDEXES and _unit(m) is None]
+    assert not unplaced, f"modules missing from LAYERS (and the layout table of docs/design.md): {unplaced}"
+    upward = [
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module != "ddp_ft" and module not in INDEXES
         for target in targets
         if _layer(_unit(target)) > _layer(_unit(module))
     ]

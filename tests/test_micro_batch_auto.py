@@ -1,16 +1,16 @@
 """``--micro-batch auto``: the largest micro-batch whose expected peak fits the device, the effective batch unchanged.
 
-Pure arithmetic (``ddp_ft.memory.auto_micro_batch``), the settings that accept ``auto``, and its resolution in
-``ddp_ft.setup`` with the device memory given (no GPU here, no process group).
+Pure arithmetic (``ddp_ft.training.model.memory.auto_micro_batch``), the settings that accept ``auto``, and its
+resolution in ``ddp_ft.training.setup`` with the device memory given (no GPU here, no process group).
 """
 
 import logging
 
 import pytest
 
-from ddp_ft.config import gradient_accumulation_steps, parse_settings, settings_from_preset
 from ddp_ft.distributed import DistInfo
-from ddp_ft.memory import AUTO_MARGIN, QWEN3_4B, MicroBatchChoice, auto_micro_batch, estimate
+from ddp_ft.training.config import gradient_accumulation_steps, parse_settings, settings_from_preset
+from ddp_ft.training.model.memory import AUTO_MARGIN, QWEN3_4B, MicroBatchChoice, auto_micro_batch, estimate
 
 GB = 10**9
 
@@ -125,13 +125,13 @@ def test_micro_batch_takes_a_number_or_auto_on_the_command_line_and_in_config_fi
         settings_from_preset("tiny", micro_batch=0)
 
 
-# Resolution, where both entry points pass first (ddp_ft.setup.check_run_settings).
+# Resolution, where both entry points pass first (ddp_ft.training.setup.check_run_settings).
 
 
 def test_auto_on_the_cpu_is_micro_batch_1_with_the_effective_batch_kept_before_anything_is_touched():
     """The CPU has no GPU memory to fill: auto (the default) keeps the CPU's micro-batch 1 there, accumulation
     following from the effective batch, resolved before the data or the model."""
-    from ddp_ft.setup import check_run_settings
+    from ddp_ft.training.setup import check_run_settings
 
     settings = settings_from_preset("tiny", micro_batch="auto")
     accumulation, _ = check_run_settings(settings, DistInfo())
@@ -139,19 +139,19 @@ def test_auto_on_the_cpu_is_micro_batch_1_with_the_effective_batch_kept_before_a
 
 
 def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog):
-    from ddp_ft.model import build_tiny_qwen3
-    from ddp_ft.setup import resolve_micro_batch
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
+    from ddp_ft.training.setup import resolve_micro_batch
 
     folder = build_tiny_qwen3(tmp_path / "tiny", vocab_size=1000)
     settings = settings_from_preset("tiny", micro_batch="auto", model_name_or_path=str(folder), effective_batch=8)
-    with caplog.at_level(logging.INFO, logger="ddp_ft.setup"):
+    with caplog.at_level(logging.INFO, logger="ddp_ft.training.setup"):
         choice = resolve_micro_batch(settings, DistInfo(world_size=2), device_bytes=GB)
     assert (choice.micro_batch, choice.accumulation) == (4, 1)  # a few MB of model: all of the batch per forward
     assert choice.describe() in caplog.text
     # the same shape as the folder's config.json, seen through the budget: 1 fits, 2 does not
     from transformers import AutoConfig
 
-    from ddp_ft.memory import Qwen3Shape
+    from ddp_ft.training.model.memory import Qwen3Shape
 
     shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(folder))
     seq = settings.data.max_seq_len
@@ -160,14 +160,14 @@ def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog
     )
     tight = resolve_micro_batch(settings, DistInfo(world_size=2), device_bytes=int((one + two) / 2 / (1 - AUTO_MARGIN)))
     assert tight.micro_batch == 1
-    with caplog.at_level(logging.INFO, logger="ddp_ft.setup"):
+    with caplog.at_level(logging.INFO, logger="ddp_ft.training.setup"):
         caplog.clear()
         resolve_micro_batch(settings, DistInfo(rank=1, world_size=2), device_bytes=GB)
     assert "--micro-batch auto" not in caplog.text  # rank 0 only
 
 
 def test_check_run_settings_resolves_auto_in_place_to_an_int(monkeypatch):
-    import ddp_ft.setup as setup
+    import ddp_ft.training.setup as setup
 
     chosen = MicroBatchChoice(2, 2, 2, 1, 2, 3)
     monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: chosen)

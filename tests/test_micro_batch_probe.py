@@ -1,7 +1,9 @@
-"""``--micro-batch auto`` by measurement (``ddp_ft.probe``): probe steps on the built model against a fake device.
+"""``--micro-batch auto`` by measurement (``ddp_ft.training.model.probe``): probe steps on the built model against a
+fake device.
 
 No GPU here: the device's memory is given, and the peak is either a fake line in the micro-batch (the choice's
-arithmetic) or measured on the CPU by ``ddp_ft.memory.step_peak_bytes`` on the tiny 4-bit model (the real thing).
+arithmetic) or measured on the CPU by ``ddp_ft.training.model.memory.step_peak_bytes`` on the tiny 4-bit model (the
+real thing).
 """
 
 import json
@@ -9,10 +11,10 @@ import json
 import pytest
 import torch
 
-from ddp_ft.config import settings_from_preset
 from ddp_ft.distributed import DistInfo
-from ddp_ft.memory import step_peak_bytes
-from ddp_ft.probe import PROBE_MARGIN, fit_peak_line, largest_fitting_divisor, probe_micro_batch
+from ddp_ft.training.config import settings_from_preset
+from ddp_ft.training.model.memory import step_peak_bytes
+from ddp_ft.training.model.probe import PROBE_MARGIN, fit_peak_line, largest_fitting_divisor, probe_micro_batch
 
 from .dist_harness import run_distributed
 
@@ -99,8 +101,8 @@ def test_the_fitted_line_lies_above_every_point_and_follows_the_steepest_part_of
 
 
 def _tiny_qlora(dropout: float = 0.05):
-    from ddp_ft.model import ModelSettings, load_qlora_model
-    from ddp_ft.setup import resolve_model_and_tokenizer
+    from ddp_ft.training.model.qlora import ModelSettings, load_qlora_model
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     settings = settings_from_preset("tiny", lora_dropout=dropout)
     path, _ = resolve_model_and_tokenizer(settings.model.model_name_or_path, DistInfo())
@@ -166,8 +168,8 @@ def test_two_ranks_with_different_devices_both_choose_what_the_smaller_device_fi
 
 def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -> None:
     """The CPU run's auto as on a GPU of ``device_bytes`` whose step peaks on a line: no arithmetic first guess."""
-    import ddp_ft.probe as probe
-    import ddp_ft.setup as setup
+    import ddp_ft.training.model.probe as probe
+    import ddp_ft.training.setup as setup
 
     monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: None)
     # the device's defaults as on a GPU for the micro-batch (auto kept for the probe), compile off (the CPU's)
@@ -181,7 +183,7 @@ def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -
 def test_the_loop_trains_at_the_probed_micro_batch_with_the_effective_batch_kept_and_logs_the_expected_peak(
     tmp_path, monkeypatch
 ):
-    from ddp_ft.loop import train
+    from ddp_ft.training.loop import train
 
     _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)  # budget 8.5 GB: 4 (8 GB) of the tiny preset's effective batch 8
     settings = settings_from_preset("tiny", micro_batch="auto", output_dir=str(tmp_path), max_steps=1)
@@ -203,7 +205,7 @@ def test_the_trainer_recipe_takes_the_probed_micro_batch_and_its_accumulation_an
 
     _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)
     settings = settings_from_preset("tiny", micro_batch="auto", output_dir=str(tmp_path), report_to="none")
-    from ddp_ft.setup import check_run_settings
+    from ddp_ft.training.setup import check_run_settings
 
     check_run_settings(settings, DistInfo())  # as the recipe's _train does first: the first guess, 1
     assert settings.train.micro_batch == 1 and settings.micro_batch_auto

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft import cli
-from ddp_ft.config import parse_settings
-from ddp_ft.data import IGNORE_INDEX, DataSettings, load_raw_splits, tokenize_dataset
-from ddp_ft.metrics import read_jsonl
-from ddp_ft.model_source import choose_default
-from ddp_ft.synthetic import generate_synthetic_meetings
-from ddp_ft.tokenizer import PLAIN_SEPARATOR, load_tokenizer
+from ddp_ft.commands import cli
+from ddp_ft.report.metrics import read_jsonl
+from ddp_ft.training.config import parse_settings
+from ddp_ft.training.data import IGNORE_INDEX, DataSettings, load_raw_splits, tokenize_dataset
+from ddp_ft.training.data.synthetic import generate_synthetic_meetings
+from ddp_ft.training.data.tokenizer import PLAIN_SEPARATOR, load_tokenizer
+from ddp_ft.training.model.source import choose_default
 
 from .dist_harness import PYTHONPATH
 
@@ -103,7 +103,7 @@ def test_a_base_models_tokenizer_gets_the_plain_format_with_its_own_bos_and_eos_
 @pytest.mark.slow
 def test_own_llama_without_chat_template_trains_with_ddp_ft_train_nproc_2_and_no_other_flag(own, tmp_path):
     model_dir, data = own
-    command = [sys.executable, "-m", "ddp_ft.cli", "train", "--model-name-or-path", str(model_dir)]
+    command = [sys.executable, "-m", "ddp_ft.commands.cli", "train", "--model-name-or-path", str(model_dir)]
     command += ["--source", str(data), "--nproc", "2"]
     run = subprocess.run(command, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-6000:]
@@ -132,7 +132,7 @@ def test_train_and_recipe_follow_one_rule_the_embedded_default_without_a_model_n
         monkeypatch.setattr(module, "setup_logging", lambda info: None)  # keep pytest's log capture
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     argv = ["--model-name-or-path", str(own[0])] if named else []
-    with caplog.at_level(logging.INFO, logger="ddp_ft.model_source"):
+    with caplog.at_level(logging.INFO, logger="ddp_ft.training.model.source"):
         cli.main([command, *argv])
     settings = ran["settings"]
     if named:  # no preset imposed: the dataclass defaults and the user's flags
@@ -170,7 +170,16 @@ def test_an_unreachable_hub_id_fails_in_seconds_before_any_worker_naming_a_local
     offline, tmp_path
 ):
     env = _env(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HUB_OFFLINE=offline, HF_HOME=str(tmp_path / "hf"))
-    command = [sys.executable, "-m", "ddp_ft.cli", "train", "--model-name-or-path", "Qwen/Qwen3-4B", "--nproc", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "ddp_ft.commands.cli",
+        "train",
+        "--model-name-or-path",
+        "Qwen/Qwen3-4B",
+        "--nproc",
+        "2",
+    ]
     start = time.perf_counter()
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - start

@@ -1,5 +1,5 @@
-"""Padding-free packing (``DataSettings.packing``, ``ddp_ft.data.packing``): packed rows keep sequences apart, give
-the padded run's loss and gradients on 2 ranks, keep the ranks balanced, and are refused where attention would mix
+"""Padding-free packing (``DataSettings.packing``, ``ddp_ft.training.data.packing``): packed rows keep sequences apart,
+give the padded run's loss and gradients on 2 ranks, keep the ranks balanced, and are refused where attention would mix
 them."""
 
 import random
@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ddp_ft.config import config_values, parse_settings
-from ddp_ft.data import (
+from ddp_ft.distributed import DistInfo
+from ddp_ft.training.config import config_values, parse_settings
+from ddp_ft.training.data import (
     IGNORE_INDEX,
     DataSettings,
     PackedCollator,
@@ -25,7 +26,6 @@ from ddp_ft.data import (
     resolve_packing,
     strided_plan,
 )
-from ddp_ft.distributed import DistInfo
 
 from .dist_harness import run_distributed
 from .meetings import write_mixed_length_meetings
@@ -144,7 +144,7 @@ def test_attention_that_separates_sequences_only_in_one_row_or_a_cache_is_a_pack
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    from ddp_ft.model import build_tiny_qwen3
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
 
     return str(build_tiny_qwen3(tmp_path_factory.mktemp("tiny") / "qwen3", vocab_size=512, seed=0))
 
@@ -221,9 +221,9 @@ def test_an_attention_that_ignores_the_mask_leaks_across_packed_sequences_and_pa
 
 
 def _packed_against_padded(rank, world_size, cache, source):
-    from ddp_ft.data import EpochLoader
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.steps import forward_backward, step_counts
+    from ddp_ft.training.data import EpochLoader
+    from ddp_ft.training.steps import forward_backward, step_counts
 
     from .test_train import _setup
 
@@ -269,9 +269,9 @@ def test_two_packed_ranks_give_the_gradients_of_one_padded_process_on_the_global
 
 
 def _run(kind, tmp_path, source, packing):
-    from ddp_ft.config import settings_from_preset
     from ddp_ft.integrations.recipe import build_trainer
-    from ddp_ft.loop import train
+    from ddp_ft.training.config import settings_from_preset
+    from ddp_ft.training.loop import train
 
     out = tmp_path / f"{kind}-{packing}"
     settings = settings_from_preset(

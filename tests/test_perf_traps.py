@@ -1,4 +1,4 @@
-"""Performance traps in a user's own script (``ddp_ft.perf_traps``): warned once, on rank 0, with the fix.
+"""Performance traps in a user's own script (``ddp_ft.training.perf_traps``): warned once, on rank 0, with the fix.
 
 4-bit layers left at BitsAndBytesConfig's float32 compute dtype in a bf16 run, and a device idle for most of a step
 while a larger micro-batch would fit. The device is measured on CUDA only: here a fake profiler stands in for it (the
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-import ddp_ft.perf_traps.idle as idle
-from ddp_ft.perf_traps import (
+import ddp_ft.training.perf_traps.idle as idle
+from ddp_ft.training.perf_traps import (
     StepUsage,
     accelerate_fix,
     busy_ns,
@@ -278,9 +278,9 @@ def test_an_idle_device_with_memory_for_a_larger_micro_batch_is_warned_once_on_r
 
 def test_the_plain_loop_warns_of_an_idle_device_naming_micro_batch_auto(tmp_path, monkeypatch):
     """ddp_ft's own loop (tiny preset: micro-batch 2 x accumulation 4) on a fake idle device, one process."""
-    from ddp_ft.config import settings_from_preset
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.loop import train
+    from ddp_ft.training.config import settings_from_preset
+    from ddp_ft.training.loop import train
 
     records = _Records()
     monkeypatch.setattr(idle, "step_profiler", lambda device: _FakeProfiler(0.2))

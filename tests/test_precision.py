@@ -4,8 +4,8 @@ compute capability, checked on CPU without a GPU (torch.cuda's capability query 
 import pytest
 import torch
 
-from ddp_ft.model import ModelSettings
-from ddp_ft.precision import choose_precision
+from ddp_ft.training.model.precision import choose_precision
+from ddp_ft.training.model.qlora import ModelSettings
 
 
 @pytest.mark.parametrize(
@@ -105,10 +105,10 @@ def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp
     skips together is the BucketedDDP test above."""
     import math
 
-    from ddp_ft import loop
-    from ddp_ft.config import parse_settings
     from ddp_ft.distributed import DistInfo
-    from ddp_ft.metrics import read_jsonl
+    from ddp_ft.report.metrics import read_jsonl
+    from ddp_ft.training import loop
+    from ddp_ft.training.config import parse_settings
 
     flags = [
         "--preset",
@@ -148,9 +148,9 @@ def _fp16_loop_on_two_ranks(rank, world_size, out):
     micro-batch; returns this rank's adapter and loss scale at the final save."""
     import os
 
-    from ddp_ft import loop
-    from ddp_ft.config import parse_settings
     from ddp_ft.distributed import DistInfo
+    from ddp_ft.training import loop
+    from ddp_ft.training.config import parse_settings
 
     os.environ["DDP_FT_INJECT_FAULT"] = "overflow@1,rank=1"  # the tiny cache: the suite's, inherited
     saved = {}
@@ -180,7 +180,7 @@ def test_fp16_loop_on_two_ranks_skips_a_step_that_overflowed_on_one_rank_on_both
 
     from torch.testing import assert_close
 
-    from ddp_ft.metrics import read_jsonl
+    from ddp_ft.report.metrics import read_jsonl
 
     from .dist_harness import run_distributed
 

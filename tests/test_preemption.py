@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddp_ft.checkpoint import (
+from ddp_ft.distributed import DistInfo
+from ddp_ft.training.checkpoint import (
     TrainState,
     checkpoint_to_resume,
     clean_partial_saves,
@@ -19,9 +20,8 @@ from ddp_ft.checkpoint import (
     save_checkpoint,
     saved_position,
 )
-from ddp_ft.distributed import DistInfo
-from ddp_ft.faults import ENV, Fault, FaultInjector, parse_faults
-from ddp_ft.preemption import StopSignal
+from ddp_ft.training.faults import ENV, Fault, FaultInjector, parse_faults
+from ddp_ft.training.preemption import StopSignal
 
 from .dist_harness import PYTHONPATH, run_distributed
 from .test_checkpoint import _parts
@@ -49,8 +49,10 @@ def test_ctrl_c_is_a_stop_and_a_second_one_interrupts_only_a_process_running_alo
         assert stop.received == "SIGINT" and stop.local_flag == 1.0
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
-    monkeypatch.setattr("ddp_ft.preemption._launched", lambda: True)
-    monkeypatch.setattr("ddp_ft.preemption._die_with_parent", lambda sig: False)  # not this test process's parent
+    monkeypatch.setattr("ddp_ft.training.preemption._launched", lambda: True)
+    monkeypatch.setattr(
+        "ddp_ft.training.preemption._die_with_parent", lambda sig: False
+    )  # not this test process's parent
     with StopSignal() as stop:
         for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGINT):
             os.kill(os.getpid(), sig)
@@ -61,8 +63,8 @@ def test_ctrl_c_is_a_stop_and_a_second_one_interrupts_only_a_process_running_alo
 def test_a_signal_during_a_step_stops_the_loop_after_that_step_not_the_next(tmp_path, monkeypatch):
     """The flag is read after the step's last backward: SIGUSR1 sent in step 2's forward stops the run after step 2
     with its checkpoint (it used to be read before the forward: the run went on to step 3)."""
-    from ddp_ft.config import settings_from_preset
-    from ddp_ft.loop import train
+    from ddp_ft.training.config import settings_from_preset
+    from ddp_ft.training.loop import train
 
     monkeypatch.setenv(ENV, "sigusr1-self@2")
     settings = settings_from_preset("tiny", max_steps=4, save_every=0, report_to="none", output_dir=str(tmp_path))
@@ -86,7 +88,7 @@ def _agree(rank, world_size):
     import torch.distributed as dist
 
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.steps import forward_backward_timed
+    from ddp_ft.training.steps import forward_backward_timed
 
     info = DistInfo(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
     group = [{"labels": torch.tensor([[-100, 5, 6]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}]
@@ -222,7 +224,7 @@ def test_restarts_across_nodes_with_the_shared_store_are_refused_naming_the_fix(
 _CHILD = """
 import os, sys, time
 from pathlib import Path
-from ddp_ft.preemption import StopSignal
+from ddp_ft.training.preemption import StopSignal
 def mark(text):  # whole or not at all: the test polls the file while it is rewritten
     Path(sys.argv[1] + ".tmp").write_text(text)
     os.replace(sys.argv[1] + ".tmp", sys.argv[1])

@@ -6,7 +6,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP
-from ddp_ft.model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
+from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 
 from .dist_harness import gather_tensors, run_distributed
 
@@ -23,8 +23,8 @@ def tiny_qwen3(tmp_path_factory):
 # Tolerance against one process on the global batch (rtol, atol as a fraction of the largest gradient), which takes
 # the DDP model's parameters before every step, so both compute the gradient at the same point. A matmul kernel may
 # round a batch of 4 differently from a batch of 2: bf16 compute (the 4-bit matmuls; without autocast the residual
-# stream and lm_head too, see ddp_ft.model._frozen_weights_kept) is held to bf16's precision, fp32 to fp32's.
-# Measured on this CPU: within 9e-7 of the largest gradient in both dtypes and both layouts, at each of 3 steps.
+# stream and lm_head too, see ddp_ft.training.model.qlora._frozen_weights_kept) is held to bf16's precision, fp32 to
+# fp32's. Measured on this CPU: within 9e-7 of the largest gradient in both dtypes and both layouts, at each of 3 steps.
 GLOBAL_BATCH_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 1e-2)}
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from ddp_ft.tokenizer import build_tiny_tokenizer
+from ddp_ft.training.data.tokenizer import build_tiny_tokenizer
 
 from .dist_harness import PYTHONPATH, ROOT
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddp_ft.distributed import DistInfo
-from ddp_ft.steps import rank_balance
+from ddp_ft.training.steps import rank_balance
 
 from .dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
@@ -47,7 +47,7 @@ class _SlowOnRank1(torch.nn.Module):
 
 def _slow_rank(rank, world_size):
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.steps import forward_backward_timed
+    from ddp_ft.training.steps import forward_backward_timed
 
     torch.manual_seed(0)
     ddp = BucketedDDP(_SlowOnRank1(rank))
@@ -94,7 +94,7 @@ def _slow_rank_trainer(rank, world_size):
     from transformers import TrainerCallback
 
     from ddp_ft.integrations import BucketedTrainer
-    from ddp_ft.metrics import read_jsonl
+    from ddp_ft.report.metrics import read_jsonl
 
     logged = []
 

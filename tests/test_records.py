@@ -1,4 +1,4 @@
-"""One run identity and one record format for both entry points, read back by the report (``ddp_ft.records``)."""
+"""One run identity and one record format for both entry points, read back by the report (``ddp_ft.report.records``)."""
 
 import os
 from dataclasses import fields
@@ -6,8 +6,8 @@ from dataclasses import fields
 import pytest
 import wandb
 
-from ddp_ft.records import RunIdentity, of_type, run_identity
-from ddp_ft.report import RunSummary, load_run
+from ddp_ft.report.comparison import RunSummary, load_run
+from ddp_ft.report.records import RunIdentity, of_type, run_identity
 
 from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.report import (
+from ddp_ft.report.comparison import (
     Comparison,
     compare_runs,
     log_report_to_wandb,
@@ -250,7 +250,7 @@ def test_log_report_to_wandb_writes_an_offline_run_and_says_once_how_to_sync_it(
     monkeypatch.delenv("WANDB_SILENT", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     capfd.readouterr()
-    with caplog.at_level(logging.INFO, logger="ddp_ft.report"):
+    with caplog.at_level(logging.INFO, logger="ddp_ft.report.comparison"):
         log_report_to_wandb(report, report["files"]["png"], project="ddp-ft-test", group="tiny")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
@@ -264,7 +264,7 @@ def test_log_report_to_wandb_writes_an_offline_run_and_says_once_how_to_sync_it(
 
 def test_log_report_to_wandb_warns_and_returns_without_wandb(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with caplog.at_level(logging.WARNING, logger="ddp_ft.report"):
+    with caplog.at_level(logging.WARNING, logger="ddp_ft.report.comparison"):
         log_report_to_wandb({}, tmp_path / "x.png", project="p", group="g")
     assert "wandb is not installed" in caplog.text
 
@@ -355,7 +355,7 @@ def test_ddp_over_the_limit_is_marked_on_the_figure_itself_not_a_result(tmp_path
     of it appears and the limit's bars are plain."""
     from matplotlib.colors import to_rgba
 
-    from ddp_ft.report import comparison_figure, load_run
+    from ddp_ft.report.comparison import comparison_figure, load_run
 
     base, base_records = load_run(write_run(tmp_path / "single", single_run()))
     other, other_records = load_run(write_run(tmp_path / "ddp", ddp_run()))
@@ -378,7 +378,7 @@ def test_ddp_over_the_limit_is_marked_on_the_figure_itself_not_a_result(tmp_path
 def test_a_run_without_a_name_is_labelled_by_its_folder_in_the_table_text_and_figure(tmp_path):
     """A user's BucketedTrainer run writes run_name None (TrainingArguments.run_name unset): the comparison used to
     label both runs "None"; an empty name or none at all takes the folder's too."""
-    from ddp_ft.report import load_run
+    from ddp_ft.report.comparison import load_run
 
     def unnamed(records, name=None):
         config = {k: v for k, v in records[0].items() if k != "run_name"}
@@ -389,7 +389,9 @@ def test_a_run_without_a_name_is_labelled_by_its_folder_in_the_table_text_and_fi
     report = write_report(base, other, tmp_path / "out")
     assert report["table"]["columns"] == ["metric", "trainer-1gpu", "trainer-ddp"]
     assert "None" not in report["markdown"] and "(global tokens/s, trainer-ddp / trainer-1gpu)" in report["markdown"]
-    from ddp_ft.report import comparison_figure  # the figure's title: after the text, which old code got wrong too
+    from ddp_ft.report.comparison import (
+        comparison_figure,  # the figure's title: after the text, which old code got wrong too
+    )
 
     (b, b_records), (o, o_records) = load_run(base), load_run(other)
     title = comparison_figure(compare_runs(b, b_records, o, o_records)).get_suptitle()

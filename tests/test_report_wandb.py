@@ -1,6 +1,6 @@
 """Online runs: the comparison reads a wandb run's history as it reads a metrics.jsonl."""
 
-from ddp_ft.report import compare_runs, records_from_wandb, summarize_run
+from ddp_ft.report.comparison import compare_runs, records_from_wandb, summarize_run
 
 
 class _FakeRun:

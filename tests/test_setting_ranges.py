@@ -1,6 +1,6 @@
-"""Every numeric setting is checked for its own range first (ddp_ft.ranges), naming the setting and a valid value, and
-the values it allows are ones the plain loop's optimizer and schedule and the Trainer's arguments take. Pure: no model,
-no process group (the ``ddp-ft --nproc 2`` parent's refusal is a row of tests/test_cli.py)."""
+"""Every numeric setting is checked for its own range first (ddp_ft.training.ranges), naming the setting and a valid
+value, and the values it allows are ones the plain loop's optimizer and schedule and the Trainer's arguments take. Pure:
+no model, no process group (the ``ddp-ft --nproc 2`` parent's refusal is a row of tests/test_cli.py)."""
 
 import math
 import typing
@@ -9,10 +9,11 @@ from dataclasses import fields
 import pytest
 import torch
 
-from ddp_ft.config import SECTIONS, settings_from_preset
+from ddp_ft.ddp.ranges import DDP_RANGES
 from ddp_ft.distributed import DistInfo
-from ddp_ft.precision import choose_precision
-from ddp_ft.ranges import DATA_RANGES, DDP_RANGES, LORA_RANGES, SEED_MAX, TRAIN_RANGES
+from ddp_ft.training.config import SECTIONS, settings_from_preset
+from ddp_ft.training.model.precision import choose_precision
+from ddp_ft.training.ranges import DATA_RANGES, LORA_RANGES, SEED_MAX, TRAIN_RANGES
 
 TABLES = {"train": TRAIN_RANGES, "lora": LORA_RANGES, "data": DATA_RANGES, "ddp": DDP_RANGES, "model": {}}
 OWN_FLOOR = {"max_seq_len"}  # DataSettings explains its floor itself (tests/test_data.py)
@@ -70,7 +71,7 @@ def _numeric_fields():
 
 def test_every_numeric_setting_of_every_section_has_a_range():
     missing = [(s, n) for s, n in _numeric_fields() if n not in TABLES[s] and n not in OWN_FLOOR]
-    assert not missing, f"numeric settings without a range in ddp_ft.ranges: {missing}"
+    assert not missing, f"numeric settings without a range in ddp_ft.training.ranges: {missing}"
     assert {n for table in TABLES.values() for n in table} == {n for _, n in _numeric_fields()} - OWN_FLOOR
 
 
@@ -111,7 +112,7 @@ def test_the_edges_of_the_ranges_build_the_loops_schedule_and_the_trainers_argum
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=t.learning_rate, weight_decay=t.weight_decay)
     schedule = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, math.ceil(t.warmup_ratio * 8), 8, min_lr=t.min_learning_rate
-    )  # as ddp_ft.loop builds it
+    )  # as ddp_ft.training.loop builds it
     for _ in range(8):
         optimizer.step()
         schedule.step()

@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.checkpoint import TrainState, checkpoint_to_resume, save_checkpoint
 from ddp_ft.distributed import DistInfo
-from ddp_ft.shared_fs import MARKER_PREFIX, SharedFilesystemError, check_shared_output_dir, check_shared_resume
+from ddp_ft.training.checkpoint import TrainState, checkpoint_to_resume, save_checkpoint
+from ddp_ft.training.checkpoint.shared_fs import (
+    MARKER_PREFIX,
+    SharedFilesystemError,
+    check_shared_output_dir,
+    check_shared_resume,
+)
 
 from .dist_harness import run_distributed
 from .test_checkpoint import _parts

@@ -10,13 +10,13 @@ import wandb
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from wandb.sdk.lib.noop_run import NoopRun
 
-from ddp_ft.config import settings_from_preset
 from ddp_ft.distributed import DistInfo
 from ddp_ft.integrations.callbacks import GuardedWandbCallback, ThroughputCallback
 from ddp_ft.integrations.recipe import build_trainer, wandb_report_to
-from ddp_ft.loop import train
-from ddp_ft.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
-from ddp_ft.records import run_identity
+from ddp_ft.report.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
+from ddp_ft.report.records import run_identity
+from ddp_ft.training.config import settings_from_preset
+from ddp_ft.training.loop import train
 
 STEPS = 2
 SECRETS = {  # fake values shaped like the real ones (a wandb key is 40 characters)

@@ -4,8 +4,8 @@ from itertools import islice
 
 import torch
 
-from ddp_ft.data import EpochLoader, answer_tokens, count_tokens
-from ddp_ft.data.step_tokens import StepTokenCounts, global_order
+from ddp_ft.training.data import EpochLoader, answer_tokens, count_tokens
+from ddp_ft.training.data.step_tokens import StepTokenCounts, global_order
 
 
 def _dataset(n=11):

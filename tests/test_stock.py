@@ -5,10 +5,10 @@ benchmark compares what a user would run instead. Settings they cannot honour ar
 import pytest
 from safetensors.torch import load_file
 
-from ddp_ft.config import settings_from_preset
-from ddp_ft.faults import ENV as FAULTS_ENV
 from ddp_ft.integrations.stock import check_stock_settings, stock_ddp_arguments
-from ddp_ft.metrics import read_jsonl
+from ddp_ft.report.metrics import read_jsonl
+from ddp_ft.training.config import settings_from_preset
+from ddp_ft.training.faults import ENV as FAULTS_ENV
 
 from .test_integrations import ROOT, _accelerate, _train_records
 
@@ -56,7 +56,18 @@ def test_ddp_ft_recipe_refuses_a_stock_run_with_the_balanced_plan_before_launchi
     import sys
 
     run = subprocess.run(
-        [sys.executable, "-m", "ddp_ft.cli", "recipe", "--nproc", "2", "--preset", "tiny", "--trainer", "stock-hf"],
+        [
+            sys.executable,
+            "-m",
+            "ddp_ft.commands.cli",
+            "recipe",
+            "--nproc",
+            "2",
+            "--preset",
+            "tiny",
+            "--trainer",
+            "stock-hf",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -73,7 +84,7 @@ def test_stock_trainer_and_bucketed_trainer_in_the_stock_order_are_the_same_trai
     the Trainer chooses it: True for a PeftModel) and ``--trainer hf --no-balance-ranks`` (BucketedDDP, the stock
     sampling). Same rows in the same order, BucketedDDP equal to torch DDP: the same losses and the same adapters to
     float32 rounding, and the same records (the stock run's without BucketedDDP's communication stats)."""
-    from ddp_ft.synthetic import write_mixed_length_meetings
+    from ddp_ft.training.data.synthetic import write_mixed_length_meetings
 
     flags = ["--max-steps", "4", "--no-balance-ranks", "--report-to", "none", "--save-every", "0"]
     flags += ["--source", write_mixed_length_meetings(tmp_path / "mixed.jsonl", n=64)]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddp_ft.data import DataSettings
-from ddp_ft.tokenizer import (
+from ddp_ft.training.data import DataSettings
+from ddp_ft.training.data.tokenizer import (
     CHATML_TEMPLATE,
     ENDOFTEXT,
     IM_END,

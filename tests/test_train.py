@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ddp_ft.config import settings_from_preset
-from ddp_ft.data import IGNORE_INDEX
 from ddp_ft.distributed import DistInfo
-from ddp_ft.loop import train
+from ddp_ft.training.config import settings_from_preset
+from ddp_ft.training.data import IGNORE_INDEX
+from ddp_ft.training.loop import train
 
 from .dist_harness import run_distributed
 from .meetings import write_mixed_length_meetings
@@ -24,10 +24,10 @@ def _setup(world_size, rank, cache, source):
 
     from transformers import DataCollatorForSeq2Seq
 
-    from ddp_ft.data import load_raw_splits, tokenize_dataset
-    from ddp_ft.model import ModelSettings, load_qlora_model
-    from ddp_ft.setup import resolve_model_and_tokenizer
-    from ddp_ft.tokenizer import load_tokenizer
+    from ddp_ft.training.data import load_raw_splits, tokenize_dataset
+    from ddp_ft.training.data.tokenizer import load_tokenizer
+    from ddp_ft.training.model.qlora import ModelSettings, load_qlora_model
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     os.environ["DDP_FT_CACHE"] = cache
     settings = settings_from_preset("tiny", lora_dropout=0.0, source=source)
@@ -48,9 +48,9 @@ def _setup(world_size, rank, cache, source):
 def _effective_batch(rank, world_size, cache, source, k):
     from itertools import islice
 
-    from ddp_ft.data import EpochLoader, strided_plan
     from ddp_ft.ddp import BucketedDDP
-    from ddp_ft.steps import forward_backward
+    from ddp_ft.training.data import EpochLoader, strided_plan
+    from ddp_ft.training.steps import forward_backward
 
     model, data, collate, seed = _setup(world_size, rank, cache, source)
     single, _, _, _ = _setup(world_size, rank, cache, source)
@@ -189,7 +189,7 @@ def test_resume_with_another_effective_batch_fails_before_training_naming_both_l
 def test_evaluation_runs_without_autograd_and_restores_the_training_mode():
     """The loop's evaluate records no graph (no activations kept for a backward that never comes: on a GPU that is
     the eval's memory several times over); c7075c5 dropped its ``torch.no_grad()`` and eval losses moved by 6e-5."""
-    from ddp_ft.steps import evaluate
+    from ddp_ft.training.steps import evaluate
 
     seen = []
 

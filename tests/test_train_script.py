@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_ft.metrics import read_jsonl, timeline
+from ddp_ft.report.metrics import read_jsonl, timeline
 
 from .dist_harness import PYTHONPATH
 from .meetings import write_mixed_length_meetings
@@ -93,13 +93,13 @@ def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduc
 _EVAL_SNIPPET = """
 import sys
 from transformers import DataCollatorForSeq2Seq
-from ddp_ft.config import settings_from_preset
-from ddp_ft.data import load_raw_splits, tokenize_dataset
+from ddp_ft.training.config import settings_from_preset
+from ddp_ft.training.data import load_raw_splits, tokenize_dataset
 from ddp_ft.distributed import DistInfo
-from ddp_ft.steps import evaluate
-from ddp_ft.setup import resolve_model_and_tokenizer
-from ddp_ft.model import ModelSettings, load_trained_adapter
-from ddp_ft.tokenizer import load_tokenizer
+from ddp_ft.training.steps import evaluate
+from ddp_ft.training.setup import resolve_model_and_tokenizer
+from ddp_ft.training.model.qlora import ModelSettings, load_trained_adapter
+from ddp_ft.training.data.tokenizer import load_tokenizer
 s = settings_from_preset("tiny")
 model_path, tokenizer_path = resolve_model_and_tokenizer(s.model.model_name_or_path, DistInfo())
 tok = load_tokenizer(tokenizer_path)

@@ -47,8 +47,8 @@ def _record_publishing(events: list[tuple]) -> None:
 
 def _checkpointing_run(rank, world_size, out):
     _as_accelerate_rank(rank, world_size)
-    from ddp_ft.faults import Fault, FaultInjector
     from ddp_ft.integrations import BucketedTrainer
+    from ddp_ft.training.faults import Fault, FaultInjector
 
     events: list[tuple] = []
     _record_publishing(events)

@@ -33,8 +33,8 @@ ONE_PROCESS_LOSS_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-5}
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    from ddp_ft.model import build_tiny_qwen3
-    from ddp_ft.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
 
     root = tmp_path_factory.mktemp("trl")
     tokenizer = build_tiny_tokenizer(root / "tokenizer")
@@ -135,8 +135,8 @@ def _assert_agree(two: Run, one: Run, what: str) -> None:
 def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
     """Two processes (accumulation 2 each) train as one process on the same 8 rows per step (accumulation 4): the
     adapters within ONE_PROCESS_TOL (float32: 1e-8; the bfloat16 adapters of a 4-bit base: one bf16 rounding),
-    the loss and grad norm within ONE_PROCESS_LOSS_RTOL, the same token count. (TRL's entropy and token accuracy are means of
-    per-micro-batch ratios, so they depend on how the rows fall into micro-batches, on any trainer.)"""
+    the loss and grad norm within ONE_PROCESS_LOSS_RTOL, the same token count. (TRL's entropy and token accuracy are
+    means of per-micro-batch ratios, so they depend on how the rows fall into micro-batches, on any trainer.)"""
     two, one = runs
     _assert_agree(two[0][case.name]["ours"], one[case.name]["ours"], case.name)
 
@@ -157,9 +157,9 @@ def test_balanced_ranks_train_as_one_process_on_the_same_plan(runs, case: Case):
 def test_the_recipe_refuses_an_unknown_trainer_naming_the_choices(tmp_path):
     """``build_trainer(trainer=...)`` (the recipe's ``--trainer``): anything but hf or trl is an error before the
     data or the model load."""
-    from ddp_ft.config import settings_from_preset
     from ddp_ft.distributed import DistInfo
     from ddp_ft.integrations.recipe import build_trainer
+    from ddp_ft.training.config import settings_from_preset
 
     settings = settings_from_preset("tiny", output_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"--trainer 'sft': choose one of hf, trl"):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ddp_ft.metrics import read_jsonl
+from ddp_ft.report.metrics import read_jsonl
 
 from .test_integrations import ROOT, _accelerate, _run, _train_records
 

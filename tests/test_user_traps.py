@@ -157,7 +157,7 @@ def _lora_qwen3(reentrant: bool, input_grads: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3ForCausalLM
 
-    from ddp_ft.model import tiny_qwen3_config
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
 
     torch.manual_seed(0)
     base = Qwen3ForCausalLM(tiny_qwen3_config(64))

@@ -60,11 +60,12 @@ def rows(data: str, n: int = 48, seed: int = 0):
 
 def model_and_peft_config(path: str, case: Case, world_size: int):
     """The model SFTTrainer is given and its ``peft_config``: a base model and a LoraConfig, or a ready PeftModel
-    (``ddp_ft.model.load_qlora_model``); float32 compute on the CPU. Seeded: every rank and run starts equal."""
+    (``ddp_ft.training.model.qlora.load_qlora_model``); float32 compute on the CPU. Seeded: every rank and run starts
+    equal."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from ddp_ft.model import LoraSettings, ModelSettings, load_qlora_model
+    from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, load_qlora_model
 
     torch.manual_seed(0)
     if case.peft == "peft_model":

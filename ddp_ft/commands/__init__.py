@@ -1,5 +1,5 @@
 """The bodies of the entry points: ``scripts/*.py``, ``recipes/qwen_ami.py`` and the ``ddp-ft`` subcommands are thin
-mains over these, so a pip-installed ddp_ft has them too (``ddp_ft.cli``)."""
+mains over these, so a pip-installed ddp_ft has them too (``ddp_ft.commands.cli``)."""
 
 from ..distributed import hold_library_notices
 

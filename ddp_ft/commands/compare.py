@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..report import log_report_to_wandb, write_report
+from ..report.comparison import log_report_to_wandb, write_report
 
 
 def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:

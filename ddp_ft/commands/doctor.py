@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from ..ddp.placement import device_identity, shared_device
 from ..distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, device_and_backend, init_distributed
-from ..integrations.launch import check_world_seen
-from ..precision import DTYPES, choose_precision
+from ..distributed.launch import check_world_seen
 from ..tools.ladder.bench_comm import format_size, measure_all_reduce, parse_size
+from ..training.model.precision import DTYPES, choose_precision
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl")  # what ddp_ft subclasses or calls
 OPTIONAL = {"trl": 'the [trl] extra (pip install ".[trl]" in the clone), for --trainer trl'}

@@ -2,7 +2,7 @@
 SFTTrainer) with BucketedDDP, on the same model, data and settings as the plain loop.
 
 A run that names no model starts from ``qwen3-4b-ami`` with CUDA and the embedded ``tiny`` without, as ``ddp-ft train``
-does (``ddp_ft.model_source``), and says so in its first log line.
+does (``ddp_ft.training.model.source``), and says so in its first log line.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from ..config import RunSettings, parse_settings, write_run_config
 from ..distributed import (
     DistInfo,
     destroy_distributed,
@@ -22,9 +21,10 @@ from ..distributed import (
 )
 from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
 from ..integrations.stock import FIND_UNUSED, check_stock_settings
-from ..model_source import choose_default, log_choice
-from ..setup import check_run_settings
-from ..shared_fs import check_shared_resume, prepare_output_dir
+from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
+from ..training.config import RunSettings, parse_settings, write_run_config
+from ..training.model.source import choose_default, log_choice
+from ..training.setup import check_run_settings
 
 logger = logging.getLogger("ddp_ft.recipe")
 

@@ -1,10 +1,10 @@
-"""The plain PyTorch loop with BucketedDDP (``ddp_ft.loop.train``): ``scripts/train.py`` and ``ddp-ft train``.
+"""The plain PyTorch loop with BucketedDDP (``ddp_ft.training.loop.train``): ``scripts/train.py`` and ``ddp-ft train``.
 
 python -m ddp_ft.commands.train --preset tiny                                # one process
 torchrun --standalone --nproc_per_node=2 -m ddp_ft.commands.train --config configs/tiny.yaml
 
 A run that names no model starts from ``qwen3-4b-ami`` with CUDA and the embedded ``tiny`` without, as the recipe does
-(``ddp_ft.model_source``), and says so in its first log line.
+(``ddp_ft.training.model.source``), and says so in its first log line.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import argparse
 import logging
 from collections.abc import Sequence
 
-from ..config import parse_settings
 from ..distributed import destroy_distributed, failure_recorded, init_distributed, setup_logging
-from ..loop import train
-from ..model_source import choose_default, log_choice
+from ..training.config import parse_settings
+from ..training.loop import train
+from ..training.model.source import choose_default, log_choice
 
 logger = logging.getLogger("ddp_ft.train")
 
@@ -27,9 +27,9 @@ def main(
     """Parse the settings, join the process group, train (the loop writes ``run_config.yaml``), tear down.
 
     Args:
-        argv (list[str] | None): the settings' flags (``ddp_ft.config.build_parser``). Default: ``sys.argv[1:]``
-        parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
-        prog (str | None): the command named in usage and errors. Default: the script's name
+        argv (list[str] | None): the settings' flags (``ddp_ft.training.config.build_parser``). Default:
+        ``sys.argv[1:]`` parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and
+        ignored here. prog (str | None): the command named in usage and errors. Default: the script's name
     """
     with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
         choice = choose_default(argv)

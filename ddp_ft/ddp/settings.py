@@ -1,6 +1,6 @@
 """BucketedDDP's settings as one typed dataclass, beside the wrapper they configure (torch only, no transformers).
 
-``ddp_ft.config`` puts :class:`DDPSettings` in a run's settings and on the command line; the plugin
+``ddp_ft.training.config`` puts :class:`DDPSettings` in a run's settings and on the command line; the plugin
 (``ddp_ft.integrations``) resolves it from the Trainer's and Accelerate's own DDP knobs.
 """
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ranges import DDP_RANGES, check_ranges
 from .autotune import AUTO
 from .comm_hooks import COMM_HOOKS, check_powersgd_buckets
+from .ranges import DDP_RANGES, check_ranges
 from .wrapper import BucketedDDP
 
 COMM_HOOK_CHOICES = (*COMM_HOOKS, "powersgd")

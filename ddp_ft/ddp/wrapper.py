@@ -108,8 +108,8 @@ class BucketedDDP(nn.Module, JoinableDDP):
             rank only would make the ranks call different collectives. As a guard, each broadcast is preceded
             by a broadcast of the number of buffers it sends, and a rank whose count differs from rank 0's
             raises naming the buffers instead of mis-reducing (a rank that sends none while another sends
-            some still waits until the process group's timeout). Writes through ``.data`` or ``set_()`` are not seen, as they
-            do not bump the version. Default: True.
+            some still waits until the process group's timeout). Writes through ``.data`` or ``set_()`` are not seen, as
+            they do not bump the version. Default: True.
         process_group (ProcessGroup | None): group to reduce over. Default: the default group.
 
     Raises:
@@ -327,7 +327,7 @@ class BucketedDDP(nn.Module, JoinableDDP):
         wait (host time: on CUDA, when the host queued the last gradient's kernels), or None before the first.
 
         Forward and backward up to here is this rank's compute; the rest of the step is communication and
-        waiting for the slower rank (``ddp_ft.loop`` gathers it per step).
+        waiting for the slower rank (``ddp_ft.training.loop`` gathers it per step).
         """
         return getattr(self._reducer, "last_ready_at", None)
 

@@ -7,8 +7,8 @@ with BucketedDDP; ``unwrap_model`` (and so ``get_state_dict`` / ``save_model``) 
 ``accelerator.accumulate()`` / ``no_sync()`` work unchanged: they call the wrapper's ``no_sync``.
 
 Compilation (``dynamo_backend``, ``TorchDynamoPlugin``, the Trainer's ``torch_compile``) is regional and before the
-wrap (``ddp_ft.compilation``): each decoder layer compiled in place with the plugin's options. Accelerate's own
-compiles the whole model after wrapping, which leaves BucketedDDP's all-reduces nothing to overlap.
+wrap (``ddp_ft.training.model.compilation``): each decoder layer compiled in place with the plugin's options.
+Accelerate's own compiles the whole model after wrapping, which leaves BucketedDDP's all-reduces nothing to overlap.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from accelerate.utils import DistributedType, DynamoBackend
 from accelerate.utils.other import is_compiled_module
 from torch.distributed.algorithms.join import Join
 
-from ..compilation import (
+from ..ddp import BucketedDDP, DDPSettings
+from ..distributed.launch import TRAINER_CPU_FIX, check_world_seen, launched_alone
+from ..training.model.compilation import (
     check_compile_mode,
     check_model_compile,
     compile_repeated_blocks,
     is_regionally_compiled,
     repeated_blocks,
 )
-from ..ddp import BucketedDDP, DDPSettings
-from ..perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
+from ..training.perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
 from .comm_hook_kwargs import accelerate_comm_hook
-from .launch import TRAINER_CPU_FIX, check_world_seen, launched_alone
 from .settings import describe_sources, resolve_ddp_settings
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ _WRAPPERS: weakref.WeakValueDictionary[int, BucketedDDP] = weakref.WeakValueDict
 
 def _warn_if_launched_alone(num_processes: int) -> None:
     """Say (once per process) that ``accelerate launch``, asked for several processes, started this one alone
-    (``ddp_ft.integrations.launch.launched_alone``)."""
+    (``ddp_ft.distributed.launch.launched_alone``)."""
     why = launched_alone() if num_processes == 1 else None
     if why:
         _warn_once(why)
@@ -154,8 +154,8 @@ class BucketedAccelerator(Accelerator):
         first's), or a new one.
 
         A training model is also checked for two performance traps, each warned once on the main process
-        (``ddp_ft.perf_traps``): 4-bit layers computing in float32 in a half-precision run, checked here; an idle
-        device with memory for a larger micro-batch, measured at the 4th optimizer step (CUDA only).
+        (``ddp_ft.training.perf_traps``): 4-bit layers computing in float32 in a half-precision run, checked here; an
+        idle device with memory for a larger micro-batch, measured at the 4th optimizer step (CUDA only).
 
         Raises:
             ValueError: reentrant gradient checkpointing would leave the adapters without gradient
@@ -168,7 +168,7 @@ class BucketedAccelerator(Accelerator):
             return model
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
-            # Performance traps: warned once, on the main process (ddp_ft.perf_traps).
+            # Performance traps: warned once, on the main process (ddp_ft.training.perf_traps).
             check_4bit_compute_dtype(model, self.mixed_precision, self.device, self.is_main_process)
             watch_idle_device(model, self.device, self.is_main_process, self.micro_batch_fix)
         regional = self._compile_regions(model)
@@ -183,7 +183,7 @@ class BucketedAccelerator(Accelerator):
                 "the model reached BucketedAccelerator.prepare compiled whole (torch.compile(model)): its backward is "
                 "one graph, so every gradient is ready at its end and BucketedDDP's all-reduces overlap nothing. "
                 "Pass the uncompiled model and set dynamo_backend (or TrainingArguments(torch_compile=True)): ddp_ft "
-                "compiles each decoder layer instead (ddp_ft.compilation)."
+                "compiles each decoder layer instead (ddp_ft.training.model.compilation)."
             )
         wrapped = _WRAPPERS.get(id(model))
         if wrapped is None or wrapped.module is not model or wrapped.hooks_removed:

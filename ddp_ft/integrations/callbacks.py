@@ -13,10 +13,10 @@ from transformers import TrainerCallback
 from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
-from ..compilation import CompileWatch, is_regionally_compiled
 from ..ddp import BucketedDDP, CommStats
-from ..metrics import JsonlLogger, ThroughputMeter, WandbSwitch
-from ..records import bucket_choice_record, config_record, define_step_metrics, eval_record, train_record
+from ..report.metrics import JsonlLogger, ThroughputMeter, WandbSwitch
+from ..report.records import bucket_choice_record, config_record, define_step_metrics, eval_record, train_record
+from ..training.model.compilation import CompileWatch, is_regionally_compiled
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ class ThroughputCallback(TrainerCallback):
     Tokens are the Trainer's ``num_input_tokens_seen`` (set ``include_num_input_tokens_seen="non_padding"``, as
     :class:`BucketedTrainer` does, so padding is not counted), summed over all ranks. Values are averages over
     the steps since the previous log, the balance's too (``compute_max_ms``, ``compute_min_ms``, ``imbalance``,
-    ``wait_for_slowest_ms``: ``ddp_ft.steps.rank_balance``; the mean, like the rest, so a logged wait is still the
-    logged max minus this rank's mean compute), over the steps that had one. Register it before the reporting
+    ``wait_for_slowest_ms``: ``ddp_ft.training.steps.rank_balance``; the mean, like the rest, so a logged wait is still
+    the logged max minus this rank's mean compute), over the steps that had one. Register it before the reporting
     callbacks (``BucketedTrainer`` does) so wandb and the console see the values.
 
     On rank 0 it also writes ``<output_dir>/metrics.jsonl`` in the plain loop's format (so ``scripts/compare.py``
@@ -199,7 +199,7 @@ class ThroughputCallback(TrainerCallback):
 
 class ExpectedPeakCallback(TrainerCallback):
     """Adds ``expected_peak_gb``, ``--micro-batch auto``'s expected peak for the micro-batch it chose
-    (``ddp_ft.probe``), to every training log, beside the measured ``peak_mem_gb``.
+    (``ddp_ft.training.model.probe``), to every training log, beside the measured ``peak_mem_gb``.
 
     Insert it ahead of :class:`ThroughputCallback` (``callbacks.insert(0, ...)`` after the trainer is built), which
     writes the log to ``metrics.jsonl``: the value is then in the file, and in wandb, next to the measurement.

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import torch
 
-from ..compilation import compile_repeated_blocks
-from ..config import RunSettings
 from ..distributed import DistInfo
-from ..metrics import resolve_wandb_mode
-from ..precision import Precision
-from ..probe import MicroBatchProbe
-from ..records import RunIdentity, run_identity
-from ..setup import build_model, prepare_run, probe_run_micro_batch
+from ..report.metrics import resolve_wandb_mode
+from ..report.records import RunIdentity, run_identity
+from ..training.config import RunSettings
+from ..training.model.compilation import compile_repeated_blocks
+from ..training.model.precision import Precision
+from ..training.model.probe import MicroBatchProbe
+from ..training.setup import build_model, prepare_run, probe_run_micro_batch
 from .callbacks import ExpectedPeakCallback, with_step_progress
 from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
 from .trainer import BucketedTrainer
@@ -62,7 +62,7 @@ def build_trainer(
 
     Raises:
         ValueError: before the model loads, for an unknown ``trainer``, an Accelerate launch setting the recipe cannot
-            honour (``ddp_ft.integrations.launch``), float16 on the CPU, a setting a stock trainer cannot honour
+            honour (``ddp_ft.distributed.launch``), float16 on the CPU, a setting a stock trainer cannot honour
             (``check_stock_settings``), and for everything ``prepare_run`` refuses.
     """
     from transformers import TrainingArguments
@@ -78,7 +78,7 @@ def build_trainer(
     probe = probe_as_the_trainer_trains(model, settings, info, trainer) if settings.micro_batch_auto else None
     arguments = training_arguments(settings, info, precision, probe.accumulation if probe else parts.accumulation)
     if trainer.endswith("trl"):
-        # The rows are tokenized, labelled and truncated by ddp_ft.data already: TRL takes them as they are.
+        # The rows are tokenized, labelled and truncated by ddp_ft.training.data already: TRL takes them as they are.
         arguments |= dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
     data = dict(train_dataset=parts.train_set, eval_dataset=parts.eval_set, processing_class=parts.tokenizer)
     if trainer in STOCK_TRAINERS:
@@ -106,8 +106,9 @@ def build_trainer(
 def probe_as_the_trainer_trains(
     model: torch.nn.Module, settings: RunSettings, info: DistInfo, trainer: str = "hf", **overrides: object
 ) -> MicroBatchProbe:
-    """``--micro-batch auto`` on the Trainer path: the probe (``ddp_ft.setup.probe_run_micro_batch``) on the model as
-    ``Trainer.train()`` will run it, before the Trainer exists (its batch size and accumulation are fixed then).
+    """``--micro-batch auto`` on the Trainer path: the probe (``ddp_ft.training.setup.probe_run_micro_batch``) on the
+    model as ``Trainer.train()`` will run it, before the Trainer exists (its batch size and accumulation are fixed
+    then).
 
     - Liger: the Trainer patches the model instance when ``train()`` starts (``use_liger_kernel``); the same patch,
       transformers' ``apply_liger_kernel``, is applied here first, so the probe measures Liger's fused loss (the
@@ -115,9 +116,9 @@ def probe_as_the_trainer_trains(
     - A stock trainer's torch DDP keeps its buckets beside the gradients (``gradient_as_bucket_view=False``): one
       more copy of the trainable bytes is added to the optimizer's.
     - Compilation: BucketedAccelerator compiles each decoder layer in place when the Trainer prepares the model
-      (``ddp_ft.compilation``); done here first, with the Trainer's backend (inductor), so the probe measures the
-      compiled layers, and the accelerator finds them compiled. A stock trainer's Accelerate compiles the whole
-      wrapped model inside ``train()``, which cannot run before the Trainer exists: the probe measures the
+      (``ddp_ft.training.model.compilation``); done here first, with the Trainer's backend (inductor), so the probe
+      measures the compiled layers, and the accelerator finds them compiled. A stock trainer's Accelerate compiles the
+      whole wrapped model inside ``train()``, which cannot run before the Trainer exists: the probe measures the
       uncompiled model there, and says so.
 
     Args:
@@ -195,7 +196,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
 
 
 def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
-    """The run's precision (``ddp_ft.precision``), which the Trainer's ``bf16``/``fp16`` flags follow.
+    """The run's precision (``ddp_ft.training.model.precision``), which the Trainer's ``bf16``/``fp16`` flags follow.
 
     Raises:
         ValueError: float16 on the CPU: Accelerate turns neither float16 autocast nor its loss scaler on there, so

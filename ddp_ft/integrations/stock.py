@@ -20,10 +20,10 @@ import logging
 import os
 from dataclasses import fields
 
-from ..config import RunSettings
 from ..ddp import DDPSettings
 from ..ddp.autotune import AUTO
-from ..faults import ENV as FAULTS_ENV
+from ..training.config import RunSettings
+from ..training.faults import ENV as FAULTS_ENV
 from .callbacks import ThroughputCallback
 
 logger = logging.getLogger(__name__)

@@ -27,18 +27,18 @@ from transformers import Trainer, TrainerCallback
 from transformers.integrations import WandbCallback
 
 from ..ddp import BucketedDDP, DDPSettings
-from ..faults import FaultInjector
-from ..metrics import WandbSwitch
-from ..perf_traps import trainer_fix
-from ..preemption import StopSignal
+from ..distributed.launch import TRAINER_CPU_FIX, check_world_seen
+from ..report.metrics import WandbSwitch
+from ..training.faults import FaultInjector
+from ..training.perf_traps import trainer_fix
+from ..training.preemption import StopSignal
 from .accelerate import BucketedAccelerator
 from .callbacks import GuardedWandbCallback, ThroughputCallback
-from .launch import TRAINER_CPU_FIX, check_world_seen
 from .trainer_checkpoints import AtomicCheckpoints
 from .trainer_plan import PlanEpochCallback, PlannedData
 
 if TYPE_CHECKING:
-    from ..data import StepBatchSampler
+    from ..training.data import StepBatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,12 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         *args: passed to ``Trainer``.
         ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: ``DDPSettings()``.
         balance_ranks (bool): train each optimizer step's samples split over ranks and micro-batches by
-            ``balanced_plan`` (``ddp_ft.data.balance``), as the plain loop's ``EpochLoader`` does (the same global
-            order: ``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), with the stock
+            ``balanced_plan`` (``ddp_ft.training.data.balance``), as the plain loop's ``EpochLoader`` does (the same
+            global order: ``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), with the stock
             Trainer's steps: the same micro-batches per rank, optimizer steps and learning-rate schedule, every sample
             of the epoch trained unless ``dataloader_drop_last`` (``ddp_ft.integrations.trainer_plan``); settings it
             cannot keep are refused. Default: False (the stock Trainer's sampling)
-        faults (FaultInjector | None): test-only fault injection (``ddp_ft.faults``); the recipe passes the one
+        faults (FaultInjector | None): test-only fault injection (``ddp_ft.training.faults``); the recipe passes the one
             ``DDP_FT_INJECT_FAULT`` describes. Default: none
         **kwargs: passed to ``Trainer``.
 
@@ -177,7 +177,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         for counts below 2**53; NaN for what was not counted) and reads the gathered rows once: the Trainer's
         input-token count, the check of the planned answer count (:meth:`_get_num_items_in_batch`), whether any
         rank was asked to stop (:meth:`stop_requested`), the ranks' balance of this very step
-        (``ddp_ft.steps.rank_balance``, as the plain loop; :meth:`pop_step_balance` hands it to
+        (``ddp_ft.training.steps.rank_balance``, as the plain loop; :meth:`pop_step_balance` hands it to
         ``ThroughputCallback``), the ranks' summed flos (:meth:`store_flos`) and their mean loss for the log
         (:meth:`_maybe_log_save_evaluate`). The Trainer's ``_tr_loss`` and ``current_flos`` already hold the step's
         last micro-step here. On one process: no collective, the rank's own numbers (imbalance 1.0, no wait). A step
@@ -188,7 +188,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
             RuntimeError: the step's loss was divided by a planned answer-token count that differs from the
                 ranks' batches (before the optimizer step, on every rank).
         """
-        from ..steps import rank_balance  # here: ddp_ft.steps imports ddp_ft.data
+        from ..training.steps import rank_balance  # here: ddp_ft.training.steps imports ddp_ft.training.data
 
         step, device = self.state.global_step + 1, self.args.device
         planned = self._planned_answers if self._planned_answers and self._planned_answers[0] == step else None
@@ -338,7 +338,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
 
         On the synced micro-step it also takes this rank's compute of the optimizer step: from the step's begin to
         the wrapper's last gradient (``BucketedDDP.last_gradient_ready_at``, host time; on one process, or without
-        one, when backward returned), the plain loop's measure (``ddp_ft.steps.forward_backward_timed``).
+        one, when backward returned), the plain loop's measure (``ddp_ft.training.steps.forward_backward_timed``).
 
         Raises:
             RuntimeError: world size > 1 and ``model`` is not a BucketedDDP: its gradients would not be averaged,

@@ -34,7 +34,10 @@ class AtomicCheckpoints:
         all have, rank 0 fsyncs it and renames it into place, then prunes (``save_total_limit``). A save killed
         half-way leaves only the staging folder, which the next start removes; ``resume_from_checkpoint=True``
         (the newest ``checkpoint-N``) never picks a partial checkpoint."""
-        from ..checkpoint import STAGING_DIR, publish_folder  # here: ddp_ft.checkpoint imports ddp_ft.data
+        from ..training.checkpoint import (  # here: ddp_ft.training.checkpoint imports ddp_ft.training.data
+            STAGING_DIR,
+            publish_folder,
+        )
 
         run_dir = super()._get_output_dir(trial)
         staging = Path(run_dir) / STAGING_DIR

@@ -1,5 +1,5 @@
 """``BucketedTrainer``'s data plan: the plain loop's rank-balanced micro-batches, and the step's answer tokens
-counted from them with no collective (``balance_ranks=True``; see ``ddp_ft.data.balance``).
+counted from them with no collective (``balance_ranks=True``; see ``ddp_ft.training.data.balance``).
 
 A mixin of :class:`~ddp_ft.integrations.trainer.BucketedTrainer`, which sets the attributes it reads
 (``balance_ranks``, ``_plan_sampler``, ``_answer_counts``, ``_planned_answers``) and checks the planned count in the
@@ -14,7 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 if TYPE_CHECKING:
-    from ..data import StepBatchSampler
+    from ..training.data import StepBatchSampler
 
 
 class PlanEpochCallback(TrainerCallback):
@@ -44,29 +44,29 @@ class PlannedData:
         """With ``balance_ranks``, a loader over the plain loop's plans (``StepBatchSampler``), prepared by Accelerate:
         its shard hands rank ``r`` the micro-batches ``EpochLoader(rank=r)`` reads, and the Trainer's
         ``skip_first_batches`` skips whole steps on a resume. The epoch is the stock Trainer's
-        (``EpochLoader(trainer_drop_last=args.dataloader_drop_last)``, ``ddp_ft.data.epoch_steps``): the same
+        (``EpochLoader(trainer_drop_last=args.dataloader_drop_last)``, ``ddp_ft.training.data.epoch_steps``): the same
         micro-batches per rank, optimizer steps (a shorter last one included) and learning-rate schedule, every sample
         trained unless ``dataloader_drop_last``, the same samples repeated to complete the last step (the first of
         the epoch's order, as Accelerate's shard repeats the first of its own). Otherwise the Trainer's own loader. A
-        ``PackedCollator`` (``ddp_ft.data.packing``) is first checked against the model, whose attention must keep
-        its rows' sequences apart, and the plan balances its packed tokens.
+        ``PackedCollator`` (``ddp_ft.training.data.packing``) is first checked against the model, whose attention must
+        keep its rows' sequences apart, and the plan balances its packed tokens.
 
         Raises:
             ValueError: a ``PackedCollator`` for a model whose attention would mix packed sequences; with
                 ``balance_ranks``, a setting the plan cannot honour (:func:`check_plan_settings`). Before any step.
         """
-        from ..data import PackedCollator  # here: the plugin imports no data pipeline until it trains
+        from ..training.data import PackedCollator  # here: the plugin imports no data pipeline until it trains
 
         packed = isinstance(self.data_collator, PackedCollator)
         if packed:
-            from ..data import check_packed_model
+            from ..training.data import check_packed_model
 
             check_packed_model(self.model)
         if not self.balance_ranks:
             return super().get_train_dataloader()
         from torch.utils.data import DataLoader
 
-        from ..data import EpochLoader, StepBatchSampler
+        from ..training.data import EpochLoader, StepBatchSampler
 
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
@@ -101,7 +101,7 @@ class PlannedData:
         (``StepTokenCounts``), None when the rows have none (the Trainer then counts, with its all-gather)."""
         if not (len(dataset) and "labels" in dataset[0]):
             return None
-        from ..data.step_tokens import StepTokenCounts
+        from ..training.data.step_tokens import StepTokenCounts
 
         return StepTokenCounts(dataset)
 

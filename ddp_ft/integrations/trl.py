@@ -96,7 +96,9 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         packed or flattened sequence is masked), counted by the Trainer's rule (after the causal shift). A collator
         whose labels depend on how rows share a batch would differ from the ranks' batches, and the step's check in
         the gather stops the run, naming ``balance_ranks=False``."""
-        from ..data.step_tokens import StepTokenCounts  # here: the plugin imports no data pipeline until it trains
+        from ..training.data.step_tokens import (
+            StepTokenCounts,  # here: the plugin imports no data pipeline until it trains
+        )
 
         answers = []
         for row in dataset:

@@ -8,6 +8,6 @@
 * ``gpu_check``: the first thing to run on a CUDA host (``make gpu-check``).
 * ``gpu_report``: every GPU measurement in one command (``make gpu-report``).
 
-The rule: the library never imports this package. Only the CLI (``ddp_ft.cli``, ``ddp_ft.commands``), ``scripts/``
-and the tools themselves do (``tests/test_layering.py``).
+The rule: the library never imports this package. Only the CLI (``ddp_ft.commands.cli``, ``ddp_ft.commands``),
+``scripts/`` and the tools themselves do (``tests/test_layering.py``).
 """

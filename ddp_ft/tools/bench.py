@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistInfo, destroy_distributed, device_and_backend, init_distributed
-from ..memory import QWEN3_4B, Qwen3Shape, lora_parameters
-from ..model import tiny_qwen3_config
-from ..precision import Precision, precision_for
+from ..training.model.memory import QWEN3_4B, Qwen3Shape, lora_parameters
+from ..training.model.precision import Precision, precision_for
+from ..training.model.qlora import tiny_qwen3_config
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def compute_setup(
     Args:
         device (str): ``auto`` (CUDA when available), ``cuda`` (this rank's GPU, NCCL) or ``cpu`` (gloo, CUDA
             ignored). Default: auto.
-        compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32`` (``ddp_ft.precision``). Default: auto.
-        timeout_s (float): collective timeout. Default: 600.
+        compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32`` (``ddp_ft.training.model.precision``).
+        Default: auto. timeout_s (float): collective timeout. Default: 600.
         backend (str): ``auto`` (NCCL on CUDA, gloo on the CPU) or ``gloo`` (also on CUDA: gloo reduces CUDA
             tensors through the host, and, unlike NCCL, lets two ranks share one GPU, a test of BucketedDDP's CUDA
             events and streams with real asynchronous communication on a one-GPU host). Default: auto.
@@ -181,10 +181,10 @@ BENCH_SHAPES: dict[str, Qwen3Shape] = {
 def build_random_qwen3(path: str | Path, shape: Qwen3Shape, dtype: torch.dtype, seed: int = 0) -> Path:
     """A Qwen3 of ``shape`` with uniform random weights in ``dtype``, written with ``save_pretrained``, once.
 
-    Like ``ddp_ft.model.build_tiny_qwen3``, but made on the meta device and filled in one pass: transformers' own
-    initialisation of billions of parameters takes minutes, and only the shapes matter to memory and speed. The
-    weights are deterministic in ``seed``; the folder is written under a temporary name and renamed, so a reader never
-    sees half of it, and an existing one is kept.
+    Like ``ddp_ft.training.model.qlora.build_tiny_qwen3``, but made on the meta device and filled in one pass:
+    transformers' own initialisation of billions of parameters takes minutes, and only the shapes matter to memory and
+    speed. The weights are deterministic in ``seed``; the folder is written under a temporary name and renamed, so a
+    reader never sees half of it, and an existing one is kept.
 
     Returns:
         Path: the folder, loadable with ``from_pretrained`` (and so by ``load_qlora_model``).

@@ -3,8 +3,8 @@
     python scripts/bench_e2e.py --repeats 5 --out bench_results/bench_e2e.json     # make bench-e2e
 
 Each repeat runs every configuration (``ddp_ft.tools.bench_e2e.runs.CONFIGS``), in an order that rotates every
-repeat, on each data set (``tiny``: every sample fills 256 tokens; ``mixed``: meetings of 60 to 256 tokens). Every ratio is
-taken within a repeat; the table gives its median and range over the repeats.
+repeat, on each data set (``tiny``: every sample fills 256 tokens; ``mixed``: meetings of 60 to 256 tokens). Every ratio
+is taken within a repeat; the table gives its median and range over the repeats.
 
 - **Against the stock trainers** (the default set): the recipe with ``BucketedTrainer`` (``ddp-recipe``) against the
   same recipe on transformers' own ``Trainer`` with torch DDP, with the Trainer's ``find_unused_parameters`` (True
@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ...synthetic import write_mixed_length_meetings
+from ...training.data.synthetic import write_mixed_length_meetings
 from .runs import BASE, CONFIGS, DEFAULT_CONFIGS, ROOT, plan_ceiling, run_config
 from .summary import pool, summarize
 from .table import format_pool, format_table, plot

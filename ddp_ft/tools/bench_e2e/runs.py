@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...report import load_run
+from ...report.comparison import load_run
 
 ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(sys.executable).parent
@@ -220,11 +220,11 @@ def plan_ceiling(source: str | None, max_steps: int, workdir: Path) -> float:
     first, of the ranks' mean padded tokens over the most loaded rank's (the plan's cost model, micro-batch size
     times longest sample). A DDP step lasts as long as its slowest rank; the pair's processes each train all of a
     step's micro-batches, so their share per rank is the mean. 1.0 when every sample has the same length."""
-    from ...config import parse_settings
-    from ...data import EpochLoader
-    from ...data.balance import rank_costs
     from ...distributed import DistInfo
-    from ...setup import prepare_run
+    from ...training.config import parse_settings
+    from ...training.data import EpochLoader
+    from ...training.data.balance import rank_costs
+    from ...training.setup import prepare_run
 
     argv = ["--preset", "tiny", "--output-dir", str(workdir)] + (["--source", source] if source else [])
     settings = parse_settings(argv)

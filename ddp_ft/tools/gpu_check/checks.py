@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ...ddp import BucketedDDP
-from ...precision import BF16_MIN_CAPABILITY
+from ...training.model.precision import BF16_MIN_CAPABILITY
 from ..bench import synchronize
 from .settings import Check, GpuCheckSettings
 
@@ -55,7 +55,11 @@ def _gather_flat(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _build(model_path: str, setup, lora_dropout: float):
-    from ...model import LoraSettings, ModelSettings, load_qlora_model  # transformers and peft: in the workers only
+    from ...training.model.qlora import (  # transformers and peft: in the workers only
+        LoraSettings,
+        ModelSettings,
+        load_qlora_model,
+    )
 
     torch.manual_seed(0)
     settings = ModelSettings(model_name_or_path=model_path, compute_dtype=setup.precision.name)
@@ -274,8 +278,8 @@ def _qlora_check(values: dict, memory: dict, loss_values, scaled: bool, allreduc
 
 def run_checks(settings: GpuCheckSettings, setup) -> list[Check]:
     """Every check on this process (collectives inside: all ranks call it)."""
-    from ...model import EMBEDDED_MODEL
-    from ...setup import resolve_model_and_tokenizer
+    from ...training.model.qlora import EMBEDDED_MODEL
+    from ...training.setup import resolve_model_and_tokenizer
 
     info = setup.info
     capability, bf16 = None, None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...distributed import DEVICE_CHOICES
-from ...precision import DTYPES
+from ...training.model.precision import DTYPES
 from ..bench import BACKEND_CHOICES
 
 

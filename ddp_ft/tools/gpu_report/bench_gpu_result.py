@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from ...distributed import DistInfo
-from ...memory import MicroBatchChoice, Qwen3Shape
-from ...model import LoraSettings
-from ...probe import MicroBatchProbe
+from ...training.model.memory import MicroBatchChoice, Qwen3Shape
+from ...training.model.probe import MicroBatchProbe
+from ...training.model.qlora import LoraSettings
 from ..bench import MFU_FORMULA, ComputeSetup, peak_tflops, qlora_training_flops
 
 # DESIGN.md: Qwen3-4B QLoRA, seq 512, 2x RTX 4090 over PCIe (with real AMI samples, accumulation 16 / 8).
@@ -124,9 +124,9 @@ def micro_batch_auto(
     """``--micro-batch auto``'s choice, its expected peak, and the measured ``max_memory_allocated`` beside it (with
     one mode only: with several, every mode's model is resident and the peak is not one model's).
 
-    ``choice`` is the probe's (``ddp_ft.probe``: its points and line are kept under ``probe``) or the arithmetic's;
-    ``first_guess``, the arithmetic's when the probe decided, is kept beside it, so a report shows both predictions
-    against the one measurement."""
+    ``choice`` is the probe's (``ddp_ft.training.model.probe``: its points and line are kept under ``probe``) or the
+    arithmetic's; ``first_guess``, the arithmetic's when the probe decided, is kept beside it, so a report shows both
+    predictions against the one measurement."""
     measured = next(iter(modes.values()))["peak_allocated_gb"] if len(modes) == 1 else None
     expected = choice.expected_peak / 1e9
     extra = {"probe": choice.as_record()} if isinstance(choice, MicroBatchProbe) else {}

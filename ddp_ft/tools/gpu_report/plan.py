@@ -24,8 +24,8 @@ On CUDA (each step's expected seconds from the H100 run of 2026-11-26, ``../shar
 The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The H100 run of
 2026-11-26 made the reference shape's two modes (BucketedDDP against no wrapper at micro-batch 1: within noise) and
 Liger at micro-batch 1 (0.92x) redundant: they are gone. On the CPU (``--device cpu``, the smoke test) the loop's
-defaults on the tiny preset, one decomposition cell (eager, checkpointing off) at tiny shapes, ``gpu_check`` and the ladder run; what needs
-CUDA is skipped with the reason.
+defaults on the tiny preset, one decomposition cell (eager, checkpointing off) at tiny shapes, ``gpu_check`` and the
+ladder run; what needs CUDA is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ...kernels import check_kernel_settings
+from ...training.model.kernels import check_kernel_settings
 from . import summaries
 from .e2e import SHARED_DATA, e2e_steps
 from .runner import Step
@@ -53,7 +53,7 @@ LADDER_CPU += ["--steps", "1", "--warmup", "2", "--seq-len", "32", "--micro-batc
 
 
 def kernel_refusal(liger: bool, compile: bool, device: str) -> str | None:
-    """Why this host refuses ``--liger`` / ``--compile`` (``ddp_ft.kernels``' own error), or None."""
+    """Why this host refuses ``--liger`` / ``--compile`` (``ddp_ft.training.model.kernels``' own error), or None."""
     try:
         check_kernel_settings(liger, compile, torch.device(device))
     except ValueError as error:

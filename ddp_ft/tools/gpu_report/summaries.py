@@ -50,7 +50,7 @@ def micro_batch_auto(result: dict, done: dict[str, dict]) -> tuple[dict, list[st
     measured = auto["measured_peak_allocated_gb"]
     ratio = f" ({auto['measured_over_expected']:.0%} of expected)" if auto["measured_over_expected"] else ""
     tokens = next(iter(summary["modes"].values()))["tokens_per_s"]
-    arithmetic = auto.get("arithmetic")  # the first guess, when the probe (ddp_ft.probe) decided
+    arithmetic = auto.get("arithmetic")  # the first guess, when the probe (ddp_ft.training.model.probe) decided
     how = f" (probed; the arithmetic expected {_gb(arithmetic['expected_peak_gb'])})" if arithmetic else ""
     summary["headline"] = (
         f"micro-batch {auto['micro_batch']} x {auto['accumulation']} accumulation: {tokens:,.0f} tokens/s; expected "

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
-from ...model import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
-from ...precision import DTYPES
+from ...training.model.precision import DTYPES
+from ...training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 from ..bench import ComputeSetup, compute_setup, synchronize
 from .rungs import Rung, accumulate
 from .timeline import StepBreakdown, Timeline, profiled_intervals, summarize

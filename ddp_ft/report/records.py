@@ -1,0 +1,140 @@
+"""A run's identity and the records it writes: one definition for both entry points and for the report.
+
+Both the plain loop and the Trainer recipe name their wandb runs with :func:`run_identity`, write the records of
+``metrics.jsonl`` with the builders below, and lay out wandb with :func:`define_step_metrics`;
+``ddp_ft.report.comparison`` reads those records back. A record is a flat dict whose ``type`` is one of:
+
+* ``config``: once per launch (again after a resume, with ``resumed_from_step``): run name, world size, batch
+  arithmetic, what the token counts count, the DDP settings.
+* ``train``: one per logged optimizer step: step, samples seen, loss, learning rate, grad norm, throughput, memory
+  and ``comm/*``.
+* ``eval``: step, samples seen and ``eval_loss``.
+* ``stop``: the plain loop, when a signal stopped the run.
+* ``bucket_choice``: with ``bucket_cap_mb="auto"``, once, at the first optimizer step after the trial decided: the
+  caps kept, and every candidate's caps, buckets and median time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONFIG = "config"
+TRAIN = "train"
+EVAL = "eval"
+STOP = "stop"
+BUCKET_CHOICE = "bucket_choice"
+
+# What ``tokens`` and ``tokens_per_s`` count, on both paths (the Trainer's ``include_num_input_tokens_seen``).
+TOKENS_COUNTED = "non-padding input tokens (attention mask)"
+
+# wandb plots every curve against samples seen, so runs of different world sizes overlay.
+STEP_METRIC = "train/samples_seen"
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """How a run appears in wandb and in ``metrics.jsonl``."""
+
+    project: str
+    group: str  # the experiment: its single and DDP runs share it
+    job_type: str  # ``single-1``, ``ddp-2``, ...
+    name: str  # ``<group>-<job_type>`` unless ``--run-name`` is given
+
+    def wandb_run(self, config: dict) -> dict:
+        """``wandb.init``'s arguments for this run, with ``config`` (a :func:`config_record`) as its config."""
+        fields = {"project": self.project, "group": self.group, "job_type": self.job_type, "name": self.name}
+        return fields | {"config": {k: v for k, v in config.items() if k != "type"}}
+
+
+def run_identity(project: str, wandb_group: str, run_name: str, preset: str | None, world_size: int) -> RunIdentity:
+    """The identity of a run of ``world_size`` processes; the same for the plain loop and the Trainer recipe.
+
+    Args:
+        project (str): ``--wandb-project``.
+        wandb_group (str): ``--wandb-group``; empty: the preset's name, else ``custom``.
+        run_name (str): ``--run-name``; empty: ``<group>-<job_type>``.
+        preset (str | None): ``--preset``.
+        world_size (int): processes in the run.
+    """
+    job_type = f"{'ddp' if world_size > 1 else 'single'}-{world_size}"
+    group = wandb_group or preset or "custom"
+    return RunIdentity(project=project, group=group, job_type=job_type, name=run_name or f"{group}-{job_type}")
+
+
+def config_record(
+    *,
+    run_name: str,
+    world_size: int,
+    micro_batch: int,
+    accumulation: int,
+    total_steps: int,
+    resumed_from_step: int,
+    **extra: object,
+) -> dict:
+    """The ``config`` record: what the report needs of every run, then whatever else the entry point records."""
+    return {
+        "type": CONFIG,
+        "run_name": run_name,
+        "world_size": world_size,
+        "micro_batch": micro_batch,
+        "accumulation": accumulation,
+        "effective_batch": micro_batch * accumulation * world_size,
+        "total_steps": total_steps,
+        "tokens_counted": TOKENS_COUNTED,
+        "resumed_from_step": resumed_from_step,
+        **extra,
+    }
+
+
+def train_record(
+    *, step: int, samples_seen: int, loss: float, lr: float | None, grad_norm: float | None, **metrics: object
+) -> dict:
+    """A ``train`` record: one logged optimizer step; ``metrics`` holds throughput, memory, ``comm/*`` and the ranks'
+    balance (``compute_max_ms``, ``compute_min_ms``, ``imbalance``, ``wait_for_slowest_ms``: ``steps.rank_balance``)."""
+    return {
+        "type": TRAIN,
+        "step": step,
+        "samples_seen": samples_seen,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        **metrics,
+    }
+
+
+def eval_record(*, step: int, samples_seen: int, eval_loss: float) -> dict:
+    return {"type": EVAL, "step": step, "samples_seen": samples_seen, "eval_loss": eval_loss}
+
+
+def bucket_choice_record(*, step: int, choice) -> dict:
+    """A ``bucket_choice`` record from a :class:`~ddp_ft.ddp.BucketChoice` (``BucketedDDP.bucket_choice``)."""
+    return {
+        "type": BUCKET_CHOICE,
+        "step": step,
+        "bucket_cap_mb": choice.bucket_cap_mb,
+        "first_bucket_cap_mb": choice.first_bucket_cap_mb,
+        "buckets": choice.buckets,
+        "candidates": [[c.bucket_cap_mb, c.first_bucket_cap_mb, c.buckets] for c in choice.candidates],
+        "median_ms": list(choice.medians_ms),
+    }
+
+
+def of_type(records: list[dict], kind: str) -> list[dict]:
+    return [r for r in records if r.get("type") == kind]
+
+
+def define_step_metrics(run) -> None:
+    """Plot ``train/*`` and ``eval/*`` against samples seen (``run``: a wandb run, or the ``wandb`` module)."""
+    run.define_metric(STEP_METRIC)
+    run.define_metric("train/*", step_metric=STEP_METRIC)
+    run.define_metric("eval/*", step_metric=STEP_METRIC)
+
+
+def wandb_payload(record: dict) -> dict | None:
+    """A record as the plain loop logs it to wandb, under the keys the Trainer's own wandb callback uses
+    (``train/<key>``, ``eval/loss``); None for records wandb does not get."""
+    if record.get("type") == TRAIN:
+        return {f"train/{k}": v for k, v in record.items() if k != "type" and isinstance(v, int | float)}
+    if record.get("type") == EVAL:
+        return {"eval/loss": record["eval_loss"], STEP_METRIC: record["samples_seen"]}
+    return None

@@ -1,0 +1,289 @@
+"""Resuming: which checkpoint (:func:`checkpoint_to_resume`, :func:`resolve_checkpoint`), whether it is intact and
+holds nothing but tensors and plain data (:func:`verify_checkpoint`, before the model is built), its position
+(:func:`saved_position`), and restoring it (:func:`load_checkpoint`), all without executing code from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import re
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ...distributed import DistInfo
+from ..data import DataLayout, check_resume
+from .publish import LATEST, latest_name
+from .state import (
+    ADAPTER_DIR,
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_PREFIX,
+    FORMAT_VERSION,
+    SCALER_FILE,
+    STATE_FILE,
+    TENSOR_FILES,
+    TRAINER_STATE_FILE,
+    TrainState,
+    set_rng_state,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int = 0) -> Path | None:
+    """What this run resumes: ``--resume`` (a folder or 'latest'), except after an elastic restart.
+
+    torchrun restarts every rank with ``TORCHELASTIC_RESTART_COUNT`` > 0 and the same arguments; the restarted
+    run continues from the newest checkpoint in ``output_dir`` (the one the failed attempt got to), with no flag.
+    Before any checkpoint exists a restart starts from ``--resume`` (or from scratch), as the first attempt did.
+    """
+    if restart_count > 0 and latest_name(Path(output_dir)) is not None:
+        path = resolve_checkpoint("latest", output_dir)
+        logger.info("elastic restart %d: resuming from %s", restart_count, path)
+        return path
+    return resolve_checkpoint(resume, output_dir) if resume else None
+
+
+_OLD_FORMATS = {  # why this version cannot read a format it once wrote
+    1: " (format_version 1 stores numpy's RNG state as pickled numpy objects, and this version loads checkpoints "
+    "without executing code)",
+}
+
+
+def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
+    """Turn ``--resume`` (a folder, or 'latest') into one of the loop's checkpoint folders.
+
+    Raises:
+        FileNotFoundError: no such checkpoint, or one missing a file; naming what was looked for and where.
+        ValueError: a checkpoint the loop cannot continue: the HF Trainer's, an older ddp_ft format, another
+            format_version, a damaged one (state not JSON, a file cut short); naming the path and what it is.
+    """
+    if resume == "latest":
+        name = latest_name(Path(output_dir))
+        if name is None:
+            raise FileNotFoundError(f"--resume latest: no checkpoint in {output_dir} (no '{LATEST}' file).")
+        path = Path(output_dir) / name
+    else:
+        path = Path(resume)
+    if (path / STATE_FILE).is_file():
+        try:
+            version = json.loads((path / STATE_FILE).read_text()).get("format_version")
+        except (ValueError, AttributeError) as err:  # cut short, overwritten, not an object
+            raise ValueError(_damaged(resume, path, f"{STATE_FILE} is not a JSON object ({err})")) from None
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"--resume {resume}: checkpoint format_version {version}, but this ddp_ft reads format_version "
+                f"{FORMAT_VERSION} only: {path} was written by another ddp_ft version{_OLD_FORMATS.get(version, '')}; "
+                "resume it with that version or start a new run in another --output-dir."
+            )
+        if not (path / ADAPTER_DIR).is_dir():
+            raise FileNotFoundError(
+                f"--resume {resume}: {path} is an incomplete ddp_ft checkpoint (no {ADAPTER_DIR}/)."
+            )
+        _check_intact(path, resume)
+        return path
+    if (path / TRAINER_STATE_FILE).is_file():
+        if "batch_in_epoch" in json.loads((path / TRAINER_STATE_FILE).read_text()):
+            raise ValueError(
+                f"--resume {resume}: {path} is a checkpoint of an older ddp_ft (format_version 0, {TRAINER_STATE_FILE} "
+                "with a per-rank batch position, which another world size or micro-batch cannot continue exactly); "
+                "this version cannot resume it: start a new run in another --output-dir."
+            )
+        raise ValueError(
+            f"--resume {resume}: {path} is a Hugging Face Trainer checkpoint ({TRAINER_STATE_FILE} in the Trainer's "
+            "layout, written by `accelerate launch recipes/qwen_ami.py`), not one of scripts/train.py's: resume it "
+            f"with recipes/qwen_ami.py --resume {path}. scripts/train.py resumes its own {CHECKPOINT_PREFIX}-N "
+            f"folders (holding {STATE_FILE})."
+        )
+    raise FileNotFoundError(
+        f"--resume {resume}: {path} is not a ddp_ft checkpoint (no {STATE_FILE}); scripts/train.py writes "
+        f"{CHECKPOINT_PREFIX}-N folders."
+    )
+
+
+_TORCH_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
+_POSITION_KEYS = ("global_step", "epoch", "sample_in_epoch", "samples_seen")
+
+
+def _damaged(resume: str, path: Path, what: str) -> str:
+    return (
+        f"--resume {resume}: {path} is damaged: {what}. Resume an earlier checkpoint ({CHECKPOINT_PREFIX}-N in "
+        f"{path.parent}) or start a new run in another --output-dir."
+    )
+
+
+def _safetensors_intact(file: Path) -> bool:
+    """The header parses and the file holds every byte the header points to (a truncated copy does not)."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        return file.stat().st_size >= 8 + length + end
+    except (ValueError, KeyError, TypeError, AttributeError, OSError):
+        return False
+
+
+def _check_intact(path: Path, resume: str) -> None:
+    """What can be checked without loading anything: the position keys, every file present and not cut short
+    (``torch.save`` writes zip archives, whose directory is at the end; safetensors declare their size).
+
+    Raises:
+        FileNotFoundError: a file missing. ValueError: a file damaged; both naming it.
+    """
+    state = json.loads((path / STATE_FILE).read_text())
+    missing = [k for k in _POSITION_KEYS if not isinstance(state.get(k), int)]
+    if missing:
+        raise ValueError(_damaged(resume, path, f"{STATE_FILE} lacks the position {missing}"))
+    absent = [name for name in _TORCH_FILES if not (path / name).is_file()]
+    if absent:
+        raise FileNotFoundError(f"--resume {resume}: {path} is an incomplete ddp_ft checkpoint (no {absent}).")
+    for name in _TORCH_FILES:
+        if not zipfile.is_zipfile(path / name):
+            raise ValueError(_damaged(resume, path, f"{name} is cut short or not a torch.save file"))
+    for file in sorted((path / ADAPTER_DIR).glob("*.safetensors")):
+        if not _safetensors_intact(file):
+            raise ValueError(_damaged(resume, path, f"{ADAPTER_DIR}/{file.name} is cut short or not safetensors"))
+
+
+def saved_position(path: str | Path) -> tuple[TrainState, DataLayout | None]:
+    """A checkpoint's position and data layout, read without loading anything else (checks before the model)."""
+    saved = json.loads((Path(path) / STATE_FILE).read_text())
+    state = TrainState(**{k: saved[k] for k in ("global_step", "epoch", "sample_in_epoch", "samples_seen")})
+    return state, DataLayout(**saved["layout"]) if saved.get("layout") else None
+
+
+# What torch names when weights_only refuses a file, e.g. "Unsupported global: GLOBAL numpy...._reconstruct ..."
+_REFUSED = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?:\. Please|\.?\n|$)")
+
+
+def _load_tensors(file: Path, mmap: bool = False) -> object:
+    """``torch.load(file, weights_only=True)`` on CPU, turning torch's refusals into errors that name the file.
+
+    Raises:
+        ValueError: ``file`` holds something besides tensors and plain Python data (naming what), or is not a
+            complete torch.save file.
+    """
+    damaged = (
+        f"checkpoint file {file} cannot be read as a torch.save file ({{}}); the checkpoint is damaged or was "
+        "not written by ddp_ft: resume from another checkpoint or start a new run in another --output-dir."
+    )
+    if not zipfile.is_zipfile(file):  # torch.save's format since torch 1.6; torch's own error would name no file
+        raise ValueError(damaged.format("not the zip archive torch.save writes"))
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = _REFUSED.search(str(err))
+        raise ValueError(
+            f"checkpoint file {file} holds pickled objects ({found.group(1) if found else str(err).strip()}); ddp_ft "
+            "loads checkpoints without executing code (torch.load(weights_only=True): tensors and plain Python data "
+            "only), so it refuses this one. Start a new run in another --output-dir, or, if you trust the file, "
+            "resume it with the ddp_ft version that wrote it; checkpoints this version writes hold no pickled objects."
+        ) from None
+    except (RuntimeError, EOFError) as err:  # a truncated archive
+        raise ValueError(damaged.format(err)) from None
+
+
+def check_resume_position(path: str | Path, layout: DataLayout) -> None:
+    """Refuse a checkpoint whose data position ``layout`` (this run's) cannot continue exactly, naming both; every
+    file is verified first (:func:`verify_checkpoint`), all before the model loads."""
+
+    verify_checkpoint(path)
+    state, saved = saved_position(path)
+    if saved is None:
+        raise ValueError(
+            f"--resume {path}: the checkpoint records no data layout; start a new run in another --output-dir."
+        )
+    try:
+        check_resume(saved, layout, state.sample_in_epoch)
+    except ValueError as err:
+        raise ValueError(f"--resume {path}: {err}") from None
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Read every tensor file of the loop's checkpoint ``path`` the way resuming will, before the model is built.
+
+    Each ``.pt`` file is loaded with ``torch.load(weights_only=True)`` on CPU, memory-mapped (the optimizer state
+    is not read into memory here): it unpickles tensors and plain Python data and refuses anything else without
+    running it. The adapter must be safetensors. So a checkpoint that would need code execution to load fails
+    here, naming the file, instead of after minutes of model loading.
+
+    Args:
+        path (str | Path): a checkpoint folder ``resolve_checkpoint`` accepted.
+
+    Raises:
+        FileNotFoundError: a file resuming needs is missing, naming it.
+        ValueError: a file holds pickled objects (naming the file and what it holds), is unreadable, or the adapter
+            is pickled (``adapter_model.bin``).
+    """
+    path = Path(path)
+    adapter = path / ADAPTER_DIR
+    pickled = sorted(adapter.glob("*.bin"))
+    if pickled:
+        raise ValueError(
+            f"checkpoint adapter {pickled[0]} is a pickled file; ddp_ft loads checkpoints without executing code and "
+            f"reads the adapter from {ADAPTER_WEIGHTS} only (what peft's save_pretrained writes by default). Start a "
+            "new run in another --output-dir, or re-save the adapter with save_pretrained(safe_serialization=True)."
+        )
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} has no {ADAPTER_DIR}/{ADAPTER_WEIGHTS}; it is incomplete: resume "
+            "from another checkpoint or start a new run in another --output-dir."
+        )
+    for name in TENSOR_FILES:
+        if not (path / name).is_file():
+            raise FileNotFoundError(
+                f"checkpoint {path} has no {name}; it is incomplete: resume from another "
+                "checkpoint or start a new run in another --output-dir."
+            )
+    for file in sorted([*path.rglob("*.pt"), *path.rglob("*.pth")]):
+        _load_tensors(file, mmap=True)
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: object,
+    info: DistInfo,
+    scaler: torch.amp.GradScaler | None = None,
+) -> TrainState:
+    """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
+
+    Check the data layout first (``saved_position``, ``ddp_ft.training.data.check_resume``) and the files
+    (``verify_checkpoint``): this restores, it does not judge. Every file is read without executing code
+    (safetensors, ``torch.load(weights_only=True)``).
+    """
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    path = Path(path)
+    adapter = load_peft_weights(str(path / ADAPTER_DIR), device=str(next(model.parameters()).device))
+    result = set_peft_model_state_dict(model, adapter)
+    if getattr(result, "unexpected_keys", None):
+        raise RuntimeError(f"checkpoint {path} holds adapter weights this model lacks: {result.unexpected_keys[:5]}")
+    optimizer.load_state_dict(_load_tensors(path / "optimizer.pt"))
+    scheduler.load_state_dict(_load_tensors(path / "scheduler.pt"))
+    if scaler is not None and scaler.is_enabled():
+        if (path / SCALER_FILE).is_file():
+            scaler.load_state_dict(_load_tensors(path / SCALER_FILE))
+        else:
+            logger.warning("checkpoint %s was not trained in float16: the loss scale starts afresh", path)
+    states = _load_tensors(path / "rng_states.pt")
+    if len(states) != info.world_size:
+        # Decided: the data continues exactly (a sample position); the per-rank RNG streams cannot, since there is
+        # no way to split or merge them. Rank r continues rank (r % saved ranks)'s stream: dropout masks differ
+        # from the uninterrupted run's from here on (with dropout 0 nothing else draws from them).
+        logger.warning(
+            "checkpoint was written by %d ranks, resuming on %d: the data continues exactly, the RNG streams "
+            "(dropout masks) cannot; rank r continues saved rank r %% %d's",
+            len(states),
+            info.world_size,
+            len(states),
+        )
+    set_rng_state(states[info.rank % len(states)])
+    state, _ = saved_position(path)
+    return state

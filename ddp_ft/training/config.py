@@ -1,0 +1,399 @@
+"""Typed settings, named presets, config files and the command line that fills them.
+
+Settings become dataclasses once, at the edge (``parse_settings``); library code takes the dataclasses.
+A preset is a config file shipped in ``ddp_ft/training/configs/`` (``configs/`` in the repository); ``--preset NAME``
+reads ``NAME.yaml``. Precedence, lowest first: the dataclass defaults, the preset (``--preset``, else a ``preset:`` key
+in the ``--config`` file), the ``--config`` file, the command-line flags.
+
+A config file is YAML: the fields of ``SECTIONS`` either flat (``micro_batch: 2``) or under their section
+(``train: {micro_batch: 2}``), both forms mixable; plus an optional ``preset:``. An unknown key or a value of the wrong
+type is refused naming the key and what it takes; a bad choice is refused by the dataclass, naming the choices. A run
+writes its resolved settings to ``<output_dir>/run_config.yaml``; ``--config`` on that file reruns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from ..ddp import DDPSettings
+from ..ddp.autotune import AUTO
+from ..ddp.ranges import check_ranges
+from ..distributed import DistInfo
+from .data import DataSettings
+from .model.qlora import LoraSettings, ModelSettings
+from .ranges import TRAIN_RANGES, brief_usage_error
+
+
+@dataclass
+class TrainSettings:
+    """The optimisation: batch arithmetic, schedule, checkpoints, logging."""
+
+    output_dir: str = field(default="runs/qwen3-4b-ami", metadata={"help": "Where checkpoints and metrics go."})
+    effective_batch: int = field(
+        default=16,
+        metadata={"help": "Samples per optimizer step over all ranks; accumulation = effective / (micro x world)."},
+    )
+    micro_batch: int | str = field(
+        default=AUTO,
+        metadata={
+            "help": "Samples per forward/backward per rank, or 'auto' (the default): on a GPU the largest that fits "
+            "it with the effective batch unchanged, on the CPU 1; resolved and logged before training "
+            "(ddp_ft.training.defaults). A number turns it off."
+        },
+    )
+    balance_ranks: bool = field(
+        default=True,
+        metadata={
+            "help": "Within each optimizer step, group similar lengths into micro-batches and give every rank about "
+            "the same padded tokens (the step's samples, so its gradient, unchanged). --no-balance-ranks: strided."
+        },
+    )
+    epochs: int = field(default=3, metadata={"help": "Passes over the training set."})
+    max_steps: int = field(default=-1, metadata={"help": "Stop after this many optimizer steps (-1: run all epochs)."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "Peak AdamW learning rate."})
+    min_learning_rate: float = field(default=2e-5, metadata={"help": "Cosine decay floor."})
+    warmup_ratio: float = field(default=0.03, metadata={"help": "Fraction of the steps spent in linear warmup."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
+    seed: int = field(default=42, metadata={"help": "Seed of LoRA init, dropout and data order."})
+    save_every: int = field(default=0, metadata={"help": "Checkpoint every N optimizer steps (0: only at the end)."})
+    save_total_limit: int = field(default=2, metadata={"help": "Keep at most this many checkpoints (0: keep all)."})
+    eval_every: int = field(default=0, metadata={"help": "Evaluate every N optimizer steps (0: only at the end)."})
+    resume: str = field(
+        default="", metadata={"help": "Resume from a checkpoint folder, or 'latest' for the newest in output_dir."}
+    )
+    run_name: str = field(default="", metadata={"help": "Run name in logs (default: derived from the world size)."})
+    report_to: str = field(
+        default="wandb",
+        metadata={"help": "wandb (offline without WANDB_API_KEY, kept for `wandb sync`) or none. Rank 0 only."},
+    )
+    wandb_project: str = field(default="ddp_ft", metadata={"help": "wandb project shared by the runs to compare."})
+    wandb_group: str = field(
+        default="", metadata={"help": "wandb group: one experiment's single and DDP runs (default: the preset)."}
+    )
+
+    def __post_init__(self) -> None:
+        check_ranges(self, TRAIN_RANGES)  # each number's own range first, then the relations between them
+        if self.report_to not in ("wandb", "none"):
+            raise ValueError(f"report_to={self.report_to!r}: choose wandb or none.")
+        if self.min_learning_rate > self.learning_rate:
+            raise ValueError(
+                f"min_learning_rate={self.min_learning_rate} is above learning_rate={self.learning_rate}, the peak the "
+                f"cosine decays from: lower min_learning_rate to at most that (e.g. {self.learning_rate / 10:g})."
+            )
+
+
+def gradient_accumulation_steps(effective_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-steps per optimizer step so that every world size trains on the same effective batch.
+
+    Raises:
+        ValueError: if ``effective_batch`` is not a multiple of ``micro_batch * world_size``, naming the
+            settings and the nearest workable values.
+    """
+    per_step = micro_batch * world_size
+    if effective_batch % per_step:
+        lower = max(per_step, effective_batch // per_step * per_step)
+        divisors = [m for m in range(1, effective_batch + 1) if effective_batch % (m * world_size) == 0]
+        hint = f"--micro-batch one of {divisors}" if divisors else f"--effective-batch a multiple of {world_size}"
+        raise ValueError(
+            f"effective_batch={effective_batch} is not divisible by micro_batch={micro_batch} x world_size="
+            f"{world_size} = {per_step}: the runs would not train on the same batch. Use --effective-batch "
+            f"{lower} or {lower + per_step}, or {hint}."
+        )
+    return effective_batch // per_step
+
+
+@dataclass
+class RunSettings:
+    """Everything one run needs."""
+
+    model: ModelSettings
+    lora: LoraSettings
+    data: DataSettings
+    ddp: DDPSettings
+    train: TrainSettings
+    preset: str = ""
+    micro_batch_auto: bool = False
+    """Set by ``ddp_ft.training.setup.check_run_settings`` when it resolved ``micro_batch: auto`` to a first guess: the
+    entry point then probes the built model (``ddp_ft.training.setup.probe_run_micro_batch``) and sets the measured
+    choice. A state of the run, not a setting: never written to ``run_config.yaml``, which records the number chosen."""
+
+
+SECTIONS = {
+    "model": ModelSettings,
+    "lora": LoraSettings,
+    "data": DataSettings,
+    "ddp": DDPSettings,
+    "train": TrainSettings,
+}
+
+CONFIG_DIR = Path(__file__).with_name("configs")  # the presets, shipped as package data
+RUN_CONFIG = "run_config.yaml"  # a run's resolved settings, beside its metrics.jsonl
+# Field types as written in the dataclasses (``from __future__ import annotations``: strings) -> accepted YAML types.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "bool": (bool,),
+    "int": (int,),
+    "float": (int, float),
+    "str | None": (str, type(None)),
+    "float | str": (int, float, str),
+    "int | str": (int, str),
+    "bool | str": (bool, str),
+}
+_OR_AUTO = {"int | str": "a int", "bool | str": "true, false"}  # what a field that also takes "auto" takes
+
+
+def _kind(annotation: object) -> str:
+    """A field's type as written (``"float | str"``); a module without ``from __future__ import annotations`` gives
+    the type itself."""
+    if isinstance(annotation, str):
+        return annotation
+    if annotation is type(None):
+        return "None"
+    args = typing.get_args(annotation)
+    return " | ".join(_kind(a) for a in args) if args else getattr(annotation, "__name__", str(annotation))
+
+
+def _fields() -> dict[str, tuple[str, str]]:
+    """Every settings field: name -> (section, type as written). From the class annotations, not ``Field.type``:
+    HfArgumentParser rewrites that in place (``float | str`` becomes ``float``)."""
+    found = {}
+    for section, cls in SECTIONS.items():
+        annotations = {
+            k: v for klass in reversed(cls.__mro__) for k, v in vars(klass).get("__annotations__", {}).items()
+        }
+        found |= {f.name: (section, _kind(annotations.get(f.name, f.type))) for f in fields(cls)}
+    return found
+
+
+def _checked(key: str, kind: str, value: object, where: str) -> object:
+    """A YAML value of field ``key`` in its field's type, or ValueError naming the key and the type it takes."""
+    if isinstance(value, str) and kind in ("float", "float | str"):
+        try:
+            return float(value)  # YAML 1.1 (PyYAML) reads 2e-4, without a dot, as a string
+        except ValueError:
+            if kind == "float | str":
+                return value  # bucket_cap_mb: auto; the dataclass checks the word
+    if kind in _OR_AUTO and isinstance(value, str) and value != AUTO:  # micro_batch, compile, packing: or auto
+        raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes {_OR_AUTO[kind]} or {AUTO!r}.")
+    ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind not in ("bool", "bool | str"))
+    if not ok:
+        raise ValueError(f"{where}: {key}: {value!r} is a {type(value).__name__}; {key} takes a {kind}.")
+    return float(value) if kind == "float" else value
+
+
+def config_values(data: object, where: str) -> dict[str, object]:
+    """A parsed config file -> checked field values, flat; ``preset`` kept if given.
+
+    Args:
+        data (object): what ``yaml.safe_load`` returned: a mapping of field names, section names
+            (``model``, ``lora``, ``data``, ``ddp``, ``train``) holding mappings of their fields, and ``preset``.
+        where (str): the file, named in errors.
+
+    Raises:
+        ValueError: not a mapping, an unknown key (or a field under the wrong section), a value of the wrong type, a
+            key given twice; naming the key and the allowed keys or type.
+    """
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping of settings (key: value), got a {type(data).__name__}.")
+    known = _fields()
+    flat: dict[str, tuple[str | None, object]] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, Mapping):
+            for name, inner in value.items():
+                if known.get(name, ("",))[0] != key:
+                    allowed = ", ".join(f.name for f in fields(SECTIONS[key]))
+                    raise ValueError(f"{where}: unknown key {key}.{name}; the keys of {key}: are: {allowed}.")
+                flat.setdefault(name, (key, inner))
+                if flat[name] != (key, inner):
+                    raise ValueError(f"{where}: {name} is given twice (flat and under {key}:); keep one.")
+        elif key in known or key == "preset":
+            if key in flat:
+                raise ValueError(f"{where}: {key} is given twice (flat and under {flat[key][0]}:); keep one.")
+            flat[key] = (None, value)
+        else:
+            raise ValueError(
+                f"{where}: unknown key {key!r}. Allowed: preset, the sections {', '.join(SECTIONS)}, "
+                f"or these fields: {', '.join(known)}."
+            )
+    values = {}
+    for key, (_, value) in flat.items():
+        values[key] = (
+            _checked(key, "str", value, where) if key == "preset" else _checked(key, known[key][1], value, where)
+        )
+    return values
+
+
+def load_config(path: str | Path) -> dict[str, object]:
+    """The checked field values of a YAML config file (see :func:`config_values`).
+
+    Raises:
+        ValueError: a missing or unreadable file, invalid YAML, or what :func:`config_values` refuses.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error}).") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path}: not valid YAML: {error}") from None
+    return config_values(data, str(path))
+
+
+def _presets() -> dict[str, dict[str, object]]:
+    found = {path.stem: load_config(path) for path in sorted(CONFIG_DIR.glob("*.yaml"))}
+    for name, values in found.items():
+        if "preset" in values:
+            raise ValueError(f"{CONFIG_DIR / name}.yaml: a preset cannot name another preset.")
+    return found
+
+
+PRESETS: dict[str, dict[str, object]] = (
+    _presets()
+)  # name -> field overrides, read from ddp_ft/training/configs/NAME.yaml
+
+
+def settings_as_config(settings: RunSettings) -> dict[str, object]:
+    """RunSettings as a config mapping, by section, that :func:`load_config` reads back to the same settings."""
+    data: dict[str, object] = {"preset": settings.preset} if settings.preset else {}
+    return data | {name: asdict(getattr(settings, name)) for name in SECTIONS}
+
+
+def write_run_config(settings: RunSettings, info: DistInfo) -> Path:
+    """Write the resolved settings to ``<output_dir>/run_config.yaml`` on rank 0, atomically (a temporary file
+    renamed over it), so ``--config`` on that file reruns them. Other ranks only return the path."""
+    path = Path(settings.train.output_dir) / RUN_CONFIG
+    if info.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = "# Resolved settings of this run; rerun them with --config THIS_FILE (ddp-ft train or recipe, or their scripts)\n"
+        body = yaml.safe_dump(settings_as_config(settings), sort_keys=False)
+        tmp = path.with_name(f".{RUN_CONFIG}.tmp{os.getpid()}")
+        tmp.write_text(header + body)
+        os.replace(tmp, path)
+    return path
+
+
+def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
+    """One flag per dataclass field (``--micro-batch``, ``--micro_batch``), documented from its help; an entry point's
+    own flags come in through ``parents`` (``add_help=False``: ``--help`` lists them); ``prog`` names the command."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(
+        list(SECTIONS.values()), prog=prog, description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
+    )
+    parser.error = functools.partial(brief_usage_error, parser.prog)  # argparse's prints the usage: 45 lines first
+    parser.add_argument(
+        "--preset",
+        default="",
+        help=f"Named settings to start from: {', '.join(PRESETS)} (ddp_ft/training/configs/NAME.yaml). "
+        "Precedence, lowest first: defaults, preset, --config, flags.",
+    )
+    parser.add_argument(
+        "--config",
+        default="",
+        metavar="FILE.yaml",
+        help="YAML settings over the preset and under the flags: field names flat or under model:/lora:/data:/ddp:/"
+        "train:, and optionally preset:. A run's <output_dir>/run_config.yaml reruns it.",
+    )
+    switch = {"type": _switch_arg, "metavar": "{true,false,auto}"}
+    or_auto = {  # HfArgumentParser types `float | str` as float, `int | str` as int, `bool | str` as bool: take "auto"
+        "bucket_cap_mb": {"type": _number_or_auto(float, "a number of MiB")},
+        "micro_batch": {"type": _number_or_auto(int, "a whole number of samples")},
+        "compile": switch,  # bare --compile: true
+        "packing": {**switch, "nargs": None, "const": None},  # a yes/no word or "auto"
+    }
+    for action in parser._actions:
+        for name, value in or_auto.get(action.dest, {}).items():
+            setattr(action, name, value)
+    parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
+    return parser
+
+
+def _number_or_auto(cast: type, what: str):
+    """An argparse type: ``auto``, or ``what`` read by ``cast`` (``--bucket-cap-mb``, ``--micro-batch``)."""
+
+    def parse(text: str) -> int | float | str:
+        if text == AUTO:
+            return text
+        try:
+            return cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither {what} nor {AUTO!r}") from None
+
+    return parse
+
+
+_SWITCH_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(("false", "no", "off", "0"), False)
+
+
+def _switch_arg(text: str) -> bool | str:
+    """``--compile``, ``--packing``: true/false (also yes/no, on/off, 1/0) or ``auto``."""
+    word = text.lower()
+    if word != AUTO and word not in _SWITCH_WORDS:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither true, false nor {AUTO!r}")
+    return _SWITCH_WORDS.get(word, AUTO)
+
+
+def parse_settings(
+    argv: list[str] | None = None,
+    parents: Sequence[argparse.ArgumentParser] = (),
+    default_preset: str = "",
+    prog: str | None = None,
+) -> RunSettings:
+    """Command line -> RunSettings: defaults, then the preset, then the ``--config`` file, then explicit flags.
+
+    Args:
+        argv (list[str] | None): the command line. Default: ``sys.argv[1:]``
+        parents (Sequence[argparse.ArgumentParser]): an entry point's own flags (see :func:`build_parser`); their
+            values are not part of RunSettings.
+        default_preset (str): the preset when neither ``--preset`` nor the config file names one. Default: none
+        prog (str | None): the command named in usage and errors. Default: the script's name
+
+    Raises:
+        SystemExit: (argparse) for an unknown preset or flag, with the known choices; for a config file with an
+            unknown key or a wrong type, naming the key.
+        ValueError: a value the settings dataclasses refuse (e.g. a choice), naming the field and the choices.
+    """
+    parser = build_parser(parents, prog)
+    pre, _ = parser.parse_known_args(argv)
+    try:
+        from_file = load_config(pre.config) if pre.config else {}
+    except ValueError as error:
+        parser.error(str(error))
+    preset = pre.preset or str(from_file.get("preset", "")) or default_preset
+    from_file.pop("preset", None)
+    if preset:
+        if preset not in PRESETS:
+            parser.error(f"unknown --preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        parser.set_defaults(**PRESETS[preset], preset=preset)
+    parser.set_defaults(**from_file)
+    namespace = parser.parse_args(argv)
+    values = vars(namespace)
+    sections = {name: cls(**{f.name: values[f.name] for f in fields(cls)}) for name, cls in SECTIONS.items()}
+    return RunSettings(**sections, preset=values["preset"])
+
+
+def settings_from_preset(preset: str, **overrides: object) -> RunSettings:
+    """RunSettings of a preset with field overrides, for code and tests (no command line)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    values = {**PRESETS[preset], **overrides}
+    known = {f.name for cls in SECTIONS.values() for f in fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}; known: {sorted(known)}")
+    sections = {
+        name: cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values}) for name, cls in SECTIONS.items()
+    }
+    return RunSettings(**sections, preset=preset)

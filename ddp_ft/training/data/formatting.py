@@ -1,0 +1,230 @@
+"""Chat formatting and truncation: a (dialogue, summary) pair becomes prompt and answer ids through the tokenizer's
+chat template (its own, ChatML or the plain one: ``ddp_ft.training.data.tokenizer``), cut to ``max_seq_len`` in the
+middle of the transcript, with loss only on the answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .settings import (
+    DEFAULT_KEEP_PROMPT_HEAD,
+    DEFAULT_KEEP_PROMPT_TAIL,
+    HEAD_DIALOGUE_TOKENS,
+    IGNORE_INDEX,
+    MIN_ANSWER_TOKENS,
+    TAIL_DIALOGUE_TOKENS,
+    DataSettings,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TruncatedExample:
+    """One training sample: ``labels`` is -100 on the prompt and the answer ids on the answer."""
+
+    input_ids: list[int]
+    labels: list[int]
+    prompt_cut: bool
+    answer_cut: bool
+
+
+def truncate_example(
+    prompt_ids: Sequence[int],
+    answer_ids: Sequence[int],
+    max_len: int,
+    keep_prompt_head: int = DEFAULT_KEEP_PROMPT_HEAD,
+    keep_prompt_tail: int = DEFAULT_KEEP_PROMPT_TAIL,
+    min_prompt_tokens: int | None = None,
+) -> TruncatedExample:
+    """Fit prompt + answer into ``max_len`` tokens, cutting the prompt in its middle and the answer at its end.
+
+    A prompt is e.g. ``<|im_start|>user\\n{instruction}\\n\\n{transcript}<|im_end|>\\n<|im_start|>assistant\\n``: its
+    head holds the template and the instruction, its tail the generation prompt the model answers after, so
+    both are kept and the transcript loses its middle. The answer first gives up its end, keeping at most
+    ``max_len - min(len(prompt), min_prompt_tokens)`` tokens (never fewer than one); then the prompt keeps its
+    first ``keep_prompt_head`` tokens and as many last tokens as fit exactly (at least ``keep_prompt_tail``).
+    ``tokenize_dataset`` sets head and tail to the template overhead plus 16 and 8 transcript tokens, and
+    ``min_prompt_tokens`` to half of ``max_len``, so no sample is mostly answer with no transcript.
+
+    Args:
+        prompt_ids (Sequence[int]): the prompt, generation prompt included.
+        answer_ids (Sequence[int]): the answer, end-of-turn tokens included.
+        max_len (int): the most tokens of the result.
+        keep_prompt_head (int): prompt tokens always kept from the start. Default: 32
+        keep_prompt_tail (int): prompt tokens always kept from the end. Default: 16
+        min_prompt_tokens (int | None): prompt tokens a long answer must leave room for (at least head + tail).
+            Default: None (head + tail)
+
+    Returns:
+        TruncatedExample: ``len(input_ids) <= max_len``, at least one answer token.
+
+    Raises:
+        ValueError: ``max_len`` below ``keep_prompt_head + keep_prompt_tail + 1``, an empty answer, negative sizes.
+    """
+    if keep_prompt_head < 0 or keep_prompt_tail < 0:
+        raise ValueError(f"keep_prompt_head={keep_prompt_head}, keep_prompt_tail={keep_prompt_tail}: must be >= 0.")
+    reserve = keep_prompt_head + keep_prompt_tail
+    if max_len < reserve + 1:
+        raise ValueError(
+            f"max_len={max_len} cannot hold the prompt head ({keep_prompt_head}) + tail ({keep_prompt_tail}) + 1 "
+            f"answer token: use max_len >= {reserve + 1}."
+        )
+    if not answer_ids:
+        raise ValueError("answer_ids is empty: a sample needs at least one answer token to train on.")
+    min_prompt = reserve if min_prompt_tokens is None else max(min_prompt_tokens, reserve)
+    prompt, answer = list(prompt_ids), list(answer_ids)
+    answer_cut = prompt_cut = False
+    if len(prompt) + len(answer) > max_len:
+        answer_budget = max(1, max_len - min(len(prompt), min_prompt))
+        if len(answer) > answer_budget:
+            answer, answer_cut = answer[:answer_budget], True
+        prompt_budget = max_len - len(answer)
+        if len(prompt) > prompt_budget:
+            tail = prompt_budget - keep_prompt_head  # >= keep_prompt_tail by the budgets above
+            prompt, prompt_cut = prompt[:keep_prompt_head] + prompt[len(prompt) - tail :], True
+    return TruncatedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, prompt_cut, answer_cut)
+
+
+@dataclass(frozen=True)
+class TruncationReport:
+    """How many samples ``tokenize_dataset`` had to cut."""
+
+    samples: int
+    prompt_cut: int
+    answer_cut: int
+    max_len: int
+    longest: int = field(default=0, compare=False)  # prompt + answer tokens of the longest sample, before cutting
+
+    def __str__(self) -> str:
+        return (
+            f"{self.samples} samples, {self.prompt_cut} prompts and {self.answer_cut} answers cut to "
+            f"{self.max_len} tokens"
+        )
+
+    def advice(self) -> str | None:
+        """What a cut costs and the setting that avoids it, when any sample was cut; None when none was."""
+        if not (self.prompt_cut or self.answer_cut):
+            return None
+        share = max(self.prompt_cut, self.answer_cut) / self.samples
+        return (
+            f"{self} ({share:.0%} of the training samples; the longest has {self.longest} tokens): a cut prompt "
+            "loses the middle of its input, a cut answer its end, so the model learns answers without the text they "
+            f"came from. If the cut part matters, raise --max-seq-len (up to {self.longest} keeps every sample "
+            "whole; memory per micro-batch grows with it) or shorten the inputs (docs/own_data.md)."
+        )
+
+
+def _id_lists(out: Any) -> list[list[int]]:
+    """``apply_chat_template(tokenize=True)`` on a batch: a list of id lists (transformers 4.x) or a
+    BatchEncoding/dict with ``input_ids`` (5.x returns a dict by default)."""
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [list(ids) for ids in out]
+
+
+def _messages(instruction: str, dialogue: str, summary: str | None = None) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": f"{instruction}\n\n{dialogue}"}]
+    if summary is not None:
+        messages.append({"role": "assistant", "content": summary})
+    return messages
+
+
+def template_overhead(tokenizer, instruction: str) -> tuple[int, int]:
+    """Prompt tokens the chat template and instruction add before and after the transcript.
+
+    For ChatML and the default instruction with a Qwen tokenizer: about 11 before
+    (``<|im_start|>user\\n`` + instruction + ``\\n\\n``) and 5 after (``<|im_end|>\\n<|im_start|>assistant\\n``).
+    """
+    marker = "\u2063TRANSCRIPT\u2063"
+    text = tokenizer.apply_chat_template(_messages(instruction, marker), add_generation_prompt=True, tokenize=False)
+    if text.count(marker) != 1:
+        logger.warning("could not locate the transcript in the chat template; using default truncation sizes")
+        return DEFAULT_KEEP_PROMPT_HEAD - HEAD_DIALOGUE_TOKENS, DEFAULT_KEEP_PROMPT_TAIL - TAIL_DIALOGUE_TOKENS
+    before, after = text.split(marker)
+    before_ids, after_ids = (tokenizer(part, add_special_tokens=False)["input_ids"] for part in (before, after))
+    return len(before_ids), len(after_ids)
+
+
+def _encode_batch(batch, tokenizer, instruction, max_len, head, tail, min_prompt):
+    prompts = [_messages(instruction, d) for d in batch["dialogue"]]
+    fulls = [_messages(instruction, d, s) for d, s in zip(batch["dialogue"], batch["summary"], strict=True)]
+    prompt_ids = _id_lists(tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=True))
+    full_ids = _id_lists(tokenizer.apply_chat_template(fulls, tokenize=True))
+    out = {"input_ids": [], "labels": [], "prompt_cut": [], "answer_cut": [], "full_len": []}
+    for prompt, full, prompt_msgs, full_msgs in zip(prompt_ids, full_ids, prompts, fulls, strict=True):
+        if full[: len(prompt)] == prompt:
+            answer = full[len(prompt) :]
+        else:  # the template renders the last turn differently, or BPE merged across the boundary
+            prompt_text = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, tokenize=False)
+            full_text = tokenizer.apply_chat_template(full_msgs, tokenize=False)
+            answer_text = (
+                full_text[len(prompt_text) :] if full_text.startswith(prompt_text) else full_msgs[-1]["content"]
+            )
+            answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+        sample = truncate_example(prompt, answer, max_len, head, tail, min_prompt)
+        for key in ("input_ids", "labels", "prompt_cut", "answer_cut"):
+            out[key].append(getattr(sample, key))
+        out["full_len"].append(len(prompt) + len(answer))
+    return out
+
+
+def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
+    """Chat-format, tokenize and truncate ``raw`` (columns ``dialogue``, ``summary``) into training samples.
+
+    The user turn is ``f"{instruction}\\n\\n{dialogue}"``, the assistant turn the summary. Prompt ids come from
+    ``apply_chat_template(user turn, add_generation_prompt=True)``, answer ids are what the full conversation
+    adds after them (so the answer includes the template's end-of-turn tokens, and the model learns to stop).
+    Truncation: ``truncate_example`` with head/tail = template overhead + 16/8 transcript tokens and
+    ``min_prompt_tokens = max_seq_len // 2``.
+
+    Args:
+        raw (datasets.Dataset): from ``load_raw_splits``.
+        tokenizer (PreTrainedTokenizerBase): with a chat template (``load_tokenizer`` guarantees one, adding no
+            token).
+        settings (DataSettings): ``instruction`` and ``max_seq_len``.
+        num_proc (int): worker processes for ``Dataset.map``. Default: 1
+
+    Returns:
+        tuple[datasets.Dataset, TruncationReport]: columns ``input_ids`` and ``labels`` only, and the cut counts.
+
+    Raises:
+        ValueError: ``max_seq_len`` too small for this tokenizer's template (naming the minimum).
+    """
+    before, after = template_overhead(tokenizer, settings.instruction)
+    head, tail = before + HEAD_DIALOGUE_TOKENS, after + TAIL_DIALOGUE_TOKENS
+    minimum = head + tail + MIN_ANSWER_TOKENS
+    if settings.max_seq_len < minimum:
+        raise ValueError(
+            f"DataSettings.max_seq_len={settings.max_seq_len} is too small for this tokenizer and instruction: the "
+            f"prompt head takes {head} tokens and the tail {tail}; use max_seq_len >= {minimum} "
+            f"(room for {MIN_ANSWER_TOKENS} answer tokens) or a shorter instruction."
+        )
+    if len(raw) == 0:
+        empty = raw.select_columns([]).add_column("input_ids", []).add_column("labels", [])
+        return empty, TruncationReport(0, 0, 0, settings.max_seq_len)
+    kwargs = dict(
+        tokenizer=tokenizer,
+        instruction=settings.instruction,
+        max_len=settings.max_seq_len,
+        head=head,
+        tail=tail,
+        min_prompt=max(head + tail, settings.max_seq_len // 2),
+    )
+    ds = raw.map(
+        _encode_batch,
+        batched=True,
+        batch_size=64,
+        fn_kwargs=kwargs,
+        remove_columns=raw.column_names,
+        num_proc=num_proc if num_proc > 1 else None,
+        desc="Tokenizing",
+    )
+    report = TruncationReport(
+        len(ds), sum(ds["prompt_cut"]), sum(ds["answer_cut"]), settings.max_seq_len, max(ds["full_len"])
+    )
+    logger.info("tokenized %s: %s", settings.source, report)
+    return ds.remove_columns(["prompt_cut", "answer_cut", "full_len"]), report

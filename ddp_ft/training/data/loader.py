@@ -1,0 +1,349 @@
+"""Batches: the right-padding collator, token counts, and ``EpochLoader``, which reads one rank's share of each
+optimizer step from a ``DistributedSampler``'s global order (``DataLayout``: exact resume on any world size), split
+over ranks by ``balanced_plan`` (``ddp_ft.training.data.balance``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from .balance import Plan, balanced_plan, micro_batch_cost, strided_plan
+from .epoch_steps import EpochSteps
+from .settings import IGNORE_INDEX
+from .step_tokens import global_order
+
+
+def make_collator(tokenizer):
+    """Right-padding collator: ``input_ids`` padded with the pad token, ``labels`` with -100, ``attention_mask``."""
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=None)
+
+
+def count_tokens(batch: dict, pad_token_id: int | None = None) -> int:
+    """Non-padding tokens of a collated batch: what throughput counts.
+
+    A padded batch: the sum of its attention mask. A packed batch (``PackedCollator``: no mask) pads only the ends of
+    its rows: the tokens other than ``pad_token_id``, the Trainer's rule for a batch without a mask (exact while no
+    sample holds the pad token, as chat-formatted samples do not); every token when no pad id is given.
+    """
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    ids = batch["input_ids"]
+    return int(ids.numel() if pad_token_id is None else (ids != pad_token_id).sum())
+
+
+def answer_tokens(batch: dict) -> int:
+    """Tokens of a collated batch that carry loss: labels other than IGNORE_INDEX after the causal shift."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """What fixes an epoch's global order and how one optimizer step reads it; stored in every checkpoint.
+
+    Epoch ``e`` is one permutation of the training set (``DistributedSampler``'s, seeded by ``seed + e``), the same
+    for every world size. Step ``s`` trains its positions ``[s * E, (s + 1) * E)``, ``E`` the effective batch: rank
+    ``r`` reads positions ``r, r + world_size, ...`` of that range, ``micro_batch`` at a time. So the samples of a
+    step, and a resume position counted in samples, mean the same on any ``world_size x micro_batch`` that divides
+    ``E``; ``train_samples``, ``seed`` and ``effective_batch`` must not change within a run. Balanced ranks
+    (``EpochLoader(balance=True)``) reorder the samples *within* a step, never across steps, so a resume is exact
+    with balancing on or off, whatever the checkpoint's run used: the layout does not record it.
+
+    Args:
+        train_samples (int): samples in the training set.
+        seed (int): shuffle seed.
+        effective_batch (int): samples per optimizer step, over all ranks and micro-steps.
+        world_size (int): ranks.
+        micro_batch (int): samples per forward on one rank.
+
+    Raises:
+        ValueError: ``effective_batch`` not a multiple of ``micro_batch * world_size``, sizes below 1.
+    """
+
+    train_samples: int
+    seed: int
+    effective_batch: int
+    world_size: int
+    micro_batch: int
+
+    def __post_init__(self) -> None:
+        for name in ("train_samples", "effective_batch", "world_size", "micro_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DataLayout.{name}={getattr(self, name)}: must be >= 1.")
+        if self.effective_batch % (self.micro_batch * self.world_size):
+            raise ValueError(
+                f"effective_batch={self.effective_batch} is not divisible by micro_batch={self.micro_batch} x "
+                f"world_size={self.world_size}: the step would not be one effective batch."
+            )
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.effective_batch // (self.micro_batch * self.world_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """``floor(train_samples / effective_batch)``: the trailing partial batch is dropped, on every world size."""
+        return self.train_samples // self.effective_batch
+
+    def step_positions(self, step: int) -> slice:
+        """Step ``step`` (within its epoch) of the epoch's global order: positions ``[step * E, (step + 1) * E)``,
+        ``E`` the effective batch. The one cut of a step that the plans and the Trainer's token count share."""
+        return slice(step * self.effective_batch, (step + 1) * self.effective_batch)
+
+    def describe(self) -> str:
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
+        return (
+            f"effective batch {self.effective_batch} = {ranks} x micro-batch {self.micro_batch} x accumulation "
+            f"{self.accumulation}, {self.train_samples} training samples, seed {self.seed}"
+        )
+
+
+def check_resume(saved: DataLayout, current: DataLayout, sample_in_epoch: int) -> None:
+    """Refuse a resume that cannot continue the data exactly; any world size and micro-batch dividing the same
+    effective batch over the same training set and seed can.
+
+    Args:
+        saved (DataLayout): the checkpoint's.
+        current (DataLayout): this run's.
+        sample_in_epoch (int): the checkpoint's position in its epoch's global order.
+
+    Raises:
+        ValueError: naming both layouts and the setting to change.
+    """
+    if saved.effective_batch != current.effective_batch:
+        fix = (
+            f"the position ({sample_in_epoch} samples into the epoch) and every step after it are counted in steps of "
+            f"{saved.effective_batch} samples. Resume with --effective-batch {saved.effective_batch} (any "
+            f"--micro-batch and world size that divide it)"
+        )
+    elif saved.train_samples != current.train_samples:
+        fix = (
+            f"the training set changed ({saved.train_samples} -> {current.train_samples} samples), so the shuffled "
+            "order differs. Resume on the same data (--source, --eval-fraction, --max-seq-len, --data-seed)"
+        )
+    elif saved.seed != current.seed:
+        fix = f"the shuffle seed changed, so the order differs. Resume with --seed {saved.seed}"
+    else:
+        return
+    raise ValueError(
+        f"cannot resume exactly: the checkpoint was written with {saved.describe()}; this run has "
+        f"{current.describe()}: {fix}, or start a new run in another --output-dir."
+    )
+
+
+class EpochLoader:
+    """This rank's micro-batches, one epoch at a time: ``for batch in loader.epoch(n, start_sample=k)``.
+
+    Policy (the plain loop's): **no sample trains twice in an epoch and every world size trains the same steps.** An
+    epoch is ``floor(len(dataset) / effective_batch)`` optimizer steps on any world size; the trailing partial batch
+    (fewer than ``effective_batch`` samples) is left out, never padded with repeats (``steps.left_out`` says how
+    many). The global order is the permutation of a ``DistributedSampler`` (``drop_last=True``, shuffled by
+    ``seed + epoch``), the same for every world size: step ``s`` is its positions
+    ``[s * effective_batch, (s + 1) * effective_batch)`` (see ``DataLayout``). ``trainer_drop_last`` gives the stock
+    Trainer's steps instead (``BucketedTrainer``'s plan): every sample trained, the last step shorter and the first
+    samples of the order repeated as Accelerate's shard does (``ddp_ft.training.data.epoch_steps``). Only
+    ``epoch()`` iterates, and it always calls ``sampler.set_epoch`` first, so the classic bug of every epoch seeing
+    the same order cannot happen (``iter(loader)`` raises). ``start_sample`` (samples of the epoch already trained,
+    over all ranks) resumes exactly, also on another world size or micro-batch: skipped samples are skipped as
+    indices, never loaded.
+
+    Within a step, ``balance=True`` splits the samples over ranks and micro-batches by ``balanced_plan``: similar
+    lengths share a micro-batch and every rank pads to about the same number of tokens, so no rank waits for the one
+    that drew the longer samples. The step's samples, hence its gradient, are the same as unbalanced. With
+    ``balance=False`` rank ``r`` reads positions ``r, r + world_size, ...`` of the step (``strided_plan``).
+
+    Args:
+        dataset: a map-style dataset of tokenized samples (``input_ids``).
+        collate_fn: e.g. ``make_collator(tokenizer)``.
+        micro_batch (int): samples per batch.
+        rank (int): this rank.
+        world_size (int): number of ranks.
+        seed (int): shuffle seed, the same on every rank.
+        shuffle (bool): shuffle each epoch. Default: True
+        effective_batch (int | None): samples per optimizer step over all ranks, a multiple of
+            ``micro_batch * world_size``. Default: None (``micro_batch * world_size``, no accumulation)
+        pin_memory (bool): collate into page-locked memory, so the copy to a GPU with ``non_blocking=True``
+            overlaps instead of waiting. Default: False (set it when training on CUDA)
+        balance (bool): balanced ranks and length-grouped micro-batches within each step. Default: True
+        lengths (Sequence[int] | None): token length of every sample, for ``balance``. Default: None (read from
+            the dataset's ``input_ids`` once, when ``balance``)
+        cost (Callable[[Sequence[int]], int] | None): tokens a micro-batch computes from its lengths, what
+            ``balance`` evens out over the ranks: ``PackedCollator.cost`` for packed batches. Default: None
+            (``micro_batch_cost``: right padding)
+        trainer_drop_last (bool | None): the stock Trainer's epoch with this ``dataloader_drop_last``
+            (``EpochSteps``): False trains every sample, completing the last step with the epoch's first samples; True
+            drops the partial per-device batch. Default: None (the plain loop's whole steps)
+
+    Raises:
+        ValueError: bad sizes, an empty dataset or one smaller than an effective batch (with ``trainer_drop_last``
+            True: smaller than one micro-batch per rank), lengths not one per sample.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        collate_fn,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+        effective_batch: int | None = None,
+        pin_memory: bool = False,
+        balance: bool = True,
+        lengths: Sequence[int] | None = None,
+        cost: Callable[[Sequence[int]], int] | None = None,
+        trainer_drop_last: bool | None = None,
+    ) -> None:
+        from torch.utils.data import DistributedSampler
+
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch={micro_batch}: must be >= 1.")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size.")
+        if len(dataset) == 0:
+            raise ValueError("EpochLoader got an empty dataset.")
+        effective_batch = micro_batch * world_size if effective_batch is None else effective_batch
+        self.layout = layout = DataLayout(len(dataset), seed, effective_batch, world_size, micro_batch)
+        self.steps = EpochSteps(len(dataset), world_size, micro_batch, layout.accumulation, trainer_drop_last)
+        if self.steps.steps == 0:
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples, fewer than one effective batch "
+                f"(effective_batch={effective_batch}): lower --effective-batch or use more data."
+                if trainer_drop_last is None
+                else f"the dataset has {len(dataset)} samples, fewer than one batch of per_device_train_batch_size="
+                f"{micro_batch} on each of {world_size} ranks: with dataloader_drop_last=True no step is left. "
+                "Use more data, a smaller batch, or dataloader_drop_last=False."
+            )
+        self.dataset, self.collate_fn, self.micro_batch, self.rank = dataset, collate_fn, micro_batch, rank
+        self.pin_memory = pin_memory
+        self.balance, self.cost = balance, cost or micro_batch_cost
+        self.lengths = (list(lengths) if lengths is not None else sample_lengths(dataset)) if balance else None
+        if self.lengths is not None and len(self.lengths) != len(dataset):
+            raise ValueError(f"{len(self.lengths)} lengths for {len(dataset)} samples: give one length per sample.")
+        # The epoch's global order, the same on every rank (one replica: the whole permutation).
+        self.sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
+
+    @property
+    def samples_per_epoch(self) -> int:
+        """Samples trained per epoch over all ranks (the plain loop's: whole effective batches only)."""
+        return self.steps.samples
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch on this rank, all full (the plain loop's: ``steps_per_epoch * accumulation``)."""
+        return self.steps.micro_batches_per_rank
+
+    def describe_epoch(self) -> str:
+        """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why."""
+        steps, layout = self.steps, self.layout
+        line = f"an epoch is {steps.steps} optimizer steps of {layout.effective_batch} samples"
+        if steps.left_out:
+            line += (
+                f": the last {steps.left_out} of the {layout.train_samples} training samples in each epoch's shuffled "
+                "order are left out (a different few every epoch), so every world size trains the same whole steps "
+                "and no sample twice in an epoch"
+            )
+        return line
+
+    def __iter__(self):
+        raise TypeError(
+            "EpochLoader is not iterable: use `for batch in loader.epoch(epoch)` so the shuffle changes "
+            "every epoch (it calls sampler.set_epoch)."
+        )
+
+    def plans(self, epoch: int, start_step: int = 0) -> Iterator[Plan]:
+        """Every rank's micro-batches (``plan[rank][micro_step]``, sample indices) of each step of ``epoch`` from
+        ``start_step`` on; the same on every rank."""
+        steps = self.steps
+        self.sampler.set_epoch(epoch)
+        order = steps.extend([int(i) for i in self.sampler])
+        W, m = steps.world_size, steps.micro_batch
+        for step in range(start_step, steps.steps):
+            indices, A = order[steps.positions(step)], steps.accumulation_of(step)
+            if self.lengths is None:
+                yield strided_plan(indices, W, m, A)
+            else:
+                yield balanced_plan(indices, [self.lengths[i] for i in indices], W, m, A, self.cost)
+
+    def epoch(self, epoch: int, start_sample: int = 0) -> Iterator[dict]:
+        """The batches of ``epoch`` on this rank, from global position ``start_sample`` on (checked at the call).
+
+        Raises:
+            ValueError: ``start_sample`` off a step boundary or past the epoch's last step, negative ``epoch``.
+        """
+        import torch
+        from torch.utils.data import DataLoader
+
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch}: must be >= 0.")
+        layout = self.layout
+        if start_sample % layout.effective_batch or not 0 <= start_sample <= self.steps.steps * layout.effective_batch:
+            raise ValueError(
+                f"start_sample={start_sample}: a resume position must be a multiple of the effective batch "
+                f"({layout.effective_batch}) within the epoch's {self.steps.steps} steps of "
+                f"{layout.effective_batch} samples ({layout.train_samples} samples, {self.steps.left_out} left out)."
+            )
+        batches = [b for plan in self.plans(epoch, start_sample // layout.effective_batch) for b in plan[self.rank]]
+        # A private generator: a DataLoader otherwise draws its base seed from the global RNG, which would shift
+        # dropout masks by one draw in a resumed run (it builds this loader after restoring the RNG state).
+        generator = torch.Generator().manual_seed(self.sampler.seed + epoch)
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=batches,
+            collate_fn=self.collate_fn,
+            num_workers=0,
+            generator=generator,
+            pin_memory=self.pin_memory,
+        )
+        return iter(loader)
+
+
+def sample_lengths(dataset) -> list[int]:
+    """Tokens of every sample (``len(input_ids)``), read once: a ``datasets.Dataset`` column, else sample by sample."""
+    if hasattr(dataset, "column_names"):
+        return [len(ids) for ids in dataset["input_ids"]]
+    return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+
+
+class StepBatchSampler:
+    """Every rank's micro-batches of ``loader``'s plans, interleaved for a loader that deals batch ``i`` to rank
+    ``i % world_size`` (Accelerate's ``BatchSamplerShard`` with ``split_batches=False``, which ``Trainer`` gets from
+    ``accelerator.prepare``): per step, micro-step ``k`` of rank ``r`` at position ``k * world_size + r``. So each
+    rank of a Trainer reads exactly what ``loader.epoch`` gives that rank in the plain loop, and skipping the first
+    ``n`` of its batches (the Trainer's resume) skips ``n / accumulation`` whole steps. The steps are the loader's
+    (``EpochLoader(trainer_drop_last=...)``: the stock Trainer's, a last step of fewer micro-batches included).
+
+    Args:
+        loader (EpochLoader): the plans (its ``rank`` and ``collate_fn`` are not used).
+    """
+
+    def __init__(self, loader: EpochLoader) -> None:
+        self.loader = loader
+        self.batch_size, self.drop_last = loader.micro_batch, True  # read by BatchSamplerShard: whole batches only
+        self.epoch = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its global order), for step_samples
+
+    def step_samples(self, step: int) -> list[int]:
+        """Every rank's samples of optimizer step ``step``, counted from the run's first (the Trainer's
+        ``global_step`` before the step): ``EpochSteps.positions`` of the step within its epoch, in epoch
+        ``step // steps``'s global order (extended by its repeats), as ``loader.plans`` cuts them."""
+        layout, steps = self.loader.layout, self.loader.steps
+        epoch, within = divmod(step, steps.steps)
+        if self._order is None or self._order[0] != epoch:
+            shuffle = self.loader.sampler.shuffle
+            self._order = (epoch, steps.extend(global_order(layout.train_samples, layout.seed, epoch, shuffle)))
+        return self._order[1][steps.positions(within)]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.loader.layout.world_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for plan in self.loader.plans(self.epoch):
+            for k in range(len(plan[0])):  # the step's accumulation: the last step's may be shorter
+                for rank in range(len(plan)):
+                    yield plan[rank][k]

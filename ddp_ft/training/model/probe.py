@@ -1,0 +1,400 @@
+"""``--micro-batch auto`` by measurement: a few probe steps on the built model, a line through their peaks, the
+largest micro-batch under the device's memory less a margin, one choice for every rank.
+
+The arithmetic of ``ddp_ft.training.model.memory`` knows one model family (Qwen3) in one mode (eager, checkpointed): the
+H100 run of 2026-11-26 measured 36.4 GB where it expected 19.8 GB with ``--compile``. The probe measures instead, on the
+model as the run trains it (4-bit, LoRA, checkpointing, Liger, the compiled layers), for any causal LM:
+
+1. One warm-up step at the smallest probe micro-batch (not measured: compilation, cuBLAS workspaces, lazily built
+   state), then one measured forward+backward at each probe micro-batch (:data:`PROBE_POINTS`, those the per-rank
+   batch allows and the points so far predict to fit), at the run's ``max_seq_len``: the padded length at worst.
+2. A line, peak = resident + per-sample x micro-batch, drawn above every measured point with the steepest slope
+   seen (least squares, or the last segment's when steeper), so curvature never makes it predict low. How far the
+   points lie from the least-squares line is reported (``nonlinearity``); past :data:`LINEARITY_TOLERANCE` it warns.
+3. The expected peak of a candidate: the line at its micro-batch, plus the optimizer state the probe cannot see
+   (AdamW's two moments, created at the first optimizer step: twice the trainable bytes).
+4. The choice: the largest divisor of the per-rank share of the effective batch (so the accumulation is whole and the
+   effective batch unchanged) whose expected peak fits ``device_bytes x (1 - margin)``. Each rank chooses for its
+   own device; one all-reduce (MIN) makes the smallest choice everyone's. A rank whose probe failed sends -1, so
+   every rank raises instead of waiting in a collective.
+
+What the probe leaves behind: nothing the training sees. Each trainable parameter's ``.grad`` is what it was before
+(the probe accumulates into zeros it puts there, so the step's peak counts the gradients a micro-step of
+accumulation holds, then puts the old ones back); no optimizer exists yet, so no parameter changes; the random
+number generators (CPU and this rank's CUDA device: LoRA dropout draws from them) are restored. It runs on the
+unwrapped model, before BucketedDDP wraps it: no gradient hook exists, so nothing is communicated (under
+``no_sync()`` the wrapper's hooks would still run and fill its buckets; on the bare model there are none).
+
+The device's memory and the measurement are injectable: on the CPU a test passes a fake ``device_bytes`` and a
+``measure`` that runs the step under ``ddp_ft.training.model.memory.step_peak_bytes`` (or models the peak from the
+micro-batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from ...distributed import DistInfo
+from .precision import Precision
+
+logger = logging.getLogger(__name__)
+
+# Why 15%: the probe measures max_memory_allocated of the run's own steps, so the margin covers what it does not see,
+# and what must fit is what the caching allocator reserves: on the H100 (2026-11-26) reserved was 9.6% (eager) to
+# 10.5% (--compile: 40.08 GB against 36.28) above allocated, and the CUDA context (~0.5 GB) counts in the device's
+# total; 10% would leave allocated x 1.105 + context above the device. Kernels' workspaces at sizes not probed too.
+PROBE_MARGIN = 0.15
+PROBE_POINTS = (1, 2, 4)  # small enough to fit where any training fits; three points show whether the line holds
+LINEARITY_TOLERANCE = 0.05  # a point further than this (relative) from the least-squares line: warned
+
+# Runs a step (given with its micro-batch), returns its peak bytes. The micro-batch is for a measurement that
+# models instead of measuring (a test's fake device).
+Measure = Callable[[Callable[[], object], int], int]
+
+
+def cuda_peak_bytes(device: torch.device) -> Measure:
+    """The peak of ``torch.cuda.max_memory_allocated`` over a step on ``device``, counters reset before it."""
+
+    def measure(step: Callable[[], object], micro_batch: int) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    return measure
+
+
+def host_peak_bytes(model: torch.nn.Module) -> Measure:
+    """On the CPU, where no device counts its peak: ``model``'s resident bytes (parameters, buffers, 4-bit state:
+    ``ddp_ft.training.model.memory.parameter_bytes``) plus the step's peak above what was allocated before it
+    (``ddp_ft.training.model.memory.step_peak_bytes``, the matmuls answered with zeros, so a 4B-wide model's step
+    takes seconds)."""
+    from .memory import parameter_bytes, step_peak_bytes
+
+    def measure(step: Callable[[], object], micro_batch: int) -> int:
+        return parameter_bytes(model) + step_peak_bytes(step)
+
+    return measure
+
+
+def device_total_bytes(device: torch.device) -> int:
+    """The memory of ``device`` (``torch.cuda.mem_get_info``'s total).
+
+    Raises:
+        ValueError: off CUDA, naming --micro-batch: the CPU's memory is the host's, shared with everything else.
+    """
+    if device.type != "cuda":
+        raise ValueError(
+            f"--micro-batch auto fills a GPU's memory; this run is on {device.type}, whose memory is the host's: "
+            "give --micro-batch a number."
+        )
+    return torch.cuda.mem_get_info(device)[1]
+
+
+@dataclass(frozen=True)
+class MicroBatchProbe:
+    """What the probe measured on this rank and what every rank chose.
+
+    ``micro_batch x accumulation x world_size`` is the effective batch, unchanged. Bytes are this rank's.
+    """
+
+    micro_batch: int
+    accumulation: int
+    world_size: int
+    seq_len: int
+    points: tuple[tuple[int, int], ...]  # (micro-batch, measured peak bytes), in the order measured
+    resident: int  # the line's intercept, bytes
+    per_sample: int  # the line's slope, bytes per sequence of seq_len tokens
+    optimizer_state: int  # bytes added for what the probe cannot see (AdamW's moments)
+    expected_peak: int  # bytes at ``micro_batch``: the line plus the optimizer state
+    budget: int  # device_bytes x (1 - margin)
+    device_bytes: int
+    margin: float
+    nonlinearity: float  # the largest relative distance of a point from the least-squares line
+
+    def predict(self, micro_batch: int) -> int:
+        """Expected peak bytes at ``micro_batch``."""
+        return self.resident + self.per_sample * micro_batch + self.optimizer_state
+
+    def describe(self) -> str:
+        """One line for the log: the choice, the measured points, the line and the budget."""
+        points = ", ".join(f"{m}: {p / 1e9:.3f} GB" for m, p in self.points)
+        return (
+            f"--micro-batch auto (probed): {self.micro_batch} (x {self.accumulation} accumulation x "
+            f"{self.world_size} rank(s) = effective batch {self.micro_batch * self.accumulation * self.world_size}) "
+            f"at {self.seq_len} tokens; measured peaks by micro-batch {points}; line {self.resident / 1e9:.3f} GB + "
+            f"{self.per_sample / 1e9:.3f} GB/sample (off by {self.nonlinearity:.1%} at most) + "
+            f"{self.optimizer_state / 1e9:.3f} GB optimizer state; expected peak {self.expected_peak / 1e9:.3f} GB of "
+            f"a {self.budget / 1e9:.3f} GB budget ({self.device_bytes / 1e9:.3f} GB device less {self.margin:.0%})"
+        )
+
+    def as_record(self) -> dict:
+        """For the run's config record: the choice, the points and the expected peak in GB."""
+        return {
+            "micro_batch": self.micro_batch,
+            "points": [[m, p / 1e9] for m, p in self.points],
+            "resident_gb": self.resident / 1e9,
+            "per_sample_gb": self.per_sample / 1e9,
+            "optimizer_state_gb": self.optimizer_state / 1e9,
+            "expected_peak_gb": self.expected_peak / 1e9,
+            "budget_gb": self.budget / 1e9,
+            "device_gb": self.device_bytes / 1e9,
+            "margin": self.margin,
+            "nonlinearity": self.nonlinearity,
+        }
+
+
+def fit_peak_line(points: Sequence[tuple[int, int]]) -> tuple[int, int, float]:
+    """A line above every ``(micro_batch, peak)`` point: (intercept, slope, largest relative residual).
+
+    The slope is the least-squares one, or the last segment's when steeper (peaks curving up are extrapolated along
+    their steepest part); the intercept is then raised until no point lies above the line. One point: a slope equal
+    to the whole peak per sample (as if nothing were resident), which never predicts low.
+    """
+    if not points:
+        raise ValueError("fit_peak_line: no points.")
+    pairs = [(Fraction(m), Fraction(p)) for m, p in points]  # exact: bytes are integers, and so is the line
+    if len({m for m, _ in pairs}) < 2:
+        return 0, math.ceil(max(p / m for m, p in pairs)), 0.0
+    mean_m = sum(m for m, _ in pairs) / len(pairs)
+    mean_p = sum(p for _, p in pairs) / len(pairs)
+    slope = sum((m - mean_m) * (p - mean_p) for m, p in pairs) / sum((m - mean_m) ** 2 for m, _ in pairs)
+    intercept = mean_p - slope * mean_m
+    residual = max(float(abs(p - intercept - slope * m) / p) for m, p in pairs) if len(pairs) > 2 else 0.0
+    (m1, p1), (m2, p2) = sorted(pairs)[-2:]
+    steepest = math.ceil(max(slope, (p2 - p1) / (m2 - m1), Fraction(0)))
+    return math.ceil(max(p - steepest * m for m, p in pairs)), steepest, residual
+
+
+def largest_fitting_divisor(per_rank: int, predict: Callable[[int], int], budget: int) -> int:
+    """The largest divisor of ``per_rank`` whose ``predict`` is at most ``budget``; 0 if none (not even 1)."""
+    for m in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
+        if predict(m) <= budget:
+            return m
+    return 0
+
+
+def _measure_and_fit(
+    model: torch.nn.Module,
+    seq_len: int,
+    info: DistInfo,
+    precision: Precision | None,
+    device_bytes: int | None,
+    measure: Measure | None,
+    margin: float,
+    points: list[int],
+    optimizer_state: int | None,
+) -> MicroBatchProbe:
+    """This rank's points and line, before the ranks agree (``micro_batch`` and ``expected_peak`` still 0)."""
+    device_bytes = device_total_bytes(info.device) if device_bytes is None else device_bytes
+    measure = cuda_peak_bytes(info.device) if measure is None else measure
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = sum(2 * p.numel() * p.element_size() for p in trainable) if optimizer_state is None else optimizer_state
+    budget = int(device_bytes * (1.0 - margin))
+    measured = _measure_points(_ProbeStep(model, trainable, seq_len, info, precision), measure, points, budget - state)
+    resident, per_sample, nonlinearity = fit_peak_line(measured) if measured else (0, 0, 0.0)
+    return MicroBatchProbe(
+        micro_batch=0,  # set once the ranks agree
+        accumulation=0,
+        world_size=info.world_size,
+        seq_len=seq_len,
+        points=tuple(measured),
+        resident=resident,
+        per_sample=per_sample,
+        optimizer_state=state,
+        expected_peak=0,
+        budget=budget,
+        device_bytes=device_bytes,
+        margin=margin,
+        nonlinearity=nonlinearity,
+    )
+
+
+def probe_micro_batch(
+    model: torch.nn.Module,
+    *,
+    seq_len: int,
+    effective_batch: int,
+    info: DistInfo,
+    precision: Precision | None = None,
+    device_bytes: int | None = None,
+    measure: Measure | None = None,
+    margin: float = PROBE_MARGIN,
+    points: Sequence[int] = PROBE_POINTS,
+    optimizer_state: int | None = None,
+) -> MicroBatchProbe:
+    """Measure ``model``'s peak at a few micro-batches and choose the largest that fits, the same on every rank.
+
+    Call it on the unwrapped model, built as the run trains it (compiled, checkpointed, Liger), before BucketedDDP
+    wraps it and before the optimizer exists; every rank calls it (one all-reduce). Logs the choice on rank 0.
+
+    Args:
+        model (torch.nn.Module): a causal LM taking ``input_ids``, ``attention_mask``, ``labels`` and
+            ``num_items_in_batch``, returning an output with ``.loss``.
+        seq_len (int): tokens per sequence: the run's ``max_seq_len``.
+        effective_batch (int): samples per optimizer step over all ranks.
+        info (DistInfo): this rank; its device and the world size.
+        precision (Precision | None): the run's autocast. Default: none (the model's own dtypes).
+        device_bytes (int | None): the memory to fill. Default: :func:`device_total_bytes`.
+        measure (Measure | None): runs a step, returns its peak bytes. Default: :func:`cuda_peak_bytes`.
+        margin (float): share of ``device_bytes`` left free. Default: :data:`PROBE_MARGIN`.
+        points (Sequence[int]): micro-batches to measure, ascending. Default: :data:`PROBE_POINTS`.
+        optimizer_state (int | None): bytes the optimizer will add. Default: AdamW's, twice the trainable bytes.
+
+    Returns:
+        MicroBatchProbe: the choice (the smallest over ranks), this rank's points, line and expected peak.
+
+    Raises:
+        ValueError: ``effective_batch`` not a positive multiple of the world size, a margin outside [0, 1), no
+            device memory to fill (the CPU without ``device_bytes``), or micro-batch 1 not fitting on some rank;
+            naming --micro-batch and the fix.
+        RuntimeError: the probe failed on another rank.
+    """
+    world = info.world_size
+    if effective_batch < 1 or effective_batch % world:
+        raise ValueError(
+            f"--micro-batch auto: effective_batch={effective_batch} is not a positive multiple of world_size={world}; "
+            "no micro-batch keeps the effective batch."
+        )
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin={margin}: must be in [0, 1).")
+    per_rank = effective_batch // world
+    failure, probe = None, None
+    try:  # a rank that fails still joins the all-reduce below: no rank is left waiting in it
+        fitting = [m for m in points if m <= per_rank] or [1]
+        probe = _measure_and_fit(
+            model, seq_len, info, precision, device_bytes, measure, margin, fitting, optimizer_state
+        )
+        mine = largest_fitting_divisor(per_rank, probe.predict, probe.budget) if probe.points else 0
+    except Exception as error:  # noqa: BLE001  (re-raised below, after the other ranks have heard of it)
+        failure, mine = error, -1
+    chosen = _smallest_over_ranks(mine, info)
+    if failure is not None:
+        raise failure
+    if chosen < 0:
+        raise RuntimeError("--micro-batch auto: the probe failed on another rank (its log has the error).")
+    if chosen == 0:
+        raise ValueError(_none_fits(probe, mine, info))
+    if probe.nonlinearity > LINEARITY_TOLERANCE and info.is_main_process:
+        logger.warning(
+            "--micro-batch auto: the measured peaks are %.1f%% off a straight line in the micro-batch; the choice "
+            "extrapolates along the steepest part, above every point.",
+            100 * probe.nonlinearity,
+        )
+    probe = _with_choice(probe, chosen, per_rank)
+    if info.is_main_process:
+        logger.info("%s", probe.describe())
+    return probe
+
+
+def _with_choice(probe: MicroBatchProbe, chosen: int, per_rank: int) -> MicroBatchProbe:
+    from dataclasses import replace
+
+    return replace(probe, micro_batch=chosen, accumulation=per_rank // chosen, expected_peak=probe.predict(chosen))
+
+
+def _none_fits(probe: MicroBatchProbe | None, mine: int, info: DistInfo) -> str:
+    if mine > 0 or probe is None:
+        return (
+            f"--micro-batch auto: micro-batch 1 does not fit on another rank's device (rank {info.rank}'s fits; "
+            "the ranks choose together). See that rank's log; lower --max-seq-len, or give --micro-batch a number."
+        )
+    measured = ", ".join(f"{m}: {p / 1e9:.3f} GB" for m, p in probe.points) or "none finished (out of memory)"
+    return (
+        f"--micro-batch auto: even micro-batch 1 does not fit on rank {info.rank}: measured peaks {measured} at "
+        f"{probe.seq_len} tokens, plus {probe.optimizer_state / 1e9:.3f} GB optimizer state, against a "
+        f"{probe.budget / 1e9:.3f} GB budget ({probe.device_bytes / 1e9:.3f} GB device less {probe.margin:.0%}). "
+        "Lower --max-seq-len, keep gradient checkpointing on, use a larger device, or give --micro-batch 1 to "
+        "train without the margin."
+    )
+
+
+def _smallest_over_ranks(value: int, info: DistInfo) -> int:
+    if not (info.is_distributed and dist.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=info.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+def _measure_points(step: _ProbeStep, measure: Measure, points: list[int], budget: int) -> list[tuple[int, int]]:
+    """Measured (micro-batch, peak) at each point, ascending, stopping before a point the line so far says will not
+    fit ``budget``, and at the first that does not (or runs out of memory)."""
+    measured: list[tuple[int, int]] = []
+    with step:
+        try:
+            step.run(points[0])  # warm-up: compilation and lazily built state, not counted
+        except torch.OutOfMemoryError:
+            step.release()
+            return measured
+        for m in points:
+            if len(measured) >= 2:
+                resident, per_sample, _ = fit_peak_line(measured)
+                if resident + per_sample * m > budget:
+                    break
+            try:
+                peak = measure(lambda m=m: step.run(m), m)
+            except torch.OutOfMemoryError:
+                step.release()
+                break
+            measured.append((m, peak))
+            if peak > budget:
+                break
+    return measured
+
+
+class _ProbeStep:
+    """Forward and backward of full-length random sequences, as a micro-step of the loop runs them (the loss's
+    backward inside autocast, scaled by the world size). A context: on entry it saves the gradients and the random
+    generators, on exit it restores both and the train/eval mode; ``run`` puts zero gradients in place first."""
+
+    def __init__(self, model, trainable, seq_len: int, info: DistInfo, precision: Precision | None) -> None:
+        self.model, self.trainable, self.seq_len, self.info, self.precision = model, trainable, seq_len, info, precision
+        self.vocab = model.get_input_embeddings().num_embeddings
+
+    def __enter__(self) -> _ProbeStep:
+        self.saved_grads = [p.grad for p in self.trainable]
+        self.was_training = self.model.training
+        cuda = [self.info.device] if self.info.device.type == "cuda" else []
+        self.rng = torch.random.fork_rng(devices=cuda)
+        self.rng.__enter__()
+        self.model.train()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p, grad in zip(self.trainable, self.saved_grads, strict=True):
+            p.grad = grad
+        self.model.train(self.was_training)
+        self.rng.__exit__(*exc)
+        if self.info.device.type == "cuda":  # the probe's cached blocks back to the device; peaks restart at training
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.info.device)
+
+    def release(self) -> None:
+        for p in self.trainable:
+            p.grad = None
+
+    def run(self, micro_batch: int) -> None:
+        # Zero gradients in place before the step, as from the second micro-step of an accumulation on: the peak
+        # then counts them (BucketedDDP's buckets hold them for the whole run).
+        for p in self.trainable:
+            p.grad = torch.zeros_like(p)
+        device = self.info.device
+        generator = torch.Generator().manual_seed(micro_batch)  # its own generator: the global ones are untouched
+        ids = torch.randint(0, self.vocab, (micro_batch, self.seq_len), generator=generator).to(device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        items = torch.tensor(float(micro_batch * (self.seq_len - 1)), device=device)
+        autocast = self.precision.autocast_context() if self.precision is not None else nullcontext()
+        with autocast:
+            loss = self.model(**batch, num_items_in_batch=items).loss
+            (loss * self.info.world_size).backward()
+        self.release()
