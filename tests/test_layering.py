@@ -44,6 +44,8 @@ LAYERS = [
     {"ddp_ft.training.setup", "ddp_ft.report.comparison", "ddp_ft.embedded", "ddp_ft.training.model.source"},
     {
         "ddp_ft.training.loop",
+        "ddp_ft.training.run",
+        "ddp_ft.training.run_log",
         "ddp_ft.training.steps",
         "ddp_ft.integrations.accelerate",
         "ddp_ft.integrations.trainer",

@@ -6,12 +6,12 @@
     ddp-ft compare runs/single runs/ddp --out runs/compare
 
 Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``,
-``ddp_ft.tools.ladder.*_cli``), the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N`` (N >
-1) the command checks its flags in this process first, so a wrong setting fails before any worker starts (one line, not
-the usage), then runs ``torchrun --standalone --nproc_per_node N -m <module> ...``'s elastic agent in this process
-(``ddp_ft.commands.launcher``): ddp-ft owns its workers, sends them the signals it receives, and ends a failure with one
-line. Under a launcher already (``torchrun -m ddp_ft train ...``: WORLD_SIZE is set) it runs in the
-launched process.
+``ddp_ft.tools.ladder.*_cli``), the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N``
+(N > 1) the command checks its flags in this process first, so a wrong setting fails before any worker starts (one
+line, not the usage), then runs ``torchrun --standalone --nproc_per_node N -m <module> ...``'s elastic agent in this
+process (``ddp_ft.commands.launcher``): ddp-ft owns its workers, sends them the signals it receives, and ends a failure
+with one line. Under a launcher already (``torchrun -m ddp_ft train ...``: WORLD_SIZE is set) it runs in the launched
+process.
 """
 
 from __future__ import annotations

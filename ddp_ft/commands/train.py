@@ -27,9 +27,10 @@ def main(
     """Parse the settings, join the process group, train (the loop writes ``run_config.yaml``), tear down.
 
     Args:
-        argv (list[str] | None): the settings' flags (``ddp_ft.training.config.build_parser``). Default:
-        ``sys.argv[1:]`` parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and
-        ignored here. prog (str | None): the command named in usage and errors. Default: the script's name
+        argv (list[str] | None): the settings' flags (``ddp_ft.training.config.build_parser``).
+            Default: ``sys.argv[1:]``
+        parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
+        prog (str | None): the command named in usage and errors. Default: the script's name
     """
     with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
         choice = choose_default(argv)

@@ -70,8 +70,9 @@ def compute_setup(
     Args:
         device (str): ``auto`` (CUDA when available), ``cuda`` (this rank's GPU, NCCL) or ``cpu`` (gloo, CUDA
             ignored). Default: auto.
-        compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32`` (``ddp_ft.training.model.precision``).
-        Default: auto. timeout_s (float): collective timeout. Default: 600.
+        compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32``
+            (``ddp_ft.training.model.precision``). Default: auto.
+        timeout_s (float): collective timeout. Default: 600.
         backend (str): ``auto`` (NCCL on CUDA, gloo on the CPU) or ``gloo`` (also on CUDA: gloo reduces CUDA
             tensors through the host, and, unlike NCCL, lets two ranks share one GPU, a test of BucketedDDP's CUDA
             events and streams with real asynchronous communication on a one-GPU host). Default: auto.

@@ -1,4 +1,5 @@
-"""Run setup shared by both entry points (the plain loop and the Trainer recipe): every check, then data, then model.
+"""The pieces both entry points (the plain loop's ``run.build_run``, the Trainer recipe) build a run from: every check,
+then data, then model.
 
 ``check_run_settings`` needs only the settings and the world size and runs before anything is touched;
 ``prepare_run`` builds tokenizer and data (every data check before the model loads); ``build_model`` loads the
@@ -235,15 +236,21 @@ def probe_run_micro_batch(
     return probe
 
 
-def prepare_run(settings: RunSettings, info: DistInfo) -> RunParts:
+def prepare_run(settings: RunSettings, info: DistInfo, checked: tuple[int, dict | str] | None = None) -> RunParts:
     """Check the settings against the world size, then build tokenizer and data; every check before the model.
+
+    Args:
+        settings (RunSettings): the run's settings.
+        info (DistInfo): this rank.
+        checked (tuple | None): what :func:`check_run_settings` returned, where the caller ran it first (the plain
+            loop's ``build_run``). Default: it runs here.
 
     Raises:
         ValueError: impossible batch arithmetic, a model-splitting device map under DDP, bad data, or fewer
             training samples than one effective batch, each naming the setting to change.
     """
     t = settings.train
-    accumulation, device_map = check_run_settings(settings, info)
+    accumulation, device_map = checked or check_run_settings(settings, info)
     model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
     tokenizer = load_tokenizer(tokenizer_path, settings.data.chat_template)
     splits = load_raw_splits(settings.data)

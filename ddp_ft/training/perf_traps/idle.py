@@ -151,8 +151,8 @@ def larger_micro_batch(
         usage (StepUsage): the measured step.
         micro_batch (int): its samples per forward.
         accumulation (int): its forwards (micro-batches).
-        margin (float): share of the device's memory kept free. Default:
-        :data:`~ddp_ft.training.model.memory.AUTO_MARGIN`.
+        margin (float): share of the device's memory kept free.
+            Default: :data:`~ddp_ft.training.model.memory.AUTO_MARGIN`.
 
     Returns:
         MicroBatchAdvice | None: None when the device was busy enough or nothing larger fits.

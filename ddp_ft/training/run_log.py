@@ -1,0 +1,126 @@
+"""What the plain loop reports while it trains: the run's identity and config record, one record per optimizer step
+(loss, throughput, rank balance, loss scale, communication, compilation), the evaluation and stop records, and rank
+0's progress bar. The records are ``ddp_ft.report.records``'; the sink writes rank 0's ``metrics.jsonl`` and wandb
+(``ddp_ft.report.metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..ddp import BucketedDDP
+from ..report.metrics import ThroughputMeter, open_metric_sink
+from ..report.records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
+from .run import Run
+from .steps import StepResult, rank_balance
+
+logger = logging.getLogger(__name__)
+
+
+class RunLog:
+    """The run's records and progress bar, opened on every rank (the collective that finds each rank's first samples
+    runs on all of them; only rank 0 writes)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        t = run.settings.train
+        self.identity = identity = run_identity(
+            t.wandb_project, t.wandb_group, t.run_name, run.settings.preset, run.info.world_size
+        )
+        config = _config_record(run, identity.name)
+        self.sink = open_metric_sink(
+            run.info, run.output_dir, identity.wandb_run(config) if t.report_to == "wandb" else None
+        )
+        self.sink.log(config)
+        self.meter = ThroughputMeter(run.info.world_size, run.info.device)  # started by the loop at each step
+        self.progress = tqdm(  # rank 0's only
+            total=run.total_steps,
+            initial=run.state.global_step,
+            disable=not run.info.is_main_process,
+            desc=identity.name,
+        )
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.choice_logged = False  # bucket_cap_mb="auto": its choice is written once
+        logger.info(
+            "%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s",
+            identity.name,
+            run.total_steps,
+            t.effective_batch,
+            run.info.world_size,
+            t.micro_batch,
+            run.accumulation,
+            run.parts.truncation,
+        )
+
+    def step(self, result: StepResult) -> None:
+        """The step's record (throughput, rank balance, loss scale, communication) to the sink and progress bar."""
+        run = self.run
+        state, wrapped = run.state, run.wrapped
+        record = train_record(
+            step=state.global_step,
+            samples_seen=state.samples_seen,
+            loss=result.loss,
+            lr=result.lr,
+            grad_norm=result.grad_norm,
+            epoch=state.epoch,
+            **self.meter.stop(result.input_tokens),
+            **rank_balance(result.compute_ms, run.info.rank),
+            **({"expected_peak_gb": run.probe.expected_peak / 1e9} if run.probe else {}),  # beside peak_mem_gb
+        )
+        if run.precision.loss_scaling:
+            record.update({"loss_scale": result.loss_scale, "skipped": int(result.skipped)})
+        if isinstance(wrapped, BucketedDDP):
+            record.update(wrapped.pop_comm_stats().as_dict())
+        record.update(run.compile_watch.snapshot() if run.compile_watch else {})
+        self.sink.log(record)
+        if isinstance(wrapped, BucketedDDP) and wrapped.bucket_choice is not None and not self.choice_logged:
+            self.sink.log(bucket_choice_record(step=state.global_step, choice=wrapped.bucket_choice))
+            self.choice_logged = True
+        self.first_loss = result.loss if self.first_loss is None else self.first_loss
+        self.last_loss = result.loss
+        self.progress.update(1)
+        self.progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def evaluation(self, eval_loss: float) -> None:
+        state = self.run.state
+        self.sink.log(eval_record(step=state.global_step, samples_seen=state.samples_seen, eval_loss=eval_loss))
+
+    def stop(self, signal: str, checkpoint: str | None) -> None:
+        state = self.run.state
+        record = {"step": state.global_step, "samples_seen": state.samples_seen, "signal": signal}
+        self.sink.log({"type": STOP, **record, "checkpoint": checkpoint})
+
+    def close(self) -> None:
+        self.progress.close()
+        self.sink.close()
+
+
+def _config_record(run: Run, name: str) -> dict:
+    """The run's config record: its layout and data, and which samples each rank starts on (proof in the log that
+    the shards follow the global rank; a collective, on every rank)."""
+    settings, info, t = run.settings, run.info, run.settings.train
+    first_indices = next(run.loader.plans(run.state.epoch))[info.rank][0]
+    all_first = [first_indices] * info.world_size
+    if info.is_distributed:
+        dist.all_gather_object(all_first, first_indices)
+    return config_record(
+        run_name=name,
+        world_size=info.world_size,
+        micro_batch=t.micro_batch,
+        accumulation=run.accumulation,
+        total_steps=run.total_steps,
+        resumed_from_step=run.state.global_step,
+        bucket_cap_mb=settings.ddp.bucket_cap_mb,
+        comm_hook=settings.ddp.comm_hook,
+        buckets=len(run.wrapped.bucket_sizes) if isinstance(run.wrapped, BucketedDDP) else 0,
+        train_samples=len(run.parts.train_set),
+        eval_samples=len(run.parts.eval_set),
+        truncation=str(run.parts.truncation),
+        preset=settings.preset,
+        first_batch_indices=all_first,
+        **({"micro_batch_probe": run.probe.as_record()} if run.probe else {}),
+    )
