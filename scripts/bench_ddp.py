@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -30,7 +28,14 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed
-from ddp_ft.tools.bench import ComputeSetup, ExposedWaitProbe, compute_setup, cpu_name, synchronize
+from ddp_ft.tools.bench import (
+    ComputeSetup,
+    ExposedWaitProbe,
+    compute_setup,
+    cpu_name,
+    exit_without_finalization,
+    synchronize,
+)
 from ddp_ft.training.model.precision import DTYPES, Precision
 from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 
@@ -299,9 +304,4 @@ def report(args, setup: ComputeSetup, samples, comm, exposed_ms, layouts, tokens
 
 if __name__ == "__main__":
     main()
-    # Done and written: leave without interpreter finalization, as tests/dist_harness.py and the GPU check's workers
-    # do. A gloo thread that releases a collective's work while the interpreter shuts down aborts the process
-    # ("terminate called without an active exception"), which would turn a finished benchmark into a failed launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization()  # done and written

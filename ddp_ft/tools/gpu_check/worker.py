@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
 from dataclasses import asdict
 from datetime import timedelta
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import destroy_distributed
-from ..bench import compute_setup
+from ..bench import compute_setup, exit_without_finalization
 from .checks import run_checks
 from .settings import GpuCheckSettings
 
@@ -67,12 +66,7 @@ def run_worker(rank: int, world_size: int, settings: GpuCheckSettings, port: int
         raise
     finally:
         destroy_distributed()
-    # Done and written: leave without interpreter finalization, as tests/dist_harness.py does. A gloo thread can
-    # release a collective's callback while the interpreter shuts down and abort the process ("terminate called
-    # without an active exception", seen here once in a few runs), which would turn a finished check into a crash.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization()  # done and written
 
 
 def merge_ranks(every_rank: list[list[dict]]) -> list[dict]:

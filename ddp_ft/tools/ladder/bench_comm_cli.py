@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -25,7 +23,7 @@ from typing import NoReturn
 import torch
 
 from ...distributed import DEVICE_CHOICES, destroy_distributed
-from ..bench import compute_setup, cpu_name
+from ..bench import compute_setup, cpu_name, exit_without_finalization
 from .bench_comm import (
     FAVOURED_FRACTION,
     METHODS,
@@ -132,12 +130,9 @@ def report(args: argparse.Namespace, setup, rows) -> None:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """Run, then leave without interpreter finalization (see scripts/bench_ddp.py): a gloo thread releasing a
-    future's callback while the interpreter shuts down would abort a finished run."""
+    """Run, then leave without interpreter finalization (``exit_without_finalization``)."""
     run(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization()
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ the table (``.md``) and a PNG beside ``--out``. How each column is measured on C
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ..bench import exit_without_finalization
 from .measure import (
     WORKLOADS,
     Stepper,
@@ -115,12 +115,9 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """Run, then leave without interpreter finalization (see scripts/bench_ddp.py): a gloo thread releasing a
-    future's callback while the interpreter shuts down would abort a finished run."""
+    """Run, then leave without interpreter finalization (``exit_without_finalization``)."""
     run(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ min..max of the repeats), as a markdown table, JSON, and a PNG of buckets agains
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import torch
 
 from ...ddp import ParamSpec, compute_bucket_assignment
 from ...ddp.autotune import AUTO
+from ..bench import exit_without_finalization
 from .measure import (
     WORKLOADS,
     Stepper,
@@ -167,12 +167,9 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
-    """Run, then leave without interpreter finalization (see scripts/bench_ddp.py): a gloo thread releasing a
-    future's callback while the interpreter shuts down would abort a finished run."""
+    """Run, then leave without interpreter finalization (``exit_without_finalization``)."""
     run(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_finalization()
 
 
 if __name__ == "__main__":
