@@ -77,12 +77,12 @@ def main(
 def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_unused: str = "trainer") -> None:
     """Check, prepare the output folder and the trainer, write run_config.yaml, train, then evaluate and save."""
     output_dir = settings.train.output_dir
-    check_run_settings(settings, info)  # before anything is touched
+    checked = check_run_settings(settings, info)  # before anything is touched; once
     check_stock_settings(settings, trainer_name, stock_find_unused)
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-    trainer = build_trainer(settings, info, trainer_name, stock_find_unused)
+    trainer = build_trainer(settings, info, trainer_name, stock_find_unused, checked)
     write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
     trainer.train(resume_from_checkpoint=resume)
     if getattr(trainer, "stopped_by", None):  # a stock trainer has no stop handling

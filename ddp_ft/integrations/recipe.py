@@ -45,7 +45,11 @@ TRAINERS = ("hf", "trl", *STOCK_TRAINERS)  # the recipe's --trainer (see build_t
 
 
 def build_trainer(
-    settings: RunSettings, info: DistInfo, trainer: str = "hf", stock_find_unused: str = "trainer"
+    settings: RunSettings,
+    info: DistInfo,
+    trainer: str = "hf",
+    stock_find_unused: str = "trainer",
+    checked: tuple[int, dict | str] | None = None,
 ) -> BucketedTrainer:
     """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
 
@@ -59,6 +63,8 @@ def build_trainer(
             the runs ddp_ft is measured against. Default: hf
         stock_find_unused (str): torch DDP's ``find_unused_parameters`` for a stock trainer: ``trainer`` (the
             Trainer's own choice), ``true`` or ``false``. Default: trainer
+        checked (tuple | None): what ``check_run_settings`` returned, where the caller ran it first (the recipe's
+            command). Default: it runs here.
 
     Raises:
         ValueError: before the model loads, for an unknown ``trainer``, an Accelerate launch setting the recipe cannot
@@ -72,7 +78,7 @@ def build_trainer(
     check_stock_settings(settings, trainer, stock_find_unused)
     t = settings.train
     precision = trainer_precision(settings, info)
-    parts = prepare_run(settings, info)
+    parts = prepare_run(settings, info, checked)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
     probe = probe_as_the_trainer_trains(model, settings, info, trainer) if settings.micro_batch_auto else None
