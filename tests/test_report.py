@@ -14,10 +14,10 @@ from ddp_ft.report.comparison import (
     compare_runs,
     log_report_to_wandb,
     markdown_table,
-    resolve_wandb_mode,
     summarize_run,
     write_report,
 )
+from ddp_ft.report.metrics import resolve_wandb_mode
 
 from .dist_harness import PYTHONPATH
 

@@ -16,7 +16,6 @@ One module per part, each importing only the ones before it:
 * ``files``: :func:`load_run` and :func:`write_report`, the thin I/O around the rest.
 """
 
-from ..metrics import resolve_wandb_mode
 from .files import load_run, write_report
 from .render import TOKENS_NOTE, comparison_figure, markdown_table, plot_comparison, summary_lines, table_rows
 from .summary import MEMORY_METRICS, Comparison, LossCurve, RunSummary, compare_runs, loss_curve, summarize_run
@@ -37,7 +36,6 @@ __all__ = [
     "markdown_table",
     "plot_comparison",
     "records_from_wandb",
-    "resolve_wandb_mode",  # tests import it from here, as before the split
     "summarize_run",
     "summary_lines",
     "table_rows",
