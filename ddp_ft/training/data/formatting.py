@@ -1,6 +1,8 @@
-"""Chat formatting and truncation: a (dialogue, summary) pair becomes prompt and answer ids through the tokenizer's
-chat template (its own, ChatML or the plain one: ``ddp_ft.training.data.tokenizer``), cut to ``max_seq_len`` in the
-middle of the transcript, with loss only on the answer."""
+"""Standard rows into training samples, through the tokenizer's chat template (its own, ChatML or the plain one:
+``ddp_ft.training.data.tokenizer``), with loss only on the answers.
+
+A (dialogue, summary) pair is cut to ``max_seq_len`` in the middle of its transcript. A conversation keeps its system
+prompt and its last whole turns (``ddp_ft.training.data.conversation``), a text is split into windows."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .conversation import fit_completion, fit_conversation, text_windows
 from .settings import (
     DEFAULT_KEEP_PROMPT_HEAD,
     DEFAULT_KEEP_PROMPT_TAIL,
@@ -91,30 +94,49 @@ def truncate_example(
 
 @dataclass(frozen=True)
 class TruncationReport:
-    """How many samples ``tokenize_dataset`` had to cut."""
+    """How many samples ``tokenize_dataset`` had to cut, drop or split.
+
+    Args:
+        samples (int): samples made.
+        prompt_cut (int): prompts cut in their middle.
+        answer_cut (int): answers cut at their end.
+        max_len (int): ``max_seq_len``.
+        longest (int): tokens of the longest sample before cutting.
+        turns_cut (int): conversations that lost their first turns.
+        dropped (int): rows left with no answer token, not trained.
+        texts_split (int): texts split into several windows.
+    """
 
     samples: int
     prompt_cut: int
     answer_cut: int
     max_len: int
-    longest: int = field(default=0, compare=False)  # prompt + answer tokens of the longest sample, before cutting
+    longest: int = field(default=0, compare=False)
+    turns_cut: int = 0
+    dropped: int = 0
+    texts_split: int = 0
 
     def __str__(self) -> str:
+        extra = f", {self.turns_cut} conversations lost their first turns" if self.turns_cut else ""
+        extra += f", {self.dropped} dropped with no answer token left" if self.dropped else ""
+        extra += f", {self.texts_split} texts split into windows" if self.texts_split else ""
         return (
             f"{self.samples} samples, {self.prompt_cut} prompts and {self.answer_cut} answers cut to "
-            f"{self.max_len} tokens"
+            f"{self.max_len} tokens{extra}"
         )
 
     def advice(self) -> str | None:
         """What a cut costs and the setting that avoids it, when any sample was cut; None when none was."""
-        if not (self.prompt_cut or self.answer_cut):
+        cuts = (self.prompt_cut, self.answer_cut, self.turns_cut, self.dropped)
+        if not (any(cuts) or self.texts_split):
             return None
-        share = max(self.prompt_cut, self.answer_cut) / self.samples
+        share = max(cuts) / max(1, self.samples + self.dropped)
         return (
             f"{self} ({share:.0%} of the training samples; the longest has {self.longest} tokens): a cut prompt "
-            "loses the middle of its input, a cut answer its end, so the model learns answers without the text they "
-            f"came from. If the cut part matters, raise --max-seq-len (up to {self.longest} keeps every sample "
-            "whole; memory per micro-batch grows with it) or shorten the inputs (docs/own_data.md)."
+            "loses the middle of its input or a conversation its first turns, a cut answer its end, so the model "
+            "learns answers without the text they came from. If the cut part matters, raise --max-seq-len (up to "
+            f"{self.longest} keeps every sample whole; memory per micro-batch grows with it) or shorten the inputs "
+            "(docs/own_data.md)."
         )
 
 
@@ -173,13 +195,12 @@ def _encode_batch(batch, tokenizer, instruction, max_len, head, tail, min_prompt
 
 
 def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
-    """Chat-format, tokenize and truncate ``raw`` (columns ``dialogue``, ``summary``) into training samples.
+    """Tokenize standard rows (``load_raw_splits``) into training samples of at most ``max_seq_len`` tokens.
 
-    The user turn is ``f"{instruction}\\n\\n{dialogue}"``, the assistant turn the summary. Prompt ids come from
-    ``apply_chat_template(user turn, add_generation_prompt=True)``, answer ids are what the full conversation
-    adds after them (so the answer includes the template's end-of-turn tokens, and the model learns to stop).
-    Truncation: ``truncate_example`` with head/tail = template overhead + 16/8 transcript tokens and
-    ``min_prompt_tokens = max_seq_len // 2``.
+    The shape is read from the columns. A pair's user turn is ``f"{instruction}\\n\\n{dialogue}"`` and its answer
+    the summary, cut by ``truncate_example``. A conversation is trained on its answers, fitted by
+    ``fit_conversation``; a plain completion as TRL encodes it; a text in windows, every token trained. An answer
+    includes the template's end of turn, so the model learns to stop.
 
     Args:
         raw (datasets.Dataset): from ``load_raw_splits``.
@@ -194,6 +215,64 @@ def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
     Raises:
         ValueError: ``max_seq_len`` too small for this tokenizer's template (naming the minimum).
     """
+    if len(raw) == 0:
+        empty = raw.select_columns([]).add_column("input_ids", []).add_column("labels", [])
+        return empty, TruncationReport(0, 0, 0, settings.max_seq_len)
+    if "summary" in raw.column_names:
+        return _tokenize_pairs(raw, tokenizer, settings, num_proc)
+    ds = raw.map(
+        _encode_rows,
+        batched=True,
+        batch_size=64,
+        fn_kwargs={"tokenizer": tokenizer, "max_len": settings.max_seq_len},
+        remove_columns=raw.column_names,
+        num_proc=num_proc if num_proc > 1 else None,
+        desc="Tokenizing",
+    )
+    kept = ds.filter(lambda n: n > 0, input_columns="kept_len")
+    stats = {key: ds[key] for key in ("turns_cut", "answer_cut", "split", "full_len")}
+    report = TruncationReport(
+        samples=len(kept),
+        prompt_cut=0,
+        answer_cut=sum(stats["answer_cut"]),
+        max_len=settings.max_seq_len,
+        longest=max(stats["full_len"]),
+        turns_cut=sum(n > 0 for n in stats["turns_cut"]),
+        dropped=len(ds) - len(kept),
+        texts_split=sum(stats["split"]),
+    )
+    logger.info("tokenized %s: %s", settings.source, report)
+    return kept.select_columns(["input_ids", "labels"]), report
+
+
+def _encode_rows(batch, tokenizer, max_len):
+    """A batch of conversations, completions or texts as samples; a row with no answer left has ``kept_len`` 0."""
+    out = {key: [] for key in ("input_ids", "labels", "turns_cut", "answer_cut", "split", "full_len", "kept_len")}
+
+    def add(ids, labels, full_len, turns_cut=0, answer_cut=False, split=False):
+        values = (ids, labels, turns_cut, answer_cut, split, full_len, len(ids))
+        for key, value in zip(out, values, strict=True):
+            out[key].append(value)
+
+    if "text" in batch:
+        for text in batch["text"]:
+            windows = text_windows(tokenizer, text, max_len)
+            for n, window in enumerate(windows):
+                add(window, window, len(window), split=n == 1)
+        return out
+    if "completion" in batch:
+        pairs = zip(batch["prompt"], batch["completion"], strict=True)
+        samples = [fit_completion(tokenizer, p, c, max_len) for p, c in pairs]
+    else:
+        rows = zip(batch["messages"], batch["loss_from"], strict=True)
+        samples = [fit_conversation(tokenizer, m, start, max_len) for m, start in rows]
+    for s in samples:
+        add(s.input_ids, s.labels, s.full_len, s.turns_cut, s.answer_cut)
+    return out
+
+
+def _tokenize_pairs(raw, tokenizer, settings: DataSettings, num_proc: int):
+    """(dialogue, summary) pairs: prompt and answer through the chat template, the transcript cut in its middle."""
     before, after = template_overhead(tokenizer, settings.instruction)
     head, tail = before + HEAD_DIALOGUE_TOKENS, after + TAIL_DIALOGUE_TOKENS
     minimum = head + tail + MIN_ANSWER_TOKENS
@@ -203,9 +282,6 @@ def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
             f"prompt head takes {head} tokens and the tail {tail}; use max_seq_len >= {minimum} "
             f"(room for {MIN_ANSWER_TOKENS} answer tokens) or a shorter instruction."
         )
-    if len(raw) == 0:
-        empty = raw.select_columns([]).add_column("input_ids", []).add_column("labels", [])
-        return empty, TruncationReport(0, 0, 0, settings.max_seq_len)
     kwargs = dict(
         tokenizer=tokenizer,
         instruction=settings.instruction,

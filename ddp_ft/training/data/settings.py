@@ -1,4 +1,4 @@
-"""Where the (dialogue, summary) pairs come from and how they become samples: ``DataSettings`` and the data constants."""
+"""Where the training rows come from and how they become samples: ``DataSettings`` and the data constants."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from ...ddp.autotune import AUTO
 from ...ddp.ranges import check_ranges
 from ..ranges import DATA_RANGES
+from .formats import FORMAT_NAMES
 from .tokenizer import CHAT_TEMPLATES
 
 IGNORE_INDEX = -100
@@ -24,23 +25,43 @@ DEFAULT_KEEP_PROMPT_HEAD = 32
 DEFAULT_KEEP_PROMPT_TAIL = 16
 MIN_ANSWER_TOKENS = 16
 MIN_MAX_SEQ_LEN = DEFAULT_KEEP_PROMPT_HEAD + DEFAULT_KEEP_PROMPT_TAIL + MIN_ANSWER_TOKENS
+DEFAULT_INSTRUCTION = "Summarize the following meeting transcript."
 
 
 @dataclass
 class DataSettings:
-    """Where the (dialogue, summary) pairs come from and how they become training samples and batches."""
+    """Where the training rows come from and how they become training samples and batches."""
 
     source: str = field(
         default="knkarthick/AMI",
-        metadata={"help": "Hub dataset id, a local .jsonl/.json/.csv/.parquet file, or 'synthetic' (embedded)."},
+        metadata={
+            "help": "Hub dataset id, a local .jsonl/.json/.csv/.parquet file, a folder of them, or 'synthetic' "
+            "(embedded)."
+        },
     )
-    dialogue_column: str = field(default="dialogue", metadata={"help": "Column holding the transcript."})
-    summary_column: str = field(default="summary", metadata={"help": "Column holding the reference summary."})
+    format: str = field(
+        default="auto",
+        metadata={
+            "help": "The rows' format: auto (found from the columns, logged), pair (--dialogue-column, "
+            "--summary-column), messages, sharegpt (conversations), alpaca (instruction, input, output), "
+            "prompt_completion, or text (loss on every token)."
+        },
+    )
+    dialogue_column: str = field(default="dialogue", metadata={"help": "Pair format: the column holding the input."})
+    summary_column: str = field(
+        default="summary", metadata={"help": "Pair format: the column holding the answer to learn."}
+    )
     split: str = field(default="train", metadata={"help": "Split to train on (local files have only 'train')."})
     eval_split: str | None = field(
         default="validation",
         metadata={
             "help": "Split to evaluate on; if the source lacks it (or None), eval_fraction of train is held out."
+        },
+    )
+    eval_source: str | None = field(
+        default=None,
+        metadata={
+            "help": "A separate .jsonl/.json/.csv/.parquet file to evaluate on, in the training source's format."
         },
     )
     eval_fraction: float = field(
@@ -61,8 +82,8 @@ class DataSettings:
     # Not `seed`: one flag namespace holds every settings dataclass, and TrainSettings.seed owns --seed.
     data_seed: int = field(default=0, metadata={"help": "Seed of the synthetic data and of the eval hold-out."})
     instruction: str = field(
-        default="Summarize the following meeting transcript.",
-        metadata={"help": "Instruction put before the transcript in the user turn."},
+        default=DEFAULT_INSTRUCTION,
+        metadata={"help": "Pair format: the instruction put before the input in the user turn."},
     )
     chat_template: str = field(
         default="auto",
@@ -94,6 +115,12 @@ class DataSettings:
             )
         if self.eval_split == "":
             raise ValueError("DataSettings.eval_split is empty: give a split name or None (hold out eval_fraction).")
+        if self.eval_split and (Path(self.eval_split).suffix.lower() in FILE_BUILDERS or "/" in self.eval_split):
+            raise ValueError(
+                f"DataSettings.eval_split={self.eval_split!r} looks like a path, but it names a split of the source: "
+                "give a separate evaluation file with --eval-source instead."
+            )
+        self._check_format()
         if self.max_seq_len < MIN_MAX_SEQ_LEN:
             raise ValueError(
                 f"DataSettings.max_seq_len={self.max_seq_len}: must be >= {MIN_MAX_SEQ_LEN}, the least that holds "
@@ -109,9 +136,43 @@ class DataSettings:
                 f"{', '.join(CHAT_TEMPLATES)} nor an existing Jinja file; give a choice or the path of a file."
             )
 
+    def _check_format(self) -> None:
+        if self.format not in FORMAT_NAMES:
+            raise ValueError(
+                f"DataSettings.format={self.format!r} (--format): choose one of {', '.join(FORMAT_NAMES)}."
+            )
+        if self.format != "auto":
+            self.check_format_settings(self.format)
+
+    def check_format_settings(self, name: str) -> None:
+        """Refuse the pair's settings, given for a source in format ``name``, where they would be dropped.
+
+        Raises:
+            ValueError: naming the settings and the format.
+        """
+        if name == "pair":
+            return
+        given = [f"--{name.replace('_', '-')}" for name in ("dialogue_column", "summary_column") if self._changed(name)]
+        given += ["--instruction"] if self.instruction != DEFAULT_INSTRUCTION else []
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} set for data in the {name} format: they shape the pair format only, and a "
+                f"{name} row carries its own prompt. Drop them, or use --format pair."
+            )
+
+    def _changed(self, name: str) -> bool:
+        return getattr(self, name) != type(self).__dataclass_fields__[name].default
+
+    @property
+    def pair_columns_set(self) -> bool:
+        """Whether the pair's columns were named, which picks the pair format."""
+        return self._changed("dialogue_column") or self._changed("summary_column")
+
     @property
     def source_kind(self) -> str:
-        """'synthetic', 'file' (a known file extension) or 'hub' (anything else, also a local dataset folder)."""
+        """'synthetic', 'file' (a known file extension), 'folder' (a local folder) or 'hub' (anything else)."""
         if self.source == SYNTHETIC:
             return "synthetic"
-        return "file" if Path(self.source).suffix.lower() in FILE_BUILDERS else "hub"
+        if Path(self.source).suffix.lower() in FILE_BUILDERS:
+            return "file"
+        return "folder" if Path(self.source).expanduser().is_dir() else "hub"

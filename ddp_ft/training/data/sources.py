@@ -1,11 +1,13 @@
-"""Sources: a hub id, a local file or the embedded synthetic meetings, as ``train`` and ``eval`` splits of
-``dialogue``/``summary`` columns, every check before a model loads."""
+"""Sources: a hub id, a local file or folder, or the embedded synthetic meetings, as ``train`` and ``eval`` splits of
+standard rows (``ddp_ft.training.data.formats``), every check before a model loads."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
+from .folders import file_columns, folder_files
+from .formats import DataFormat, has_answer, resolve_format, standard_rows
 from .settings import FILE_BUILDERS, DataSettings
 from .synthetic import generate_synthetic_meetings
 
@@ -13,50 +15,88 @@ logger = logging.getLogger(__name__)
 
 
 def check_local_file(settings: DataSettings) -> Path | None:
-    """A local data file that exists and is not empty (``ddp-ft`` checks it before any worker starts); None for a
-    source that is no file.
+    """A local data file or folder that exists and is not empty (``ddp-ft`` checks it before any worker starts),
+    and the eval source's file; None for a source that is neither.
 
     Raises:
-        FileNotFoundError: no such file, naming ``--source``.
-        ValueError: an empty file.
+        FileNotFoundError: no such file, naming ``--source`` or ``--eval-source``.
+        ValueError: an empty file, or a folder whose files cannot be read as one source.
     """
-    if settings.source_kind != "file":
-        return None
-    path = Path(settings.source).expanduser()
+    if settings.eval_source is not None:
+        _existing_file(settings.eval_source, "eval_source")
+    if settings.source_kind == "folder":
+        folder = Path(settings.source).expanduser()
+        _one_format(folder_files(folder), settings, folder)
+        return folder
+    return _existing_file(settings.source, "source") if settings.source_kind == "file" else None
+
+
+def _existing_file(source: str, name: str) -> Path:
+    path = Path(source).expanduser()
+    flag = f"--{name.replace('_', '-')}"
     if not path.is_file():
         raise FileNotFoundError(
-            f"DataSettings.source={settings.source!r}: no such file (resolved to {path.resolve()}); "
-            "fix --source or use a hub dataset id or 'synthetic'."
+            f"DataSettings.{name}={source!r}: no such file (resolved to {path.resolve()}); fix {flag}"
+            + (" or use a hub dataset id or 'synthetic'." if name == "source" else ".")
         )
+    if path.suffix.lower() not in FILE_BUILDERS:
+        raise ValueError(f"DataSettings.{name}={source!r}: {flag} takes a {', '.join(FILE_BUILDERS)} file.")
     if path.stat().st_size == 0:
-        raise ValueError(f"DataSettings.source={settings.source!r}: the file is empty (split 'train' has no rows).")
+        raise ValueError(f"DataSettings.{name}={source!r}: the file is empty (split 'train' has no rows).")
     return path
 
 
+def _one_format(files: dict[str, list[Path]], settings: DataSettings, folder: Path) -> None:
+    """Refuse a folder whose files are in several formats, naming them; log what it will read."""
+    formats: dict[str, list[str]] = {}
+    for paths in files.values():
+        for path in paths:
+            columns = file_columns(path)
+            where = f"--source {folder}: {path.relative_to(folder)}"
+            formats.setdefault(resolve_format(dict.fromkeys(columns), settings, where).name, []).append(path.name)
+    if len(formats) > 1:
+        shown = "; ".join(f"{name}: {', '.join(names)}" for name, names in formats.items())
+        raise ValueError(f"--source {folder}: its files are in several formats ({shown}); keep one format.")
+    listed = "; ".join(
+        f"{split}: {', '.join(str(p.relative_to(folder)) for p in paths)}" for split, paths in files.items()
+    )
+    logger.info("--source %s reads %s", folder, listed)
+
+
+def _read(builder: str, data_files: dict[str, list[str]], where: str, cache_dir: str | None):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(builder, data_files=data_files, cache_dir=cache_dir)
+    except Exception as err:  # e.g. a CSV with only a header: "corresponds to no data"
+        raise ValueError(
+            f"{where}: no rows could be read as {builder} (empty or malformed file?): {type(err).__name__}: {err}"
+        ) from err
+
+
 def _load_source(settings: DataSettings, cache_dir: str | None):
-    """The source as a DatasetDict (files and synthetic data have one split, 'train')."""
+    """The source as a DatasetDict (a file and the synthetic data have one split, 'train')."""
     from datasets import Dataset, DatasetDict, load_dataset
 
     kind = settings.source_kind
     if kind == "synthetic":
         rows = generate_synthetic_meetings(settings.num_synthetic, settings.data_seed)
         return DatasetDict({"train": Dataset.from_list(rows)})
+    where = f"DataSettings.source={settings.source!r}"
     if kind == "file":
         path = check_local_file(settings)
-        builder = FILE_BUILDERS[path.suffix.lower()]
-        try:
-            return load_dataset(builder, data_files={"train": str(path)}, cache_dir=cache_dir)
-        except Exception as err:  # e.g. a CSV with only a header: "corresponds to no data"
-            raise ValueError(
-                f"DataSettings.source={settings.source!r}: no rows could be read as {builder} (empty or malformed "
-                f"file?): {type(err).__name__}: {err}"
-            ) from err
+        return _read(FILE_BUILDERS[path.suffix.lower()], {"train": [str(path)]}, where, cache_dir)
+    if kind == "folder":
+        files = folder_files(Path(settings.source).expanduser())
+        _one_format(files, settings, Path(settings.source).expanduser())
+        builder = FILE_BUILDERS[files["train"][0].suffix.lower()]
+        return _read(builder, {split: [str(p) for p in paths] for split, paths in files.items()}, where, cache_dir)
     try:
         return load_dataset(settings.source, cache_dir=cache_dir)
     except Exception as err:  # re-raised with the setting to change
         raise RuntimeError(
-            f"DataSettings.source={settings.source!r}: could not load it as a hub dataset or local dataset folder "
-            f"({type(err).__name__}: {err}). Offline? Use a local .jsonl/.json/.csv/.parquet file or 'synthetic'."
+            f"{where}: could not load it as a hub dataset ({type(err).__name__}: {err}). Offline? Use a local "
+            ".jsonl/.json/.csv/.parquet file, a folder of them, or 'synthetic'."
         ) from err
 
 
@@ -67,46 +107,46 @@ def _check_columns(ds, settings: DataSettings, split: str) -> None:
         what = "; ".join(f"{col!r} (--{name.replace('_', '-')}, DataSettings.{name})" for name, col in missing.items())
         raise ValueError(
             f"DataSettings.source={settings.source!r}, split {split!r}: missing column(s) {what}. Available columns: "
-            f"{ds.column_names}. Set the setting to the column that holds the transcript / summary."
+            f"{ds.column_names}. Set the setting to the column that holds the transcript / summary, or name "
+            "another format with --format (docs/own_data.md)."
         )
 
 
-def _non_empty(batch: dict[str, list]) -> list[bool]:
-    pairs = zip(batch["dialogue"], batch["summary"], strict=True)
-    return [bool(str(d or "").strip() and str(s or "").strip()) for d, s in pairs]
-
-
-def _standardise(ds, settings: DataSettings, split: str):
-    """Keep the two columns, named ``dialogue`` and ``summary``; drop rows where either is empty."""
+def _standardise(ds, fmt: DataFormat, settings: DataSettings, split: str):
+    """The split's rows in their standard shape; rows with nothing to learn dropped, with a warning."""
+    where = f"DataSettings.source={settings.source!r}, split {split!r}"
     if len(ds) == 0:
-        raise ValueError(f"DataSettings.source={settings.source!r}: split {split!r} is empty; nothing to train on.")
-    _check_columns(ds, settings, split)
-    ds = ds.select_columns([settings.dialogue_column, settings.summary_column])
-    renames = {settings.dialogue_column: "dialogue", settings.summary_column: "summary"}
-    ds = ds.rename_columns({k: v for k, v in renames.items() if k != v})
+        raise ValueError(f"{where} is empty; nothing to train on.")
+    if fmt.name == "pair":
+        _check_columns(ds, settings, split)
+    else:
+        resolve_format(ds.features, settings, where)  # the format's columns are there
+    try:
+        ds = ds.map(standard_rows, batched=True, fn_kwargs={"fmt": fmt}, remove_columns=ds.column_names)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     before = len(ds)
-    ds = ds.filter(_non_empty, batched=True)
+    ds = ds.filter(has_answer, batched=True)
     if len(ds) < before:
         logger.warning(
-            "split %r: dropped %d of %d rows with an empty dialogue or summary", split, before - len(ds), before
+            "split %r: dropped %d of %d rows with nothing to learn (an empty answer)", split, before - len(ds), before
         )
     if len(ds) == 0:
-        raise ValueError(
-            f"DataSettings.source={settings.source!r}: all {before} rows of split {split!r} have an empty dialogue "
-            "or summary."
-        )
+        empty = "an empty dialogue or summary" if fmt.name == "pair" else "no answer to learn"
+        raise ValueError(f"DataSettings.source={settings.source!r}: all {before} rows of split {split!r} have {empty}.")
     return ds
 
 
 def load_raw_splits(settings: DataSettings, cache_dir: str | None = None):
-    """Load ``settings.source`` as a DatasetDict with ``train`` and ``eval``, columns ``dialogue`` and ``summary``.
+    """Load ``settings.source`` as a DatasetDict with ``train`` and ``eval`` in the source's standard shape.
 
-    The eval split is ``settings.eval_split`` when the source has it; otherwise (and when it is None)
-    ``eval_fraction`` of train is held out, the same rows for the same seed (0: an empty eval split).
-    Every check runs here, before any model is loaded.
+    The format is the one ``--format`` names or the one the training split's columns show, logged once; the eval
+    rows must be in it too. They come from ``eval_source``, else the source's ``eval_split``, else ``eval_fraction``
+    of train is held out, the same rows for the same seed (0: an empty eval split). Every check runs here, before
+    any model is loaded.
 
     Args:
-        settings (DataSettings): the source, columns, splits and seed.
+        settings (DataSettings): the source, its format, splits and seed.
         cache_dir (str | None): ``datasets`` cache folder. Default: None (the ``datasets`` default)
 
     Returns:
@@ -114,7 +154,7 @@ def load_raw_splits(settings: DataSettings, cache_dir: str | None = None):
 
     Raises:
         FileNotFoundError: a local file that does not exist.
-        ValueError: a missing split or column (naming the setting to change), an empty split.
+        ValueError: a missing split or column, an unknown format, an empty split; naming the setting to change.
         RuntimeError: a hub dataset that cannot be loaded (e.g. offline).
     """
     from datasets import DatasetDict
@@ -124,21 +164,45 @@ def load_raw_splits(settings: DataSettings, cache_dir: str | None = None):
         raise ValueError(
             f"DataSettings.split={settings.split!r} not in {settings.source!r}; available splits: {list(source)}."
         )
-    train = _standardise(source[settings.split], settings, settings.split)
-    if settings.eval_split and settings.eval_split in source and settings.eval_split != settings.split:
-        evaluation = _standardise(source[settings.eval_split], settings, settings.eval_split)
-    elif settings.eval_fraction == 0.0:
-        evaluation = train.select([])
-    else:
-        n_eval = max(1, round(settings.eval_fraction * len(train)))
-        if n_eval >= len(train):
-            raise ValueError(
-                f"DataSettings.eval_fraction={settings.eval_fraction}: holding out {n_eval} of {len(train)} rows "
-                "leaves nothing to train on; lower it or give an eval_split."
+    raw_train = source[settings.split]
+    fmt = resolve_format(raw_train.features, settings, f"DataSettings.source={settings.source!r}")
+    settings.check_format_settings(fmt.name)
+    logger.info("data format %s: %s", fmt.describe(), "--format" if settings.format != "auto" else "from its columns")
+    train = _standardise(raw_train, fmt, settings, settings.split)
+    return DatasetDict(dict(zip(("train", "eval"), _with_eval(source, train, fmt, settings, cache_dir), strict=True)))
+
+
+def _with_eval(source, train, fmt: DataFormat, settings: DataSettings, cache_dir: str | None):
+    """(train, eval): eval from ``eval_source``, the source's ``eval_split``, or held out of ``train``."""
+    if settings.eval_source is not None:
+        if settings.eval_split in source and settings.eval_split != settings.split:
+            if settings.eval_split != "validation":
+                raise ValueError(
+                    f"DataSettings.eval_source={settings.eval_source!r} and eval_split={settings.eval_split!r} both "
+                    "name what to evaluate on: keep one."
+                )
+            logger.warning(
+                "--eval-source %s is evaluated on, not the source's split 'validation'", settings.eval_source
             )
-        parts = train.train_test_split(test_size=n_eval, shuffle=True, seed=settings.data_seed)
-        train, evaluation = parts["train"], parts["test"]
-        logger.info(
-            "no eval split %r: held out %d train rows (seed %d)", settings.eval_split, n_eval, settings.data_seed
+        path = _existing_file(settings.eval_source, "eval_source")
+        where = f"DataSettings.eval_source={settings.eval_source!r}"
+        rows = _read(FILE_BUILDERS[path.suffix.lower()], {"train": [str(path)]}, where, cache_dir)["train"]
+        return train, _standardise(rows, fmt, settings, f"eval_source {path.name}")
+    if settings.eval_split and settings.eval_split in source and settings.eval_split != settings.split:
+        return train, _standardise(source[settings.eval_split], fmt, settings, settings.eval_split)
+    if settings.eval_split != "validation" and settings.eval_split is not None:
+        raise ValueError(
+            f"DataSettings.eval_split={settings.eval_split!r} not in {settings.source!r}; available splits: "
+            f"{list(source)}. Name one of them, give a file with --eval-source, or hold out --eval-fraction."
         )
-    return DatasetDict({"train": train, "eval": evaluation})
+    if settings.eval_fraction == 0.0:
+        return train, train.select([])
+    n_eval = max(1, round(settings.eval_fraction * len(train)))
+    if n_eval >= len(train):
+        raise ValueError(
+            f"DataSettings.eval_fraction={settings.eval_fraction}: holding out {n_eval} of {len(train)} rows "
+            "leaves nothing to train on; lower it or give an eval_split."
+        )
+    parts = train.train_test_split(test_size=n_eval, shuffle=True, seed=settings.data_seed)
+    logger.info("no eval split %r: held out %d train rows (seed %d)", settings.eval_split, n_eval, settings.data_seed)
+    return parts["train"], parts["test"]
