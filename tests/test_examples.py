@@ -196,3 +196,17 @@ def test_sbatch_requeues_after_a_stop_only(tmp_path, stop, rc, requeued, exit_co
     code, _, scontrol_log = _run_sbatch(tmp_path, stop=stop, rc=rc)
     assert (scontrol_log == "requeue 4242\n") is requeued, scontrol_log
     assert code == exit_code
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_chat_example_trains_on_messages_at_two_ranks(tmp_path):
+    """examples/chat_messages.sh as its header says: the messages format found from the columns, 2 ranks, a
+    checkpoint with the adapter."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": PYTHONPATH}
+    command = ["bash", str(ROOT / "examples" / "chat_messages.sh"), "--max-steps", "2", "--report-to", "none"]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-6000:]
+    assert "data format messages (messages): from its columns" in run.stderr
+    assert "2 ranks x micro-batch" in run.stderr
+    assert (tmp_path / "runs" / "chat_messages" / "ddp_ft-checkpoint-2" / "adapter").is_dir()
