@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ddp_ft.report.metrics import read_jsonl, timeline
+from ddp_ft.training.checkpoint import resolve_checkpoint
 
 from .dist_harness import PYTHONPATH, processes_running_with, run_distributed
 
@@ -52,26 +53,46 @@ def _ctrl_c_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _signalled(command: list[str], out: Path, sig: signal.Signals, whole_group: bool) -> tuple[int, str]:
-    """Start ``command`` as a terminal starts a job (its own process group), send ``sig`` once step 1 is logged (to
-    the group, as Ctrl-C is, or to the ddp-ft process alone); its exit status and output."""
+def _signalled(
+    command: list[str], out: Path, sig: signal.Signals, whole_group: bool, console_dies: bool = False
+) -> tuple[int, str]:
+    """Start ``command`` as a terminal starts ``command | tee`` (a process group of its own, its output piped to a
+    reader process), send ``sig`` once step 1 is logged (to the group, as Ctrl-C is, or to the ddp-ft process alone);
+    its exit status and what the reader got. ``console_dies``: the reader is killed first, as Ctrl-C ends ``tee``."""
+    console = out.parent / "console.txt"
+    read, write = os.pipe()
+    with console.open("wb") as sink:
+        reader = subprocess.Popen(["cat"], stdin=read, stdout=sink)
     job = subprocess.Popen(
         command,
         cwd=out.parent,
         env=_env(),
         start_new_session=True,
         preexec_fn=_ctrl_c_as_in_a_terminal,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stdout=write,
+        stderr=write,
     )
-    deadline = time.monotonic() + 240
-    while _steps(out) < 1 and job.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert job.poll() is None, job.communicate()[0].decode()[-6000:]
-    os.killpg(job.pid, sig) if whole_group else job.send_signal(sig)
-    output = job.communicate(timeout=120)[0].decode()
+    os.close(read)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + 240
+        while _steps(out) < 1 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.poll() is None, console.read_text(errors="replace")[-6000:]
+        if console_dies:
+            reader.kill()
+            reader.wait()
+        os.killpg(job.pid, sig) if whole_group else job.send_signal(sig)
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        try:
+            reader.wait(timeout=30)  # its input ends once ddp-ft and every rank closed the pipe
+        except subprocess.TimeoutExpired:
+            reader.kill()
     assert not processes_running_with(str(out)), "a worker outlived ddp-ft"
-    return job.returncode, output
+    return job.returncode, console.read_text(errors="replace")
 
 
 def _stopped_cleanly(output: str, checkpoint: Path, last_line: str) -> None:
@@ -116,6 +137,21 @@ def test_ctrl_c_to_ddp_ft_train_stops_both_ranks_with_one_checkpoint_and_the_res
     ]
     records = timeline(read_jsonl(interrupted / "metrics.jsonl"))
     assert [(r["step"], r["samples_seen"], r["loss"]) for r in records if r["type"] == "train"] == expected
+
+
+def test_ctrl_c_under_a_dead_pipe_saves_and_logs_the_stop(tmp_path):
+    """``ddp-ft train ... | tee run.log`` and Ctrl-C, which ends ``tee`` too: every write to the console then fails
+    (BrokenPipeError). The ranks still stop after the step in flight, rank 0 saves the checkpoint ``--resume latest``
+    finds, and the lines the console missed are in ``<output_dir>/logs/console.log``."""
+    out = tmp_path / "run"
+    command = [*DDP_FT, "train", *FLAGS, "--max-steps", "5", "--output-dir", str(out)]
+    status, console = _signalled(command, out, signal.SIGINT, whole_group=True, console_dies=True)
+    assert status == 130, console[-6000:]
+    checkpoint = resolve_checkpoint("latest", out)  # raises without one
+    log = (out / "logs" / "console.log").read_text(errors="replace")
+    assert f"checkpoint {checkpoint}; continue with the same command and --resume latest" in log, log[-6000:]
+    assert "ddp-ft train: stopped by SIGINT (sent once to every worker as SIGTERM)" in log, log[-6000:]
+    assert "Traceback" not in log and not list(out.glob("logs/rank*-traceback.txt")), log[-6000:]
 
 
 def test_sigterm_to_ddp_ft_recipe_stops_the_trainer_on_both_ranks_with_one_checkpoint_and_no_process_left(tmp_path):

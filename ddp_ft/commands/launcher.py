@@ -12,6 +12,8 @@ ddp-ft is the agent, so it owns its workers: there is no torchrun in between tha
   ``start_new_session``), so a terminal's Ctrl-C reaches this process only, and each worker gets one signal. ddp-ft
   then prints one line instead of torchrun's ``SignalException`` traceback and exits with 128 + the signal's number
   (130 for Ctrl-C, 143 for SIGTERM), as a process ended by that signal would.
+- **A console that goes away.** ``ddp-ft train ... | tee`` and a Ctrl-C end ``tee`` too; ddp-ft and its workers then
+  write to ``<output_dir>/logs/console.log`` instead (``ddp_ft.distributed.console``), and the stop goes on.
 - **Failures.** A worker that fails writes its traceback to ``<failure_dir>/rank<R>-traceback.txt`` instead of the
   console (``ddp_ft.distributed.failure_recorded``), and ddp-ft ends with one line: the first rank that failed, its
   error's first line and that file (or torch's error file, when the worker could not write its own). Exit status 1.
@@ -29,6 +31,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..distributed import FAILURE_DIR_ENV, traceback_file
+from ..distributed.console import console_or_log
 
 SIGNALS_TO_HANDLE = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")  # torch's agent sends each on as it is
 
@@ -76,15 +79,26 @@ def launch(prog: str, module: str, nproc: int, argv: list[str], failure_dir: str
         int: 0 when every worker succeeded, 1 when one failed, 128 + the signal's number when a signal stopped the run.
 
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    say = console()
     temporary = failure_dir is None
     if temporary:
         import tempfile
 
         failure_dir = tempfile.mkdtemp(prefix="ddp-ft-failures-")
+    try:
+        # A console gone mid-run (`| tee` ended by Ctrl-C) must not end the agent while its workers stop.
+        with console_or_log(None if temporary else failure_dir):
+            return _run_agent(prog, module, nproc, argv, Path(failure_dir))
+    finally:
+        if temporary and not any(Path(failure_dir).iterdir()):  # kept when it holds a traceback
+            os.rmdir(failure_dir)
+
+
+def _run_agent(prog: str, module: str, nproc: int, argv: list[str], failure_dir: Path) -> int:
+    """``launch``'s body: torch's agent with ddp-ft's Ctrl-C handler and its one last line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    say = console()
     previous = {name: signal.getsignal(getattr(signal, name)) for name in (*SIGNALS_TO_HANDLE, "SIGINT")}
     started = time.time()
     os.environ[FAILURE_DIR_ENV] = str(failure_dir)  # the workers inherit the agent's environment
@@ -100,14 +114,12 @@ def launch(prog: str, module: str, nproc: int, argv: list[str], failure_dir: str
         say.warning("%s: stopped by %s (sent once to every worker%s); exit status %d", prog, sig.name, sent, 128 + sig)
         return 128 + sig
     except ChildFailedError as failed:
-        say.error("%s", failure_line(prog, failed, Path(failure_dir), started))
+        say.error("%s", failure_line(prog, failed, failure_dir, started))
         return 1
     finally:
         os.environ.pop(FAILURE_DIR_ENV, None)
         for name, handler in previous.items():  # the agent's handlers raise SignalException: not after it is done
             signal.signal(getattr(signal, name), handler)
-        if temporary and not any(Path(failure_dir).iterdir()):  # kept when it holds a traceback
-            os.rmdir(failure_dir)
 
 
 def failure_line(prog: str, failed, failure_dir: Path, since: float) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..distributed import (
     DistInfo,
@@ -19,6 +20,7 @@ from ..distributed import (
     restart_count,
     setup_logging,
 )
+from ..distributed.console import console_or_log
 from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
 from ..integrations.stock import FIND_UNUSED, check_stock_settings
 from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
@@ -65,13 +67,14 @@ def main(
         entry, _ = own.parse_known_args(argv)
         choice = choose_default(argv)
         settings = parse_settings(argv, [own, *parents], choice.preset, prog)  # --help: all
-        info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
-        setup_logging(info)
-        log_choice(settings, choice, info.world_size)
-        try:
-            _train(settings, info, entry.trainer, entry.stock_find_unused)
-        finally:
-            destroy_distributed()
+        with console_or_log(Path(settings.train.output_dir) / "logs"):  # as ddp-ft train's
+            info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
+            setup_logging(info)
+            log_choice(settings, choice, info.world_size)
+            try:
+                _train(settings, info, entry.trainer, entry.stock_find_unused)
+            finally:
+                destroy_distributed()
 
 
 def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_unused: str = "trainer") -> None:

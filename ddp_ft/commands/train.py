@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 from ..distributed import destroy_distributed, failure_recorded, init_distributed, setup_logging
+from ..distributed.console import console_or_log
 from ..training.config import parse_settings
 from ..training.loop import train
 from ..training.model.source import choose_default, log_choice
@@ -26,6 +28,9 @@ def main(
 ) -> None:
     """Parse the settings, join the process group, train (the loop writes ``run_config.yaml``), tear down.
 
+    Once the console is gone (a pipe's reader ended, a closed terminal), the output goes to
+    ``<output_dir>/logs/console.log`` (``ddp_ft.distributed.console``).
+
     Args:
         argv (list[str] | None): the settings' flags (``ddp_ft.training.config.build_parser``).
             Default: ``sys.argv[1:]``
@@ -35,15 +40,16 @@ def main(
     with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
         choice = choose_default(argv)
         settings = parse_settings(argv, parents, choice.preset, prog)
-        info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
-        setup_logging(info)
-        log_choice(settings, choice, info.world_size)
-        try:
-            result = train(settings, info)
-            if info.is_main_process:
-                logger.info("result: %s", result)
-        finally:
-            destroy_distributed()
+        with console_or_log(Path(settings.train.output_dir) / "logs"):  # `| tee` ended by Ctrl-C: a stop goes on
+            info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
+            setup_logging(info)
+            log_choice(settings, choice, info.world_size)
+            try:
+                result = train(settings, info)
+                if info.is_main_process:
+                    logger.info("result: %s", result)
+            finally:
+                destroy_distributed()
 
 
 if __name__ == "__main__":

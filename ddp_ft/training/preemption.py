@@ -23,6 +23,8 @@ import signal
 import sys
 import threading
 
+from ..distributed.console import write_console
+
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -66,9 +68,10 @@ class StopSignal:
             raise KeyboardInterrupt  # Ctrl-C twice: no launcher forwards a repeat here, the user pressed it again
         if self.received is None:
             again = " (Ctrl-C again interrupts)" if signum == signal.SIGINT and self._alone else ""
-            # A signal handler must not take the logging lock (the interrupted code may hold it): write directly.
+            # A signal handler must not take the logging lock (the interrupted code may hold it): write directly,
+            # to the run's log file when the console is gone.
             text = f"[pid {os.getpid()}] {name}: stopping after the step in flight, with a checkpoint{again}\n"
-            os.write(2, text.encode())
+            write_console(2, text.encode())
         self.received = self.received or name
 
     @property
