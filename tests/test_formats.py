@@ -9,6 +9,7 @@ import pytest
 from ddp_ft.training.data import IGNORE_INDEX, DataSettings, load_raw_splits, tokenize_dataset
 from ddp_ft.training.data.conversation import encode_messages, fit_completion, fit_conversation, text_windows
 from ddp_ft.training.data.formats import resolve_format
+from ddp_ft.training.data.prompts import chat_prompt, prompt_of
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, ensure_chat_format, load_tokenizer
 
 QWEN2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen2-tokenizer"
@@ -274,3 +275,31 @@ def test_eval_source_is_evaluated_on_and_a_path_as_eval_split_is_refused(tmp_pat
         DataSettings(source=str(train), eval_split="data/qa_validation.jsonl")
     with pytest.raises(FileNotFoundError, match=r"eval_source=.*no such file.*--eval-source"):
         load_raw_splits(DataSettings(source=str(train), eval_source=str(tmp_path / "nope.jsonl")))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation prompts: the training tokens before the last answer
+
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_a_generation_prompt_is_the_training_sample_before_its_answer(name, tmp_path, tiny):
+    source = write(tmp_path / f"{name}.jsonl", [ROWS[name]] * 4)
+    settings = DataSettings(source=str(source), eval_fraction=0.0, max_seq_len=256)
+    rows = load_raw_splits(settings, cache_dir=str(tmp_path / "cache"))["train"]
+    samples, _ = tokenize_dataset(rows, tiny, settings)
+    ids, labels = samples[0]["input_ids"], samples[0]["labels"]
+    prompt = prompt_of(rows[0], tiny, settings)
+    if name == "text":
+        assert ids[: len(prompt.input_ids)] == prompt.input_ids and prompt.reference is None
+        return
+    last_answer = max(i for i, label in enumerate(labels) if label == IGNORE_INDEX) + 1
+    assert prompt.input_ids == ids[:last_answer]
+    assert prompt.reference and prompt.reference.strip() in tiny.decode(ids[last_answer:])
+
+
+def test_a_prompt_alone_is_written_as_the_training_prompt_of_that_turn(tiny):
+    history = CHAT[:4]  # ends on a question
+    asked = chat_prompt(history, tiny)
+    trained = chat_prompt([*history, CHAT[4]], tiny)
+    assert asked.input_ids == trained.input_ids and asked.reference is None
+    assert asked.text.endswith("<|im_start|>assistant\n")

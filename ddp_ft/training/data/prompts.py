@@ -1,0 +1,79 @@
+"""Prompts for generation, written token for token as training wrote them.
+
+A prompt is what a sample holds before its last answer: the same template, instruction and tokens. Each shape's
+prompt is cut from the training encoding itself, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .conversation import encode_messages
+from .formatting import _id_lists, _messages
+from .settings import IGNORE_INDEX, DataSettings
+
+_PLACEHOLDER = "\u2063"  # an answer to render a prompt-only conversation with, cut off again
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt to generate from, and the answer training had for it (None: the row had none).
+
+    Args:
+        input_ids (list[int]): the tokens, ending where the answer starts.
+        text (str): the same, decoded, for the predictions file.
+        reference (str | None): the row's own answer.
+    """
+
+    input_ids: list[int]
+    text: str
+    reference: str | None
+
+
+def prompt_of(row: dict, tokenizer, settings: DataSettings) -> Prompt:
+    """The generation prompt of one standard row (``load_raw_splits``), and its reference answer.
+
+    A pair: the user turn with the instruction and the generation prompt. A conversation: every turn before its
+    last answer (all turns, with a generation prompt, when it ends on another role). A plain completion: the prompt.
+    A text: the text, without the eos training appended.
+    """
+    if "summary" in row:
+        messages = _messages(settings.instruction, row["dialogue"])
+        ids = _id_lists(tokenizer.apply_chat_template([messages], add_generation_prompt=True, tokenize=True))[0]
+        return _prompt(tokenizer, ids, row["summary"])
+    if "completion" in row:
+        return _prompt(tokenizer, tokenizer(row["prompt"])["input_ids"], row["completion"])
+    if "text" in row:
+        return _prompt(tokenizer, tokenizer(row["text"])["input_ids"], None)
+    return chat_prompt(row["messages"], tokenizer, row.get("loss_from", 0))
+
+
+def chat_prompt(messages: list[dict], tokenizer, loss_from: int = 0) -> Prompt:
+    """The tokens before the last answer, cut from the training encoding (``encode_messages``) of the row."""
+    reference = None
+    if messages and messages[-1]["role"] == "assistant":
+        reference = messages[-1]["content"]
+    else:
+        messages = [*messages, {"role": "assistant", "content": _PLACEHOLDER}]
+    ids, labels = encode_messages(tokenizer, messages, loss_from=min(loss_from, len(messages) - 1))
+    start = len(labels)
+    while start > 0 and labels[start - 1] == IGNORE_INDEX:  # back over what the template writes after it
+        start -= 1
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:  # back over the last answer's tokens
+        start -= 1
+    return _prompt(tokenizer, ids[:start], reference)
+
+
+def _prompt(tokenizer, ids: list[int], reference: str | None) -> Prompt:
+    return Prompt(list(ids), tokenizer.decode(ids), reference)
+
+
+def user_prompt(text: str, shape: str) -> dict:
+    """A ``--prompt`` from the command line as a standard row of the run's shape, with no answer."""
+    if shape == "pair":
+        return {"dialogue": text, "summary": None}
+    if shape == "completion":
+        return {"prompt": text, "completion": None}
+    if shape == "text":
+        return {"text": text}
+    return {"messages": [{"role": "user", "content": text}], "loss_from": 0}
