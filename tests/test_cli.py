@@ -55,6 +55,7 @@ def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
         ("ladder", ["--nproc", "--rungs", "--workloads"]),
         ("bucket-sweep", ["--nproc", "--caps", "--no-auto"]),
         ("bench-comm", ["--nproc", "--sizes", "--byte-budget"]),
+        ("merge", ["RUN_OR_ADAPTER", "--out", "--base {trained,original}", "--dtype", "--base-model", "--device"]),
     ],
 )
 def test_every_subcommand_documents_its_settings(name, flags, capsys):
@@ -87,6 +88,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
+        (["merge", "run", "--out", "o", "--device", "tpu"], "MergeSettings.device='tpu' (--device): choose auto"),
     ],
 )
 def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(argv, needle, capsys, monkeypatch):
