@@ -376,3 +376,11 @@ def test_resume_refuses_a_format_version_1_checkpoint_as_written_by_another_ddp_
     message = str(error.value)
     assert f"format_version 1, but this ddp_ft reads format_version {ckpt.FORMAT_VERSION} only" in message
     assert f"{path} was written by another ddp_ft version" in message and "--output-dir" in message, message
+
+
+def test_partial_final_saves_are_cleaned(tmp_path):
+    """What a save of ``final/`` killed half-way leaves (its temporary folder, or the old one being removed)."""
+    for name in (".tmp-final", ".trash-final"):
+        (tmp_path / name).mkdir()
+    assert sorted(ckpt.clean_partial_saves(tmp_path)) == [".tmp-final", ".trash-final"]
+    assert not list(tmp_path.iterdir())

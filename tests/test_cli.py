@@ -11,6 +11,7 @@ import torch
 
 from ddp_ft.commands import cli, doctor, launcher
 from ddp_ft.report.metrics import read_jsonl
+from ddp_ft.training.checkpoint import DATA_FILE, FINAL_DIR
 from ddp_ft.training.config import RUN_CONFIG, parse_settings
 
 from .dist_harness import PYTHONPATH
@@ -54,6 +55,7 @@ def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
         ("ladder", ["--nproc", "--rungs", "--workloads"]),
         ("bucket-sweep", ["--nproc", "--caps", "--no-auto"]),
         ("bench-comm", ["--nproc", "--sizes", "--byte-budget"]),
+        ("merge", ["RUN_OR_ADAPTER", "--out", "--base {trained,original}", "--dtype", "--base-model", "--device"]),
     ],
 )
 def test_every_subcommand_documents_its_settings(name, flags, capsys):
@@ -86,6 +88,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
+        (["merge", "run", "--out", "o", "--device", "tpu"], "MergeSettings.device='tpu' (--device): choose auto"),
     ],
 )
 def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(argv, needle, capsys, monkeypatch):
@@ -149,6 +152,8 @@ def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_t
     written = tmp_path / "run" / RUN_CONFIG
     # what ran: the device's defaults resolved (on the CPU, compile and packing off), so a rerun runs the same
     assert parse_settings(["--config", str(written)]) == parse_settings([*flags, "--no-compile", "--packing", "false"])
+    final = tmp_path / "run" / FINAL_DIR  # the adapter with its tokenizer and data settings, as the recipe's
+    assert all((final / name).is_file() for name in ("adapter_model.safetensors", "tokenizer_config.json", DATA_FILE))
 
 
 @pytest.mark.distributed
@@ -161,7 +166,9 @@ def test_recipe_with_nproc_two_trains_two_ranks_with_bucketed_ddp_not_two_copies
     assert run.returncode == 0, run.stderr[-6000:]
     assert "2 process(es)" in run.stderr and "wrapped the model in BucketedDDP" in run.stderr
     assert "world size 2" in run.stderr
-    assert (tmp_path / "out" / RUN_CONFIG).exists() and (tmp_path / "out" / "final").is_dir()
+    assert (tmp_path / "out" / RUN_CONFIG).exists()
+    final = tmp_path / "out" / FINAL_DIR
+    assert all((final / name).is_file() for name in ("adapter_model.safetensors", "tokenizer_config.json", DATA_FILE))
 
 
 @pytest.mark.distributed

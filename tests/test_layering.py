@@ -41,7 +41,13 @@ LAYERS = [
         "ddp_ft.training.perf_traps",
     },
     {"ddp_ft.training.config", "ddp_ft.training.defaults", "ddp_ft.training.checkpoint"},
-    {"ddp_ft.training.setup", "ddp_ft.report.comparison", "ddp_ft.embedded", "ddp_ft.training.model.source"},
+    {
+        "ddp_ft.training.setup",
+        "ddp_ft.report.comparison",
+        "ddp_ft.embedded",
+        "ddp_ft.training.model.source",
+        "ddp_ft.training.model.merge",
+    },
     {
         "ddp_ft.training.loop",
         "ddp_ft.training.run",

@@ -4,6 +4,7 @@
     ddp-ft recipe --nproc 2 --preset tiny                             # the HF Trainer path
     ddp-ft doctor --nproc 2                                           # preflight: launch, devices, versions, comm
     ddp-ft compare runs/single runs/ddp --out runs/compare
+    ddp-ft merge runs/tiny --out models/tiny                          # adapter + base: one model to serve
 
 Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``,
 ``ddp_ft.tools.ladder.*_cli``), the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N``
@@ -53,6 +54,11 @@ SUBCOMMANDS = {
     ),
     "compare": Subcommand(
         "Compare a 1-device run with a DDP run: table, plot, JSON (scripts/compare.py).", "ddp_ft.commands.compare", 0
+    ),
+    "merge": Subcommand(
+        "Merge a run's LoRA adapter into its base: a standalone model and tokenizer to serve.",
+        "ddp_ft.commands.merge",
+        0,
     ),
     "doctor": Subcommand(
         "Preflight under the launcher: world size, devices, backend, precision, versions, all-reduce; exit 1 on failure.",
@@ -210,6 +216,11 @@ def _in_process(name: str, argv: list[str], parents: list[argparse.ArgumentParse
         from .compare import main as compare
 
         compare(argv)
+        return 0
+    if name == "merge":
+        from .merge import main as merge
+
+        merge(argv, parents, prog)
         return 0
     importlib.import_module(SUBCOMMANDS[name].module).main(argv)  # a benchmark leaves through os._exit once written
     return 0

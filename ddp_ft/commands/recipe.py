@@ -23,6 +23,7 @@ from ..distributed import (
 from ..distributed.console import console_or_log
 from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
 from ..integrations.stock import FIND_UNUSED, check_stock_settings
+from ..training.checkpoint import save_final
 from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from ..training.config import RunSettings, parse_settings, write_run_config
 from ..training.model.source import choose_default, log_choice
@@ -100,7 +101,9 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
         )
         return
     metrics = trainer.evaluate()
-    trainer.save_model(f"{output_dir}/final")  # the unwrapped adapter, on rank 0
+    # the unwrapped adapter, its tokenizer and data settings, on rank 0, as the plain loop's final folder
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    save_final(output_dir, model, trainer.processing_class, settings.data, info)
     trainer.save_state()
     logger.info("eval: %s", metrics)
 

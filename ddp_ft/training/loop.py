@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistInfo
-from .checkpoint import save_checkpoint
+from .checkpoint import save_checkpoint, save_final
 from .config import RunSettings
 from .data.step_tokens import StepTokenCounts, global_order
 from .preemption import StopSignal
@@ -189,6 +189,8 @@ class _Loop:
             run.loader.layout,
             before_publish=run.parts.faults.checkpoint_partly_written,
             scaler=run.scaler,
+            tokenizer=run.parts.tokenizer,
+            data=run.settings.data,
         )
 
     def _stop(self) -> Path | None:
@@ -204,10 +206,12 @@ class _Loop:
         return checkpoint
 
     def _finish(self) -> Path | None:
-        """The final evaluation and checkpoint."""
+        """The final evaluation and checkpoint, and ``output_dir/final``: the adapter with its tokenizer."""
         if self.has_eval:
             self._evaluate()
         checkpoint = self._save()
+        run = self.run
+        save_final(run.output_dir, run.model, run.parts.tokenizer, run.settings.data, run.info)
         logger.info(
             "done: %d steps, loss %s -> %s, eval loss %s",
             self.state.global_step,

@@ -20,12 +20,15 @@ One module per part, each importing only the ones before it:
 * ``state``: what a checkpoint holds: file names, ``FORMAT_VERSION``, ``TrainState``, ``rng_state``/``set_rng_state``;
 * ``publish``: the atomic file-system side: fsync, rename into place, the ``latest`` pointer, removal,
   ``publish_folder`` (also BucketedTrainer's) and ``clean_partial_saves``;
+* ``final``: ``save_final``, the adapter a run ends with in ``output_dir/final``, beside its tokenizer and
+  ``ddp_ft_data.json`` (every loop checkpoint's ``adapter/`` holds both too: ``save_adapter_companions``);
 * ``save``: ``save_checkpoint`` and pruning;
 * ``load``: ``checkpoint_to_resume``, ``resolve_checkpoint``, ``verify_checkpoint``, ``saved_position``,
   ``check_resume_position``,
   ``load_checkpoint``.
 """
 
+from .final import save_adapter_companions, save_final
 from .load import (
     check_resume_position,
     checkpoint_to_resume,
@@ -40,6 +43,8 @@ from .state import (
     ADAPTER_DIR,
     ADAPTER_WEIGHTS,
     CHECKPOINT_PREFIX,
+    DATA_FILE,
+    FINAL_DIR,
     FORMAT_VERSION,
     SCALER_FILE,
     STATE_FILE,
@@ -54,6 +59,8 @@ __all__ = [
     "ADAPTER_DIR",
     "ADAPTER_WEIGHTS",
     "CHECKPOINT_PREFIX",
+    "DATA_FILE",
+    "FINAL_DIR",
     "FORMAT_VERSION",
     "LATEST",
     "SCALER_FILE",
@@ -68,7 +75,9 @@ __all__ = [
     "publish_folder",
     "resolve_checkpoint",
     "rng_state",
+    "save_adapter_companions",
     "save_checkpoint",
+    "save_final",
     "saved_position",
     "check_resume_position",
     "set_rng_state",

@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .state import CHECKPOINT_PREFIX
+from .state import CHECKPOINT_PREFIX, FINAL_DIR
 
 LATEST = "latest"
 STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written before they are renamed into place
@@ -105,6 +105,10 @@ def clean_partial_saves(output_dir: str | Path) -> list[str]:
             if path.name != latest:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path.name)
+    for path in (output_dir / f".tmp-{FINAL_DIR}", output_dir / f".trash-{FINAL_DIR}"):  # save_final's
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
     staging = output_dir / STAGING_DIR
     if staging.is_dir():
         removed += [f"{STAGING_DIR}/{p.name}" for p in staging.iterdir()]

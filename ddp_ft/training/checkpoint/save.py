@@ -11,14 +11,19 @@ import shutil
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ...distributed import DistInfo
-from ..data import DataLayout
+from ..data import DataLayout, DataSettings
+from .final import save_adapter_companions
 from .publish import clean_partial_saves, fsync_tree, latest_name, publish_checkpoint, remove_folder
 from .state import ADAPTER_DIR, CHECKPOINT_PREFIX, FORMAT_VERSION, SCALER_FILE, STATE_FILE, TrainState, rng_state
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +52,8 @@ def save_checkpoint(
     layout: DataLayout | None = None,
     before_publish: Callable[[int], None] | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    data: DataSettings | None = None,
 ) -> Path | None:
     """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
 
@@ -61,6 +68,9 @@ def save_checkpoint(
             the folder is published (the fault tests kill the process there). Default: None
         scaler (torch.amp.GradScaler | None): float16's loss scaler; its scale and growth tracker are saved as
             ``scaler.pt`` when it is enabled, so a resumed run skips the same steps. Default: None
+        tokenizer (PreTrainedTokenizerBase | None): saved into ``adapter/`` with ``ddp_ft_data.json`` (``data``
+            needed too), so any checkpoint's adapter merges and formats prompts on its own. Default: None
+        data (DataSettings | None): the run's data settings. Default: None
 
     Returns:
         Path | None: the checkpoint folder on rank 0, None elsewhere.
@@ -78,6 +88,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         model.save_pretrained(tmp / ADAPTER_DIR)
+        if tokenizer is not None and data is not None:
+            save_adapter_companions(tmp / ADAPTER_DIR, tokenizer, data)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(states, tmp / "rng_states.pt")

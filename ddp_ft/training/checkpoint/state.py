@@ -19,6 +19,8 @@ TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 
 TENSOR_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
 SCALER_FILE = "scaler.pt"  # only from float16 runs
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what peft's save_pretrained writes; its pickled form is .bin
+FINAL_DIR = "final"  # a run's last adapter, with its tokenizer and data settings (both entry points)
+DATA_FILE = "ddp_ft_data.json"  # the run's DataSettings, beside an adapter: how to format a prompt again
 
 
 @dataclass

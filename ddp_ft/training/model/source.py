@@ -87,7 +87,9 @@ def log_choice(settings: RunSettings, choice: ModelChoice, world_size: int) -> N
     )
 
 
-def check_model_source(name: str, timeout_s: float = HUB_TIMEOUT_S) -> None:
+def check_model_source(
+    name: str, timeout_s: float = HUB_TIMEOUT_S, setting: str = "--model-name-or-path", fix: str = _FIX
+) -> None:
     """Refuse a model that is neither embedded, a local folder, in the hub cache, nor found on the hub, in seconds.
 
     A hub id that is not cached is asked for once (``huggingface_hub.model_info``, ``timeout_s``, no retries):
@@ -96,15 +98,17 @@ def check_model_source(name: str, timeout_s: float = HUB_TIMEOUT_S) -> None:
     Args:
         name (str): ``ModelSettings.model_name_or_path``.
         timeout_s (float): the hub request's timeout. Default: 10
+        setting (str): the setting the errors name. Default: ``--model-name-or-path``
+        fix (str): the sentence the errors end with. Default: give a local folder, or ``--preset tiny``
 
     Raises:
         ValueError: no such folder, no such model on the hub, or the hub unreachable (``HF_HUB_OFFLINE`` included)
-            with the model not cached; naming ``--model-name-or-path`` and ``--preset tiny``.
+            with the model not cached; naming ``setting`` and ``fix``.
     """
     if name == EMBEDDED_MODEL or Path(name).expanduser().is_dir():
         return
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
-        raise ValueError(f"--model-name-or-path {name}: no such folder. {_FIX}.")
+        raise ValueError(f"{setting} {name}: no such folder. {fix}.")
     from huggingface_hub import model_info, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
@@ -116,11 +120,11 @@ def check_model_source(name: str, timeout_s: float = HUB_TIMEOUT_S) -> None:
         return
     except (RepositoryNotFoundError, HFValidationError):
         raise ValueError(
-            f"--model-name-or-path {name}: neither a local folder nor a model on the hub (or a private one: "
-            f"`hf auth login`). {_FIX}."
+            f"{setting} {name}: neither a local folder nor a model on the hub (or a private one: "
+            f"`hf auth login`). {fix}."
         ) from None
     except Exception as error:  # the hub unreachable: offline mode, no network, a proxy, a timeout
         raise ValueError(
-            f"--model-name-or-path {name}: not in the local hub cache, and the hub cannot be reached "
-            f"({type(error).__name__}: {error}). {_FIX}; or connect and run again."
+            f"{setting} {name}: not in the local hub cache, and the hub cannot be reached "
+            f"({type(error).__name__}: {error}). {fix}; or connect and run again."
         ) from None
