@@ -21,13 +21,19 @@ from ..distributed import (
     setup_logging,
 )
 from ..distributed.console import console_or_log
-from ..integrations.recipe import TRAINERS, build_trainer, trainer_checkpoint, trainer_resume_target
+from ..integrations.recipe import (
+    TRAINERS,
+    build_trainer,
+    predict_at_end,
+    trainer_checkpoint,
+    trainer_resume_target,
+)
 from ..integrations.stock import FIND_UNUSED, check_stock_settings
 from ..training.checkpoint import save_final
 from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from ..training.config import RunSettings, parse_settings, write_run_config
 from ..training.model.source import choose_default, log_choice
-from ..training.setup import check_run_settings
+from ..training.setup import check_run_settings, prepare_run
 
 logger = logging.getLogger("ddp_ft.recipe")
 
@@ -86,7 +92,8 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-    trainer = build_trainer(settings, info, trainer_name, stock_find_unused, checked)
+    parts = prepare_run(settings, info, checked)
+    trainer = build_trainer(settings, info, trainer_name, stock_find_unused, checked, parts=parts)
     write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
     trainer.train(resume_from_checkpoint=resume)
     if getattr(trainer, "stopped_by", None):  # a stock trainer has no stop handling
@@ -101,9 +108,11 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
         )
         return
     metrics = trainer.evaluate()
+    if settings.train.predict:
+        predict_at_end(trainer, parts, settings, info)
     # the unwrapped adapter, its tokenizer and data settings, on rank 0, as the plain loop's final folder
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-    save_final(output_dir, model, trainer.processing_class, settings.data, info)
+    save_final(output_dir, model, trainer.processing_class, parts.data_record, info)
     trainer.save_state()
     logger.info("eval: %s", metrics)
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistInfo
-from ..report.metrics import resolve_wandb_mode
-from ..report.records import RunIdentity, run_identity
+from ..report.metrics import JsonlLogger, log_to_active_wandb, resolve_wandb_mode
+from ..report.records import RunIdentity, predict_record, run_identity
 from ..training.config import RunSettings
 from ..training.model.compilation import compile_repeated_blocks
 from ..training.model.precision import Precision
 from ..training.model.probe import MicroBatchProbe
-from ..training.setup import build_model, prepare_run, probe_run_micro_batch
+from ..training.predict import PREDICTIONS_FILE, predict_rows, prediction_table, rouge_l, write_predictions
+from ..training.setup import RunParts, build_model, prepare_run, probe_run_micro_batch
 from .callbacks import ExpectedPeakCallback, with_step_progress
 from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
 from .trainer import BucketedTrainer
@@ -50,6 +51,7 @@ def build_trainer(
     trainer: str = "hf",
     stock_find_unused: str = "trainer",
     checked: tuple[int, dict | str] | None = None,
+    parts: RunParts | None = None,
 ) -> BucketedTrainer:
     """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
 
@@ -65,6 +67,8 @@ def build_trainer(
             Trainer's own choice), ``true`` or ``false``. Default: trainer
         checked (tuple | None): what ``check_run_settings`` returned, where the caller ran it first (the recipe's
             command). Default: it runs here.
+        parts (RunParts | None): what ``prepare_run`` built, where the caller built it (the recipe's command keeps
+            the eval rows and the data record). Default: built here.
 
     Raises:
         ValueError: before the model loads, for an unknown ``trainer``, an Accelerate launch setting the recipe cannot
@@ -78,7 +82,7 @@ def build_trainer(
     check_stock_settings(settings, trainer, stock_find_unused)
     t = settings.train
     precision = trainer_precision(settings, info)
-    parts = prepare_run(settings, info, checked)
+    parts = parts or prepare_run(settings, info, checked)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
     probe = probe_as_the_trainer_trains(model, settings, info, trainer) if settings.micro_batch_auto else None
@@ -251,3 +255,27 @@ def trainer_checkpoint(resume: str | bool | None, output_dir: str) -> str | None
     if resume and not os.path.isdir(resume):
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint folder.")
     return resume or None
+
+
+def predict_at_end(trainer, parts: RunParts, settings: RunSettings, info: DistInfo) -> None:
+    """``--predict`` for the recipe: rank 0 generates on the unwrapped model, so no collective starts.
+
+    The predictions go to ``predictions.jsonl``; their count and ROUGE-L to ``metrics.jsonl``; both, and the rows as
+    a table, to the Trainer's wandb run when it has one.
+    """
+    if not info.is_main_process:
+        return
+    t = settings.train
+    model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    predictions = predict_rows(model, parts.tokenizer, parts.eval_rows, settings.data, t.predict, t.max_new_tokens)
+    score = rouge_l(predictions)
+    path = write_predictions(Path(t.output_dir) / PREDICTIONS_FILE, predictions)
+    state = trainer.state
+    samples_seen = state.global_step * t.effective_batch
+    record = predict_record(step=state.global_step, samples_seen=samples_seen, samples=len(predictions), rouge_l=score)
+    sink = JsonlLogger(Path(t.output_dir) / "metrics.jsonl")
+    sink.log(record)
+    sink.close()
+    log_to_active_wandb(sink.path, record, prediction_table(predictions))
+    shown = "no answers to score" if score is None else f"ROUGE-L {score:.4f}"
+    logger.info("predicted %d eval samples (%s): %s", len(predictions), shown, path)

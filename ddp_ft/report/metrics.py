@@ -94,6 +94,9 @@ class JsonlLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        """Tables go to wandb only: ``metrics.jsonl`` holds numbers, and the rows have a file of their own."""
+
     def close(self) -> None:
         self._file.close()
 
@@ -102,6 +105,9 @@ class NullLogger:
     """What non-zero ranks log to."""
 
     def log(self, record: dict) -> None:
+        pass
+
+    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
         pass
 
     def close(self) -> None:
@@ -238,10 +244,37 @@ class WandbLogger:
         if payload is not None:
             self._switch.call("run.log", self._run.log, payload)
 
+    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        """Log ``rows`` as a ``wandb.Table`` under ``key``."""
+        if self._run is not None:
+            self._switch.call("run.log", lambda: self._run.log({key: wandb_table(columns, rows)}))
+
     def close(self) -> None:
         if self._run is not None:  # after a failure the switch is off: the run is left, its service may be gone
             self._switch.call("run.finish", self._run.finish)
             self._run = None
+
+
+def wandb_table(columns: list[str], rows: list[list]):
+    """A ``wandb.Table`` of ``rows``."""
+    import wandb
+
+    return wandb.Table(columns=columns, data=rows)
+
+
+def log_to_active_wandb(metrics_path: str | Path, record: dict, table: tuple[list[str], list[list]]) -> None:
+    """Log a record and a table (``eval/predictions``) to the wandb run this process has (the Trainer's), if any.
+
+    A process that never started wandb has nothing to log to, and wandb is not imported. A failure is warned once
+    through a :class:`WandbSwitch`; it never raises.
+    """
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is None or wandb.run is None:
+        return
+    payload = (wandb_payload(record) or {}) | {"eval/predictions": wandb_table(*table)}
+    WandbSwitch(metrics_path).call("wandb.log", wandb.run.log, payload)
 
 
 class MultiLogger:
@@ -253,6 +286,10 @@ class MultiLogger:
     def log(self, record: dict) -> None:
         for sink in self.sinks:
             sink.log(record)
+
+    def table(self, key: str, columns: list[str], rows: list[list]) -> None:
+        for sink in self.sinks:
+            sink.table(key, columns, rows)
 
     def close(self) -> None:
         for sink in self.sinks:

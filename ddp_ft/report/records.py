@@ -22,6 +22,7 @@ CONFIG = "config"
 TRAIN = "train"
 EVAL = "eval"
 STOP = "stop"
+PREDICT = "predict"
 BUCKET_CHOICE = "bucket_choice"
 
 # What ``tokens`` and ``tokens_per_s`` count, on both paths (the Trainer's ``include_num_input_tokens_seen``).
@@ -106,6 +107,11 @@ def eval_record(*, step: int, samples_seen: int, eval_loss: float) -> dict:
     return {"type": EVAL, "step": step, "samples_seen": samples_seen, "eval_loss": eval_loss}
 
 
+def predict_record(*, step: int, samples_seen: int, samples: int, rouge_l: float | None) -> dict:
+    """What ``--predict`` generated: how many samples, and their ROUGE-L F1 against the answers (None: no answers)."""
+    return {"type": PREDICT, "step": step, "samples_seen": samples_seen, "samples": samples, "rouge_l": rouge_l}
+
+
 def bucket_choice_record(*, step: int, choice) -> dict:
     """A ``bucket_choice`` record from a :class:`~ddp_ft.ddp.BucketChoice` (``BucketedDDP.bucket_choice``)."""
     return {
@@ -137,4 +143,6 @@ def wandb_payload(record: dict) -> dict | None:
         return {f"train/{k}": v for k, v in record.items() if k != "type" and isinstance(v, int | float)}
     if record.get("type") == EVAL:
         return {"eval/loss": record["eval_loss"], STEP_METRIC: record["samples_seen"]}
+    if record.get("type") == PREDICT and record["rouge_l"] is not None:
+        return {"eval/rouge_l": record["rouge_l"], STEP_METRIC: record["samples_seen"]}
     return None

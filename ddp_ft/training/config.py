@@ -67,6 +67,14 @@ class TrainSettings:
     save_every: int = field(default=0, metadata={"help": "Checkpoint every N optimizer steps (0: only at the end)."})
     save_total_limit: int = field(default=2, metadata={"help": "Keep at most this many checkpoints (0: keep all)."})
     eval_every: int = field(default=0, metadata={"help": "Evaluate every N optimizer steps (0: only at the end)."})
+    predict: int = field(
+        default=0,
+        metadata={
+            "help": "At the end, generate for N eval samples, formatted as in training: predictions.jsonl, a wandb "
+            "table and ROUGE-L against their answers (0: none)."
+        },
+    )
+    max_new_tokens: int = field(default=256, metadata={"help": "--predict: the most tokens generated per sample."})
     resume: str = field(
         default="", metadata={"help": "Resume from a checkpoint folder, or 'latest' for the newest in output_dir."}
     )
@@ -259,9 +267,7 @@ def _presets() -> dict[str, dict[str, object]]:
     return found
 
 
-PRESETS: dict[str, dict[str, object]] = (
-    _presets()
-)  # name -> field overrides, read from ddp_ft/training/configs/NAME.yaml
+PRESETS: dict[str, dict[str, object]] = _presets()  # name -> field overrides, from ddp_ft/training/configs/NAME.yaml
 
 
 def settings_as_config(settings: RunSettings) -> dict[str, object]:

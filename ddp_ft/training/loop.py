@@ -21,6 +21,7 @@ from ..distributed import DistInfo
 from .checkpoint import save_checkpoint, save_final
 from .config import RunSettings
 from .data.step_tokens import StepTokenCounts, global_order
+from .predict import PREDICTIONS_FILE, predict_rows, rouge_l, write_predictions
 from .preemption import StopSignal
 from .run import Run, build_run
 from .run_log import RunLog
@@ -190,7 +191,7 @@ class _Loop:
             before_publish=run.parts.faults.checkpoint_partly_written,
             scaler=run.scaler,
             tokenizer=run.parts.tokenizer,
-            data=run.settings.data,
+            data=run.parts.data_record,
         )
 
     def _stop(self) -> Path | None:
@@ -205,13 +206,28 @@ class _Loop:
         logger.warning("stopped by %s after step %s: %s", self.stopped_by, step, done or "rank 0 saved the checkpoint")
         return checkpoint
 
+    def _predict(self) -> None:
+        """``--predict``: rank 0 generates for the first eval samples, on the unwrapped model (no collective)."""
+        run = self.run
+        if not run.info.is_main_process:
+            return
+        rows, data = run.parts.eval_rows, run.settings.data
+        predictions = predict_rows(run.model, run.parts.tokenizer, rows, data, self.t.predict, self.t.max_new_tokens)
+        score = rouge_l(predictions)
+        path = write_predictions(run.output_dir / PREDICTIONS_FILE, predictions)
+        self.log.predictions(predictions, score)
+        shown = "no answers to score" if score is None else f"ROUGE-L {score:.4f}"
+        logger.info("predicted %d eval samples (%s): %s", len(predictions), shown, path)
+
     def _finish(self) -> Path | None:
         """The final evaluation and checkpoint, and ``output_dir/final``: the adapter with its tokenizer."""
         if self.has_eval:
             self._evaluate()
+        if self.t.predict:
+            self._predict()
         checkpoint = self._save()
         run = self.run
-        save_final(run.output_dir, run.model, run.parts.tokenizer, run.settings.data, run.info)
+        save_final(run.output_dir, run.model, run.parts.tokenizer, run.parts.data_record, run.info)
         logger.info(
             "done: %d steps, loss %s -> %s, eval loss %s",
             self.state.global_step,

@@ -26,6 +26,8 @@ TRAIN_RANGES = {
     "save_every": Range(0, note="0: only at the end"),
     "save_total_limit": Range(0, note="0: keep all"),
     "eval_every": Range(0, note="0: only at the end"),
+    "predict": Range(0, note="0: no predictions"),
+    "max_new_tokens": Range(1),
 }
 """``TrainSettings``: every numeric field."""
 

@@ -13,7 +13,16 @@ from tqdm.auto import tqdm
 
 from ..ddp import BucketedDDP
 from ..report.metrics import ThroughputMeter, open_metric_sink
-from ..report.records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
+from ..report.records import (
+    STOP,
+    bucket_choice_record,
+    config_record,
+    eval_record,
+    predict_record,
+    run_identity,
+    train_record,
+)
+from .predict import Prediction, prediction_table
 from .run import Run
 from .steps import StepResult, rank_balance
 
@@ -88,6 +97,15 @@ class RunLog:
     def evaluation(self, eval_loss: float) -> None:
         state = self.run.state
         self.sink.log(eval_record(step=state.global_step, samples_seen=state.samples_seen, eval_loss=eval_loss))
+
+    def predictions(self, predictions: list[Prediction], rouge_l: float | None) -> None:
+        """``--predict``'s count and ROUGE-L as a record, its rows as a wandb table."""
+        state = self.run.state
+        samples = len(predictions)
+        self.sink.log(
+            predict_record(step=state.global_step, samples_seen=state.samples_seen, samples=samples, rouge_l=rouge_l)
+        )
+        self.sink.table("eval/predictions", *prediction_table(predictions))
 
     def stop(self, signal: str, checkpoint: str | None) -> None:
         state = self.run.state

@@ -26,7 +26,7 @@ from .data import (
     PackedCollator,
     TruncationReport,
     check_packed_model,
-    load_raw_splits,
+    load_source,
     make_collator,
     packing_problem,
     resolve_packing,
@@ -65,6 +65,8 @@ class RunParts:
     truncation: TruncationReport  # how many training samples had to be cut
     faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
     packing: bool = False  # ``DataSettings.packing`` resolved: micro-batches packed into rows without padding
+    data_record: dict | None = None  # the data settings as resolved (format found, its shape): ``ddp_ft_data.json``
+    eval_rows: Dataset | None = None  # the eval split before tokenizing: prompts for ``--predict``
 
     @property
     def batch_cost(self) -> Callable[[list[int]], int] | None:
@@ -253,9 +255,9 @@ def prepare_run(settings: RunSettings, info: DistInfo, checked: tuple[int, dict 
     accumulation, device_map = checked or check_run_settings(settings, info)
     model_path, tokenizer_path = resolve_model_and_tokenizer(settings.model.model_name_or_path, info)
     tokenizer = load_tokenizer(tokenizer_path, settings.data.chat_template)
-    splits = load_raw_splits(settings.data)
-    train_set, truncation = tokenize_dataset(splits["train"], tokenizer, settings.data)
-    eval_set, _ = tokenize_dataset(splits["eval"], tokenizer, settings.data)
+    raw = load_source(settings.data)
+    train_set, truncation = tokenize_dataset(raw.splits["train"], tokenizer, settings.data)
+    eval_set, _ = tokenize_dataset(raw.splits["eval"], tokenizer, settings.data)
     if info.is_main_process and truncation.advice():  # the synthetic meetings are cut on purpose: a short CPU run
         level = logging.INFO if settings.data.source_kind == "synthetic" else logging.WARNING
         logger.log(level, "%s", truncation.advice())
@@ -272,6 +274,11 @@ def prepare_run(settings: RunSettings, info: DistInfo, checked: tuple[int, dict 
             f"the training set has {len(train_set)} samples, fewer than one effective batch "
             f"(effective_batch={t.effective_batch}): {fix}."
         )
+    if t.predict and len(raw.splits["eval"]) == 0:
+        raise ValueError(
+            f"--predict {t.predict} generates for eval samples, and this run holds none out: give --eval-source, "
+            "an --eval-fraction above 0, or a source with a validation split; or drop --predict."
+        )
     packing = choose_packing(settings, info, model_path)
     collate = PackedCollator(tokenizer.pad_token_id, settings.data.max_seq_len) if packing else make_collator(tokenizer)
     return RunParts(
@@ -285,6 +292,8 @@ def prepare_run(settings: RunSettings, info: DistInfo, checked: tuple[int, dict 
         truncation=truncation,
         faults=FaultInjector.from_env(info.rank),
         packing=packing,
+        data_record=raw.record(settings.data),
+        eval_rows=raw.splits["eval"],
     )
 
 

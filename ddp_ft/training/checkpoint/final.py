@@ -28,24 +28,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def save_adapter_companions(folder: str | Path, tokenizer: PreTrainedTokenizerBase, data: DataSettings) -> None:
+def save_adapter_companions(folder: str | Path, tokenizer: PreTrainedTokenizerBase, data: DataSettings | dict) -> None:
     """Write the tokenizer and ``ddp_ft_data.json`` beside an adapter, so the folder formats prompts on its own.
 
     Args:
         folder (str | Path): the adapter's folder.
         tokenizer (PreTrainedTokenizerBase): the run's tokenizer, with the chat template it trained with.
-        data (DataSettings): the run's data settings, written whole (``dataclasses.asdict``).
+        data (DataSettings | dict): the run's data settings, written whole; a dict as ``RawData.record`` makes it,
+            with the format found and its shape.
     """
     tokenizer.save_pretrained(folder)
-    # Every field, whatever DataSettings holds; a value JSON cannot write (a Path) becomes its string.
-    Path(folder, DATA_FILE).write_text(json.dumps(asdict(data), indent=2, default=str) + "\n")
+    record = data if isinstance(data, dict) else asdict(data)
+    # A value JSON cannot write (a Path) becomes its string.
+    Path(folder, DATA_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
 def save_final(
     output_dir: str | Path,
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    data: DataSettings,
+    data: DataSettings | dict,
     info: DistInfo,
 ) -> Path | None:
     """Write ``output_dir/final`` on rank 0, atomically: the adapter, its tokenizer and ``ddp_ft_data.json``.
@@ -57,7 +59,7 @@ def save_final(
         output_dir (str | Path): the run's folder.
         model (torch.nn.Module): the unwrapped peft model; its adapter is saved with ``save_pretrained``.
         tokenizer (PreTrainedTokenizerBase): the run's tokenizer.
-        data (DataSettings): the run's data settings.
+        data (DataSettings | dict): the run's data settings (``save_adapter_companions``).
         info (DistInfo): this process's rank.
 
     Returns:

@@ -53,7 +53,7 @@ def save_checkpoint(
     before_publish: Callable[[int], None] | None = None,
     scaler: torch.amp.GradScaler | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
-    data: DataSettings | None = None,
+    data: DataSettings | dict | None = None,
 ) -> Path | None:
     """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
 

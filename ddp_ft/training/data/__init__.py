@@ -46,7 +46,7 @@ from .settings import (
     SYNTHETIC,
     DataSettings,
 )
-from .sources import load_raw_splits
+from .sources import RawData, load_raw_splits, load_source, settings_from_record
 
 __all__ = [
     "FILE_BUILDERS",
@@ -58,6 +58,7 @@ __all__ = [
     "EpochLoader",
     "EpochSteps",
     "PackedCollator",
+    "RawData",
     "StepBatchSampler",
     "TruncatedExample",
     "TruncationReport",
@@ -67,6 +68,7 @@ __all__ = [
     "check_resume",
     "count_tokens",
     "load_raw_splits",
+    "load_source",
     "make_collator",
     "pack_rows",
     "packed_cost",
@@ -74,6 +76,7 @@ __all__ = [
     "rank_costs",
     "resolve_packing",
     "sample_lengths",
+    "settings_from_record",
     "strided_plan",
     "template_overhead",
     "tokenize_dataset",

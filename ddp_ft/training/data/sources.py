@@ -4,12 +4,17 @@ standard rows (``ddp_ft.training.data.formats``), every check before a model loa
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .folders import file_columns, folder_files
 from .formats import DataFormat, has_answer, resolve_format, standard_rows
 from .settings import FILE_BUILDERS, DataSettings
 from .synthetic import generate_synthetic_meetings
+
+if TYPE_CHECKING:
+    from datasets import DatasetDict
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +142,37 @@ def _standardise(ds, fmt: DataFormat, settings: DataSettings, split: str):
     return ds
 
 
-def load_raw_splits(settings: DataSettings, cache_dir: str | None = None):
-    """Load ``settings.source`` as a DatasetDict with ``train`` and ``eval`` in the source's standard shape.
+@dataclass(frozen=True)
+class RawData:
+    """A source's rows in their standard shape, and the format they came in.
+
+    Args:
+        splits (datasets.DatasetDict): ``train`` and ``eval``.
+        format (DataFormat): found from the columns or named by ``--format``.
+    """
+
+    splits: DatasetDict
+    format: DataFormat
+
+    def record(self, settings: DataSettings) -> dict:
+        """The data settings as this run resolved them, for ``ddp_ft_data.json``: the format found, its shape."""
+        return asdict(replace(settings, format=self.format.name)) | {"shape": self.format.shape}
+
+
+def settings_from_record(record: dict) -> tuple[DataSettings, str]:
+    """The data settings and standard shape a run recorded (:meth:`RawData.record`); unknown keys are ignored."""
+    known = {name: value for name, value in record.items() if name in DataSettings.__dataclass_fields__}
+    settings = DataSettings(**known)
+    return settings, record.get("shape") or ("pair" if settings.format in ("auto", "pair") else "chat")
+
+
+def load_raw_splits(settings: DataSettings, cache_dir: str | None = None) -> DatasetDict:
+    """``load_source(settings, cache_dir).splits``: the ``train`` and ``eval`` rows."""
+    return load_source(settings, cache_dir).splits
+
+
+def load_source(settings: DataSettings, cache_dir: str | None = None) -> RawData:
+    """Load ``settings.source`` as ``train`` and ``eval`` rows in the source's standard shape.
 
     The format is the one ``--format`` names or the one the training split's columns show, logged once; the eval
     rows must be in it too. They come from ``eval_source``, else the source's ``eval_split``, else ``eval_fraction``
@@ -148,9 +182,6 @@ def load_raw_splits(settings: DataSettings, cache_dir: str | None = None):
     Args:
         settings (DataSettings): the source, its format, splits and seed.
         cache_dir (str | None): ``datasets`` cache folder. Default: None (the ``datasets`` default)
-
-    Returns:
-        datasets.DatasetDict: ``train`` and ``eval``.
 
     Raises:
         FileNotFoundError: a local file that does not exist.
@@ -169,7 +200,24 @@ def load_raw_splits(settings: DataSettings, cache_dir: str | None = None):
     settings.check_format_settings(fmt.name)
     logger.info("data format %s: %s", fmt.describe(), "--format" if settings.format != "auto" else "from its columns")
     train = _standardise(raw_train, fmt, settings, settings.split)
-    return DatasetDict(dict(zip(("train", "eval"), _with_eval(source, train, fmt, settings, cache_dir), strict=True)))
+    train, evaluation = _with_eval(source, train, fmt, settings, cache_dir)
+    return RawData(DatasetDict({"train": train, "eval": evaluation}), fmt)
+
+
+def load_prompt_rows(settings: DataSettings, path: str, cache_dir: str | None = None):
+    """A file's rows in the standard shape of ``settings.format``, those without an answer kept: prompts to
+    generate from (``ddp-ft generate --source``).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load_source`, naming ``--source``.
+    """
+    file = _existing_file(path, "source")
+    where = f"--source {path}"
+    rows = _read(FILE_BUILDERS[file.suffix.lower()], {"train": [str(file)]}, where, cache_dir)["train"]
+    fmt = resolve_format(rows.features, settings, where)
+    if fmt.name == "pair":
+        _check_columns(rows, settings, "train")
+    return rows.map(standard_rows, batched=True, fn_kwargs={"fmt": fmt}, remove_columns=rows.column_names)
 
 
 def _with_eval(source, train, fmt: DataFormat, settings: DataSettings, cache_dir: str | None):

@@ -1,0 +1,93 @@
+"""Predictions: what the trained model writes for prompts formatted as training formatted them.
+
+Generation is greedy and runs on one process, on the unwrapped model, so it starts no collective. ROUGE-L against
+the rows' own answers comes from Google's ``rouge-score``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .data.prompts import Prompt, prompt_of
+
+logger = logging.getLogger(__name__)
+
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One prompt, what the model wrote after it, and the row's own answer (None: it had none)."""
+
+    prompt: str
+    prediction: str
+    reference: str | None
+
+
+def generate(model, tokenizer, prompts: Sequence[Prompt], max_new_tokens: int) -> list[Prediction]:
+    """Greedy generation, one prompt at a time, until the tokenizer's eos or ``max_new_tokens``.
+
+    The model is put in eval mode; its key-value cache is used whatever its config says (training turns it off).
+
+    Args:
+        model (torch.nn.Module): the unwrapped causal LM (a peft model for an adapter).
+        tokenizer (PreTrainedTokenizerBase): the run's, with its chat template.
+        prompts (Sequence[Prompt]): from :func:`ddp_ft.training.data.prompts.prompt_of`.
+        max_new_tokens (int): the most tokens written per prompt.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    predictions = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt.input_ids], device=device)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            written = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            predictions.append(Prediction(prompt.text, written.strip(), prompt.reference))
+    return predictions
+
+
+def rouge_l(predictions: Sequence[Prediction]) -> float | None:
+    """Mean ROUGE-L F1 of the predictions against their references; None when no row has one."""
+    from rouge_score import rouge_scorer
+
+    pairs = [(p.reference, p.prediction) for p in predictions if p.reference]
+    if not pairs:
+        return None
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return sum(scorer.score(ref, pred)["rougeL"].fmeasure for ref, pred in pairs) / len(pairs)
+
+
+def write_predictions(path: str | Path, predictions: Sequence[Prediction]) -> Path:
+    """One JSON object a line: ``prompt``, ``prediction``, ``reference``; written whole, then renamed into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(asdict(p), ensure_ascii=False) + "\n" for p in predictions))
+    tmp.replace(path)
+    return path
+
+
+def predict_rows(model, tokenizer, rows, data_settings, n: int, max_new_tokens: int) -> list[Prediction]:
+    """Predictions for the first ``n`` standard rows (an eval split from ``load_source``)."""
+    prompts = [prompt_of(rows[i], tokenizer, data_settings) for i in range(min(n, len(rows)))]
+    return generate(model, tokenizer, prompts, max_new_tokens)
+
+
+def prediction_table(predictions: Sequence[Prediction]) -> tuple[list[str], list[list[str]]]:
+    """Columns and rows for a wandb table."""
+    return ["prompt", "prediction", "reference"], [[p.prompt, p.prediction, p.reference or ""] for p in predictions]
