@@ -13,7 +13,15 @@ from tqdm.auto import tqdm
 
 from ..ddp import BucketedDDP
 from ..report.metrics import ThroughputMeter, open_metric_sink
-from ..report.records import STOP, bucket_choice_record, config_record, eval_record, run_identity, train_record
+from ..report.records import (
+    STOP,
+    bucket_choice_record,
+    config_record,
+    eval_record,
+    host_record,
+    run_identity,
+    train_record,
+)
 from .run import Run
 from .steps import StepResult, rank_balance
 
@@ -123,4 +131,5 @@ def _config_record(run: Run, name: str) -> dict:
         preset=settings.preset,
         first_batch_indices=all_first,
         **({"micro_batch_probe": run.probe.as_record()} if run.probe else {}),
+        **host_record(info.device.type, info.local_world_size),
     )
