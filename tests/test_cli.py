@@ -233,3 +233,34 @@ def test_a_rank_killed_or_exiting_without_a_traceback_is_named_by_its_signal_or_
     exited = ProcessFailure(local_rank=0, pid=4243, exitcode=1, error_file=str(tmp_path / "none.json"))
     line = launcher.failure_line("ddp-ft doctor", ChildFailedError("doctor", {0: exited}), tmp_path, since=0.0)
     assert line == "ddp-ft doctor: rank 0 failed: exit status 1 (no traceback recorded: see the output above)"
+
+
+def test_nproc_1_gets_the_threads_torchrun_gives_each_of_nproc_2(tmp_path, monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for N > 1 workers when it is unset, and nothing for one; ddp-ft gives one
+    process the same, so the two runs of compare's --help compare. A user's OMP_NUM_THREADS is kept."""
+    from torch.distributed.run import config_from_args
+    from torch.distributed.run import parse_args as torchrun_parse_args
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "restored after the test")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config_from_args(torchrun_parse_args(launcher.torchrun_args("ddp_ft.commands.train", 2, [])))
+    by_torchrun = os.environ.pop("OMP_NUM_THREADS")
+    seen = {}
+    monkeypatch.setattr(
+        cli, "launch", lambda prog, module, nproc, *a: seen.update({nproc: os.environ["OMP_NUM_THREADS"]})
+    )
+    monkeypatch.setattr(
+        cli, "_in_process", lambda *a: seen.update({1: (os.environ["OMP_NUM_THREADS"], torch.get_num_threads())})
+    )
+    before = torch.get_num_threads()
+    try:
+        for nproc in ("2", "1"):
+            os.environ.pop("OMP_NUM_THREADS", None)
+            cli.main(["train", "--preset", "tiny", "--nproc", nproc, "--output-dir", str(tmp_path / "run")])
+        assert seen == {2: by_torchrun, 1: (by_torchrun, int(by_torchrun))} and by_torchrun == "1"
+        os.environ["OMP_NUM_THREADS"] = "2"
+        cli.main(["recipe", "--preset", "tiny", "--output-dir", str(tmp_path / "run")])
+        assert seen[1] == ("2", 2)
+    finally:
+        torch.set_num_threads(before)

@@ -20,10 +20,13 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from .launcher import console, launch
+
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,38 @@ def _check_kernels(liger: bool, compile: bool | str) -> None:
         check_kernel_settings(liger, compile is True, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+def same_threads_for_any_nproc(prog: str, environ: MutableMapping[str, str] = os.environ) -> int | None:
+    """Give every training process the threads torchrun gives each of N > 1 workers, for N = 1 too.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` for several workers when it is unset, and nothing for one: a one-process
+    run then takes every core, and its speed cannot be compared with a DDP run's. A user's value is kept.
+
+    Args:
+        prog (str): the command named in the line that says so.
+        environ (MutableMapping[str, str]): the environment the workers inherit. Default: ``os.environ``
+
+    Returns:
+        int | None: the threads per process; None where ``OMP_NUM_THREADS`` is no positive whole number (left to
+        OpenMP).
+    """
+    if THREADS_ENV not in environ:
+        environ[THREADS_ENV] = "1"
+        console().info(
+            "%s: 1 thread per process (%s unset: torchrun's default for several processes, and ddp-ft's for one, so "
+            "runs of any --nproc compare); set %s to choose",
+            prog,
+            THREADS_ENV,
+            THREADS_ENV,
+        )
+    value = environ[THREADS_ENV].strip()
+    threads = int(value) if value.isdigit() and int(value) > 0 else None
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # for a run in this process: OpenMP read the variable before it was set
+    return threads
+
+
 def _fail(prog: str, message: str) -> None:
     """A usage error naming the setting: one line and where the settings are listed, not the whole usage (exit
     status 2, as argparse's)."""
@@ -232,6 +267,8 @@ def run_subcommand(name: str, argv: list[str]) -> int:
         if launched:
             return _in_process(name, strip_option(argv, "--nproc"), parents)
     argv, failure_dir = _validate(name, argv, parents, nproc)
+    if name in ("train", "recipe"):
+        same_threads_for_any_nproc(prog)
     if nproc <= 1:
         return _in_process(name, strip_option(argv, "--nproc"), parents)
     return launch(prog, sub.module, nproc, strip_option(argv, "--nproc"), failure_dir)
