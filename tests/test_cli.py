@@ -97,6 +97,50 @@ def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(arg
     assert needle in capsys.readouterr().err
 
 
+def test_a_model_folder_without_tokenizer_or_an_unwritable_output_dir_fails_first(tmp_path, capsys, monkeypatch):
+    """Refused by ddp-ft itself, naming the folder and the fix, where the ranks failed after their start-up."""
+    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, empty, taken = tmp_path / "model", tmp_path / "empty", tmp_path / "taken"
+    model.mkdir()
+    empty.mkdir()
+    taken.write_text("a file")
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")  # as model.save_pretrained leaves it: no tokenizer
+    tiny = ["--preset", "tiny", "--output-dir"]
+    for argv, needle in [
+        (["train", "--model-name-or-path", str(model)], f"{model} holds no tokenizer (no tokenizer.json"),
+        (["recipe", "--model-name-or-path", str(empty)], f"{empty} holds no config.json, so it is no saved model"),
+        (["recipe", *tiny, str(taken)], f"--output-dir {taken} is a file. Give --output-dir a folder"),
+        (["train", *tiny, str(taken / "run")], f"--output-dir {taken / 'run'} cannot be created: {taken} is a file"),
+    ]:
+        with pytest.raises(SystemExit) as error:
+            cli.main([*argv, "--nproc", "2"])
+        assert error.value.code == 2 and needle in capsys.readouterr().err, argv
+    assert "AutoTokenizer.from_pretrained(ORIGIN).save_pretrained" in str(_refusal(model))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only filesystem (root writes anywhere else)
+    with pytest.raises(SystemExit):
+        cli.main(["train", *tiny, str(tmp_path / "new" / "run"), "--nproc", "2"])
+    assert f"(it would be created in {tmp_path}, which this user cannot write)" in capsys.readouterr().err
+
+
+def _refusal(model_folder: Path) -> ValueError:
+    from ddp_ft.training.model.source import check_model_source
+
+    with pytest.raises(ValueError) as error:
+        check_model_source(str(model_folder))
+    return error.value
+
+
+def test_a_model_folder_without_tokenizer_ends_ddp_ft_in_seconds_with_no_worker(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    command = [sys.executable, "-m", "ddp_ft.commands.cli", "train", "--model-name-or-path", "model", "--nproc", "2"]
+    run = _run(command, tmp_path, timeout=120)
+    assert run.returncode == 2 and "model holds no tokenizer" in run.stderr, run.stderr[-3000:]
+    assert "[rank" not in run.stderr and "sentencepiece" not in run.stderr  # no worker started
+
+
 @pytest.mark.parametrize(
     "config,needle",
     [

@@ -139,6 +139,7 @@ def _validate(
     prog = f"ddp-ft {name}"
     failure_dir = None
     if name in ("train", "recipe"):
+        from ..training.checkpoint.shared_fs import check_output_dir
         from ..training.config import gradient_accumulation_steps, parse_settings
         from ..training.data.sources import check_local_file
         from ..training.model.source import check_model_source, choose_default
@@ -152,6 +153,7 @@ def _validate(
             settings = parse_settings(argv, extra, choose_default(argv).preset, prog)
             check_model_source(settings.model.model_name_or_path)  # an unreachable hub id: seconds, not a minute
             check_local_file(settings.data)  # a wrong --source path: here, not once per worker
+            check_output_dir(settings.train.output_dir)  # a file, or not writable: before the workers' start-up
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
             _check_kernels(settings.model.liger, settings.model.compile)
