@@ -71,6 +71,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["training"], "invalid choice: 'training'"),
         (["train", "--preset", "tiny", "--nproc", "3"], "effective_batch=8 is not divisible"),
         (["train", "--config", "missing.yaml", "--nproc", "2"], "--config missing.yaml: cannot read it"),
+        (["train", "--config", "tiny.yaml", "--nproc", "2"], "tiny is a preset ddp_ft ships: use --preset tiny."),
         (["recipe", "--trainer", "jax", "--nproc", "2"], "--trainer: invalid choice: 'jax'"),
         (["train", "--preset", "tiny", "--liger", "--nproc", "2"], "--liger (liger: true): Liger's kernels are Triton"),
         (

@@ -1,6 +1,6 @@
 """``ddp-ft``: one command over ddp_ft's entry points, installed with the package (``[project.scripts]``).
 
-    ddp-ft train --nproc 2 --config configs/tiny.yaml --max-steps 4   # the plain loop, torchrun started for you
+    ddp-ft train --nproc 2 --preset tiny --max-steps 4                # the plain loop, torchrun started for you
     ddp-ft recipe --nproc 2 --preset tiny                             # the HF Trainer path
     ddp-ft doctor --nproc 2                                           # preflight: launch, devices, versions, comm
     ddp-ft compare runs/single runs/ddp --out runs/compare
