@@ -15,6 +15,7 @@ from ..training.config import RunSettings
 from ..training.model.compilation import compile_repeated_blocks
 from ..training.model.precision import Precision
 from ..training.model.probe import MicroBatchProbe
+from ..training.perf_traps import command_line_fix
 from ..training.setup import build_model, prepare_run, probe_run_micro_batch
 from .callbacks import ExpectedPeakCallback, with_step_progress
 from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
@@ -77,7 +78,7 @@ def build_trainer(
         raise ValueError(f"--trainer {trainer!r}: choose one of {', '.join(TRAINERS)}.")
     check_stock_settings(settings, trainer, stock_find_unused)
     t = settings.train
-    precision = trainer_precision(settings, info)
+    precision = trainer_precision(settings, info, trainer)
     parts = prepare_run(settings, info, checked)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
@@ -106,6 +107,7 @@ def build_trainer(
         balance_ranks=t.balance_ranks,
         **data,
     )
+    bucketed.accelerator.compute_dtype_fix = command_line_fix  # the dtype warning names --compute-dtype
     return with_step_progress(with_expected_peak(bucketed, probe))  # the loss on rank 0's bar, not thirty keys
 
 
@@ -201,8 +203,10 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
     )
 
 
-def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
+def trainer_precision(settings: RunSettings, info: DistInfo, trainer: str = "hf") -> Precision:
     """The run's precision (``ddp_ft.training.model.precision``), which the Trainer's ``bf16``/``fp16`` flags follow.
+
+    Logged with the adapters' dtype where TRL's SFTTrainer casts a 4-bit model's LoRA adapters to bfloat16.
 
     Raises:
         ValueError: float16 on the CPU: Accelerate turns neither float16 autocast nor its loss scaler on there, so
@@ -215,8 +219,13 @@ def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
             "scaler on the CPU and would drop them. Use --compute-dtype float32 or bfloat16, or scripts/train.py "
             "(the plain loop scales the loss on the CPU too)."
         )
+    cast = trainer.endswith("trl") and settings.model.load_in_4bit and precision.dtype != torch.bfloat16
     logger.info(
-        "compute dtype %s (%s)%s", precision.name, precision.reason, ", loss-scaled" if precision.loss_scaling else ""
+        "compute dtype %s (%s)%s%s",
+        precision.name,
+        precision.reason,
+        ", loss-scaled" if precision.loss_scaling else "",
+        "; the LoRA adapters in bfloat16 (TRL's SFTTrainer casts a 4-bit model's)" if cast else "",
     )
     return precision
 
