@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -241,6 +242,18 @@ def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> s
         logger.info("elastic restart %d: resuming from %s", restart_count, newest)
         return True
     return True if resume == "latest" else (resume or None)
+
+
+def log_resume(checkpoint: str | Path | None, info: DistInfo) -> None:
+    """Say once, on rank 0, which Trainer checkpoint the run resumes from and at which step (its
+    ``trainer_state.json``); nothing without one."""
+    if checkpoint is None or not info.is_main_process:
+        return
+    try:
+        step = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):  # the Trainer's load names what is wrong with it
+        step = "unknown"
+    logger.info("resuming from %s at step %s", checkpoint, step)
 
 
 def trainer_checkpoint(resume: str | bool | None, output_dir: str) -> str | None:
