@@ -5,10 +5,14 @@ PY := $(VENV)/bin/python
 
 .PHONY: install test lint demo bench bench-comm bench-e2e ladder bucket-sweep gpu-check bench-gpu gpu-report train-reference
 
+# setuptools prints a 12-line "Editable installation" notice (a BuildBackendWarning) on every editable build: ignored
+# by its message only, so any other warning or error of the build still shows.
+QUIET_EDITABLE = PYTHONWARNINGS="ignore:Editable installation:UserWarning"
+
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,trl]"
+	$(QUIET_EDITABLE) $(PY) -m pip install --quiet -c constraints.txt -e ".[dev,trl]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -116,6 +116,17 @@ def test_resume_refuses_a_trainer_checkpoint_naming_the_path_and_what_it_is(tmp_
     assert "Hugging Face Trainer checkpoint" in message and "recipes/qwen_ami.py" in message
 
 
+def test_the_recipe_says_once_on_rank_0_which_checkpoint_it_resumes_at_which_step(tmp_path, caplog):
+    from ddp_ft.integrations.recipe import log_resume
+
+    _trainer_checkpoint(tmp_path / "checkpoint-3")
+    with caplog.at_level("INFO", logger="ddp_ft.integrations.recipe"):
+        for checkpoint, rank in ((tmp_path / "checkpoint-3", 1), (None, 0), (tmp_path / "checkpoint-3", 0)):
+            log_resume(checkpoint, DistInfo(rank=rank, world_size=2))
+    said = [r.getMessage() for r in caplog.records if r.name == "ddp_ft.integrations.recipe"]
+    assert said == [f"resuming from {tmp_path / 'checkpoint-3'} at step 3"]
+
+
 def test_resume_refuses_a_checkpoint_of_another_format_version(tmp_path):
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())

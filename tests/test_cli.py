@@ -73,6 +73,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["training"], "invalid choice: 'training'"),
         (["train", "--preset", "tiny", "--nproc", "3"], "effective_batch=8 is not divisible"),
         (["train", "--config", "missing.yaml", "--nproc", "2"], "--config missing.yaml: cannot read it"),
+        (["train", "--config", "tiny.yaml", "--nproc", "2"], "tiny is a preset ddp_ft ships: use --preset tiny."),
         (["recipe", "--trainer", "jax", "--nproc", "2"], "--trainer: invalid choice: 'jax'"),
         (["train", "--preset", "tiny", "--liger", "--nproc", "2"], "--liger (liger: true): Liger's kernels are Triton"),
         (
@@ -98,6 +99,50 @@ def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(arg
         cli.main(argv)
     assert error.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_model_folder_without_tokenizer_or_an_unwritable_output_dir_fails_first(tmp_path, capsys, monkeypatch):
+    """Refused by ddp-ft itself, naming the folder and the fix, where the ranks failed after their start-up."""
+    monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail(f"launched {a}"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, empty, taken = tmp_path / "model", tmp_path / "empty", tmp_path / "taken"
+    model.mkdir()
+    empty.mkdir()
+    taken.write_text("a file")
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")  # as model.save_pretrained leaves it: no tokenizer
+    tiny = ["--preset", "tiny", "--output-dir"]
+    for argv, needle in [
+        (["train", "--model-name-or-path", str(model)], f"{model} holds no tokenizer (no tokenizer.json"),
+        (["recipe", "--model-name-or-path", str(empty)], f"{empty} holds no config.json, so it is no saved model"),
+        (["recipe", *tiny, str(taken)], f"--output-dir {taken} is a file. Give --output-dir a folder"),
+        (["train", *tiny, str(taken / "run")], f"--output-dir {taken / 'run'} cannot be created: {taken} is a file"),
+    ]:
+        with pytest.raises(SystemExit) as error:
+            cli.main([*argv, "--nproc", "2"])
+        assert error.value.code == 2 and needle in capsys.readouterr().err, argv
+    assert "AutoTokenizer.from_pretrained(ORIGIN).save_pretrained" in str(_refusal(model))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only filesystem (root writes anywhere else)
+    with pytest.raises(SystemExit):
+        cli.main(["train", *tiny, str(tmp_path / "new" / "run"), "--nproc", "2"])
+    assert f"(it would be created in {tmp_path}, which this user cannot write)" in capsys.readouterr().err
+
+
+def _refusal(model_folder: Path) -> ValueError:
+    from ddp_ft.training.model.source import check_model_source
+
+    with pytest.raises(ValueError) as error:
+        check_model_source(str(model_folder))
+    return error.value
+
+
+def test_a_model_folder_without_tokenizer_ends_ddp_ft_in_seconds_with_no_worker(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    command = [sys.executable, "-m", "ddp_ft.commands.cli", "train", "--model-name-or-path", "model", "--nproc", "2"]
+    run = _run(command, tmp_path, timeout=120)
+    assert run.returncode == 2 and "model holds no tokenizer" in run.stderr, run.stderr[-3000:]
+    assert "[rank" not in run.stderr and "sentencepiece" not in run.stderr  # no worker started
 
 
 @pytest.mark.parametrize(
@@ -240,3 +285,34 @@ def test_a_rank_killed_or_exiting_without_a_traceback_is_named_by_its_signal_or_
     exited = ProcessFailure(local_rank=0, pid=4243, exitcode=1, error_file=str(tmp_path / "none.json"))
     line = launcher.failure_line("ddp-ft doctor", ChildFailedError("doctor", {0: exited}), tmp_path, since=0.0)
     assert line == "ddp-ft doctor: rank 0 failed: exit status 1 (no traceback recorded: see the output above)"
+
+
+def test_nproc_1_gets_the_threads_torchrun_gives_each_of_nproc_2(tmp_path, monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for N > 1 workers when it is unset, and nothing for one; ddp-ft gives one
+    process the same, so the two runs of compare's --help compare. A user's OMP_NUM_THREADS is kept."""
+    from torch.distributed.run import config_from_args
+    from torch.distributed.run import parse_args as torchrun_parse_args
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "restored after the test")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config_from_args(torchrun_parse_args(launcher.torchrun_args("ddp_ft.commands.train", 2, [])))
+    by_torchrun = os.environ.pop("OMP_NUM_THREADS")
+    seen = {}
+    monkeypatch.setattr(
+        cli, "launch", lambda prog, module, nproc, *a: seen.update({nproc: os.environ["OMP_NUM_THREADS"]})
+    )
+    monkeypatch.setattr(
+        cli, "_in_process", lambda *a: seen.update({1: (os.environ["OMP_NUM_THREADS"], torch.get_num_threads())})
+    )
+    before = torch.get_num_threads()
+    try:
+        for nproc in ("2", "1"):
+            os.environ.pop("OMP_NUM_THREADS", None)
+            cli.main(["train", "--preset", "tiny", "--nproc", nproc, "--output-dir", str(tmp_path / "run")])
+        assert seen == {2: by_torchrun, 1: (by_torchrun, int(by_torchrun))} and by_torchrun == "1"
+        os.environ["OMP_NUM_THREADS"] = "2"
+        cli.main(["recipe", "--preset", "tiny", "--output-dir", str(tmp_path / "run")])
+        assert seen[1] == ("2", 2)
+    finally:
+        torch.set_num_threads(before)

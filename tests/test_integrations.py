@@ -227,7 +227,7 @@ def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigter
     log = run.stderr
     assert run.returncode == 1 and "death signal, shutting down workers" in log, log[-6000:]
     assert "/.staging/checkpoint-4: a checkpoint whose save did not finish" in log, log[-6000:]
-    assert "elastic restart 1: resuming from" in log and "checkpoint-2" in log
+    assert "elastic restart 1: resuming from" in log and "checkpoint-2 at step 2" in log
     stopped = [
         int(line.split("after step ")[1].split(":")[0]) for line in log.splitlines() if "stopped by SIGTERM" in line
     ]
@@ -237,7 +237,11 @@ def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigter
     )
     assert not (interrupted / ".staging").exists() and not (interrupted / "final").exists()
 
-    _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(interrupted), *flags, "--resume", "latest")
+    resumed = _accelerate(
+        "2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(interrupted), *flags, "--resume", "latest"
+    )
+    assert resumed.stderr.count("resuming from") == 1, resumed.stderr[-4000:]  # rank 0's line
+    assert f"resuming from {interrupted / f'checkpoint-{stopped[0]}'} at step {stopped[0]}" in resumed.stderr
     expected = [(r["step"], r["loss"]) for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"]
     records = read_jsonl(interrupted / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in timeline(records) if r["type"] == "train"] == expected

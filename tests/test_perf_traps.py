@@ -15,6 +15,7 @@ from ddp_ft.training.perf_traps import (
     accelerate_fix,
     busy_ns,
     check_4bit_compute_dtype,
+    command_line_fix,
     larger_micro_batch,
     watch_idle_device,
 )
@@ -109,6 +110,17 @@ def test_the_4bit_compute_dtype_rule_warns_for_float32_compute_in_a_half_run_or_
     assert check(_FourBitLM(None, stream=bf16), "no") is None  # None in a bf16 model: computes in bf16
     assert DTYPE_FIX in check(_FourBitLM(f32, stream=bf16), "no")  # a bf16 model left at the default
     assert "torch.float16" in check(_FourBitLM(f32), "fp16")
+
+
+def test_the_dtype_warning_names_adapters_cast_by_trl_and_speaks_to_the_command_line():
+    """TRL's SFTTrainer casts a 4-bit model's adapters to bfloat16 in a float32 run: the warning says so, and to a
+    ddp-ft user it names --compute-dtype, not a BitsAndBytesConfig they never wrote."""
+    model = _FourBitLM(torch.float32)
+    model.adapter.to(torch.bfloat16)
+    script = check_4bit_compute_dtype(model, "no", torch.device("cpu"), False)
+    assert "the trained weights are in bfloat16 (TRL's SFTTrainer casts" in script and DTYPE_FIX in script
+    command = check_4bit_compute_dtype(model, "no", torch.device("cpu"), False, fix=command_line_fix)
+    assert "Pass --compute-dtype bfloat16" in command and "BitsAndBytesConfig" not in command
 
 
 def test_on_a_cpu_nothing_is_measured_without_a_fake_device():

@@ -56,6 +56,7 @@ def test_the_loop_and_the_trainer_name_a_run_alike_and_write_records_the_report_
     assert present["loop"] == present["trainer"], present
     assert {"tokens_per_s", "step_time_s", "peak_memory_gb", "final_eval_loss", "effective_batch"} <= present["loop"]
     assert {"imbalance", "wait_for_slowest_ms"} <= present["loop"]
+    assert {"threads_per_process", "device_type", "local_world_size", "usable_cpus"} <= present["loop"]  # fairness
     for entry, records in trains.items():  # one process: its own compute is the slowest and the fastest, every step
         for record in records:
             assert record["compute_max_ms"] == record["compute_min_ms"] > 0, (entry, record)

@@ -35,6 +35,7 @@ def config(run_name, world_size, effective_batch=8):
         "bucket_cap_mb": 25.0,
         "comm_hook": "allreduce",
         "tokens_counted": "non-padding input tokens (attention mask)",
+        **{"threads_per_process": 1, "device_type": "cpu", "local_world_size": world_size, "usable_cpus": 2},
     }
 
 

@@ -26,6 +26,9 @@ def test_recipe_trains_sft_trainer_with_bucketed_ddp_as_one_process_and_writes_t
     recipe = ROOT / "recipes" / "qwen_ami.py"
     ddp = _accelerate("2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(tmp_path / "trl-ddp"), *FLAGS)
     assert "wrapped the model in BucketedDDP" in ddp.stderr and "DistributedDataParallel(" not in ddp.stderr
+    # float32 on the CPU, the adapters in TRL's bfloat16: said in the log, and the fix in the command line's terms
+    assert "compute dtype float32 (auto: float32 on the CPU); the LoRA adapters in bfloat16" in ddp.stderr
+    assert "Pass --compute-dtype bfloat16" in ddp.stderr and "BitsAndBytesConfig" not in ddp.stderr
     _accelerate("single.yaml", recipe, tmp_path, "--output-dir", str(tmp_path / "trl-single"), *FLAGS)
     two, one = _train_records(tmp_path / "trl-ddp"), _train_records(tmp_path / "trl-single")
     assert len(two) == len(one) == 3

@@ -1,6 +1,6 @@
 """``ddp-ft``: one command over ddp_ft's entry points, installed with the package (``[project.scripts]``).
 
-    ddp-ft train --nproc 2 --config configs/tiny.yaml --max-steps 4   # the plain loop, torchrun started for you
+    ddp-ft train --nproc 2 --preset tiny --max-steps 4                # the plain loop, torchrun started for you
     ddp-ft recipe --nproc 2 --preset tiny                             # the HF Trainer path
     ddp-ft doctor --nproc 2                                           # preflight: launch, devices, versions, comm
     ddp-ft compare runs/single runs/ddp --out runs/compare
@@ -21,10 +21,13 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from .launcher import console, launch
+
+THREADS_ENV = "OMP_NUM_THREADS"
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ def _validate(
     prog = f"ddp-ft {name}"
     failure_dir = None
     if name in ("train", "recipe"):
+        from ..training.checkpoint.shared_fs import check_output_dir
         from ..training.config import gradient_accumulation_steps, parse_settings
         from ..training.data.sources import check_local_file
         from ..training.model.source import check_model_source, choose_default
@@ -155,6 +159,7 @@ def _validate(
             settings = parse_settings(argv, extra, choose_default(argv).preset, prog)
             check_model_source(settings.model.model_name_or_path)  # an unreachable hub id: seconds, not a minute
             check_local_file(settings.data)  # a wrong --source path: here, not once per worker
+            check_output_dir(settings.train.output_dir)  # a file, or not writable: before the workers' start-up
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
             _check_kernels(settings.model.liger, settings.model.compile)
@@ -190,6 +195,38 @@ def _check_kernels(liger: bool, compile: bool | str) -> None:
         from ..training.model.kernels import check_kernel_settings
 
         check_kernel_settings(liger, compile is True, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def same_threads_for_any_nproc(prog: str, environ: MutableMapping[str, str] = os.environ) -> int | None:
+    """Give every training process the threads torchrun gives each of N > 1 workers, for N = 1 too.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` for several workers when it is unset, and nothing for one: a one-process
+    run then takes every core, and its speed cannot be compared with a DDP run's. A user's value is kept.
+
+    Args:
+        prog (str): the command named in the line that says so.
+        environ (MutableMapping[str, str]): the environment the workers inherit. Default: ``os.environ``
+
+    Returns:
+        int | None: the threads per process; None where ``OMP_NUM_THREADS`` is no positive whole number (left to
+        OpenMP).
+    """
+    if THREADS_ENV not in environ:
+        environ[THREADS_ENV] = "1"
+        console().info(
+            "%s: 1 thread per process (%s unset: torchrun's default for several processes, and ddp-ft's for one, so "
+            "runs of any --nproc compare); set %s to choose",
+            prog,
+            THREADS_ENV,
+            THREADS_ENV,
+        )
+    value = environ[THREADS_ENV].strip()
+    threads = int(value) if value.isdigit() and int(value) > 0 else None
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)  # for a run in this process: OpenMP read the variable before it was set
+    return threads
 
 
 def _fail(prog: str, message: str) -> None:
@@ -243,6 +280,8 @@ def run_subcommand(name: str, argv: list[str]) -> int:
         if launched:
             return _in_process(name, strip_option(argv, "--nproc"), parents)
     argv, failure_dir = _validate(name, argv, parents, nproc)
+    if name in ("train", "recipe"):
+        same_threads_for_any_nproc(prog)
     if nproc <= 1:
         return _in_process(name, strip_option(argv, "--nproc"), parents)
     return launch(prog, sub.module, nproc, strip_option(argv, "--nproc"), failure_dir)

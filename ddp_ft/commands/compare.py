@@ -7,6 +7,9 @@
         [--independent runs/alone0 runs/alone1]   # single-device runs that ran side by side: the limit
 
 Prints the markdown table and writes comparison.md, comparison.png and comparison.json into --out.
+ddp-ft gives every process of both runs the same threads (1, or OMP_NUM_THREADS), so their speeds compare. Runs
+that differ in threads per process or device type get no speedup: the report says "not comparable", naming the
+difference and the fix; runs written before ddp_ft recorded them are compared, with a note.
 wandb logging runs offline unless WANDB_API_KEY is set (an explicit WANDB_MODE is respected).
 """
 

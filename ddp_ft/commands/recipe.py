@@ -24,6 +24,7 @@ from ..distributed.console import console_or_log
 from ..integrations.recipe import (
     TRAINERS,
     build_trainer,
+    log_resume,
     predict_at_end,
     trainer_checkpoint,
     trainer_resume_target,
@@ -91,10 +92,11 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     check_stock_settings(settings, trainer_name, stock_find_unused)
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
-    check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
+    checkpoint = check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
     parts = prepare_run(settings, info, checked)
     trainer = build_trainer(settings, info, trainer_name, stock_find_unused, checked, parts=parts)
     write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
+    log_resume(checkpoint, info)
     trainer.train(resume_from_checkpoint=resume)
     if getattr(trainer, "stopped_by", None):  # a stock trainer has no stop handling
         step = trainer.state.global_step

@@ -1,7 +1,7 @@
 """The plain PyTorch loop with BucketedDDP (``ddp_ft.training.loop.train``): ``scripts/train.py`` and ``ddp-ft train``.
 
 python -m ddp_ft.commands.train --preset tiny                                # one process
-torchrun --standalone --nproc_per_node=2 -m ddp_ft.commands.train --config configs/tiny.yaml
+torchrun --standalone --nproc_per_node=2 -m ddp_ft.commands.train --config my_run.yaml
 
 A run that names no model starts from ``qwen3-4b-ami`` with CUDA and the embedded ``tiny`` without, as the recipe does
 (``ddp_ft.training.model.source``), and says so in its first log line.

@@ -35,7 +35,7 @@ from ..training.model.compilation import (
     is_regionally_compiled,
     repeated_blocks,
 )
-from ..training.perf_traps import accelerate_fix, check_4bit_compute_dtype, watch_idle_device
+from ..training.perf_traps import accelerate_fix, bnb_config_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
 from .comm_hook_kwargs import accelerate_comm_hook
 from .settings import describe_sources, resolve_ddp_settings
@@ -81,6 +81,8 @@ class BucketedAccelerator(Accelerator):
 
     # How the idle-device warning tells this entry point to set the micro-batch (the Trainer sets its own).
     micro_batch_fix = staticmethod(accelerate_fix)
+    # How the 4-bit dtype warning tells it to set the compute dtype (ddp_ft's recipe: --compute-dtype).
+    compute_dtype_fix = staticmethod(bnb_config_fix)
     _for_trainer = False  # adopted by the HF Trainer (adopt with training_args), which never joins uneven inputs
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
@@ -169,7 +171,9 @@ class BucketedAccelerator(Accelerator):
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
             # Performance traps: warned once, on the main process (ddp_ft.training.perf_traps).
-            check_4bit_compute_dtype(model, self.mixed_precision, self.device, self.is_main_process)
+            check_4bit_compute_dtype(
+                model, self.mixed_precision, self.device, self.is_main_process, fix=self.compute_dtype_fix
+            )
             watch_idle_device(model, self.device, self.is_main_process, self.micro_batch_fix)
         regional = self._compile_regions(model)
         with self._whole_model_compile(off=regional):

@@ -4,6 +4,7 @@ callback that never stops training, and a progress bar that shows the loss inste
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,14 @@ from transformers.trainer_callback import ProgressCallback
 
 from ..ddp import BucketedDDP, CommStats
 from ..report.metrics import JsonlLogger, ThroughputMeter, WandbSwitch
-from ..report.records import bucket_choice_record, config_record, define_step_metrics, eval_record, train_record
+from ..report.records import (
+    bucket_choice_record,
+    config_record,
+    define_step_metrics,
+    eval_record,
+    host_record,
+    train_record,
+)
 from ..training.model.compilation import CompileWatch, is_regionally_compiled
 
 logger = logging.getLogger(__name__)
@@ -90,6 +98,7 @@ class ThroughputCallback(TrainerCallback):
             total_steps=state.max_steps,
             resumed_from_step=state.global_step,
             **self._ddp_config,
+            **host_record(torch.device(args.device).type, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
         )
         self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
         self._sink.log(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..training.config import RunSettings
 from ..training.model.compilation import compile_repeated_blocks
 from ..training.model.precision import Precision
 from ..training.model.probe import MicroBatchProbe
+from ..training.perf_traps import command_line_fix
 from ..training.predict import PREDICTIONS_FILE, predict_rows, prediction_table, rouge_l, write_predictions
 from ..training.setup import RunParts, build_model, prepare_run, probe_run_micro_batch
 from .callbacks import ExpectedPeakCallback, with_step_progress
@@ -81,7 +83,7 @@ def build_trainer(
         raise ValueError(f"--trainer {trainer!r}: choose one of {', '.join(TRAINERS)}.")
     check_stock_settings(settings, trainer, stock_find_unused)
     t = settings.train
-    precision = trainer_precision(settings, info)
+    precision = trainer_precision(settings, info, trainer)
     parts = parts or prepare_run(settings, info, checked)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
@@ -110,6 +112,7 @@ def build_trainer(
         balance_ranks=t.balance_ranks,
         **data,
     )
+    bucketed.accelerator.compute_dtype_fix = command_line_fix  # the dtype warning names --compute-dtype
     return with_step_progress(with_expected_peak(bucketed, probe))  # the loss on rank 0's bar, not thirty keys
 
 
@@ -205,8 +208,10 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
     )
 
 
-def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
+def trainer_precision(settings: RunSettings, info: DistInfo, trainer: str = "hf") -> Precision:
     """The run's precision (``ddp_ft.training.model.precision``), which the Trainer's ``bf16``/``fp16`` flags follow.
+
+    Logged with the adapters' dtype where TRL's SFTTrainer casts a 4-bit model's LoRA adapters to bfloat16.
 
     Raises:
         ValueError: float16 on the CPU: Accelerate turns neither float16 autocast nor its loss scaler on there, so
@@ -219,8 +224,13 @@ def trainer_precision(settings: RunSettings, info: DistInfo) -> Precision:
             "scaler on the CPU and would drop them. Use --compute-dtype float32 or bfloat16, or scripts/train.py "
             "(the plain loop scales the loss on the CPU too)."
         )
+    cast = trainer.endswith("trl") and settings.model.load_in_4bit and precision.dtype != torch.bfloat16
     logger.info(
-        "compute dtype %s (%s)%s", precision.name, precision.reason, ", loss-scaled" if precision.loss_scaling else ""
+        "compute dtype %s (%s)%s%s",
+        precision.name,
+        precision.reason,
+        ", loss-scaled" if precision.loss_scaling else "",
+        "; the LoRA adapters in bfloat16 (TRL's SFTTrainer casts a 4-bit model's)" if cast else "",
     )
     return precision
 
@@ -236,6 +246,18 @@ def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> s
         logger.info("elastic restart %d: resuming from %s", restart_count, newest)
         return True
     return True if resume == "latest" else (resume or None)
+
+
+def log_resume(checkpoint: str | Path | None, info: DistInfo) -> None:
+    """Say once, on rank 0, which Trainer checkpoint the run resumes from and at which step (its
+    ``trainer_state.json``); nothing without one."""
+    if checkpoint is None or not info.is_main_process:
+        return
+    try:
+        step = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):  # the Trainer's load names what is wrong with it
+        step = "unknown"
+    logger.info("resuming from %s at step %s", checkpoint, step)
 
 
 def trainer_checkpoint(resume: str | bool | None, output_dir: str) -> str | None:

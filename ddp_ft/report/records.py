@@ -5,7 +5,7 @@ Both the plain loop and the Trainer recipe name their wandb runs with :func:`run
 ``ddp_ft.report.comparison`` reads those records back. A record is a flat dict whose ``type`` is one of:
 
 * ``config``: once per launch (again after a resume, with ``resumed_from_step``): run name, world size, batch
-  arithmetic, what the token counts count, the DDP settings.
+  arithmetic, what the token counts count, the DDP settings, and what else sets the speed (:func:`host_record`).
 * ``train``: one per logged optimizer step: step, samples seen, loss, learning rate, grad norm, throughput, memory
   and ``comm/*``.
 * ``eval``: step, samples seen and ``eval_loss``.
@@ -16,7 +16,10 @@ Both the plain loop and the Trainer recipe name their wandb runs with :func:`run
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 CONFIG = "config"
 TRAIN = "train"
@@ -85,6 +88,42 @@ def config_record(
         "resumed_from_step": resumed_from_step,
         **extra,
     }
+
+
+def host_record(device_type: str, local_world_size: int) -> dict:
+    """What sets a run's speed besides its settings, for the ``config`` record.
+
+    The comparison refuses a speedup between runs whose threads per process or device type differ. The load average
+    is read when the record is written, after the model loaded: it includes this run's own start-up.
+
+    Args:
+        device_type (str): ``cpu`` or ``cuda``.
+        local_world_size (int): this run's processes on this host.
+
+    Returns:
+        dict: ``threads_per_process`` (``torch.get_num_threads()``), ``device_type``, ``local_world_size``,
+        ``usable_cpus`` and ``host_load_1m`` (None where the platform has no load average).
+    """
+    import torch
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "threads_per_process": torch.get_num_threads(),
+        "device_type": device_type,
+        "local_world_size": local_world_size,
+        "usable_cpus": usable_cpus(),
+        "host_load_1m": None if load is None else round(load, 2),
+    }
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity, capped by a cgroup v2 quota (a container's ``--cpus``)."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return count if quota == "max" else max(1, min(count, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        return count
 
 
 def train_record(

@@ -251,7 +251,10 @@ def load_config(path: str | Path) -> dict[str, object]:
     try:
         text = Path(path).read_text()
     except OSError as error:
-        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error}).") from None
+        name = Path(path).stem  # configs/tiny.yaml is a clone's link to the presets: elsewhere, --preset tiny
+        shipped = not Path(path).exists() and (CONFIG_DIR / f"{name}.yaml").is_file()
+        hint = f" {name} is a preset ddp_ft ships: use --preset {name}." if shipped else ""
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror or error}).{hint}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:

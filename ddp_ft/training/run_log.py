@@ -18,6 +18,7 @@ from ..report.records import (
     bucket_choice_record,
     config_record,
     eval_record,
+    host_record,
     predict_record,
     run_identity,
     train_record,
@@ -141,4 +142,5 @@ def _config_record(run: Run, name: str) -> dict:
         preset=settings.preset,
         first_batch_indices=all_first,
         **({"micro_batch_probe": run.probe.as_record()} if run.probe else {}),
+        **host_record(info.device.type, info.local_world_size),
     )

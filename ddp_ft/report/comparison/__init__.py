@@ -8,6 +8,8 @@ with different ones it is still the axis on which their curves line up.
 
 One module per part, each importing only the ones before it:
 
+* ``fairness``: :func:`mismatch` and :func:`host_notes`, whether two runs' speeds measure DDP (threads per process,
+  device type, the host) (pure);
 * ``summary``: :class:`RunSummary`, :class:`LossCurve`, :class:`Comparison`, :func:`summarize_run`,
   :func:`loss_curve`, :func:`compare_runs` (pure, unit-tested);
 * ``render``: :func:`table_rows`, :func:`summary_lines`, :func:`markdown_table` (pure), :func:`comparison_figure`
@@ -16,6 +18,7 @@ One module per part, each importing only the ones before it:
 * ``files``: :func:`load_run` and :func:`write_report`, the thin I/O around the rest.
 """
 
+from .fairness import host_notes, mismatch
 from .files import load_run, write_report
 from .render import TOKENS_NOTE, comparison_figure, markdown_table, plot_comparison, summary_lines, table_rows
 from .summary import MEMORY_METRICS, Comparison, LossCurve, RunSummary, compare_runs, loss_curve, summarize_run
@@ -30,10 +33,12 @@ __all__ = [
     "RunSummary",
     "compare_runs",
     "comparison_figure",
+    "host_notes",
     "load_run",
     "log_report_to_wandb",
     "loss_curve",
     "markdown_table",
+    "mismatch",
     "plot_comparison",
     "records_from_wandb",
     "summarize_run",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .fairness import mismatch
 from .summary import Comparison, RunSummary
 
 TOKENS_NOTE = "Tokens are non-padding tokens (attention mask); global tokens/s is summed over all ranks."
@@ -43,8 +44,18 @@ def table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
             return "-"
         return f"{_fmt(run.imbalance, '.2f')}x / {_fmt(run.wait_for_slowest_ms, '.1f')} ms"
 
+    def host(run: RunSummary) -> str:
+        if run.usable_cpus is None:
+            return "unknown"
+        return f"{run.usable_cpus} / {_fmt(run.host_load_1m, '.2f')}"
+
     rows = [
         ["world size", *(str(r.world_size) for r in runs)],
+        [
+            "device / threads per process",
+            *(f"{r.device_type or 'unknown'} / {r.threads_per_process or 'unknown'}" for r in runs),
+        ],
+        ["host: usable CPUs / load average", *(host(r) for r in runs)],
         ["optimizer steps", *(str(r.steps) for r in runs)],
         ["tokens/s (global)", *(_fmt(r.tokens_per_s, ",.1f") for r in runs)],
         ["tokens/s per device", *(_fmt(r.tokens_per_s_per_device, ",.1f") for r in runs)],
@@ -68,26 +79,30 @@ def summary_lines(comparison: Comparison) -> list[str]:
     else:
         gap = f"max {c.loss_gap_max:.4g} / mean {c.loss_gap_mean:.4g} at {c.matched_points} matched points"
     eval_delta = "n/a" if c.eval_loss_delta is None else f"{c.eval_loss_delta:+.4f}"
+    withheld = "not comparable (see below)" if mismatch(base, other) else None
+    limit_withheld = " (not comparable, see below)" if len(c.not_comparable) > bool(withheld) else ""
     warmup = max(base.warmup_steps_skipped, other.warmup_steps_skipped)
     over = " (over 100%: the host was busy, see the note below)" if c.of_limit is not None and c.of_limit > 1 else ""
     return [
-        f"- **Speedup** (global tokens/s, {other.run_name} / {base.run_name}): {_fmt(c.speedup, '.2f')}x",
-        f"- **Scaling efficiency** (speedup / {devices:g}x devices): {_fmt(c.scaling_efficiency, '.1%')}",
+        f"- **Speedup** (global tokens/s, {other.run_name} / {base.run_name}): "
+        f"{withheld or _fmt(c.speedup, '.2f') + 'x'}",
+        f"- **Scaling efficiency** (speedup / {devices:g}x devices): {withheld or _fmt(c.scaling_efficiency, '.1%')}",
         *(
             [
                 f"- **Against the limit** ({other.world_size:g} independent single-device runs side by side, no "
                 f"communication: {c.limit_tokens_per_s:,.1f} tokens/s): {other.run_name} reaches "
-                f"{_fmt(c.of_limit, '.1%')} of it{over}"
+                f"{_fmt(c.of_limit, '.1%')} of it{over}{limit_withheld}"
             ]
             if c.limit_tokens_per_s is not None
             else []
         ),
-        f"- **Step time ratio** ({other.run_name} / {base.run_name}): {_fmt(c.step_time_ratio, '.3f')}",
+        f"- **Step time ratio** ({other.run_name} / {base.run_name}): {withheld or _fmt(c.step_time_ratio, '.3f')}",
         f"- **Loss-curve gap** (|delta loss| at equal samples seen): {gap}",
         f"- **Eval loss delta** ({other.run_name} - {base.run_name}): {eval_delta}",
         "",
         f"{TOKENS_NOTE} Tokens/s and step time are medians over steps after {warmup} warm-up step(s) per "
         "run segment; peak memory is the max over all steps of rank 0's process.",
+        *(f"**Not comparable**: {reason}." for reason in c.not_comparable),
         *(f"Note: {n}." for n in c.notes),
     ]
 
@@ -116,6 +131,7 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
 
 
 LIMIT_CAVEAT = "not a result"  # the words the text report also uses for a ratio to the limit over 100%
+NOT_COMPARABLE = "not comparable"  # the text report's words for a ratio withheld (fairness.mismatch)
 
 
 def comparison_figure(comparison: Comparison):
@@ -124,7 +140,8 @@ def comparison_figure(comparison: Comparison):
     A DDP run above the limit is no measurement of the limit (the independent runs were slowed by something else on
     the host): the limit's bars are then grey and hatched, their legend entry and the bars' title say it is not a
     result, and a line under the figure says why, as the text report's note does; the figure goes to wandb and
-    into slides without the text.
+    into slides without the text. Runs that differ in threads per process or device type get no speedup: the bars'
+    title and a line under the figure say they are not comparable.
 
     Returns:
         matplotlib.figure.Figure: the figure, with an Agg canvas (no display needed).
@@ -156,14 +173,20 @@ def comparison_figure(comparison: Comparison):
     loss_ax.grid(alpha=0.3)
     _throughput_bars(bar_ax, comparison, names)
     fig.suptitle(f"{base.run_name} ({base.world_size} device(s)) vs {other.run_name} ({other.world_size} device(s))")
+    captions = []
+    if comparison.not_comparable:
+        captions.append(
+            f"{NOT_COMPARABLE.capitalize()}: the runs differ in threads per process or device type, so a speed ratio "
+            "measures that, not DDP.\ncomparison.md names the difference and the fix."
+        )
     if comparison.of_limit is not None and comparison.of_limit > 1:
-        fig.supxlabel(
+        captions.append(
             f"{other.run_name} at {comparison.of_limit:.1%} of the limit is {LIMIT_CAVEAT}: the independent runs, which "
             "do no communication,\nran slower than DDP, so the host was busy while they ran. Rerun the comparison on a "
-            "quiet host.",
-            color="firebrick",
-            fontsize=10,
+            "quiet host."
         )
+    if captions:
+        fig.supxlabel("\n".join(captions), color="firebrick", fontsize=10)
     return fig
 
 
@@ -194,7 +217,11 @@ def _throughput_bars(bar_ax, comparison: Comparison, names: tuple[str, str]) -> 
         bars = bar_ax.bar([g + offset for g in range(len(groups))], values, width, label=name, **style)
         bar_ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], padding=2)
     bar_ax.set_xticks(range(len(groups)), [f"tokens/s {g}" for g in groups])
-    speedup = _fmt(comparison.speedup, ".2f")
-    bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput (speedup {speedup}x{ratio})")
+    speedup = f"speedup {_fmt(comparison.speedup, '.2f')}x"
+    if comparison.speedup is None and mismatch(comparison.baseline, comparison.other):
+        speedup = f"speedup {NOT_COMPARABLE}"
+    if comparison.of_limit is None and comparison.not_comparable and comparison.limit_tokens_per_s is not None:
+        ratio = f"; the limit {NOT_COMPARABLE}"
+    bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput ({speedup}{ratio})")
     bar_ax.margins(y=0.3)  # room for the value labels and the legend above the bars
     bar_ax.legend()

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from ..records import CONFIG, EVAL, TRAIN, of_type
+from .fairness import HOST_FIELDS, host_notes, mismatch
 
 MEMORY_METRICS = ("peak_mem_gb", "peak_rss_gb")  # CUDA allocator peak (GPU), peak resident set size (CPU)
 
@@ -37,6 +38,11 @@ class RunSummary:
         imbalance (float | None): median over steps of the slowest rank's compute over the fastest's (1.0:
             balanced; runs logged before it was recorded: None).
         wait_for_slowest_ms (float | None): median ms per step rank 0 waited for the slowest rank.
+        threads_per_process (int | None): torch's intra-op threads in each process (None: not recorded).
+        device_type (str | None): ``cpu`` or ``cuda``.
+        local_world_size (int | None): the run's processes on rank 0's host.
+        usable_cpus (int | None): CPUs rank 0 could use (affinity, cgroup quota).
+        host_load_1m (float | None): the host's 1-minute load average when the run's config record was written.
     """
 
     run_name: str
@@ -55,6 +61,11 @@ class RunSummary:
     overlap: float | None
     imbalance: float | None = None
     wait_for_slowest_ms: float | None = None
+    threads_per_process: int | None = None
+    device_type: str | None = None
+    local_world_size: int | None = None
+    usable_cpus: int | None = None
+    host_load_1m: float | None = None
 
     @property
     def is_ddp(self) -> bool:
@@ -101,6 +112,8 @@ class Comparison:
             tokens/s of independent single-device runs of the same experiment, run at the same time (one per device
             of ``other``); None when none were given.
         of_limit (float | None): ``other.tokens_per_s / limit_tokens_per_s``: how close DDP came to that limit.
+        not_comparable (list[str]): why a speed ratio is withheld (None above), each with its fix: runs that
+            differ in threads per process or device type.
     """
 
     baseline: RunSummary
@@ -117,6 +130,7 @@ class Comparison:
     other_curve: LossCurve
     limit_tokens_per_s: float | None = None
     of_limit: float | None = None
+    not_comparable: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,7 +138,8 @@ class Comparison:
     @classmethod
     def from_dict(cls, data: Mapping) -> Comparison:
         """Rebuild from :meth:`to_dict` output (or a ``comparison.json``; keys other than the fields are ignored)."""
-        values = {f.name: data[f.name] for f in fields(cls) if f.name in data or f.default is MISSING}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data or f.name in required}
         values["baseline"] = RunSummary(**values["baseline"])
         values["other"] = RunSummary(**values["other"])
         values["baseline_curve"] = LossCurve(**values["baseline_curve"])
@@ -194,6 +209,7 @@ def summarize_run(records: list[dict], skip_first: int = 1, name: str = "run") -
         overlap=_median(timed, "comm/overlap"),
         imbalance=_median(timed, "imbalance"),
         wait_for_slowest_ms=_median(timed, "wait_for_slowest_ms"),
+        **{key: first.get(key) for key in HOST_FIELDS},
     )
 
 
@@ -232,7 +248,9 @@ def compare_runs(
             one per device of ``other`` (the limit: what the devices do with no communication). Default: None.
 
     Returns:
-        Comparison: speedup, scaling efficiency, step-time ratio, loss-curve gap, eval-loss delta and notes.
+        Comparison: speedup, scaling efficiency, step-time ratio, loss-curve gap, eval-loss delta and notes. A
+        ratio between runs that differ in threads per process or device type is None, its reason in
+        ``not_comparable``.
     """
     base_curve, other_curve = loss_curve(baseline_records), loss_curve(other_records)
     base_loss = dict(zip(base_curve.samples_seen, base_curve.loss, strict=True))
@@ -240,18 +258,21 @@ def compare_runs(
     matched = sorted(base_loss.keys() & other_loss.keys())
     gaps = [abs(other_loss[s] - base_loss[s]) for s in matched]
     notes = _run_notes(baseline, other, len(base_loss), len(other_loss), len(matched))
+    notes += host_notes([baseline, other, *(independent or [])])
+    refused = mismatch(baseline, other)
+    unfair_limit = [reason for run in independent or [] if (reason := mismatch(run, other))]
     limit = _limit(other, independent, notes) if independent else None
-    of_limit = _ratio(other.tokens_per_s, limit)
+    of_limit = None if unfair_limit else _ratio(other.tokens_per_s, limit)
     if of_limit is not None and of_limit > 1.0:
         notes.append(_over_the_limit_note(baseline, other, independent, of_limit))
 
-    speedup = _ratio(other.tokens_per_s, baseline.tokens_per_s)
+    speedup = None if refused else _ratio(other.tokens_per_s, baseline.tokens_per_s)
     return Comparison(
         baseline=baseline,
         other=other,
         speedup=speedup,
         scaling_efficiency=_ratio(speedup, other.world_size / baseline.world_size),
-        step_time_ratio=_ratio(other.step_time_s, baseline.step_time_s),
+        step_time_ratio=None if refused else _ratio(other.step_time_s, baseline.step_time_s),
         loss_gap_max=max(gaps) if gaps else None,
         loss_gap_mean=sum(gaps) / len(gaps) if gaps else None,
         matched_points=len(matched),
@@ -265,6 +286,7 @@ def compare_runs(
         other_curve=other_curve,
         limit_tokens_per_s=limit,
         of_limit=of_limit,
+        not_comparable=[reason for reason in (refused, *unfair_limit) if reason],
     )
 
 

@@ -87,6 +87,8 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
             "of_limit",
         )
         run.summary.update({f"comparison/{k}": report[k] for k in keys if report.get(k) is not None})
+        if report.get("not_comparable"):  # why the ratios above are missing
+            run.summary["comparison/not_comparable"] = "; ".join(report["not_comparable"])
         logger.info("logged comparison to wandb (%s mode): %s", mode, run.dir)
         if mode == "offline":
             runs = Path(run.dir).parent.parent  # <WANDB_DIR>/wandb, holding offline-run-*/files

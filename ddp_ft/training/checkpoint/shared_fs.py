@@ -197,11 +197,31 @@ def _rebuild(error: tuple[str, str, str]) -> BaseException:
         return RuntimeError(f"{name}: {message}")
 
 
+def check_output_dir(output_dir: str | Path) -> None:
+    """Refuse an ``output_dir`` that is a file, or that this user cannot create or write (``ddp-ft`` checks it before
+    any worker starts).
+
+    Raises:
+        ValueError: naming ``--output-dir``, the file or folder in the way, and the fix.
+    """
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    fix = "Give --output-dir a folder you can write to (it is created if missing)."
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"cannot be created: {existing} is a file"
+        raise ValueError(f"--output-dir {output_dir} {where}. {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" (it would be created in {existing}, which this user cannot write)"
+        raise ValueError(f"--output-dir {output_dir}: this user cannot write it{where}. {fix}")
+
+
 def prepare_output_dir(output_dir: str | Path, info: DistInfo) -> None:
-    """What both entry points do to ``output_dir`` first, on every rank, before the model loads: check that every
-    node sees it (``check_shared_output_dir``), then rank 0 removes what saves killed half-way left there."""
+    """What both entry points do to ``output_dir`` first, on every rank, before the model loads: check that it can
+    be written (``check_output_dir``) and that every node sees it (``check_shared_output_dir``), then rank 0
+    removes what saves killed half-way left there."""
     from . import clean_partial_saves
 
+    check_output_dir(output_dir)
     check_shared_output_dir(output_dir, info)
     if info.is_main_process:
         for name in clean_partial_saves(output_dir):

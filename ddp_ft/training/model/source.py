@@ -103,9 +103,13 @@ def check_model_source(
 
     Raises:
         ValueError: no such folder, no such model on the hub, or the hub unreachable (``HF_HUB_OFFLINE`` included)
-            with the model not cached; naming ``setting`` and ``fix``.
+            with the model not cached; naming ``setting`` and ``fix``. A folder without a model or tokenizer
+            (:func:`check_model_folder`).
     """
-    if name == EMBEDDED_MODEL or Path(name).expanduser().is_dir():
+    if name == EMBEDDED_MODEL:
+        return
+    if Path(name).expanduser().is_dir():
+        check_model_folder(name)
         return
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         raise ValueError(f"{setting} {name}: no such folder. {fix}.")
@@ -128,3 +132,34 @@ def check_model_source(
             f"{setting} {name}: not in the local hub cache, and the hub cannot be reached "
             f"({type(error).__name__}: {error}). {fix}; or connect and run again."
         ) from None
+
+
+# A tokenizer's own files (fast, SentencePiece, BPE, WordPiece, tiktoken, or a config naming a class without vocabulary).
+_TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab.*", "merges.txt", "*.tiktoken")
+
+
+def check_model_folder(name: str) -> None:
+    """Refuse a local model folder without ``config.json`` or any tokenizer file, before a worker starts.
+
+    ``model.save_pretrained`` saves no tokenizer; without one ``AutoTokenizer`` fails on every rank, after start-up,
+    asking to install sentencepiece or tiktoken.
+
+    Args:
+        name (str): ``ModelSettings.model_name_or_path``, an existing folder.
+
+    Raises:
+        ValueError: naming the folder, the missing files and how to save them.
+    """
+    folder = Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"--model-name-or-path {name}: {folder.resolve()} holds no config.json, so it is no saved model. Give the "
+            "folder model.save_pretrained wrote (or a hub id)."
+        )
+    if not any(next(folder.glob(pattern), None) for pattern in _TOKENIZER_PATTERNS):
+        raise ValueError(
+            f"--model-name-or-path {name}: {folder.resolve()} holds no tokenizer (no tokenizer.json, "
+            "tokenizer_config.json, tokenizer.model, vocab.json + merges.txt or vocab.txt): model.save_pretrained "
+            f"saves none. Save the tokenizer beside the model: AutoTokenizer.from_pretrained(ORIGIN).save_pretrained("
+            f"'{folder}'), ORIGIN being the hub id or folder the model came from."
+        )

@@ -7,7 +7,7 @@ refused), and neither touches the backward path:
 - **An idle device with memory to spare** (``idle``): one optimizer step measured, early, on CUDA only.
 """
 
-from .dtype import check_4bit_compute_dtype
+from .dtype import bnb_config_fix, check_4bit_compute_dtype, command_line_fix
 from .idle import (
     IDLE_SHARE,
     MEASURED_STEP,
@@ -33,8 +33,10 @@ __all__ = [
     "StepProfiler",
     "StepUsage",
     "accelerate_fix",
+    "bnb_config_fix",
     "busy_ns",
     "check_4bit_compute_dtype",
+    "command_line_fix",
     "larger_micro_batch",
     "loop_fix",
     "trainer_fix",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -34,23 +35,40 @@ def _stream_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def _half_run(
     model: torch.nn.Module, mixed_precision: str, stream: torch.dtype, device: torch.device, capability
-) -> tuple[torch.dtype, str, str] | None:
-    """The half type the 4-bit layers should compute in, what the run does, and what else to change; or None."""
+) -> tuple[torch.dtype, str, bool] | None:
+    """The half type the 4-bit layers should compute in, what the run does, and whether it should train in it too;
+    or None."""
     if mixed_precision in _HALF:
         dtype = _HALF[mixed_precision]
-        return dtype, f"this run computes in {_name(dtype)} (mixed_precision={mixed_precision!r})", ""
+        return dtype, f"this run computes in {_name(dtype)} (mixed_precision={mixed_precision!r})", False
+    if stream in _HALF.values():
+        return stream, f"this run computes in {_name(stream)} (the model's input embeddings)", False
     trained = {p.dtype for p in model.parameters() if p.requires_grad}
     for dtype in (torch.bfloat16, torch.float16):
-        if dtype in (stream, *trained):
-            return dtype, f"this run computes in {_name(dtype)} (the model's own weights)", ""
+        if dtype in trained:
+            held = f"the trained weights are in {_name(dtype)} (TRL's SFTTrainer casts a 4-bit model's adapters)"
+            return dtype, held, False
     if device.type == "cuda" and tuple(capability or torch.cuda.get_device_capability(device)) >= BF16_MIN_CAPABILITY:
-        also = " and train in it (TrainingArguments(bf16=True), Accelerator(mixed_precision='bf16'))"
-        return torch.bfloat16, "this float32 run is on a GPU with native bfloat16", also
+        return torch.bfloat16, "this float32 run is on a GPU with native bfloat16", True
     return None
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def bnb_config_fix(dtype: torch.dtype, train_too: bool) -> str:
+    """How a script that loads its own 4-bit model makes its layers compute in ``dtype``."""
+    also = " and train in it (TrainingArguments(bf16=True), Accelerator(mixed_precision='bf16'))" if train_too else ""
+    return (
+        f"Load with BitsAndBytesConfig(..., bnb_4bit_compute_dtype=torch.{_name(dtype)}) (float32 is its "
+        f"default){also}."
+    )
+
+
+def command_line_fix(dtype: torch.dtype, train_too: bool) -> str:
+    """How a ``ddp-ft`` command does it: one setting sets the 4-bit layers' compute dtype and the run's autocast."""
+    return f"Pass --compute-dtype {_name(dtype)}: the 4-bit layers then compute in it, and the run trains in it."
 
 
 def check_4bit_compute_dtype(
@@ -59,6 +77,7 @@ def check_4bit_compute_dtype(
     device: torch.device,
     is_main_process: bool,
     capability: tuple[int, int] | None = None,
+    fix: Callable[[torch.dtype, bool], str] = bnb_config_fix,
 ) -> str | None:
     """Warn, once per model and on the main process only, about 4-bit layers computing in float32 for nothing.
 
@@ -74,6 +93,8 @@ def check_4bit_compute_dtype(
         device (torch.device): the device it trains on.
         is_main_process (bool): warn here (rank 0).
         capability (tuple[int, int] | None): the CUDA device's compute capability. Default: asked of CUDA.
+        fix (Callable[[torch.dtype, bool], str]): the fix in the entry point's terms, from the dtype and whether to
+            train in it too. Default: :func:`bnb_config_fix`
 
     Returns:
         str | None: the warning (also on the other ranks, which do not log it), or None when nothing is wrong.
@@ -91,14 +112,13 @@ def check_4bit_compute_dtype(
     half = _half_run(model, mixed_precision, stream, device, capability)
     if half is None:
         return None
-    dtype, run, also = half
+    dtype, run, train_too = half
     message = (
-        f"ddp_ft: {len(slow)} of {len(layers)} bitsandbytes 4-bit layers compute in float32 (BitsAndBytesConfig's "
-        f"default bnb_4bit_compute_dtype) while {run}. bitsandbytes casts each layer's input "
-        "to its compute dtype and runs the dequantising matmul in it, out of autocast's reach: these matmuls, most "
-        "of the model's FLOPs, run in float32, without the half-precision tensor cores (1/16 of bfloat16's rate on "
-        "an A100 or H100): several times slower per step on a GPU. Load with "
-        f"BitsAndBytesConfig(..., bnb_4bit_compute_dtype=torch.{_name(dtype)}){also}."
+        f"ddp_ft: {len(slow)} of {len(layers)} bitsandbytes 4-bit layers compute in float32 while {run}. "
+        "bitsandbytes casts each layer's input to its compute dtype and runs the dequantising matmul in it, out of "
+        "autocast's reach: these matmuls, most of the model's FLOPs, run in float32, without the half-precision "
+        "tensor cores (1/16 of bfloat16's rate on an A100 or H100): several times slower per step on a GPU. "
+        f"{fix(dtype, train_too)}"
     )
     if is_main_process and model not in _WARNED_MODELS:
         logger.warning(message)
