@@ -47,6 +47,7 @@ LAYERS = [
         "ddp_ft.embedded",
         "ddp_ft.training.model.source",
         "ddp_ft.training.model.merge",
+        "ddp_ft.training.predict",
     },
     {
         "ddp_ft.training.loop",

@@ -58,8 +58,8 @@ class DataSettings:
             "help": "Split to evaluate on; if the source lacks it (or None), eval_fraction of train is held out."
         },
     )
-    eval_source: str | None = field(
-        default=None,
+    eval_source: str = field(
+        default="",
         metadata={
             "help": "A separate .jsonl/.json/.csv/.parquet file to evaluate on, in the training source's format."
         },

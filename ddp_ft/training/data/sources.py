@@ -27,7 +27,7 @@ def check_local_file(settings: DataSettings) -> Path | None:
         FileNotFoundError: no such file, naming ``--source`` or ``--eval-source``.
         ValueError: an empty file, or a folder whose files cannot be read as one source.
     """
-    if settings.eval_source is not None:
+    if settings.eval_source:
         _existing_file(settings.eval_source, "eval_source")
     if settings.source_kind == "folder":
         folder = Path(settings.source).expanduser()
@@ -222,7 +222,7 @@ def load_prompt_rows(settings: DataSettings, path: str, cache_dir: str | None = 
 
 def _with_eval(source, train, fmt: DataFormat, settings: DataSettings, cache_dir: str | None):
     """(train, eval): eval from ``eval_source``, the source's ``eval_split``, or held out of ``train``."""
-    if settings.eval_source is not None:
+    if settings.eval_source:
         if settings.eval_split in source and settings.eval_split != settings.split:
             if settings.eval_split != "validation":
                 raise ValueError(

@@ -153,7 +153,7 @@ def plan_merge(source: str | Path, settings: MergeSettings) -> MergePlan:
     setting = "--base-model" if settings.base_model else f"base_model_name_or_path in {adapter / ADAPTER_CONFIG} ="
     if not base_model:
         raise ValueError(f"{adapter / ADAPTER_CONFIG} names no base_model_name_or_path. {_BASE_FIX}.")
-    check_model_source(base_model, setting=setting, fix=_BASE_FIX)
+    check_model_source(base_model, setting=setting, fix=_BASE_FIX, tokenizer=False)  # the adapter has its own
     load_in_4bit, double_quant = _trained_quantization(adapter)
     if settings.base == "trained" and not load_in_4bit:
         logger.info("the run trained on the unquantised base (load_in_4bit: false): merging into it")

@@ -88,7 +88,11 @@ def log_choice(settings: RunSettings, choice: ModelChoice, world_size: int) -> N
 
 
 def check_model_source(
-    name: str, timeout_s: float = HUB_TIMEOUT_S, setting: str = "--model-name-or-path", fix: str = _FIX
+    name: str,
+    timeout_s: float = HUB_TIMEOUT_S,
+    setting: str = "--model-name-or-path",
+    fix: str = _FIX,
+    tokenizer: bool = True,
 ) -> None:
     """Refuse a model that is neither embedded, a local folder, in the hub cache, nor found on the hub, in seconds.
 
@@ -109,7 +113,7 @@ def check_model_source(
     if name == EMBEDDED_MODEL:
         return
     if Path(name).expanduser().is_dir():
-        check_model_folder(name)
+        check_model_folder(name, setting, tokenizer)
         return
     if name.startswith(("/", "./", "../", "~")) or name.count("/") > 1:
         raise ValueError(f"{setting} {name}: no such folder. {fix}.")
@@ -138,7 +142,7 @@ def check_model_source(
 _TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab.*", "merges.txt", "*.tiktoken")
 
 
-def check_model_folder(name: str) -> None:
+def check_model_folder(name: str, setting: str = "--model-name-or-path", tokenizer: bool = True) -> None:
     """Refuse a local model folder without ``config.json`` or any tokenizer file, before a worker starts.
 
     ``model.save_pretrained`` saves no tokenizer; without one ``AutoTokenizer`` fails on every rank, after start-up,
@@ -146,6 +150,9 @@ def check_model_folder(name: str) -> None:
 
     Args:
         name (str): ``ModelSettings.model_name_or_path``, an existing folder.
+        setting (str): what names the folder, in errors. Default: --model-name-or-path
+        tokenizer (bool): the folder must hold a tokenizer too (not a base an adapter brings its own to).
+            Default: True
 
     Raises:
         ValueError: naming the folder, the missing files and how to save them.
@@ -153,12 +160,12 @@ def check_model_folder(name: str) -> None:
     folder = Path(name).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(
-            f"--model-name-or-path {name}: {folder.resolve()} holds no config.json, so it is no saved model. Give the "
+            f"{setting} {name}: {folder.resolve()} holds no config.json, so it is no saved model. Give the "
             "folder model.save_pretrained wrote (or a hub id)."
         )
-    if not any(next(folder.glob(pattern), None) for pattern in _TOKENIZER_PATTERNS):
+    if tokenizer and not any(next(folder.glob(pattern), None) for pattern in _TOKENIZER_PATTERNS):
         raise ValueError(
-            f"--model-name-or-path {name}: {folder.resolve()} holds no tokenizer (no tokenizer.json, "
+            f"{setting} {name}: {folder.resolve()} holds no tokenizer (no tokenizer.json, "
             "tokenizer_config.json, tokenizer.model, vocab.json + merges.txt or vocab.txt): model.save_pretrained "
             f"saves none. Save the tokenizer beside the model: AutoTokenizer.from_pretrained(ORIGIN).save_pretrained("
             f"'{folder}'), ORIGIN being the hub id or folder the model came from."
