@@ -162,3 +162,39 @@ def test_merge_refuses_no_adapter_and_a_full_out_dir(run_dir, tmp_path):
         cli.main(["merge", str(run_dir), "--out", str(full)])
     assert f"--out {full} exists and is not an empty folder" in str(refused.value)
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_generate_writes_what_the_adapter_on_its_nf4_base_writes(run_dir, tmp_path, capsys):
+    """`ddp-ft generate RUN --prompt` against greedy decoding by hand: the adapter on its 4-bit base, the prompt
+    written as the pair format's training prompt (instruction, blank line, text, generation prompt)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    out = tmp_path / "predictions.jsonl"
+    text = "A: shall we start with the budget? B: yes, twelve euros fifty."
+    cli.main(
+        ["generate", str(run_dir), "--prompt", text, "--out", str(out), "--dtype", "float32", "--max-new-tokens", "12"]
+    )
+    (written,) = [json.loads(line) for line in out.read_text().splitlines()]
+    tokenizer = load_tokenizer(str(run_dir / FINAL_DIR))
+    user = f"{DataSettings().instruction}\n\n{text}"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert tokenizer(written["prompt"], add_special_tokens=False)["input_ids"] == ids and written["reference"] is None
+    base_path = json.loads((run_dir / FINAL_DIR / "adapter_config.json").read_text())["base_model_name_or_path"]
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_path, dtype=torch.float32, device_map={"": "cpu"}, quantization_config=nf4
+    )
+    model = PeftModel.from_pretrained(base, str(run_dir / FINAL_DIR)).train()  # see _logits: train mode on the CPU
+    greedy = []
+    with torch.no_grad():
+        for _ in range(12):
+            token = int(model(input_ids=torch.tensor([ids + greedy])).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            greedy.append(token)
+    assert written["prediction"] == tokenizer.decode(greedy, skip_special_tokens=True).strip() != ""
+    assert capsys.readouterr().out.splitlines()[0] == written["prediction"]
+    with pytest.raises(SystemExit, match=r"--out .* exists; generate never replaces a file"):
+        cli.main(["generate", str(run_dir), "--prompt", text, "--out", str(out)])

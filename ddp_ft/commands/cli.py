@@ -63,6 +63,11 @@ SUBCOMMANDS = {
         "ddp_ft.commands.merge",
         0,
     ),
+    "generate": Subcommand(
+        "Generate with a trained adapter or merged model, prompts formatted as its training formatted them.",
+        "ddp_ft.commands.generate",
+        0,
+    ),
     "doctor": Subcommand(
         "Preflight under the launcher: world size, devices, backend, precision, versions, all-reduce; exit 1 on failure.",
         "ddp_ft.commands.doctor",

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from .checkpoint import DATA_FILE
+from .data import DataSettings, settings_from_record
 from .data.prompts import Prompt, prompt_of
+from .model.merge import MergeSettings, load_adapter_tokenizer, load_base_to_merge, plan_merge
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +95,63 @@ def predict_rows(model, tokenizer, rows, data_settings, n: int, max_new_tokens: 
 def prediction_table(predictions: Sequence[Prediction]) -> tuple[list[str], list[list[str]]]:
     """Columns and rows for a wandb table."""
     return ["prompt", "prediction", "reference"], [[p.prompt, p.prediction, p.reference or ""] for p in predictions]
+
+
+@dataclass
+class Trained:
+    """A trained model ready to generate, and how its training wrote prompts.
+
+    Args:
+        model (torch.nn.Module): the base as training saw it with the adapter on it, or a merged model.
+        tokenizer (PreTrainedTokenizerBase): the one saved with it, chat template included.
+        data (DataSettings): the run's data settings, its format as found.
+        shape (str): the standard shape of its rows: pair, chat, completion or text.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    data: DataSettings
+    shape: str
+
+
+def load_trained(source: str | Path, settings: MergeSettings) -> Trained:
+    """A run, an adapter folder or a merged model (``ddp-ft merge``), loaded to generate with.
+
+    An adapter goes on its base as training saw it: the NF4 weights dequantised (``load_base_to_merge``).
+
+    Raises:
+        FileNotFoundError: no adapter or model, or no ``ddp_ft_data.json`` beside it (the prompt format unknown).
+        ValueError: see ``plan_merge``.
+    """
+    folder = Path(source)
+    if (folder / "config.json").is_file() and (folder / DATA_FILE).is_file():  # a merged model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        data, shape = _data_record(folder)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=_merge_dtype(settings))
+        return Trained(model, AutoTokenizer.from_pretrained(str(folder)), data, shape)
+    from peft import PeftModel
+
+    plan = plan_merge(source, settings)
+    data, shape = _data_record(plan.adapter)
+    tokenizer = load_adapter_tokenizer(plan)
+    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing`: not the user's concern
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = PeftModel.from_pretrained(load_base_to_merge(plan), str(plan.adapter))
+    return Trained(model, tokenizer, data, shape)
+
+
+def _data_record(folder: Path) -> tuple[DataSettings, str]:
+    path = folder / DATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{folder} holds no {DATA_FILE}, so how training wrote its prompts is unknown. Generate from a run "
+            "folder or adapter that ddp_ft saved (its final/ or a checkpoint's adapter/)."
+        )
+    return settings_from_record(json.loads(path.read_text()))
+
+
+def _merge_dtype(settings: MergeSettings) -> torch.dtype | str:
+    from .model.precision import DTYPES
+
+    return DTYPES.get(settings.dtype, "auto")

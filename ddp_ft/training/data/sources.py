@@ -160,8 +160,10 @@ class RawData:
 
 
 def settings_from_record(record: dict) -> tuple[DataSettings, str]:
-    """The data settings and standard shape a run recorded (:meth:`RawData.record`); unknown keys are ignored."""
+    """The data settings and standard shape a run recorded (:meth:`RawData.record`); unknown keys are ignored, and
+    so is the chat template, which the tokenizer saved beside the record holds."""
     known = {name: value for name, value in record.items() if name in DataSettings.__dataclass_fields__}
+    known.pop("chat_template", None)
     settings = DataSettings(**known)
     return settings, record.get("shape") or ("pair" if settings.format in ("auto", "pair") else "chat")
 

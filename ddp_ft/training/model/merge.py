@@ -189,7 +189,7 @@ def merge_adapter(source: str | Path, out: str | Path, settings: MergeSettings |
     out = Path(out)
     check_output_dir(out)
     plan = plan_merge(source, settings)
-    tokenizer = _load_tokenizer(plan)
+    tokenizer = load_adapter_tokenizer(plan)
     what = "its NF4 weights dequantised, as training saw them" if plan.quantized else "its original weights"
     logger.info("merging %s into %s (%s), %s on %s", plan.adapter, plan.base_model, what, plan.dtype, plan.device)
     base = load_base_to_merge(plan)
@@ -269,7 +269,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def _load_tokenizer(plan: MergePlan):
+def load_adapter_tokenizer(plan: MergePlan):
     """The adapter's tokenizer (with the chat template it trained with), else the base model's, with a warning."""
     from transformers import AutoTokenizer
 
