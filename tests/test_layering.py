@@ -63,6 +63,7 @@ LAYERS = [
     },
     {
         "ddp_ft.integrations.recipe",
+        "ddp_ft.integrations.recipe_eval",
         "ddp_ft.integrations.stock",
         "ddp_ft.integrations",
     },
