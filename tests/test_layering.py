@@ -64,6 +64,7 @@ LAYERS = [
     },
     {
         "ddp_ft.integrations.recipe",
+        "ddp_ft.integrations.recipe_eval",
         "ddp_ft.integrations.stock",
         "ddp_ft.integrations",
     },

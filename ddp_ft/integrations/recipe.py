@@ -20,6 +20,7 @@ from ..training.perf_traps import command_line_fix
 from ..training.predict import PREDICTIONS_FILE, predict_rows, prediction_table, rouge_l, write_predictions
 from ..training.setup import RunParts, build_model, prepare_run, probe_run_micro_batch
 from .callbacks import ExpectedPeakCallback, with_step_progress
+from .recipe_eval import evaluating_every_row
 from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
 from .trainer import BucketedTrainer
 
@@ -64,7 +65,8 @@ def build_trainer(
             the same tokenized rows and collator, with TRL's loss and metrics. TRL stores the adapters of a 4-bit
             model in bfloat16, so its run is not the ``hf`` one to the bit. ``stock-hf`` and ``stock-trl``: the
             same on ``transformers.Trainer`` and ``trl.SFTTrainer`` with torch DDP (``ddp_ft.integrations.stock``),
-            the runs ddp_ft is measured against. Default: hf
+            the runs ddp_ft is measured against. Each evaluates every held-out row (``ddp_ft.integrations.recipe_eval``:
+            ``dataloader_drop_last`` is for training only). Default: hf
         stock_find_unused (str): torch DDP's ``find_unused_parameters`` for a stock trainer: ``trainer`` (the
             Trainer's own choice), ``true`` or ``false``. Default: trainer
         checked (tuple | None): what ``check_run_settings`` returned, where the caller ran it first (the recipe's
@@ -103,7 +105,7 @@ def build_trainer(
         from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
 
         trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments)
-    bucketed = trainer_class(
+    bucketed = evaluating_every_row(trainer_class)(
         model=model,
         args=args or TrainingArguments(**arguments),
         data_collator=parts.faults.wrap_collate(parts.collate),
@@ -199,7 +201,9 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         activation_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
         include_num_input_tokens_seen="non_padding",
         average_tokens_across_devices=True,
-        dataloader_drop_last=True,  # whole rounds of batches: the plain loop's full steps (a short last one as stock's)
+        # Whole rounds of batches: the plain loop's full steps (a short last one as stock's). Training only:
+        # the recipe's trainers evaluate every row (recipe_eval).
+        dataloader_drop_last=True,
         ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,

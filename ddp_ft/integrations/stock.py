@@ -5,7 +5,8 @@ instead (``--trainer stock-hf``, ``--trainer stock-trl``).
 Only :class:`~ddp_ft.integrations.callbacks.ThroughputCallback` is added, first in line, so the run writes the same
 ``metrics.jsonl`` as the ddp_ft trainers and is timed the same way (from ``on_step_begin`` to ``on_step_end``,
 non-padding tokens from the Trainer's ``num_input_tokens_seen``). The stock Trainer gathers that count on every
-micro-step; that cost is part of what is measured.
+micro-step; that cost is part of what is measured. Evaluation covers every held-out row, as on the ddp_ft trainers
+(``ddp_ft.integrations.recipe_eval``: the eval loader only, outside the training path).
 
 A setting the stock classes cannot honour is refused before the model loads, never dropped: the balanced plan (pass
 ``--no-balance-ranks``), BucketedDDP's own knobs away from their defaults, ``bucket_cap_mb='auto'``, and test faults.
@@ -25,6 +26,7 @@ from ..ddp.autotune import AUTO
 from ..training.config import RunSettings
 from ..training.faults import ENV as FAULTS_ENV
 from .callbacks import ThroughputCallback
+from .recipe_eval import evaluating_every_row
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +107,9 @@ def build_stock_trainer(trainer: str, arguments: dict, settings: RunSettings, fi
     if trainer == "stock-trl":
         from .trl import SFTConfig, SFTTrainer  # the optional trl, imported here only
 
-        stock = SFTTrainer(args=SFTConfig(**arguments), **kwargs)
+        stock = evaluating_every_row(SFTTrainer)(args=SFTConfig(**arguments), **kwargs)
     else:
-        stock = Trainer(args=TrainingArguments(**arguments), **kwargs)
+        stock = evaluating_every_row(Trainer)(args=TrainingArguments(**arguments), **kwargs)
     handler = getattr(stock.accelerator, "ddp_handler", None)  # what the Trainer gives torch DDP
     used = getattr(handler, "find_unused_parameters", arguments["ddp_find_unused_parameters"])
     record = {"trainer": trainer, "ddp": "torch", "find_unused_parameters": used}
