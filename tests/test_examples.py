@@ -1,6 +1,7 @@
 """examples/: each script runs as its docstring says, at 2 ranks, data-parallel; the SLURM script's command lines and
 its requeue logic, checked with stub ``srun`` / ``scontrol`` (SLURM itself cannot run here)."""
 
+import json
 import os
 import re
 import shlex
@@ -202,7 +203,7 @@ def test_sbatch_requeues_after_a_stop_only(tmp_path, stop, rc, requeued, exit_co
 @pytest.mark.slow
 def test_the_chat_example_trains_on_messages_at_two_ranks(tmp_path):
     """examples/chat_messages.sh as its header says: the messages format found from the columns, 2 ranks, a
-    checkpoint with the adapter."""
+    checkpoint with the adapter, and the format found recorded beside the final adapter."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": PYTHONPATH}
     command = ["bash", str(ROOT / "examples" / "chat_messages.sh"), "--max-steps", "2", "--report-to", "none"]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -210,3 +211,5 @@ def test_the_chat_example_trains_on_messages_at_two_ranks(tmp_path):
     assert "data format messages (messages): from its columns" in run.stderr
     assert "2 ranks x micro-batch" in run.stderr
     assert (tmp_path / "runs" / "chat_messages" / "ddp_ft-checkpoint-2" / "adapter").is_dir()
+    record = json.loads((tmp_path / "runs" / "chat_messages" / "final" / "ddp_ft_data.json").read_text())
+    assert (record["format"], record["shape"]) == ("messages", "chat")  # what generate formats prompts with

@@ -303,3 +303,20 @@ def test_a_prompt_alone_is_written_as_the_training_prompt_of_that_turn(tiny):
     trained = chat_prompt([*history, CHAT[4]], tiny)
     assert asked.input_ids == trained.input_ids and asked.reference is None
     assert asked.text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_trl_recipe_trains_chat_rows_with_their_masks(tmp_path, tiny, monkeypatch, tiny_cache):
+    """``ddp-ft recipe --trainer trl`` on a messages file: TRL gets the rows as ddp_ft encoded them, answers only."""
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.integrations.recipe import build_trainer
+    from ddp_ft.training.config import settings_from_preset
+
+    monkeypatch.setenv("DDP_FT_CACHE", str(tiny_cache))
+    source = write(tmp_path / "chat.jsonl", [{"messages": CHAT}] * 8)
+    settings = settings_from_preset(
+        "tiny", source=str(source), output_dir=str(tmp_path / "run"), report_to="none", effective_batch=2
+    )
+    trainer = build_trainer(settings, DistInfo(), "trl")
+    row = trainer.train_dataset[0]
+    ids, labels = encode_messages(trainer.processing_class, CHAT)
+    assert (list(row["input_ids"]), list(row["labels"])) == (ids, labels)

@@ -1,6 +1,7 @@
 """Side services of a run, for both entry points (the plain loop and the Trainer recipe), in process: a wandb
 failure never stops training, only rank 0 talks to wandb, and no secret reaches anything a run writes."""
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -12,11 +13,12 @@ from wandb.sdk.lib.noop_run import NoopRun
 
 from ddp_ft.distributed import DistInfo
 from ddp_ft.integrations.callbacks import GuardedWandbCallback, ThroughputCallback
-from ddp_ft.integrations.recipe import build_trainer, wandb_report_to
+from ddp_ft.integrations.recipe import build_trainer, predict_at_end, wandb_report_to
 from ddp_ft.report.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
 from ddp_ft.report.records import run_identity
 from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.loop import train
+from ddp_ft.training.setup import prepare_run
 
 STEPS = 2
 SECRETS = {  # fake values shaped like the real ones (a wandb key is 40 characters)
@@ -256,3 +258,27 @@ def test_a_hub_token_given_to_the_trainer_stays_out_of_the_training_args_it_pick
     assert len(pickled) == STEPS + 1 and all(b"hub_token" in data for data in pickled)
     assert not any(token.encode() in data for data in pickled)
     assert trainer.args.hub_token == token  # still there for pushing to the hub
+
+
+@pytest.mark.parametrize("entry", ["loop", "trainer"])
+def test_predict_writes_predictions_and_logs_them_to_wandb(entry, tmp_path, run_env, monkeypatch):
+    """``--predict 2`` on both entry points: predictions.jsonl, a predict record, and in wandb the rows as a table
+    and their ROUGE-L."""
+    _disabled_wandb_runs(monkeypatch)
+    logged = []
+    monkeypatch.setattr(NoopRun, "log", lambda self, data, *args, **kwargs: logged.append(data))
+    settings = _settings(tmp_path / "run", predict=2, max_new_tokens=4, eval_fraction=0.125)
+    if entry == "loop":
+        train(settings, DistInfo())
+    else:
+        parts = prepare_run(settings, DistInfo())
+        trainer = build_trainer(settings, DistInfo(), parts=parts)
+        trainer.train()
+        predict_at_end(trainer, parts, settings, DistInfo())
+    rows = [json.loads(line) for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["reference"] and row["prompt"].endswith("assistant\n") for row in rows)
+    (record,) = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "predict"]
+    assert record["samples"] == 2 and 0 <= record["rouge_l"] <= 1
+    (table,) = [payload["eval/predictions"] for payload in logged if "eval/predictions" in payload]
+    assert table.columns == ["prompt", "prediction", "reference"] and len(table.data) == 2
+    assert [p["eval/rouge_l"] for p in logged if "eval/rouge_l" in p] == [record["rouge_l"]]
