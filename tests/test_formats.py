@@ -41,6 +41,10 @@ HISTORY_MARKED = (
     "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
 )
+# As Qwen2.5's: a default system prompt where the conversation has none.
+DEFAULT_SYSTEM = (
+    "{%- if messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nBe helpful.<|im_end|>\\n' }}{%- endif %}"
+)
 PLAIN_MARKED = (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'assistant' %}{{- '\\n\\n### Response:\\n' }}"
@@ -102,6 +106,21 @@ def test_loss_masks_equal_the_generation_markers(case, turns, tiny, plain):
     assert sum(ref_mask) > 0 and [i for i, m in zip(ids, labels, strict=True) if m != IGNORE_INDEX] == [
         i for i, m in zip(ids, ref_mask, strict=True) if m
     ]
+
+
+def test_a_default_system_prompt_and_an_answer_first_are_not_trained(tiny):
+    tokenizer = ensure_chat_format(load_tokenizer(tiny.name_or_path), "auto")
+    tokenizer.chat_template = DEFAULT_SYSTEM + tokenizer.chat_template
+    for messages in (CHAT[1:5], [{"role": "assistant", "content": "Hello, shall we start?"}, *CHAT[1:3]]):
+        ids, labels = encode_messages(tokenizer, messages)
+        assert (ids, mask(labels)) == reference(tokenizer, DEFAULT_SYSTEM + CHATML_MARKED, messages)
+
+
+def test_an_empty_answer_carries_no_loss(tiny):
+    messages = [CHAT[1], {"role": "assistant", "content": ""}, *CHAT[3:5]]
+    ids, labels = encode_messages(tiny, messages)
+    trained = tiny.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+    assert trained == "Twelve euros fifty per unit, as marketing asked.<|im_end|>\n"
 
 
 def test_conversational_prompt_completion_trains_the_completion_only(tiny):

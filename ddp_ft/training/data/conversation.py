@@ -43,7 +43,8 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
 def answer_spans(tokenizer, messages: list[dict], loss_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its trained answers, in order.
 
-    An answer is an assistant turn at index ``loss_from`` or later: its text and the template's end of turn.
+    An answer is an assistant turn with text at index ``loss_from`` or later: its text and the template's end of
+    turn. An empty assistant turn has nothing to learn and carries no loss.
 
     Args:
         tokenizer (PreTrainedTokenizerBase): with a chat template.
@@ -53,7 +54,7 @@ def answer_spans(tokenizer, messages: list[dict], loss_from: int = 0) -> tuple[s
     full = render(tokenizer, messages)
     spans: list[tuple[int, int]] = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < loss_from:
+        if not _trained(message, i, loss_from):
             continue
         cursor = spans[-1][1] if spans else 0
         span = _prefix_span(tokenizer, messages, i, full)
@@ -63,10 +64,17 @@ def answer_spans(tokenizer, messages: list[dict], loss_from: int = 0) -> tuple[s
     return full, spans
 
 
+def _trained(message: dict, i: int, loss_from: int) -> bool:
+    """An answer the loss falls on: an assistant turn with text, at ``loss_from`` or later."""
+    return message["role"] == "assistant" and i >= loss_from and bool(message["content"].strip())
+
+
 def _prefix_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
     """Turn ``i``'s span as what it adds to the conversation before it; None where the template rewrites history."""
+    if i == 0:  # nothing before it to render: a template may open with a default system prompt
+        return None
     try:
-        before = render(tokenizer, messages[:i], generation_prompt=True) if i else ""
+        before = render(tokenizer, messages[:i], generation_prompt=True)
         through = render(tokenizer, messages[: i + 1])
     except Exception:  # a template that refuses a partial conversation (roles must alternate, ...)
         return None
@@ -76,8 +84,12 @@ def _prefix_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[in
 
 
 def _located_span(tokenizer, content: str, full: str, cursor: int) -> tuple[int, int]:
-    """The answer's text found after ``cursor``, with the end of turn the template writes after an answer."""
-    start = full.find(content, cursor) if content else -1
+    """The answer's text found after ``cursor`` (as given, else trimmed, as many templates write it), with the end
+    of turn the template writes after an answer."""
+    start = full.find(content, cursor)
+    if start < 0:
+        content = content.strip()
+        start = full.find(content, cursor)
     if start < 0:
         raise ValueError(
             "the chat template does not write an assistant turn's text as given, so its loss cannot be placed: "
@@ -121,7 +133,7 @@ def fit_conversation(tokenizer, messages: list[dict], loss_from: int, max_len: i
     Turns after the last answer carry no loss and are left out. Where even the last exchange does not fit, it is
     cut at its end; where that leaves no answer token, the sample is empty.
     """
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= loss_from)
+    last = max(i for i, m in enumerate(messages) if _trained(m, i, loss_from))
     messages = messages[: last + 1]
     ids, labels = encode_messages(tokenizer, messages, loss_from)
     full_len = len(ids)

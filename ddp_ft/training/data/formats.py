@@ -79,33 +79,27 @@ def resolve_format(features, settings, where: str) -> DataFormat:
     """
     columns = list(features)
     formats = {f.name: f for f in known_formats(settings)}
-    named = settings.format
-    if named == AUTO and settings.pair_columns_set:
-        named = "pair"
-    if named == "pair":  # its missing columns are named with their settings by the source's own check
-        return formats[named]
-    if named != AUTO:
+    named = "pair" if settings.format == AUTO and settings.pair_columns_set else settings.format
+    if named == AUTO:
+        fmt = next((f for f in formats.values() if set(f.columns) <= set(columns)), None)
+        if fmt is None and not set(formats["pair"].columns).isdisjoint(columns):
+            fmt = formats["pair"]  # one of its columns: the source's check names the other and its setting
+        if fmt is None:
+            raise ValueError(f"{where}: no known data format in its columns. {_columns_help(columns)}")
+    else:
         fmt = formats[named]
         missing = [column for column in fmt.columns if column not in columns]
-        if missing:
+        if missing and fmt.name != "pair":  # the pair's are named with their settings by the source's own check
             raise ValueError(f"{where}: --format {fmt.name} needs column(s) {missing}. {_columns_help(columns, fmt)}")
-    else:
-        fmt = next((f for f in formats.values() if all(column in columns for column in f.columns)), None)
-        if fmt is None and any(column in columns for column in formats["pair"].columns):
-            return formats["pair"]  # one of its columns: the source's check names the other and its setting
-    if fmt is PROMPT_COMPLETION and getattr(features["prompt"], "dtype", None) in ("string", "large_string"):
-        return PLAIN_PROMPT_COMPLETION
-    if fmt is not None:
-        return fmt
-    raise ValueError(f"{where}: no known data format in its columns. {_columns_help(columns)}")
+    plain = fmt is PROMPT_COMPLETION and getattr(features["prompt"], "dtype", None) in ("string", "large_string")
+    return PLAIN_PROMPT_COMPLETION if plain else fmt
 
 
 def _columns_help(columns: list[str], fmt: DataFormat | None = None) -> str:
     shown = ", ".join(f.describe() for f in (FORMATS_HELP if fmt is None else [fmt]))
     return (
         f"Columns found: {columns}. Formats and their columns: {shown} (the pair's: --dialogue-column, "
-        "--summary-column). Rename the columns, or name the "
-        "format with --format (docs/own_data.md shows each)."
+        "--summary-column). Rename the columns, or name the format with --format (docs/own_data.md shows each)."
     )
 
 
