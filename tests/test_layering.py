@@ -66,6 +66,7 @@ LAYERS = [
         "ddp_ft.integrations.recipe",
         "ddp_ft.integrations.recipe_eval",
         "ddp_ft.integrations.stock",
+        "ddp_ft.integrations.bucketed",
         "ddp_ft.integrations",
     },
     # The measurement tools: one package apart from the library, above all of it; only the CLI and scripts/ import it.

@@ -1,11 +1,24 @@
-"""BucketedDDP for Accelerate, the HF Trainer and TRL: one-line swaps for ``Accelerator``, ``Trainer`` and
-``SFTTrainer`` (``BucketedSFTTrainer`` imports trl, an optional dependency: ``pip install ".[trl]"`` in a clone, or ``pip install "trl>=1.16,<2"``)."""
+"""BucketedDDP for Accelerate, the HF Trainer and TRL: one-line swaps for ``Accelerator``, ``Trainer`` and TRL's
+trainers, and ``bucketed(TrainerSubclass)`` for any other. TRL's are imported on first use, so ``import
+ddp_ft.integrations`` needs no trl (an optional dependency: ``pip install ".[trl]"`` in a clone)."""
 
 from .accelerate import BucketedAccelerator
+from .bucketed import TRL_TRAINERS, bucketed
 from .callbacks import ThroughputCallback
 from .trainer import BucketedTrainer
 
-__all__ = ["BucketedAccelerator", "BucketedSFTTrainer", "BucketedTrainer", "ThroughputCallback"]
+__all__ = [
+    "BucketedAccelerator",
+    "BucketedDPOTrainer",
+    "BucketedGRPOTrainer",
+    "BucketedKTOTrainer",
+    "BucketedRLOOTrainer",
+    "BucketedRewardTrainer",
+    "BucketedSFTTrainer",
+    "BucketedTrainer",
+    "ThroughputCallback",
+    "bucketed",
+]
 
 
 def __getattr__(name: str):
@@ -13,4 +26,8 @@ def __getattr__(name: str):
         from .trl import BucketedSFTTrainer
 
         return BucketedSFTTrainer
+    if name in TRL_TRAINERS:
+        from .bucketed import trl_trainer
+
+        return trl_trainer(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
