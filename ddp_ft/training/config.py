@@ -68,11 +68,7 @@ class TrainSettings:
     save_total_limit: int = field(default=2, metadata={"help": "Keep at most this many checkpoints (0: keep all)."})
     eval_every: int = field(default=0, metadata={"help": "Evaluate every N optimizer steps (0: only at the end)."})
     predict: int = field(
-        default=0,
-        metadata={
-            "help": "At the end, generate for N eval samples, formatted as in training: predictions.jsonl, a wandb "
-            "table and ROUGE-L against their answers (0: none)."
-        },
+        default=0, metadata={"help": "Generate for N eval samples at the end: predictions.jsonl, wandb, ROUGE-L."}
     )
     max_new_tokens: int = field(default=256, metadata={"help": "--predict: the most tokens generated per sample."})
     resume: str = field(
