@@ -2,7 +2,8 @@
 RLOOTrainer on torch DDP, tiny Qwen3, 2 real gloo processes, 2 optimizer steps per run.
 
 One launch serves every test here (module fixture ``runs``): each case of ``CASES`` (GRPO with LoRA, accumulation 2
-and a reward model beside a reward function; RLOO fully fine-tuned with its reference copy) trains with the stock
+and a reward model beside a reward function; RLOO fully fine-tuned with its reference copy; RLOO with LoRA, its
+reference the model with the adapter disabled, one generation serving two steps) trains with the stock
 trainer and the bucketed one at the same seed, recording what the reward function was given, the collectives of
 every step and the generations among them. The reward function scores a completion by its length, so the groups'
 advantages differ from zero and the weights move. About 15 s on 2 CPU cores.
@@ -27,23 +28,33 @@ WORDS = "meeting budget design remote control team project manager market user i
 
 @dataclass(frozen=True)
 class Case:
-    """One online run: the trainer, LoRA or full fine-tuning, accumulation, a reward model beside the function."""
+    """One online run: the trainer, LoRA or full fine-tuning, accumulation, a reward model beside the function, and
+    how many optimizer steps each generation serves (more than one: TRL computes the old log-probabilities)."""
 
     trainer: str  # "GRPO" or "RLOO"
     lora: bool
     accumulation: int
     reward_model: bool
     balance_ranks: bool  # passed to the bucketed trainer: it must be turned off
+    steps_per_generation: int = 1
 
     @property
     def name(self) -> str:
         tuning = "lora" if self.lora else "full"
-        return f"{self.trainer}-{tuning}-accum{self.accumulation}{'-reward_model' if self.reward_model else ''}"
+        extra = "-reward_model" if self.reward_model else ""
+        return f"{self.trainer}-{tuning}-accum{self.accumulation}-gen{self.steps_per_generation}{extra}"
+
+    @property
+    def generations(self) -> list[int]:
+        """Generations in each of the 2 optimizer steps."""
+        return [1, 0] if self.steps_per_generation == 2 else [1, 1]
 
 
+# RLOO's beta > 0 by default: a reference copy of the full model; with LoRA, the model with its adapter disabled.
 CASES = (
     Case("GRPO", lora=True, accumulation=2, reward_model=True, balance_ranks=True),
-    Case("RLOO", lora=False, accumulation=1, reward_model=False, balance_ranks=False),  # beta > 0: a reference copy
+    Case("RLOO", lora=False, accumulation=1, reward_model=False, balance_ranks=False),
+    Case("RLOO", lora=True, accumulation=1, reward_model=False, balance_ranks=False, steps_per_generation=2),
 )
 
 
@@ -95,6 +106,7 @@ def config(case: Case, out: str):
         max_steps=2,
         per_device_train_batch_size=4 // case.accumulation,
         gradient_accumulation_steps=case.accumulation,
+        steps_per_generation=case.accumulation * case.steps_per_generation,
         num_generations=2,
         max_completion_length=6,
         optim="sgd",
@@ -269,7 +281,7 @@ def test_completions_and_weights_are_bitwise_the_stock_trainers(runs, case: Case
     so nothing differs to tolerate; ``balance_ranks=True``, turned off, changes nothing.)"""
     for rank_runs in runs:
         ours, stock = rank_runs[case.name]["ours"], rank_runs[case.name]["stock"]
-        assert ours.completions == stock.completions and len(ours.completions) == 2
+        assert ours.completions == stock.completions and len(ours.completions) == sum(case.generations)
         assert ours.weights.keys() == stock.weights.keys() and ours.weights and ours.moved > 1e-3
         for name, weight in ours.weights.items():
             assert_close(weight, stock.weights[name], rtol=0, atol=0, msg=name)
@@ -302,9 +314,10 @@ def test_generation_starts_no_collective_and_steps_one_per_bucket(runs, case: Ca
     for rank_runs in runs:
         ours = rank_runs[case.name]["ours"]
         assert len(ours.steps) == 2 and ours.buckets >= 1
-        for step in ours.steps:
-            assert step.count("generate") == 1
-            assert step[step.index("generate") + 1] == "generated", step
+        for step, generations in zip(ours.steps, case.generations, strict=True):
+            assert step.count("generate") == generations
+            if generations:
+                assert step[step.index("generate") + 1] == "generated", step
             assert step.count("bucket_all_reduce") == ours.buckets, step
         stock = rank_runs[case.name]["stock"]
         assert all("bucket_all_reduce" not in step for step in stock.steps)
@@ -312,10 +325,11 @@ def test_generation_starts_no_collective_and_steps_one_per_bucket(runs, case: Ca
 
 def test_reward_and_reference_models_are_never_wrapped(runs):
     """The reward model (GRPO) and the reference model RLOO copies for its KL term (``beta`` > 0) are prepared for
-    evaluation: plain modules on both ranks, never BucketedDDP."""
+    evaluation: plain modules on both ranks, never BucketedDDP (with LoRA there is no copy)."""
     for rank_runs in runs:
         assert rank_runs[CASES[0].name]["ours"].others == ["Qwen3ForSequenceClassification"]
         assert rank_runs[CASES[1].name]["ours"].others == ["Qwen3ForCausalLM"]
+        assert rank_runs[CASES[2].name]["ours"].others == []
 
 
 def test_balance_ranks_is_turned_off_and_logged_once_on_rank_0(runs):
