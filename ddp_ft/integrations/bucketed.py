@@ -9,8 +9,11 @@ importing ddp_ft imports no trl.
 from __future__ import annotations
 
 import functools
+import logging
 
 from .trainer import BucketedTrainer
+
+logger = logging.getLogger(__name__)
 
 # TRL's trainers by the name ddp_ft gives them (``SFTTrainer`` has its own class: ``ddp_ft.integrations.trl``).
 TRL_TRAINERS = {
@@ -20,6 +23,26 @@ TRL_TRAINERS = {
     "BucketedRLOOTrainer": "RLOOTrainer",
     "BucketedGRPOTrainer": "GRPOTrainer",
 }
+# TRL's trainers that generate their training batches while they train: their rows are prompts, and their own
+# sampler repeats each prompt over the ranks, so the balanced plan cannot apply.
+ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+
+
+def generates_online(trainer_class: type) -> bool:
+    """Whether ``trainer_class`` is, or derives from, one of TRL's :data:`ONLINE_TRAINERS`."""
+    return any(c.__module__.startswith("trl.") and c.__name__ in ONLINE_TRAINERS for c in trainer_class.__mro__)
+
+
+def _online_init(self, *args, balance_ranks: bool = False, **kwargs) -> None:
+    """``BucketedTrainer.__init__`` with the stock sampling: ``balance_ranks=True`` is turned off, and logged once."""
+    BucketedTrainer.__init__(self, *args, balance_ranks=False, **kwargs)
+    if balance_ranks and self.args.process_index == 0:
+        logger.warning(
+            "%s: balance_ranks=True is off. Its plan splits tokenized rows over the ranks, but this trainer "
+            "generates its completions while it trains and repeats each prompt over the ranks with its own sampler; "
+            "it trains with that sampler.",
+            type(self).__name__,
+        )
 
 
 @functools.cache
@@ -28,7 +51,9 @@ def bucketed(trainer_class: type) -> type:
     trainer_class)``, made once per class.
 
     Its arguments are ``trainer_class``'s, plus ``BucketedTrainer``'s ``ddp_settings`` and ``balance_ranks`` (off by
-    default: the stock sampling). A class that is bucketed already is returned as it is.
+    default: the stock sampling). For TRL's online trainers (GRPO, RLOO and their subclasses) ``balance_ranks=True``
+    is turned off with a warning on rank 0: their rows are prompts, generated into completions while they train. A
+    class that is bucketed already is returned as it is.
 
     Args:
         trainer_class (type): a subclass of ``transformers.Trainer``: TRL's, an experimental one, your own.
@@ -54,7 +79,11 @@ def bucketed(trainer_class: type) -> type:
         f"``{trainer_class.__module__}.{trainer_class.__qualname__}`` that trains multi-process runs with "
         "BucketedDDP; its arguments, plus ``BucketedTrainer``'s ``ddp_settings`` and ``balance_ranks``."
     )
-    return type(name, (BucketedTrainer, trainer_class), {"__doc__": doc, "__module__": __name__})
+    namespace = {"__doc__": doc, "__module__": __name__}
+    if generates_online(trainer_class):
+        namespace["__doc__"] += " It generates online, so ``balance_ranks=True`` is off (logged once)."
+        namespace["__init__"] = _online_init
+    return type(name, (BucketedTrainer, trainer_class), namespace)
 
 
 def trl_trainer(name: str) -> type:

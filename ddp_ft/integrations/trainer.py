@@ -19,11 +19,12 @@ import inspect
 import logging
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.integrations import WandbCallback
 
 from ..ddp import BucketedDDP, DDPSettings
@@ -118,7 +119,8 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
         self.faults = faults or FaultInjector([], 0, 0)
         self._staging_dir: str | None = None
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # Found by type: TRL's online trainers take ``args`` third, after ``reward_funcs``.
+        training_args = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)
         if training_args is not None:  # before a subclass (TRL's SFTTrainer) loads or wraps the model
             check_world_seen(training_args.world_size, TRAINER_CPU_FIX)
         super().__init__(*args, **kwargs)
@@ -149,13 +151,14 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         Trainer: ``non_padding`` sums the attention mask (without one, as for TRL's padding-free batches and
         ``PackedCollator``'s rows, counts the tokens other than the tokenizer's pad token), ``all`` counts every
         position; without the main input, or for ``non_padding`` without a mask or a pad token, the Trainer counts
-        itself.
+        itself. A batch of rows not yet tokenized (the prompts TRL's GRPO and RLOO draw) is not counted here: those
+        trainers add their prompt and completion tokens to ``state.num_input_tokens_seen`` themselves.
         """
         mode = self.args.include_num_input_tokens_seen
         main_input = getattr(self.model, "main_input_name", "input_ids")
         masked = "attention_mask" in inputs
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        if mode == "no":
+        if mode == "no" or not isinstance(inputs, Mapping):  # rows of prompts: an online trainer counts its own
             count = None
         elif main_input not in inputs or (mode == "non_padding" and not masked and pad_id is None):
             count = None
