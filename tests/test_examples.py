@@ -49,6 +49,7 @@ def _launch(launcher: str, script: str, tmp_path: Path) -> tuple[str, str]:
         ("accelerate_loop.py", "accelerate"),
         ("hf_trainer.py", "accelerate"),
         ("trl_sft.py", "torchrun"),
+        ("trl_dpo.py", "accelerate"),
     ],
 )
 def test_example_trains_data_parallel_at_two_ranks(script, launcher, tmp_path):
