@@ -49,6 +49,7 @@ def _launch(launcher: str, script: str, tmp_path: Path) -> tuple[str, str]:
         ("accelerate_loop.py", "accelerate"),
         ("hf_trainer.py", "accelerate"),
         ("trl_sft.py", "torchrun"),
+        ("trl_dpo.py", "accelerate"),
         ("trl_grpo.py", "accelerate"),
     ],
 )

@@ -71,6 +71,7 @@ class PlannedData:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         args = self.args
+        check_plan_columns(self.train_dataset, type(self).__name__)
         dataset = self._remove_unused_columns(self.train_dataset, description="Training")
         micro, world = args.per_device_train_batch_size, args.world_size
         check_plan_settings(args, self.accelerator, len(dataset))
@@ -139,6 +140,32 @@ class PlannedData:
         answers = counts.totals(sampler.step_samples(step))[0]
         self._planned_answers = (step + 1, answers, local)
         return torch.tensor(float(answers), device=device)  # the gathered int64 sum over 1, as the Trainer returns it
+
+
+def check_plan_columns(dataset, trainer_name: str) -> None:
+    """Refuse ``balance_ranks`` for training rows without the ``input_ids`` the plan reads each sample's length from.
+
+    TRL's preference and reward trainers (DPO, KTO, reward) tokenize their rows into ``prompt_ids``, ``chosen_ids``,
+    ``rejected_ids`` or ``completion_ids``, which their collators join into the batches' sequences. A plan balanced
+    on those tokens (chosen plus rejected, each pair on one rank) is not built yet; counting any other column would
+    balance the wrong thing. A dataset that names no columns is left to the plan.
+
+    Args:
+        dataset: the training set, after the trainer prepared it.
+        trainer_name (str): the trainer's class, for the message.
+
+    Raises:
+        ValueError: naming ``balance_ranks``, the rows' columns and the way out.
+    """
+    columns = getattr(dataset, "column_names", None)
+    if columns is None or "input_ids" in columns:
+        return
+    raise ValueError(
+        f"{trainer_name}: balance_ranks=True needs training rows with input_ids, the tokens the balanced plan splits "
+        f"over the ranks; these rows have {', '.join(columns)}. Balancing preference pairs on their chosen and "
+        "rejected tokens is not supported yet. Pass balance_ranks=False (the default) for the stock Trainer's "
+        "sampling."
+    )
 
 
 def check_plan_settings(args, accelerator, train_samples: int) -> None:

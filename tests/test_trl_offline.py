@@ -1,0 +1,146 @@
+"""BucketedDPOTrainer, BucketedKTOTrainer and BucketedRewardTrainer against one process on the global batch and
+against TRL's stock classes on torch DDP: tiny Qwen3 with LoRA, 2 real gloo processes, 2 optimizer steps per run.
+
+Two launches serve the distributed tests (module fixture ``runs``): 2 processes train every case of ``CASES``, and
+stock TRL on torch DDP the cases of ``STOCK``; then 1 process trains the cases of ``ONE_PROCESS`` on the same global
+batches (accumulation 4 instead of 2 per rank).
+"""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from .dist_harness import run_distributed
+from .trl_offline_runs import Case, OfflineRun, config, models, rows, train
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.distributed
+
+CASES = (
+    Case("dpo-adapter-ref", "DPO"),
+    Case("dpo-4bit-ref-model", "DPO", reference="ref_model", four_bit=True),
+    Case("dpo-precomputed-ref", "DPO", config={"precompute_ref_log_probs": True}),
+    Case("kto-unpaired-no-kl", "KTO", config={"loss_type": "apo_zero_unpaired"}),
+    Case("kto-precomputed-ref", "KTO", config={"loss_type": "apo_zero_unpaired", "precompute_ref_log_probs": True}),
+    # KTO's default loss estimates its KL term from a mean all-gathered over the ranks at every micro-step: it
+    # depends on how the rows fall into micro-batches, so only stock KTOTrainer on the same ranks is its reference.
+    Case("kto-kl", "KTO"),
+    Case("reward", "Reward"),
+)
+ONE_PROCESS = [case for case in CASES if case.name != "kto-kl"]
+STOCK = [case for case in CASES if case.name in ("dpo-adapter-ref", "kto-kl", "reward")]
+# One process vs two on the same global batches: each adapter tensor within this fraction of its largest entry
+# (float32 adapters; the bfloat16 ones TRL makes for a 4-bit base differ by a bf16 rounding, as in tests/test_trl.py).
+ONE_PROCESS_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("trl_offline")
+    tokenizer = build_tiny_tokenizer(root / "tokenizer")
+    model = build_tiny_qwen3(root / "qwen3", vocab_size=len(load_tokenizer(str(tokenizer))), seed=0)
+    return str(tokenizer), str(model)
+
+
+def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str, dict[str, OfflineRun]]:
+    from .test_plugin_wrapping import _as_accelerate_rank, _record_collectives
+
+    _as_accelerate_rank(rank, world_size)
+    import trl
+
+    from ddp_ft.integrations import bucketed
+
+    log: list[str] = []
+    _record_collectives(log)
+    results = {}
+    for case in CASES if world_size > 1 else ONE_PROCESS:
+        stock = getattr(trl, f"{case.trainer}Trainer")
+        results[case.name] = {"ours": train(bucketed(stock), paths, case, world_size, log)}
+        if world_size > 1 and case in STOCK:
+            results[case.name]["stock"] = train(stock, paths, case, world_size, log)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(paths):
+    """Each case's runs: ``two`` (one per rank) and ``one`` (the single process), by trainer."""
+    two = run_distributed(_train_cases, paths, timeout=300)
+    (one,) = run_distributed(_train_cases, paths, world_size=1, timeout=300)
+    return two, one
+
+
+@pytest.mark.parametrize("case", ONE_PROCESS, ids=lambda c: c.name)
+def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
+    """Two processes (accumulation 2 each) train as one process on the same 8 rows per step (accumulation 4): the
+    adapters within ONE_PROCESS_TOL on both ranks, equal across ranks, the logged loss within 1e-5. DPO's and
+    reward's losses are means over each micro-batch's pairs, KTO's (without its KL term) over its rows, so the
+    step's gradient is the same mean of micro-batch means on any split of the same micro-batches."""
+    two, one = runs
+    reference = one[case.name]["ours"]
+    assert any(w.abs().max() > 0 for n, w in reference.adapters.items() if "lora_B" in n), "nothing trained"
+    for rank, rank_runs in enumerate(two):
+        ours = rank_runs[case.name]["ours"]
+        assert ours.adapters.keys() == reference.adapters.keys() and ours.adapters
+        for name, weight in ours.adapters.items():
+            atol = ONE_PROCESS_TOL[weight.dtype] * reference.adapters[name].abs().max().item()
+            message = f"rank {rank}: {name}"
+            assert_close(weight, reference.adapters[name], rtol=0, atol=atol, msg=lambda m, s=message: f"{s}: {m}")
+            assert_close(weight, two[0][case.name]["ours"].adapters[name], rtol=0, atol=0)
+    for mine, single in zip(two[0][case.name]["ours"].logs, reference.logs, strict=True):
+        assert mine["loss"] == pytest.approx(single["loss"], rel=1e-5), (mine, single)
+
+
+@pytest.mark.parametrize("case", STOCK, ids=lambda c: c.name)
+def test_adapters_are_bitwise_those_of_stock_trl_with_torch_ddp(runs, case: Case):
+    """Same data, model, seed: the adapters after training are stock TRL's on torch DDP bit for bit, on both ranks,
+    KTO's KL term included (its cross-rank mean is TRL's own gather, untouched)."""
+    two, _ = runs
+    for rank_runs in two:
+        ours, stock = rank_runs[case.name]["ours"], rank_runs[case.name]["stock"]
+        assert ours.adapters.keys() == stock.adapters.keys() and ours.adapters
+        for name, weight in ours.adapters.items():
+            assert_close(weight, stock.adapters[name], rtol=0, atol=0, msg=name)
+        assert [log["loss"] for log in ours.logs] == pytest.approx([log["loss"] for log in stock.logs], rel=1e-6)
+
+
+def test_separate_ref_model_is_never_wrapped_and_never_communicates(runs):
+    """DPO with a ``ref_model`` beside the LoRA policy on a 4-bit base: after training the reference is the plain
+    model, none of its parameters has a gradient hook or a gradient, and each step all-reduces exactly the policy's
+    buckets, once each, as the run whose reference is the disabled adapter does."""
+    two, _ = runs
+    for rank_runs in two:
+        ours = rank_runs["dpo-4bit-ref-model"]["ours"]
+        assert ours.ref_type == "Qwen3ForCausalLM", ours.ref_type
+        assert (ours.ref_hooked, ours.ref_grads) == (0, 0)
+        assert ours.buckets and len(ours.steps) == 2
+        for step in ours.steps:
+            assert step.count("all_reduce") == ours.buckets, step
+        adapter_ref = rank_runs["dpo-adapter-ref"]["ours"]
+        assert [step.count("all_reduce") for step in adapter_ref.steps] == [adapter_ref.buckets] * 2
+
+
+@pytest.mark.parametrize("trainer", ["DPO", "KTO", "Reward"])
+def test_balance_ranks_is_refused_for_rows_without_input_ids(paths, tmp_path, trainer):
+    """Their rows hold prompt/chosen/rejected (or completion) ids, no ``input_ids`` the balanced plan could count:
+    ``balance_ranks=True`` is refused before training, naming the setting and the columns."""
+    import trl
+    from transformers import AutoTokenizer
+
+    from ddp_ft.integrations import bucketed
+
+    case = Case(trainer.lower(), trainer)
+    model, lora, _ = models(paths[1], case)
+    args = config(str(tmp_path), case, world_size=1, ddp_backend=None)
+    refusal = r"balance_ranks=True needs training rows with input_ids.*these rows have .*(chosen_ids|completion_ids)"
+    with pytest.raises(ValueError, match=refusal):
+        bucketed(getattr(trl, f"{trainer}Trainer"))(
+            model=model,
+            args=args,
+            train_dataset=rows(trainer, n=4),
+            processing_class=AutoTokenizer.from_pretrained(paths[0]),
+            peft_config=lora,
+            balance_ranks=True,
+        )
