@@ -57,6 +57,7 @@ LAYERS = [
         "ddp_ft.integrations.accelerate",
         "ddp_ft.integrations.trainer",
         "ddp_ft.integrations.trainer_plan",
+        "ddp_ft.integrations.trainer_rows",
         "ddp_ft.integrations.trainer_checkpoints",
         "ddp_ft.integrations.settings",
         "ddp_ft.integrations.comm_hook_kwargs",

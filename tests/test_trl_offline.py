@@ -6,6 +6,8 @@ stock TRL on torch DDP the cases of ``STOCK``; then 1 process trains the cases o
 batches (accumulation 4 instead of 2 per rank).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -27,7 +29,19 @@ CASES = (
     Case("kto-kl", "KTO"),
     Case("reward", "Reward"),
 )
-ONE_PROCESS = [case for case in CASES if case.name != "kto-kl"]
+# Trained again with balance_ranks=True on 2 processes only, against the stock order's single process: the plan
+# regroups each step's rows, so this needs a loss that is a mean over each micro-batch's rows (KTO without KL, in
+# random order: KTOConfig's default sequential order is one the plan refuses).
+KTO_RANDOM = Case(
+    "kto-random-order", "KTO", config={"loss_type": "apo_zero_unpaired", "train_sampling_strategy": "random"}
+)
+BALANCED = {"dpo-adapter-ref-balanced": "dpo-adapter-ref", "reward-balanced": "reward", "kto-balanced": KTO_RANDOM.name}
+CASES += (
+    replace(CASES[0], name="dpo-adapter-ref-balanced", balance=True),
+    replace(CASES[-1], name="reward-balanced", balance=True),
+    replace(KTO_RANDOM, name="kto-balanced", balance=True),
+)
+ONE_PROCESS = [case for case in CASES if case.name != "kto-kl" and not case.balance]
 STOCK = [case for case in CASES if case.name in ("dpo-adapter-ref", "kto-kl", "reward")]
 # One process vs two on the same global batches: each adapter tensor within this fraction of its largest entry
 # (float32 adapters; the bfloat16 ones TRL makes for a 4-bit base differ by a bf16 rounding, as in tests/test_trl.py).
@@ -56,7 +70,7 @@ def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str
     log: list[str] = []
     _record_collectives(log)
     results = {}
-    for case in CASES if world_size > 1 else ONE_PROCESS:
+    for case in CASES if world_size > 1 else [*ONE_PROCESS, KTO_RANDOM]:
         stock = getattr(trl, f"{case.trainer}Trainer")
         results[case.name] = {"ours": train(bucketed(stock), paths, case, world_size, log)}
         if world_size > 1 and case in STOCK:
@@ -93,6 +107,28 @@ def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
         assert mine["loss"] == pytest.approx(single["loss"], rel=1e-5), (mine, single)
 
 
+@pytest.mark.parametrize("name", BALANCED)
+def test_balanced_pairs_train_as_one_process_in_stock_order(runs, name: str):
+    """``balance_ranks=True`` on 2 processes regroups each step's rows by their padded width (DPO and reward: the
+    wider of chosen and rejected; KTO: prompt plus completion), and trains as 1 process with the stock sampler on
+    the same 8 rows per step: the plan keeps the step's rows, and the loss is a mean over equal micro-batches.
+    Premise: the first step's plan differs from the strided split and its slowest rank pads no more tokens."""
+    two, one = runs
+    reference = one[BALANCED[name]]["ours"]
+    for rank, rank_runs in enumerate(two):
+        ours = rank_runs[name]["ours"]
+        assert ours.reordered, f"rank {rank}: the plan kept the strided split"
+        assert ours.plan_costs[0] <= ours.plan_costs[1], ours.plan_costs
+        assert ours.adapters.keys() == reference.adapters.keys() and ours.adapters
+        for key, weight in ours.adapters.items():
+            atol = ONE_PROCESS_TOL[weight.dtype] * reference.adapters[key].abs().max().item()
+            message = f"rank {rank}: {key}"
+            assert_close(weight, reference.adapters[key], rtol=0, atol=atol, msg=lambda m, s=message: f"{s}: {m}")
+            assert_close(weight, two[0][name]["ours"].adapters[key], rtol=0, atol=0)
+    for mine, single in zip(two[0][name]["ours"].logs, reference.logs, strict=True):
+        assert mine["loss"] == pytest.approx(single["loss"], rel=1e-5), (mine, single)
+
+
 @pytest.mark.parametrize("case", STOCK, ids=lambda c: c.name)
 def test_adapters_are_bitwise_those_of_stock_trl_with_torch_ddp(runs, case: Case):
     """Same data, model, seed: the adapters after training are stock TRL's on torch DDP bit for bit, on both ranks,
@@ -122,24 +158,23 @@ def test_separate_ref_model_is_never_wrapped_and_never_communicates(runs):
         assert [step.count("all_reduce") for step in adapter_ref.steps] == [adapter_ref.buckets] * 2
 
 
-@pytest.mark.parametrize("trainer", ["DPO", "KTO", "Reward"])
-def test_balance_ranks_is_refused_for_rows_without_input_ids(paths, tmp_path, trainer):
-    """Their rows hold prompt/chosen/rejected (or completion) ids, no ``input_ids`` the balanced plan could count:
-    ``balance_ranks=True`` is refused before training, naming the setting and the columns."""
+def test_balance_ranks_is_refused_for_kto_with_its_kl_term(paths, tmp_path):
+    """KTO's default loss estimates its KL term from each micro-step's rows: a plan that regroups them would change
+    the gradient, so ``balance_ranks=True`` is refused before training, naming the setting, the columns and why."""
     import trl
     from transformers import AutoTokenizer
 
     from ddp_ft.integrations import bucketed
 
-    case = Case(trainer.lower(), trainer)
+    case = Case("kto", "KTO")
     model, lora, _ = models(paths[1], case)
     args = config(str(tmp_path), case, world_size=1, ddp_backend=None)
-    refusal = r"balance_ranks=True needs training rows with input_ids.*these rows have .*(chosen_ids|completion_ids)"
+    refusal = r"balance_ranks=True needs training rows.*these rows have .*KL_completion_ids.*KL term"
     with pytest.raises(ValueError, match=refusal):
-        bucketed(getattr(trl, f"{trainer}Trainer"))(
+        bucketed(trl.KTOTrainer)(
             model=model,
             args=args,
-            train_dataset=rows(trainer, n=4),
+            train_dataset=rows("KTO", n=4),
             processing_class=AutoTokenizer.from_pretrained(paths[0]),
             peft_config=lora,
             balance_ranks=True,

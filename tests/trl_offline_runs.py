@@ -21,6 +21,7 @@ class Case:
     reference: str = "adapter"  # "adapter": the adapter disabled; "ref_model": a separate frozen model
     four_bit: bool = False
     config: dict = field(default_factory=dict)
+    balance: bool = False  # BucketedTrainer's balance_ranks
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -120,6 +121,8 @@ class OfflineRun(Run):
     ref_type: str | None = None
     ref_hooked: int = 0
     ref_grads: int = 0
+    plan_costs: tuple[int, int] | None = None  # the first step's slowest rank in padded tokens: balanced, strided
+    reordered: bool = False  # the first step's plan is not the strided split
 
 
 def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log: list[str]) -> OfflineRun:
@@ -140,6 +143,8 @@ def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log:
     precomputed = case.config.get("precompute_ref_log_probs")
     data = f"{model_path}-{case.name}-{world_size}" if precomputed else None
     extra = {} if ref_model is None else {"ref_model": ref_model}
+    if case.balance:
+        extra["balance_ranks"] = True
     with tempfile.TemporaryDirectory() as out:
         trainer = trainer_cls(
             model=model,
@@ -165,9 +170,28 @@ def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log:
     adapters = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     run = OfflineRun(adapters, logs, steps, len(getattr(trainer.model_wrapped, "bucket_sizes", [])) or None)
+    if case.balance:
+        run.plan_costs, run.reordered = _first_plan(trainer)
     ref = getattr(trainer, "ref_model", None)
     if ref is not None:
         run.ref_type = type(ref).__name__
         run.ref_hooked = sum(bool(p._post_accumulate_grad_hooks) for p in ref.parameters())
         run.ref_grads = sum(p.grad is not None for p in ref.parameters())
     return run
+
+
+def _first_plan(trainer) -> tuple[tuple[int, int], bool]:
+    """The balanced run's first step: its slowest rank's padded tokens against the strided split's (widths from
+    the rows as the collator pads them), and whether the plan differs from the strided split."""
+    from ddp_ft.training.data.balance import rank_costs, strided_plan
+
+    loader = trainer._plan_sampler.loader
+    plan = next(loader.plans(0))
+    indices = sorted(i for batches in plan for batch in batches for i in batch)
+    rows = loader.dataset
+    width = {i: trainer.data_collator([rows[i]])["input_ids"].shape[1] for i in indices}
+    loader.sampler.set_epoch(0)
+    step = loader.steps.extend([int(i) for i in loader.sampler])[loader.steps.positions(0)]
+    strided = strided_plan(step, loader.steps.world_size, loader.micro_batch, len(plan[0]))
+    costs = (max(rank_costs(plan, width)), max(rank_costs(strided, width)))
+    return costs, plan != strided

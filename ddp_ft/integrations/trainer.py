@@ -82,7 +82,8 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
             global order: ``DistributedSampler``'s, seeded by ``data_seed`` or ``seed`` plus the epoch), with the stock
             Trainer's steps: the same micro-batches per rank, optimizer steps and learning-rate schedule, every sample
             of the epoch trained unless ``dataloader_drop_last`` (``ddp_ft.integrations.trainer_plan``); settings it
-            cannot keep are refused, and so are rows without ``input_ids`` (TRL's preference pairs). Default: False (the stock Trainer's sampling)
+            cannot keep are refused, and so are rows it cannot cost (``check_plan_columns``: ``input_ids``, or TRL's
+            DPO, reward and KTO rows by their padded width). Default: False (the stock Trainer's sampling)
         faults (FaultInjector | None): test-only fault injection (``ddp_ft.training.faults``); the recipe passes the one
             ``DDP_FT_INJECT_FAULT`` describes. Default: none
         **kwargs: passed to ``Trainer``.
@@ -125,7 +126,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
             check_world_seen(training_args.world_size, TRAINER_CPU_FIX)
         super().__init__(*args, **kwargs)
         if balance_ranks:  # the rows as the subclass prepared them, before any step
-            check_plan_columns(self.train_dataset, type(self).__name__)
+            check_plan_columns(self.train_dataset, type(self).__name__, self.data_collator)
         if self.args.include_num_input_tokens_seen == "no":
             self.args.include_num_input_tokens_seen = "non_padding"
         self.ddp_settings = self.accelerator.ddp_settings  # resolved with the TrainingArguments' ddp_* fields

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import TrainerCallback
 
+from .trainer_rows import can_cost, row_lengths, uncostable_reason
+
 if TYPE_CHECKING:
     from ..training.data import StepBatchSampler
 
@@ -49,7 +51,9 @@ class PlannedData:
         trained unless ``dataloader_drop_last``, the same samples repeated to complete the last step (the first of
         the epoch's order, as Accelerate's shard repeats the first of its own). Otherwise the Trainer's own loader. A
         ``PackedCollator`` (``ddp_ft.training.data.packing``) is first checked against the model, whose attention must
-        keep its rows' sequences apart, and the plan balances its packed tokens.
+        keep its rows' sequences apart, and the plan balances its packed tokens. Rows of TRL's DPO, reward and KTO
+        collators have no ``input_ids``: the plan balances each row's padded width as the collator makes it
+        (``ddp_ft.integrations.trainer_rows``: the wider of chosen and rejected for a pair).
 
         Raises:
             ValueError: a ``PackedCollator`` for a model whose attention would mix packed sequences; with
@@ -71,8 +75,9 @@ class PlannedData:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         args = self.args
-        check_plan_columns(self.train_dataset, type(self).__name__)
+        check_plan_columns(self.train_dataset, type(self).__name__, self.data_collator)
         dataset = self._remove_unused_columns(self.train_dataset, description="Training")
+        lengths = row_lengths(dataset, self.data_collator)  # None: the plan reads input_ids
         micro, world = args.per_device_train_batch_size, args.world_size
         check_plan_settings(args, self.accelerator, len(dataset))
         plans = EpochLoader(
@@ -83,6 +88,7 @@ class PlannedData:
             world,
             seed=args.data_seed if args.data_seed is not None else args.seed,
             effective_batch=micro * args.gradient_accumulation_steps * world,
+            lengths=lengths,
             cost=self.data_collator.cost if packed else None,
             trainer_drop_last=args.dataloader_drop_last,
         )
@@ -142,28 +148,29 @@ class PlannedData:
         return torch.tensor(float(answers), device=device)  # the gathered int64 sum over 1, as the Trainer returns it
 
 
-def check_plan_columns(dataset, trainer_name: str) -> None:
-    """Refuse ``balance_ranks`` for training rows without the ``input_ids`` the plan reads each sample's length from.
+def check_plan_columns(dataset, trainer_name: str, collator=None) -> None:
+    """Refuse ``balance_ranks`` for training rows the plan cannot cost.
 
-    TRL's preference and reward trainers (DPO, KTO, reward) tokenize their rows into ``prompt_ids``, ``chosen_ids``,
-    ``rejected_ids`` or ``completion_ids``, which their collators join into the batches' sequences. A plan balanced
-    on those tokens (chosen plus rejected, each pair on one rank) is not built yet; counting any other column would
-    balance the wrong thing. A dataset that names no columns is left to the plan.
+    The plan balances each row's padded tokens: ``input_ids``, or for TRL's preference and reward trainers (DPO,
+    KTO, reward) the width their collators give the row from its ``prompt_ids``, ``chosen_ids``, ``rejected_ids`` or
+    ``completion_ids`` (:func:`~ddp_ft.integrations.trainer_rows.row_lengths`). Other rows are refused: counting
+    any other column would balance the wrong thing. A dataset that names no columns is left to the plan.
 
     Args:
         dataset: the training set, after the trainer prepared it.
         trainer_name (str): the trainer's class, for the message.
+        collator: the trainer's ``data_collator``. Default: None (rows must have ``input_ids``)
 
     Raises:
-        ValueError: naming ``balance_ranks``, the rows' columns and the way out.
+        ValueError: naming ``balance_ranks``, the rows' columns, why, and the way out.
     """
     columns = getattr(dataset, "column_names", None)
-    if columns is None or "input_ids" in columns:
+    if columns is None or "input_ids" in columns or can_cost(dataset, collator):
         return
     raise ValueError(
-        f"{trainer_name}: balance_ranks=True needs training rows with input_ids, the tokens the balanced plan splits "
-        f"over the ranks; these rows have {', '.join(columns)}. Balancing preference pairs on their chosen and "
-        "rejected tokens is not supported yet. Pass balance_ranks=False (the default) for the stock Trainer's "
+        f"{trainer_name}: balance_ranks=True needs training rows whose tokens the balanced plan can count: "
+        f"input_ids, or the rows of TRL's DPO, reward or KTO collator; these rows have {', '.join(columns)}, and "
+        f"{uncostable_reason(dataset, collator)}. Pass balance_ranks=False (the default) for the stock Trainer's "
         "sampling."
     )
 
