@@ -47,6 +47,14 @@ class _MetricsAccelerator(BucketedAccelerator):
         finally:
             self._kept = None
 
+    def ranks_kept(self) -> int:
+        """How many leading ranks' values ``gather_for_metrics`` keeps now: all, but on the epoch's last batches
+        Accelerate's ``GradientState.remainder`` (its real samples) when it pads them with duplicates."""
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return min(state.remainder, self.num_processes)
+        return self.num_processes
+
     def gather_for_metrics(self, input_data, use_gather_object=False):
         if self._kept is None:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
@@ -128,7 +136,8 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         self._total_train_tokens = total_tokens
         metrics["num_tokens"] = [total_tokens]
         self._metric_dtypes = [value.dtype for value in kept]
-        self._micro_metrics.append(torch.stack([value.reshape(()).to(torch.float64) for value in kept]))
+        ranks = torch.tensor(float(self.accelerator.ranks_kept()), dtype=torch.float64, device=kept[0].device)
+        self._micro_metrics.append(torch.stack([value.reshape(()).to(torch.float64) for value in kept] + [ranks]))
         return result
 
     def _step_values(self) -> torch.Tensor | None:
@@ -139,12 +148,14 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         return values
 
     def _read_step_values(self, per_rank: list[list[float]]) -> None:
-        """TRL's per-micro-step metrics from every rank's values: each micro-step's sums over the ranks, taken in the
-        dtypes TRL's own gather sums them in, then the ratios and token count TRL computes from them."""
-        metrics, width = self._metrics["train"], len(_METRICS)
+        """TRL's per-micro-step metrics from every rank's values: each micro-step's sums over the ranks stock's
+        ``gather_for_metrics`` keeps (not the duplicates padding an epoch's last batch), taken in the dtypes TRL's own
+        gather sums them in, then the ratios and token count TRL computes from them."""
+        metrics, width = self._metrics["train"], len(_METRICS) + 1  # each micro-step's values, then its ranks kept
         for start in range(0, len(per_rank[0]), width):
+            kept = per_rank[: int(per_rank[0][start + len(_METRICS)])]
             num_valid, entropy_sum, num_correct, num_tokens = (
-                torch.tensor([row[start + i] for row in per_rank], dtype=dtype).sum()
+                torch.tensor([row[start + i] for row in kept], dtype=dtype).sum()
                 for i, dtype in enumerate(self._metric_dtypes)
             )
             metrics["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
