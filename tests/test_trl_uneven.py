@@ -32,6 +32,8 @@ def _train_uneven(rank: int, world_size: int, paths: tuple[str, str]) -> dict:
         config = {**UNEVEN, "logging_steps": logging_steps}
         for name, cls, kw in (("ours", BucketedSFTTrainer, {"balance_ranks": False}), ("stock", SFTTrainer, {})):
             runs[name, logging_steps] = train(cls, paths, CASE, world_size, n_rows=N_ROWS, config=config, **kw)
+    config = {**UNEVEN, "logging_steps": 1}
+    runs["balanced", 1] = train(BucketedSFTTrainer, paths, CASE, world_size, n_rows=N_ROWS, config=config)
     return runs
 
 
@@ -73,3 +75,13 @@ def test_uneven_train_loss_is_the_ranks_mean(uneven):
         )
         for key in ("entropy", "mean_token_accuracy", "num_tokens"):  # TRL's metrics averaged since the last log
             assert summary[key] == rank_runs["stock", 100].summary[key], (key, summary, rank_runs["stock", 100])
+
+
+def test_uneven_balanced_plan_counts_every_rank(uneven):
+    """The balanced plan pads no batch with duplicates: TRL's token count keeps every rank's rows at the epoch's
+    end, and equals the Trainer's count of the input tokens at every step."""
+    for rank_runs in uneven:
+        logs = rank_runs["balanced", 1].logs
+        assert len(logs) == STEPS
+        for entry in logs:
+            assert entry["num_tokens"] == entry["num_input_tokens_seen"], entry

@@ -9,7 +9,7 @@ What changes against stock ``SFTTrainer`` on several processes is where TRL's tr
 top-1 predictions, the input tokens), ``no_sync`` micro-steps included. Here each micro-step keeps its numbers on
 this rank, and they ride on ``BucketedTrainer``'s one all-gather per optimizer step (``_step_values``), from which
 ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` are computed as TRL computes them: the same per-micro-step
-values, the same sums in the same dtypes, so the same logs.
+values, the same sums over the same ranks in the same dtypes, so the same logs.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
     and ``BucketedTrainer``'s (``ddp_settings``, ``balance_ranks``). Per optimizer step on several processes: the
     bucket all-reduces and one small all-gather after the last backward (plus, with ``balance_ranks=False``, the
     Trainer's all-gather of the step's answer-token count before its first forward); nothing on ``no_sync``
-    micro-steps. The logged ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` are stock ``SFTTrainer``'s.
+    micro-steps. The logged ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` are stock ``SFTTrainer``'s with
+    ``balance_ranks=False``, on an epoch's uneven last step too (only the ranks whose values stock's
+    ``gather_for_metrics`` keeps are summed). The final ``train_loss`` is the ranks' mean, the same on every rank,
+    where stock adds each rank's own loss since the last log (``BucketedTrainer._finalize_training``).
 
     Args:
         *args: passed to ``SFTTrainer``.
@@ -136,7 +139,9 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         self._total_train_tokens = total_tokens
         metrics["num_tokens"] = [total_tokens]
         self._metric_dtypes = [value.dtype for value in kept]
-        ranks = torch.tensor(float(self.accelerator.ranks_kept()), dtype=torch.float64, device=kept[0].device)
+        # Stock keeps the leading ranks of a padded last batch; the balanced plan pads none, so keeps every rank.
+        ranks = self.accelerator.ranks_kept() if self._plan_sampler is None else self.args.world_size
+        ranks = torch.tensor(float(ranks), dtype=torch.float64, device=kept[0].device)
         self._micro_metrics.append(torch.stack([value.reshape(()).to(torch.float64) for value in kept] + [ranks]))
         return result
 
