@@ -1,8 +1,9 @@
 """BucketedSFTTrainer's logs against stock SFTTrainer with torch DDP on an epoch whose last step is uneven: 13 rows
 over 2 ranks (2 rows per micro-batch, accumulation 2), ``dataloader_drop_last=False``, 2 epochs of 2 steps each.
 
-Accelerate pads the epoch's last micro-batch with a duplicate row on rank 1; stock ``gather_for_metrics`` drops it
-(``GradientState.remainder``), so TRL's metrics of that step count rank 0's batch only.
+Accelerate pads the epoch's last micro-batch with a duplicate row on rank 1. Once the loader reached its end (for
+both micro-batches of the last step, which the Trainer draws up front), stock ``gather_for_metrics`` keeps the first
+``GradientState.remainder`` ranks' values: TRL's metrics of that step count rank 0's batches only.
 """
 
 import pytest
@@ -78,8 +79,8 @@ def test_uneven_train_loss_is_the_ranks_mean(uneven):
 
 
 def test_uneven_balanced_plan_counts_every_rank(uneven):
-    """The balanced plan pads no batch with duplicates: TRL's token count keeps every rank's rows at the epoch's
-    end, and equals the Trainer's count of the input tokens at every step."""
+    """The balanced plan spreads the samples it repeats over its own split, not on the last ranks: TRL's token
+    count keeps every rank's rows at the epoch's end, and equals the Trainer's count of input tokens at every step."""
     for rank_runs in uneven:
         logs = rank_runs["balanced", 1].logs
         assert len(logs) == STEPS

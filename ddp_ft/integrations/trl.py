@@ -139,7 +139,7 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         self._total_train_tokens = total_tokens
         metrics["num_tokens"] = [total_tokens]
         self._metric_dtypes = [value.dtype for value in kept]
-        # Stock keeps the leading ranks of a padded last batch; the balanced plan pads none, so keeps every rank.
+        # Stock keeps the leading ranks of a padded last batch. The balanced plan spreads its repeats: every rank.
         ranks = self.accelerator.ranks_kept() if self._plan_sampler is None else self.args.world_size
         ranks = torch.tensor(float(ranks), dtype=torch.float64, device=kept[0].device)
         self._micro_metrics.append(torch.stack([value.reshape(()).to(torch.float64) for value in kept] + [ranks]))
