@@ -48,8 +48,8 @@ class _MetricsAccelerator(BucketedAccelerator):
             self._kept = None
 
     def ranks_kept(self) -> int:
-        """How many leading ranks' values ``gather_for_metrics`` keeps now: all, but on the epoch's last batches
-        Accelerate's ``GradientState.remainder`` (its real samples) when it pads them with duplicates."""
+        """How many leading ranks' values ``gather_for_metrics`` keeps now: all, but once the loader reached the
+        end of an epoch whose last batches Accelerate pads with duplicates, ``GradientState.remainder`` at most."""
         state = self.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             return min(state.remainder, self.num_processes)
@@ -98,7 +98,8 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
                 "BucketedSFTTrainer: balance_ranks=True with an iterable train_dataset: the balanced plan needs every "
                 "row of the epoch up front. Pass a map-style dataset, or balance_ranks=False (or leave it unset)."
             )
-        self._micro_metrics: list[torch.Tensor] = []  # this rank's _METRICS of each micro-step since the last gather
+        # This rank's _METRICS, then the ranks stock keeps, of each micro-step since the last gather.
+        self._micro_metrics: list[torch.Tensor] = []
         self._metric_dtypes: list[torch.dtype] = []
         super().__init__(*args, balance_ranks=not iterable if balance_ranks is None else balance_ranks, **kwargs)
 
@@ -154,7 +155,7 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
 
     def _read_step_values(self, per_rank: list[list[float]]) -> None:
         """TRL's per-micro-step metrics from every rank's values: each micro-step's sums over the ranks stock's
-        ``gather_for_metrics`` keeps (not the duplicates padding an epoch's last batch), taken in the dtypes TRL's own
+        ``gather_for_metrics`` keeps (on an epoch's padded last step, the leading ones), taken in the dtypes TRL's own
         gather sums them in, then the ratios and token count TRL computes from them."""
         metrics, width = self._metrics["train"], len(_METRICS) + 1  # each micro-step's values, then its ranks kept
         for start in range(0, len(per_rank[0]), width):
