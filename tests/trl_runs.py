@@ -122,11 +122,22 @@ class Run:
     logs: list[dict]
     steps: list[list[str]]
     buckets: int | None
+    summary: dict | None = None  # the Trainer's last log: ``train_loss`` and TRL's metrics since the last log
 
 
-def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log: list[str] | None = None, **kw):
-    """Train ``case`` with ``trainer_cls`` (SFTTrainer or BucketedSFTTrainer) and return its :class:`Run`. With
-    ``log`` (filled by ``tests.test_plugin_wrapping._record_collectives``), the run's collectives per step."""
+def train(
+    trainer_cls,
+    paths: tuple[str, str],
+    case: Case,
+    world_size: int,
+    log: list[str] | None = None,
+    n_rows: int = 48,
+    config: dict | None = None,
+    **kw,
+):
+    """Train ``case`` with ``trainer_cls`` (SFTTrainer or BucketedSFTTrainer) on ``n_rows`` rows and return its
+    :class:`Run`; ``config`` overrides :func:`sft_config`'s settings. With ``log`` (filled by
+    ``tests.test_plugin_wrapping._record_collectives``), the run's collectives per step."""
     from transformers import AutoTokenizer, TrainerCallback
 
     tokenizer_path, model_path = paths
@@ -143,11 +154,12 @@ def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log:
 
     model, peft_config = model_and_peft_config(model_path, case, world_size)
     overrides = {key: kw.pop(key) for key in list(kw) if key in ("gradient_accumulation_steps",)}
+    overrides.update(config or {})
     with tempfile.TemporaryDirectory() as out:
         trainer = trainer_cls(
             model=model,
             args=sft_config(out, case, world_size, **overrides),
-            train_dataset=rows(case.data),
+            train_dataset=rows(case.data, n_rows),
             processing_class=AutoTokenizer.from_pretrained(tokenizer_path),
             peft_config=peft_config,
             callbacks=[] if log is None else [Marker()],
@@ -168,4 +180,5 @@ def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log:
     trained = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     adapters = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return Run(adapters, logs, steps, len(getattr(trainer.model_wrapped, "bucket_sizes", [])) or None)
+    buckets = len(getattr(trainer.model_wrapped, "bucket_sizes", [])) or None
+    return Run(adapters, logs, steps, buckets, trainer.state.log_history[-1])

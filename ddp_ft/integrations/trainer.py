@@ -254,27 +254,38 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         """The Trainer's, logging on several processes the ranks' mean loss from the step's all-gather
         (:meth:`_gather_step`) instead of all-gathering it again at every log. The log is the Trainer's: the loss
         averaged over the steps since the last log, the gradient norm and the learning rate."""
-        step_loss, state = self._step_loss, self.state
-        if (
-            self.args.world_size > 1
-            and self.control.should_log
-            and state.global_step > self._globalstep_last_logged
-            and step_loss is not None
-            and step_loss[0] == state.global_step
-            and not math.isnan(step_loss[1])
-        ):
-            logs = {"loss": step_loss[1] / (state.global_step - self._globalstep_last_logged)}
+        gathered, state = self._gathered_loss(), self.state
+        if self.control.should_log and gathered is not None:
+            logs = {"loss": gathered / (state.global_step - self._globalstep_last_logged)}
             tr_loss -= tr_loss
             if grad_norm is not None:
                 logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
             logs["learning_rate"] = learning_rate if learning_rate is not None else self._get_learning_rate()
-            self._total_loss_scalar += step_loss[1]
+            self._total_loss_scalar += gathered
             self._globalstep_last_logged = state.global_step
             self.store_flos()
             self.log(logs, start_time)  # the Trainer below then only evaluates and saves, as it would
         super()._maybe_log_save_evaluate(
             tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate=learning_rate
         )
+
+    def _gathered_loss(self) -> float | None:
+        """The ranks' mean running loss since the last log, from this step's all-gather (:meth:`_gather_step`); None
+        on one process, with nothing since the last log, or when this step had no gather or a NaN loss."""
+        step, loss = self._step_loss or (-1, math.nan)
+        if self.args.world_size == 1 or step != self.state.global_step or math.isnan(loss):
+            return None
+        return loss if step > self._globalstep_last_logged else None
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        """The Trainer's, with the same ``train_loss`` on every rank. The Trainer adds the loss since the last log
+        ungathered: each rank's own rows' share. Here the ranks' mean is added, as a log at that step would add it.
+        So ``train_loss`` does not depend on ``logging_steps`` (nor, with ``balance_ranks``, on the rank)."""
+        gathered = self._gathered_loss()
+        if gathered is not None:
+            self._total_loss_scalar += gathered
+            self._tr_loss -= self._tr_loss
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
     def store_flos(self) -> None:
         """The Trainer's, with the ranks' flos from the step's all-gather (:meth:`_gather_step`) instead of an

@@ -9,7 +9,7 @@ What changes against stock ``SFTTrainer`` on several processes is where TRL's tr
 top-1 predictions, the input tokens), ``no_sync`` micro-steps included. Here each micro-step keeps its numbers on
 this rank, and they ride on ``BucketedTrainer``'s one all-gather per optimizer step (``_step_values``), from which
 ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` are computed as TRL computes them: the same per-micro-step
-values, the same sums in the same dtypes, so the same logs.
+values, the same sums over the same ranks in the same dtypes, so the same logs.
 """
 
 from __future__ import annotations
@@ -47,6 +47,14 @@ class _MetricsAccelerator(BucketedAccelerator):
         finally:
             self._kept = None
 
+    def ranks_kept(self) -> int:
+        """How many leading ranks' values ``gather_for_metrics`` keeps now: all, but once the loader reached the
+        end of an epoch whose last batches Accelerate pads with duplicates, ``GradientState.remainder`` at most."""
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return min(state.remainder, self.num_processes)
+        return self.num_processes
+
     def gather_for_metrics(self, input_data, use_gather_object=False):
         if self._kept is None:
             return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
@@ -61,7 +69,10 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
     and ``BucketedTrainer``'s (``ddp_settings``, ``balance_ranks``). Per optimizer step on several processes: the
     bucket all-reduces and one small all-gather after the last backward (plus, with ``balance_ranks=False``, the
     Trainer's all-gather of the step's answer-token count before its first forward); nothing on ``no_sync``
-    micro-steps. The logged ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` are stock ``SFTTrainer``'s.
+    micro-steps. The logged ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` are stock ``SFTTrainer``'s with
+    ``balance_ranks=False``, on an epoch's uneven last step too (only the ranks whose values stock's
+    ``gather_for_metrics`` keeps are summed). The final ``train_loss`` is the ranks' mean, the same on every rank,
+    where stock adds each rank's own loss since the last log (``BucketedTrainer._finalize_training``).
 
     Args:
         *args: passed to ``SFTTrainer``.
@@ -87,7 +98,8 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
                 "BucketedSFTTrainer: balance_ranks=True with an iterable train_dataset: the balanced plan needs every "
                 "row of the epoch up front. Pass a map-style dataset, or balance_ranks=False (or leave it unset)."
             )
-        self._micro_metrics: list[torch.Tensor] = []  # this rank's _METRICS of each micro-step since the last gather
+        # This rank's _METRICS, then the ranks stock keeps, of each micro-step since the last gather.
+        self._micro_metrics: list[torch.Tensor] = []
         self._metric_dtypes: list[torch.dtype] = []
         super().__init__(*args, balance_ranks=not iterable if balance_ranks is None else balance_ranks, **kwargs)
 
@@ -128,7 +140,10 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         self._total_train_tokens = total_tokens
         metrics["num_tokens"] = [total_tokens]
         self._metric_dtypes = [value.dtype for value in kept]
-        self._micro_metrics.append(torch.stack([value.reshape(()).to(torch.float64) for value in kept]))
+        # Stock keeps the leading ranks of a padded last batch. The balanced plan spreads its repeats: every rank.
+        ranks = self.accelerator.ranks_kept() if self._plan_sampler is None else self.args.world_size
+        ranks = torch.tensor(float(ranks), dtype=torch.float64, device=kept[0].device)
+        self._micro_metrics.append(torch.stack([value.reshape(()).to(torch.float64) for value in kept] + [ranks]))
         return result
 
     def _step_values(self) -> torch.Tensor | None:
@@ -139,12 +154,14 @@ class BucketedSFTTrainer(BucketedTrainer, SFTTrainer):
         return values
 
     def _read_step_values(self, per_rank: list[list[float]]) -> None:
-        """TRL's per-micro-step metrics from every rank's values: each micro-step's sums over the ranks, taken in the
-        dtypes TRL's own gather sums them in, then the ratios and token count TRL computes from them."""
-        metrics, width = self._metrics["train"], len(_METRICS)
+        """TRL's per-micro-step metrics from every rank's values: each micro-step's sums over the ranks stock's
+        ``gather_for_metrics`` keeps (on an epoch's padded last step, the leading ones), taken in the dtypes TRL's own
+        gather sums them in, then the ratios and token count TRL computes from them."""
+        metrics, width = self._metrics["train"], len(_METRICS) + 1  # each micro-step's values, then its ranks kept
         for start in range(0, len(per_rank[0]), width):
+            kept = per_rank[: int(per_rank[0][start + len(_METRICS)])]
             num_valid, entropy_sum, num_correct, num_tokens = (
-                torch.tensor([row[start + i] for row in per_rank], dtype=dtype).sum()
+                torch.tensor([row[start + i] for row in kept], dtype=dtype).sum()
                 for i, dtype in enumerate(self._metric_dtypes)
             )
             metrics["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
