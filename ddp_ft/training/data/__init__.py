@@ -1,11 +1,13 @@
-"""Meeting transcripts -> chat-formatted prompt/answer ids -> truncated, label-masked samples -> per-rank batches.
+"""Rows as people keep them -> chat-formatted ids -> fitted, label-masked samples -> per-rank batches.
 
 The pipeline, one module per stage:
 
-* ``sources``: ``load_raw_splits`` (hub id, local file or the embedded synthetic meetings; columns renamed to
-  ``dialogue``/``summary``, empty rows dropped, an eval split found or held out);
-* ``formatting``: ``tokenize_dataset`` (chat template, loss only on the answer, ``truncate_example`` to
-  ``max_seq_len``);
+* ``sources``: ``load_source`` (hub id, local file or folder (``folders``), or the embedded synthetic meetings; the
+  format found from the columns (``formats``) and the rows in its standard shape, rows with nothing to learn
+  dropped, an eval split found, given (``eval_source``) or held out);
+* ``formatting``: ``tokenize_dataset`` (chat template, loss only on the answers: a pair cut by
+  ``truncate_example``, a conversation fitted by ``conversation``, a text split into windows); ``prompts``: the
+  same encoding cut before the last answer, to generate from;
 * ``loader``: ``make_collator`` (right padding, labels padded with -100), the token counts, and ``EpochLoader`` (a
   ``DistributedSampler`` that cannot be iterated without choosing the epoch; the same steps on every world size, no
   sample twice; exact resume inside an epoch on any world size, see ``DataLayout``);
