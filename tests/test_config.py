@@ -2,13 +2,8 @@
 
 import pytest
 
-from ddp_ft.training.config import (
-    PRESETS,
-    build_parser,
-    gradient_accumulation_steps,
-    parse_settings,
-    settings_from_preset,
-)
+from ddp_ft.training.batch import gradient_accumulation_steps
+from ddp_ft.training.config import PRESETS, build_parser, parse_settings, settings_from_preset
 from ddp_ft.training.model.qlora import check_device_map
 
 
@@ -217,3 +212,13 @@ def test_the_written_run_config_reruns_the_same_settings(tmp_path):
     other_rank = DistInfo(rank=1, local_rank=1, world_size=2, local_world_size=2)
     write_run_config(settings_from_preset("tiny", output_dir=str(tmp_path / "r1")), other_rank)
     assert not (tmp_path / "r1").exists()  # rank 0 only
+
+
+def test_generation_settings_without_their_run_are_refused_not_dropped():
+    with pytest.raises(ValueError, match=r"max_new_tokens=32 without predict: .*Give --predict N"):
+        parse_settings(["--max-new-tokens", "32"])
+    assert parse_settings(["--predict", "2", "--max-new-tokens", "32"]).train.max_new_tokens == 32
+    from ddp_ft.commands import generate
+
+    with pytest.raises(SystemExit):
+        generate.parse_args(["runs/x", "--prompt", "hi", "--limit", "2"])

@@ -27,6 +27,7 @@ LAYERS = [
         "ddp_ft.training.data.synthetic",
         "ddp_ft.training.data.tokenizer",
         "ddp_ft.training.ranges",
+        "ddp_ft.training.batch",
     },
     {
         "ddp_ft.training.model.qlora",

@@ -9,7 +9,8 @@ import logging
 import pytest
 
 from ddp_ft.distributed import DistInfo
-from ddp_ft.training.config import gradient_accumulation_steps, parse_settings, settings_from_preset
+from ddp_ft.training.batch import gradient_accumulation_steps
+from ddp_ft.training.config import parse_settings, settings_from_preset
 from ddp_ft.training.model.memory import AUTO_MARGIN, QWEN3_4B, MicroBatchChoice, auto_micro_batch, estimate
 
 GB = 10**9

@@ -150,8 +150,9 @@ def _validate(
     prog = f"ddp-ft {name}"
     failure_dir = None
     if name in ("train", "recipe"):
+        from ..training.batch import gradient_accumulation_steps
         from ..training.checkpoint.shared_fs import check_output_dir
-        from ..training.config import gradient_accumulation_steps, parse_settings
+        from ..training.config import parse_settings
         from ..training.data.sources import check_local_file
         from ..training.model.source import check_model_source, choose_default
 

@@ -53,6 +53,8 @@ def parse_args(
         parser.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
     if args.limit < 0:
         parser.error(f"--limit {args.limit}: must be >= 0 (0: every row)")
+    if args.limit and args.prompt:
+        parser.error("--limit counts the rows of --source; with --prompt, give fewer prompts instead")
     return args
 
 

@@ -93,26 +93,11 @@ class TrainSettings:
                 f"min_learning_rate={self.min_learning_rate} is above learning_rate={self.learning_rate}, the peak the "
                 f"cosine decays from: lower min_learning_rate to at most that (e.g. {self.learning_rate / 10:g})."
             )
-
-
-def gradient_accumulation_steps(effective_batch: int, micro_batch: int, world_size: int) -> int:
-    """Micro-steps per optimizer step so that every world size trains on the same effective batch.
-
-    Raises:
-        ValueError: if ``effective_batch`` is not a multiple of ``micro_batch * world_size``, naming the
-            settings and the nearest workable values.
-    """
-    per_step = micro_batch * world_size
-    if effective_batch % per_step:
-        lower = max(per_step, effective_batch // per_step * per_step)
-        divisors = [m for m in range(1, effective_batch + 1) if effective_batch % (m * world_size) == 0]
-        hint = f"--micro-batch one of {divisors}" if divisors else f"--effective-batch a multiple of {world_size}"
-        raise ValueError(
-            f"effective_batch={effective_batch} is not divisible by micro_batch={micro_batch} x world_size="
-            f"{world_size} = {per_step}: the runs would not train on the same batch. Use --effective-batch "
-            f"{lower} or {lower + per_step}, or {hint}."
-        )
-    return effective_batch // per_step
+        if not self.predict and self.max_new_tokens != type(self).__dataclass_fields__["max_new_tokens"].default:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens} without predict: it sizes --predict's generations only. "
+                "Give --predict N, or drop --max-new-tokens."
+            )
 
 
 @dataclass

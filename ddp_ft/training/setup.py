@@ -21,7 +21,8 @@ import torch.distributed as dist
 from ..ddp.autotune import AUTO
 from ..distributed import DistInfo
 from ..distributed.launch import check_accelerate_launch
-from .config import RunSettings, gradient_accumulation_steps
+from .batch import gradient_accumulation_steps
+from .config import RunSettings
 from .data import (
     PackedCollator,
     TruncationReport,
