@@ -19,6 +19,7 @@ import torch
 from torch.testing import assert_close
 
 from .dist_harness import run_distributed
+from .trl_runs import cpu_arguments
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -96,23 +97,12 @@ def config(case: Case, out: str):
 
     config_class = {"GRPO": trl.GRPOConfig, "RLOO": trl.RLOOConfig}[case.trainer]
     return config_class(
-        output_dir=out,
-        use_cpu=True,
-        ddp_backend="gloo",
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        max_steps=2,
+        **cpu_arguments(out),
         per_device_train_batch_size=4 // case.accumulation,
         gradient_accumulation_steps=case.accumulation,
         steps_per_generation=case.accumulation * case.steps_per_generation,
         num_generations=2,
         max_completion_length=6,
-        optim="sgd",
-        learning_rate=0.1,
-        bf16=False,
-        seed=0,
     )
 
 

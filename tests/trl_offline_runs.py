@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .trl_runs import Run, _text
+from .trl_runs import Run, _text, cpu_arguments
 
 
 @dataclass(frozen=True)
@@ -91,23 +91,11 @@ def config(out: str, case: Case, world_size: int, **overrides):
     ranks), plain SGD (see ``trl_runs.sft_config``), a log every step, no saves."""
     import trl
 
-    arguments = dict(
-        output_dir=out,
-        use_cpu=True,
-        ddp_backend="gloo",
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
+    arguments = cpu_arguments(out) | dict(
         dataloader_drop_last=True,
-        max_steps=2,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=4 // world_size,
-        optim="sgd",
-        learning_rate=0.1,
-        bf16=False,
         max_length=48,
-        seed=0,
     )
     arguments.update(case.config, **overrides)
     return getattr(trl, f"{case.trainer}Config")(**arguments)

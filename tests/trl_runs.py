@@ -81,6 +81,25 @@ def model_and_peft_config(path: str, case: Case, world_size: int):
     return model, lora
 
 
+def cpu_arguments(out: str) -> dict:
+    """What every TRL run of these tests shares: the CPU and gloo, 2 optimizer steps of plain SGD (see
+    :func:`sft_config`), a log every step, no saves, no progress bar."""
+    return dict(
+        output_dir=out,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.1,
+        bf16=False,
+        seed=0,
+    )
+
+
 def sft_config(out: str, case: Case, world_size: int, **overrides):
     """SFTConfig of these runs: CPU, gloo, 2 optimizer steps of 8 rows (2 per micro-batch, accumulation 4 over the
     ranks), plain SGD, a log every step, no saves.
@@ -90,24 +109,12 @@ def sft_config(out: str, case: Case, world_size: int, **overrides):
     1-vs-2 comparison would compare signs of noise. The stock-vs-ours comparison is bitwise either way."""
     from trl import SFTConfig
 
-    arguments = dict(
-        output_dir=out,
-        use_cpu=True,
-        ddp_backend="gloo",
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
+    arguments = cpu_arguments(out) | dict(
         dataloader_drop_last=True,
-        max_steps=2,
         per_device_train_batch_size=2,
         gradient_accumulation_steps=4 // world_size,
-        optim="sgd",
-        learning_rate=0.1,
-        bf16=False,
         max_length=48,
         packing=case.packing,
-        seed=0,
     )
     arguments.update(overrides)
     return SFTConfig(**arguments)
