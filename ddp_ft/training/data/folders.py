@@ -67,8 +67,12 @@ def _split_of(relative: Path) -> str | None:
 
 
 def _refuse_duplicates(folder: Path, files: list[Path]) -> None:
-    seen: dict[str, Path] = {}
+    """Refuse two files of the same content; only files of the same size are read and hashed."""
+    by_size: dict[int, list[Path]] = {}
     for path in files:
+        by_size.setdefault(path.stat().st_size, []).append(path)
+    seen: dict[str, Path] = {}
+    for path in (p for same in by_size.values() if len(same) > 1 for p in same):
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         if digest in seen:
             raise ValueError(
