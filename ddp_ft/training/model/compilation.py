@@ -39,6 +39,8 @@ COMPILED_FLAG = "_ddp_ft_compiled"  # set on each block this module compiled, so
 MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer; in a checkpointed layer that is eager
 RECOMPILES_WARNED = 4  # half of Dynamo's default recompile limit (8)
 DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # peft#3020 / pytorch#121966: compiled dropout in a checkpoint crashed before
+# ... and still does on CUDA: torch 2.11.0+cu130 on an H200 (2026-11-27, docs/gpu/), "Node add_527 was invalid, but
+# is output" in the partitioner. No later CUDA torch has been run: the blocker holds on CUDA until one is.
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -193,17 +195,15 @@ def compile_blockers(
             )
         )
     torch_version = version("torch")
-    if (
-        lora_dropout > 0
-        and checkpointing
-        and torch_version is not None
-        and torch_version < DROPOUT_CHECKPOINT_FIXED_TORCH
-    ):
+    old_torch = torch_version is not None and torch_version < DROPOUT_CHECKPOINT_FIXED_TORCH
+    if lora_dropout > 0 and checkpointing and (old_torch or device.type == "cuda"):
+        where = "on CUDA (seen on torch 2.11)" if device.type == "cuda" else "before torch 2.11 (peft#3020)"
         found.append(
             Blocker(
-                f"LoRA dropout {lora_dropout} inside checkpointed compiled layers crashes TorchInductor on torch "
-                f"{'.'.join(map(str, torch_version))} (peft#3020, fixed in torch 2.11)",
-                "set --lora-dropout 0 (LoraConfig(lora_dropout=0.0)), or upgrade torch to 2.11 or later",
+                f"LoRA dropout {lora_dropout} inside checkpointed compiled layers crashes TorchInductor's partitioner "
+                f"{where}",
+                "set --lora-dropout 0 (LoraConfig(lora_dropout=0.0))"
+                + (", or upgrade torch to 2.11 or later" if device.type != "cuda" else ""),
             )
         )
     return found
