@@ -199,27 +199,39 @@ def test_compile_where_it_is_known_to_break_is_off_by_default_with_the_reason_an
         resolve_device_defaults(settings_from_preset("qwen3-4b-ami", compile=True), _info(CUDA), blockers=blocked)
 
 
-def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_on_torch_before_2_11():
+def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_before_2_11():
     versions = {"bitsandbytes": (0, 49), "torch": (2, 10)}
-    found = compile_blockers(
-        CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=versions.get
-    )
+    found = compile_blockers(CPU, lora_dropout=0.05, checkpointing=True, which=lambda _: "g++", version=versions.get)
     assert [b.fix for b in found] == [
         'pip install "bitsandbytes>=0.50"',
         "set --lora-dropout 0 (LoraConfig(lora_dropout=0.0)), or upgrade torch to 2.11 or later",
     ]
     assert "peft#3020" in found[1].reason
     fixed = {"bitsandbytes": (0, 50), "torch": (2, 11)}
-    assert (
-        compile_blockers(CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=fixed.get)
-        == []
+    assert compile_blockers(CPU, lora_dropout=0.05, checkpointing=True, which=lambda _: "g++", version=fixed.get) == []
+    no_dropout = compile_blockers(CPU, lora_dropout=0.0, checkpointing=True, which=lambda _: "g++", version=versions.get)
+    assert no_dropout[1:] == []
+
+
+def test_lora_dropout_in_checkpointed_compiled_layers_is_blocked_on_cuda_at_torch_2_11():
+    """torch 2.11.0+cu130 on an H200 crashed in Inductor's partitioner (docs/gpu/2026-11-27-h200/)."""
+    fixed_on_cpu = {"bitsandbytes": (0, 50), "torch": (2, 11)}
+    found = compile_blockers(
+        CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=fixed_on_cpu.get
     )
-    assert (
-        compile_blockers(
-            CUDA, lora_dropout=0.0, checkpointing=True, find_spec=_installed("triton"), version=versions.get
-        )[1:]
-        == []
-    )
+    assert [b.fix for b in found] == ["set --lora-dropout 0 (LoraConfig(lora_dropout=0.0))"]
+    assert "on CUDA (seen on torch 2.11)" in found[0].reason
+    for dropout, checkpointing in ((0.0, True), (0.05, False)):
+        assert (
+            compile_blockers(
+                CUDA,
+                lora_dropout=dropout,
+                checkpointing=checkpointing,
+                find_spec=_installed("triton"),
+                version=fixed_on_cpu.get,
+            )
+            == []
+        )
 
 
 def test_max_autotune_is_refused_on_several_processes_only():
