@@ -209,7 +209,9 @@ def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_
     assert "peft#3020" in found[1].reason
     fixed = {"bitsandbytes": (0, 50), "torch": (2, 11)}
     assert compile_blockers(CPU, lora_dropout=0.05, checkpointing=True, which=lambda _: "g++", version=fixed.get) == []
-    no_dropout = compile_blockers(CPU, lora_dropout=0.0, checkpointing=True, which=lambda _: "g++", version=versions.get)
+    no_dropout = compile_blockers(
+        CPU, lora_dropout=0.0, checkpointing=True, which=lambda _: "g++", version=versions.get
+    )
     assert no_dropout[1:] == []
 
 
