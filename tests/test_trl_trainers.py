@@ -32,3 +32,22 @@ def test_bucketed_takes_any_trainer_subclass_once_and_refuses_the_rest():
     assert bucketed(BucketedTrainer) is BucketedTrainer
     with pytest.raises(TypeError, match=r"bucketed\(<class 'int'>\): not a subclass of transformers.Trainer"):
         bucketed(int)
+
+
+ASYNC = [("async_grpo", "AsyncGRPOTrainer"), ("async_distillation", "AsyncDistillationTrainer")]
+
+
+@pytest.mark.parametrize("module, name", ASYNC)
+def test_trainers_that_dispatch_batches_beside_a_rollout_worker_are_refused_by_name(module, name):
+    import importlib
+
+    trainer = getattr(importlib.import_module(f"trl.experimental.{module}"), name)
+
+    class Mine(trainer):
+        pass
+
+    for cls in (trainer, Mine):
+        with pytest.raises(
+            TypeError, match=rf"bucketed\({cls.__name__}\): trl\.experimental\..*\.{name} .*rollout worker.*stock class"
+        ):
+            bucketed(cls)

@@ -26,6 +26,16 @@ TRL_TRAINERS = {
 # TRL's trainers that generate their training batches while they train: their rows are prompts, and their own
 # sampler repeats each prompt over the ranks, so the balanced plan cannot apply.
 ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
+# TRL classes refused by name, their subclasses too: why, in a sentence that ends with what to do instead.
+_ASYNC = (
+    "trains on completions that a rollout worker generates on a vLLM server beside the training loop, with rank 0 "
+    "dispatching each step's batches to the other ranks; it cannot run without that server, so no test proves that "
+    "BucketedDDP keeps its steps exactly data-parallel. Train it with the stock class (torch DDP, through Accelerate)"
+)
+REFUSED = {
+    ("trl.experimental.async_grpo.async_grpo_trainer", "AsyncGRPOTrainer"): _ASYNC,
+    ("trl.experimental.async_distillation.async_distillation_trainer", "AsyncDistillationTrainer"): _ASYNC,
+}
 
 
 def generates_online(trainer_class: type) -> bool:
@@ -62,7 +72,8 @@ def bucketed(trainer_class: type) -> type:
         type: the bucketed class, named ``Bucketed`` + its name.
 
     Raises:
-        TypeError: a class that is not a ``transformers.Trainer``, naming it and what to pass instead.
+        TypeError: a class that is not a ``transformers.Trainer``, naming it and what to pass instead; a class of
+            :data:`REFUSED` or a subclass of one, naming it and why.
     """
     from transformers import Trainer
 
@@ -74,6 +85,10 @@ def bucketed(trainer_class: type) -> type:
         )
     if issubclass(trainer_class, BucketedTrainer):
         return trainer_class
+    for base in trainer_class.__mro__:
+        reason = REFUSED.get((base.__module__, base.__name__))
+        if reason is not None:
+            raise TypeError(f"bucketed({trainer_class.__name__}): {base.__module__}.{base.__name__} {reason}.")
     name = f"Bucketed{trainer_class.__name__}"
     doc = (
         f"``{trainer_class.__module__}.{trainer_class.__qualname__}`` that trains multi-process runs with "
