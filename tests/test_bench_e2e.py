@@ -256,6 +256,29 @@ def test_the_stock_peers_launch_the_same_recipe_with_the_stock_trainer_and_only_
     assert runs.CONFIGS["stock-trl"].stock and not runs.CONFIGS["ddp-trl"].stock
 
 
+def test_the_dpo_runs_launch_one_module_on_two_processes_and_only_the_trainer_and_order_differ(tmp_path):
+    from ddp_ft.tools.bench_e2e import dpo
+
+    (ours,) = runs.command("ddp-dpo", tmp_path, "m.jsonl", 16)
+    (strided,) = runs.command("ddp-dpo-strided", tmp_path, "m.jsonl", 16)
+    (stock,) = runs.command("stock-dpo", tmp_path, "m.jsonl", 16)
+    assert "2cpu_gloo.yaml" in ours[3] and ours[4:6] == ["-m", "ddp_ft.tools.bench_e2e.dpo"]
+    assert strided == [*ours[:-2], "--no-balance-ranks", *ours[-2:]]
+    assert stock == [*ours[:-2], "--trainer", "stock", "--no-balance-ranks", *ours[-2:]]
+    assert runs.CONFIGS["stock-dpo"].stock and not runs.CONFIGS["ddp-dpo"].stock
+    for command in (ours, strided, stock):  # the module takes every flag the benchmark gives it
+        args = dpo.parse_args(command[6:])
+        assert (args.source, args.max_steps, args.output_dir) == ("m.jsonl", 16, str(tmp_path / "ddp"))
+    with pytest.raises(SystemExit):
+        dpo.parse_args(["--trainer", "stock", "--output-dir", "x"])  # the stock trainer has no balanced plan
+    meetings = [{"dialogue": f"d{i}", "summary": f"s{i}"} for i in range(3)]
+    assert [(p["chosen"], p["rejected"]) for p in dpo.preference_pairs(meetings)] == [
+        ("s0", "s1"),
+        ("s1", "s2"),
+        ("s2", "s0"),
+    ]
+
+
 def _result(tokens_per_s: float, wall: float | None, losses: list[float], eval_loss: float | None = None) -> dict:
     return {
         "tokens_per_s": tokens_per_s,

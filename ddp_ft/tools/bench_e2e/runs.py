@@ -1,7 +1,8 @@
 """The end-to-end benchmark's configurations and how one is run and read.
 
 A configuration is one launch (``ddp``: 2 ranks) or two single processes started together (``pair``) of an entry
-point (``loop``: ``scripts/train.py``; ``recipe``: ``recipes/qwen_ami.py`` under ``accelerate launch``) with its own
+point (``loop``: ``scripts/train.py``; ``recipe``: ``recipes/qwen_ami.py`` under ``accelerate launch``; ``dpo``:
+``ddp_ft.tools.bench_e2e.dpo``, preference pairs of the same meetings, under ``accelerate launch``) with its own
 flags. Every run is the tiny preset (effective batch 8, micro-batch 2), one thread per process, no wandb, no
 checkpoint; data ``tiny`` is the preset's own meetings (every sample fills 256 tokens), ``mixed`` meetings of 60 to
 256 tokens.
@@ -71,10 +72,20 @@ CONFIGS = {
             stock=True,
             about="TRL's SFTTrainer, torch DDP, find_unused_parameters as the Trainer sets it (True)",
         ),
+        Config("ddp-dpo", "ddp", "dpo", about="BucketedDPOTrainer, the balanced plan on chosen plus rejected widths"),
+        Config("ddp-dpo-strided", "ddp", "dpo", _STRIDED, about="BucketedDPOTrainer in the stock DPOTrainer's order"),
+        Config(
+            "stock-dpo",
+            "ddp",
+            "dpo",
+            ("--trainer", "stock", *_STRIDED),
+            stock=True,
+            about="TRL's DPOTrainer, torch DDP, find_unused_parameters as the Trainer sets it (True)",
+        ),
     )
 }
 DEFAULT_CONFIGS = ("pair-recipe", "ddp-recipe", "ddp-recipe-strided", "stock-recipe", "stock-recipe-unused-off")
-DEFAULT_CONFIGS += ("ddp-trl", "stock-trl")
+DEFAULT_CONFIGS += ("ddp-trl", "stock-trl", "ddp-dpo", "ddp-dpo-strided", "stock-dpo")
 
 
 def config_of(name: str) -> Config:
@@ -89,6 +100,8 @@ def command(name: str, out: Path, source: str | None, max_steps: int, root: Path
     flags += ["--source", source] if source else []
     flags += list(config.flags)
     script = str(root / ("scripts/train.py" if config.entry == "loop" else "recipes/qwen_ami.py"))
+    if config.entry == "dpo":
+        script, flags = "-m", ["ddp_ft.tools.bench_e2e.dpo", *flags]
     if config.kind == "pair":
         launch = [sys.executable]
         if config.entry == "recipe":

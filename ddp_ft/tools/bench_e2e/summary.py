@@ -22,6 +22,7 @@ ENTRIES = ("loop", "recipe")
 TARGET = 0.95  # issue 13: 2-rank DDP at >= 0.95 of the independent pair
 # (ddp_ft, stock) pairs of the headline; the target of issue 27: ddp_ft / stock >= 1.10 on mixed, >= 1.00 on tiny.
 STOCK_PAIRS = (("ddp-recipe", "stock-recipe"), ("ddp-recipe", "stock-recipe-unused-off"), ("ddp-trl", "stock-trl"))
+STOCK_PAIRS += (("ddp-dpo", "stock-dpo"), ("ddp-dpo-strided", "stock-dpo"))
 STOCK_TARGET = {"mixed": 1.10, "tiny": 1.00}
 # From the stock Trainer to ddp_ft's default, one change per link: (to, from, what changes).
 STOCK_STEPS = (
@@ -29,6 +30,9 @@ STOCK_STEPS = (
     ("ddp-recipe-strided", "stock-recipe-unused-off", "BucketedTrainer, the stock order: one collective per step"),
     ("ddp-recipe", "ddp-recipe-strided", "the balanced plan: less padding, less waiting for the slower rank"),
 )
+# the stock order on both sides: the same micro-batches, so the same losses to float rounding
+EXACT_PAIRS = (("ddp-recipe-strided", "stock-recipe-unused-off"), ("ddp-recipe-strided", "stock-recipe"))
+EXACT_PAIRS += (("ddp-dpo-strided", "stock-dpo"),)
 EXACT = 1e-5  # the stock order: relative loss difference allowed (float32 rounding of the same sums)
 
 
@@ -97,7 +101,7 @@ def _against_stock(s: dict, by_config: dict[str, list[dict]]) -> None:
             a, b = by_config[to], by_config[frm]
             step = {"to": to, "from": frm, "what": what, "step": _paired(a, b, "tokens_per_s")}
             chain.append(step | {"wall": _paired(a, b, "wall_tokens_per_s")})
-    for strided, stock in (("ddp-recipe-strided", "stock-recipe-unused-off"), ("ddp-recipe-strided", "stock-recipe")):
+    for strided, stock in EXACT_PAIRS:
         if strided in by_config and stock in by_config:
             losses[f"{strided}/{stock}"] = loss_check(by_config[strided][0], by_config[stock][0], exact=True)
     if vs:
