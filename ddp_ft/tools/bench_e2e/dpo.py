@@ -3,7 +3,9 @@ ddp_ft.tools.bench_e2e.dpo``): ``BucketedDPOTrainer`` with the balanced plan or 
 ``DPOTrainer`` with torch DDP, on the same pairs, model and arguments.
 
 The pairs are the benchmark's meetings: the prompt is a meeting's transcript, chosen its own summary, rejected the
-next meeting's, so their widths vary as the meetings do (``mixed``: 60 to 256 tokens). The model is the embedded
+next meeting's, so their widths vary as the meetings do (``mixed``: 60 to 256 tokens). Without ``--source`` the
+transcripts are the embedded meetings' first 48 words, pairs of near-equal widths (TRL drops a pair whose prompt
+alone reaches ``max_length``, so the ``tiny`` data's full transcripts would leave none). The model is the embedded
 tiny Qwen3 in 4-bit with LoRA on every linear layer, the reference its adapter disabled; the batch is the tiny
 preset's (2 ranks x micro-batch 2 x accumulation 2, sequences cut at 256). ``ThroughputCallback`` writes
 ``metrics.jsonl`` as on every other configuration; the stock run gets it first in line and nothing else of ddp_ft.
@@ -54,7 +56,7 @@ def build_trainer(args: argparse.Namespace):
     from ...embedded import tiny_qwen3_and_meetings
     from ...integrations import ThroughputCallback, bucketed
 
-    model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=160, max_words=10_000)
+    model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=160)
     if args.source:
         with open(args.source) as rows:
             meetings = [json.loads(line) for line in rows if line.strip()]
