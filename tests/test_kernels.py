@@ -216,7 +216,7 @@ def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_
 
 
 def test_lora_dropout_in_checkpointed_compiled_layers_is_blocked_on_cuda_at_torch_2_11():
-    """torch 2.11.0+cu130 on an H200 crashed in Inductor's partitioner (docs/gpu/2026-11-27-h200/)."""
+    """Compiled LoRA dropout in checkpointed layers crashed Inductor's partitioner on CUDA torch 2.11 (docs/gpu.md)."""
     fixed_on_cpu = {"bitsandbytes": (0, 50), "torch": (2, 11)}
     found = compile_blockers(
         CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=fixed_on_cpu.get
