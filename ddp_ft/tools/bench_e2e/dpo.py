@@ -92,7 +92,12 @@ def build_trainer(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    build_trainer(parse_args(argv)).train()
+    from ...distributed import destroy_distributed
+
+    try:
+        build_trainer(parse_args(argv)).train()
+    finally:
+        destroy_distributed()
 
 
 if __name__ == "__main__":
