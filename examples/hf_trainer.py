@@ -57,6 +57,7 @@ def main() -> None:
         f"rank {args.process_index} of world_size={args.world_size}: {result.global_step} steps, "
         f"adapter checksum {checksum:.10g}"
     )
+    trainer.accelerator.end_training()  # every rank tears its process group down
 
 
 if __name__ == "__main__":
