@@ -22,6 +22,7 @@ class Case:
     four_bit: bool = False
     config: dict = field(default_factory=dict)
     balance: bool = False  # BucketedTrainer's balance_ranks
+    bf16: bool = False  # a bfloat16 model: TRL keeps a 4-bit reward model's score head in bf16, as its adapters
 
     def __hash__(self) -> int:
         return hash(self.name)
@@ -62,10 +63,9 @@ def shared_rows(trainer: str, folder: str):
 def _load(path: str, case: Case):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-    )
-    kwargs = dict(dtype=torch.float32, device_map={"": "cpu"})
+    dtype = torch.bfloat16 if case.bf16 else torch.float32
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    kwargs = dict(dtype=dtype, device_map={"": "cpu"})
     if case.four_bit:
         kwargs["quantization_config"] = quantization
     if case.trainer == "Reward":
