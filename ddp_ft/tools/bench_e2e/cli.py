@@ -9,7 +9,8 @@ is taken within a repeat; the table gives its median and range over the repeats.
 - **Against the stock trainers** (the default set): the recipe with ``BucketedTrainer`` (``ddp-recipe``) against the
   same recipe on transformers' own ``Trainer`` with torch DDP, with the Trainer's ``find_unused_parameters`` (True
   for a PeftModel: ``stock-recipe``) and with False (``stock-recipe-unused-off``); ``BucketedSFTTrainer``
-  (``ddp-trl``) against TRL's ``SFTTrainer`` (``stock-trl``). Tokens/s step-timed (the median step, as
+  (``ddp-trl``) against TRL's ``SFTTrainer`` (``stock-trl``); ``BucketedDPOTrainer`` (``ddp-dpo``, and in the stock
+  order ``ddp-dpo-strided``) against TRL's ``DPOTrainer`` (``stock-dpo``) on preference pairs of the same meetings. Tokens/s step-timed (the median step, as
   ``scripts/compare.py``) and wall (every second from the first step's end to the last's). The chain
   ``stock-recipe`` -> ``stock-recipe-unused-off`` -> ``ddp-recipe-strided`` (BucketedTrainer in the stock order) ->
   ``ddp-recipe`` says which change gives what. The loss check says the runs are the same training.
