@@ -1,4 +1,4 @@
-"""The compute dtype a run picks (issue 11, item 3): one pure choice from the setting, the device type and the GPU's
+"""The compute dtype a run picks: one pure choice from the setting, the device type and the GPU's
 compute capability, checked on CPU without a GPU (torch.cuda's capability query monkeypatched where it is asked)."""
 
 import pytest
