@@ -91,7 +91,7 @@ bench-gpu: install
 # shape and at --micro-batch auto, --liger and --compile against the same run without them, 2 processes sharing the GPU
 # over gloo, gpu_check, the ladder and the scaling on 2+ GPUs. The JSON is rewritten after each step (a .md beside it).
 gpu-report: install
-	$(PY) scripts/gpu_report.py --out bench_results/gpu_report.json
+	$(PY) scripts/gpu_report.py --out bench_results/gpu_report.json --data ../shared/data
 
 # The reference run on a machine with 2 GPUs and hub access (Qwen/Qwen3-4B, knkarthick/AMI).
 train-reference: install

@@ -3,16 +3,18 @@
 accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/accelerate_loop.py
 """
 
-from ddp_ft.integrations import BucketedAccelerator  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
 
+from ddp_ft.distributed import keep_upstream_notices_to_rank_zero
 from ddp_ft.embedded import tiny_qwen3_and_meetings
+from ddp_ft.integrations import BucketedAccelerator
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()  # peft and torch notices every rank prints alike: rank 0 only
     # instead of Accelerator(...); cpu=True on a machine without CUDA, or each process would train alone
     accelerator = BucketedAccelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
     set_seed(0)  # before the LoRA adapters are drawn and the data shuffled: the same adapter on every run

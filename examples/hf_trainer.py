@@ -4,7 +4,6 @@ accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/hf_tr
 torchrun --standalone --nproc_per_node=2 examples/hf_trainer.py
 """
 
-from ddp_ft.integrations import BucketedTrainer  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -17,10 +16,13 @@ from transformers import (
     set_seed,
 )
 
+from ddp_ft.distributed import keep_upstream_notices_to_rank_zero
 from ddp_ft.embedded import tiny_qwen3_and_meetings
+from ddp_ft.integrations import BucketedTrainer
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()  # peft and torch notices every rank prints alike: rank 0 only
     args = TrainingArguments(
         output_dir="runs/example-hf-trainer",
         use_cpu=not torch.cuda.is_available(),  # on CPU: one gloo process per rank, not each process alone
@@ -53,10 +55,8 @@ def main() -> None:
     result = trainer.train()
     trainer.save_model()  # the LoRA adapter, from rank 0
     checksum = sum(p.double().sum().item() for p in model.parameters() if p.requires_grad)
-    print(
-        f"rank {args.process_index} of world_size={args.world_size}: {result.global_step} steps, "
-        f"adapter checksum {checksum:.10g}"
-    )
+    ran = f"rank {args.process_index} of world_size={args.world_size}: {result.global_step} steps"
+    print(f"{ran}, adapter checksum {checksum:.10g}")
     trainer.accelerator.end_training()  # every rank tears its process group down
 
 

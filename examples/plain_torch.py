@@ -3,7 +3,6 @@
 torchrun --standalone --nproc_per_node=2 examples/plain_torch.py
 """
 
-from ddp_ft.ddp import BucketedDDP  # isort: skip (first: upstream notices then print on rank 0 only)
 import contextlib
 
 import torch
@@ -11,13 +10,15 @@ from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
 
-from ddp_ft.distributed import destroy_distributed, init_distributed
+from ddp_ft.ddp import BucketedDDP
+from ddp_ft.distributed import destroy_distributed, init_distributed, keep_upstream_notices_to_rank_zero
 from ddp_ft.embedded import tiny_qwen3_and_meetings
 
 ACCUMULATION = 2  # micro-batches per optimizer step
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()  # peft and torch notices every rank prints alike: rank 0 only
     info = init_distributed()  # from torchrun's environment: gloo on CPU, NCCL on this rank's GPU
     try:
         set_seed(0)  # before the LoRA adapters are drawn: the same adapter on every run

@@ -6,17 +6,19 @@ torchrun --standalone --nproc_per_node=2 examples/trl_dpo.py
 BucketedKTOTrainer and BucketedRewardTrainer swap in the same way; balance_ranks stays off (the stock sampling).
 """
 
-from ddp_ft.integrations import BucketedDPOTrainer  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, BitsAndBytesConfig
 from trl import DPOConfig
 
+from ddp_ft.distributed import keep_upstream_notices_to_rank_zero
 from ddp_ft.embedded import tiny_qwen3_and_meetings
+from ddp_ft.integrations import BucketedDPOTrainer
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()  # peft and torch notices every rank prints alike: rank 0 only
     model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=16)
     # Preference pairs: the meeting's own summary is chosen over the next meeting's.
     rows = [

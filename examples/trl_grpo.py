@@ -6,14 +6,15 @@ torchrun --standalone --nproc_per_node=2 examples/trl_grpo.py
 Completions come from transformers' generate on the unwrapped model; BucketedDDP all-reduces only the step's gradients.
 """
 
-from ddp_ft.integrations import BucketedGRPOTrainer  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer
 from trl import GRPOConfig
 
+from ddp_ft.distributed import keep_upstream_notices_to_rank_zero
 from ddp_ft.embedded import tiny_qwen3_and_meetings
+from ddp_ft.integrations import BucketedGRPOTrainer
 
 
 def brevity(completions: list[str], **kwargs) -> list[float]:
@@ -22,6 +23,7 @@ def brevity(completions: list[str], **kwargs) -> list[float]:
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()  # peft and torch notices every rank prints alike: rank 0 only
     model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=16, max_words=16)
     rows = [{"prompt": f"Summarise the meeting:\n{m['dialogue']}\n"} for m in meetings]
     args = GRPOConfig(

@@ -4,17 +4,19 @@ accelerate launch --config_file accelerate_configs/2cpu_gloo.yaml examples/trl_s
 torchrun --standalone --nproc_per_node=2 examples/trl_sft.py
 """
 
-from ddp_ft.integrations import BucketedSFTTrainer  # isort: skip (first: upstream notices then print on rank 0 only)
 import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoTokenizer, BitsAndBytesConfig
 from trl import SFTConfig
 
+from ddp_ft.distributed import keep_upstream_notices_to_rank_zero
 from ddp_ft.embedded import tiny_qwen3_and_meetings
+from ddp_ft.integrations import BucketedSFTTrainer
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()  # peft and torch notices every rank prints alike: rank 0 only
     model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(n_meetings=16)
     rows = [{"prompt": f"Summarise the meeting:\n{m['dialogue']}\n", "completion": m["summary"]} for m in meetings]
     args = SFTConfig(

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP
-from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed
+from ddp_ft.distributed import DEVICE_CHOICES, destroy_distributed, keep_upstream_notices_to_rank_zero
 from ddp_ft.tools.bench import (
     ComputeSetup,
     ExposedWaitProbe,
@@ -125,6 +125,7 @@ def run_steps(
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()
     args = parse_args()
     if args.pool:
         return pool(args.pool)

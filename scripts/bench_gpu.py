@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.autotune import AUTO
-from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed
+from ddp_ft.distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, keep_upstream_notices_to_rank_zero
 from ddp_ft.tools.bench import (
     BENCH_SHAPES,
     ComputeSetup,
@@ -357,6 +357,7 @@ def profile(run: Modes, modes: list[str]) -> dict[str, dict]:
 
 
 def main() -> None:
+    keep_upstream_notices_to_rank_zero()
     args = parse_args()
     shape = Qwen3Shape(
         **{

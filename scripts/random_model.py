@@ -2,9 +2,9 @@
 hub access: ``--model-name-or-path`` then runs the real workload's shapes (speed, memory, the CUDA paths), not its
 learning.
 
-    python scripts/random_model.py --tokenizer ../shared/data/qwen2-tokenizer --out /tmp/qwen3-4b-random
+    python scripts/random_model.py --tokenizer DATA/qwen2-tokenizer --out /tmp/qwen3-4b-random
     python scripts/train.py --preset qwen3-4b-ami --model-name-or-path /tmp/qwen3-4b-random \\
-        --source ../shared/data/ami/ami_abstractive.jsonl --max-steps 4
+        --source DATA/ami/ami_abstractive.jsonl --max-steps 4
 
 The weights come from ``ddp_ft.tools.bench.build_random_qwen3`` (bf16, as the hub's checkpoint; the same shapes as
 ``scripts/bench_gpu.py --shape``), the tokenizer from ``ddp_ft.training.data.tokenizer.load_tokenizer`` (chat template,
@@ -29,9 +29,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=BENCH_SHAPES, default="qwen3-4b", help="model sizes (scripts/bench_gpu.py's)")
     p.add_argument("--vocab-size", type=int, help="override the shape's vocabulary size")
-    p.add_argument(
-        "--tokenizer", required=True, help="tokenizer folder or hub id (e.g. ../shared/data/qwen2-tokenizer)"
-    )
+    p.add_argument("--tokenizer", required=True, help="tokenizer folder or hub id (e.g. DATA/qwen2-tokenizer)")
     p.add_argument("--out", type=Path, required=True, help="the folder to write (a model of this shape in it is kept)")
     return p.parse_args()
 

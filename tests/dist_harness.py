@@ -28,9 +28,11 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 ROOT = Path(__file__).resolve().parents[1]
-# For the scripts a test starts: this checkout first, then whatever PYTHONPATH the suite was started with (a host whose
-# packages come from PYTHONPATH, as on the GPU machine where the suite first ran, keeps them).
-PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+# For the scripts a test starts: this checkout first, then the start-up hook that installs DDP_FT_INJECT_FAULT's faults
+# (tests/fault_site/sitecustomize.py), then whatever PYTHONPATH the suite was started with (a host whose packages come
+# from PYTHONPATH, as on the GPU machine where the suite first ran, keeps them).
+FAULT_SITE = ROOT / "tests" / "fault_site"
+PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), str(FAULT_SITE), os.environ.get("PYTHONPATH", "")) if p)
 
 # Imported once, in the fork server, before it forks the first process. A module missing here is skipped.
 PRELOAD = [

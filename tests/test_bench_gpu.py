@@ -1,4 +1,4 @@
-"""The GPU benchmark (issue 13): its FLOPs formula against a hand computation, its peak table, its random-weight
+"""The GPU benchmark: its FLOPs formula against a hand computation, its peak table, its random-weight
 model, and the script itself on the CPU with a tiny shape (one process, seconds; no speed asserted)."""
 
 import argparse

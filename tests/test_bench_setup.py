@@ -1,4 +1,4 @@
-"""Benchmarks pick device, backend and compute dtype together (issue 11, item 1), checked on CPU with torch.cuda's
+"""Benchmarks pick device, backend and compute dtype together, checked on CPU with torch.cuda's
 queries monkeypatched: bench_ddp.py joined NCCL on a CUDA host with its model on the CPU, and computed in bf16 on
 any GPU."""
 

@@ -82,7 +82,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         ),
         (["train", "--learning-rate", "-1", "--nproc", "2"], "learning_rate=-1.0: must be a positive number; e.g."),
         (["recipe", "--preset", "tiny", "--lora-dropout", "1", "--nproc", "2"], "lora_dropout=1.0: must be in [0, 1)"),
-        (  # a wrong local --source: refused here, not by every worker after its start-up (issue 34)
+        (  # a wrong local --source: refused here, not by every worker after its start-up
             ["train", "--preset", "tiny", "--source", "missing.jsonl", "--nproc", "2"],
             "DataSettings.source='missing.jsonl': no such file",
         ),

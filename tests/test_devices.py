@@ -1,4 +1,4 @@
-"""Which CUDA device each process takes (issue 11, item 4): a pure rule, and init_distributed following it, checked
+"""Which CUDA device each process takes: a pure rule, and init_distributed following it, checked
 on CPU with torch.cuda's queries monkeypatched."""
 
 import pytest

@@ -1,7 +1,8 @@
 """A rank that raises or hangs takes the whole job down within a bound, the launcher names the rank and the cause, and
 no process is left behind; a stop signal to one rank alone stops every rank with a checkpoint and exit 0.
 
-Faults come from the test-only switch ``DDP_FT_INJECT_FAULT`` (``ddp_ft.training.faults``), under the real launchers.
+Faults come from ``DDP_FT_INJECT_FAULT``, installed at the library's hook point by ``tests/faults.py`` in each process the
+real launchers start.
 """
 
 import os
@@ -82,9 +83,9 @@ def test_a_rank_raising_in_forward_fails_every_restart_and_torchrun_names_it_as_
         and "InjectedFault: injected fault: forward failed at step 2 on rank 1" in cause
     )
     # the first attempt failed the same way before torchrun restarted it: restarts ran out on the original error
-    assert run.stderr.count("[rank1]: ddp_ft.training.faults.InjectedFault: injected fault: forward failed") == 2, (
-        run.stderr[-6000:]
-    )
+    assert run.stderr.count("[rank1]: tests.faults.InjectedFault: injected fault: forward failed") == 2, run.stderr[
+        -6000:
+    ]
 
 
 def test_a_rank_raising_in_backward_stops_both_ranks_and_torchrun_names_it(tmp_path):

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py (issue 11, item 9): its logic on 2 CPU processes (gloo), a broken comparison failing its exit
+"""scripts/gpu_check.py: its logic on 2 CPU processes (gloo), a broken comparison failing its exit
 status, the pure parts on their own, and the real thing on CUDA when there is a GPU."""
 
 import json

@@ -1,4 +1,4 @@
-"""``make gpu-report`` (issue 27, item 4): the orchestration with fake step commands (order, a failing step recorded
+"""``make gpu-report``: the orchestration with fake step commands (order, a failing step recorded
 and the next still run, the time budget, timeouts, the report rewritten atomically after every step), the checks of a
 variant against its baseline, the plan per host, and ``scripts/gpu_report.py --device cpu`` end to end."""
 
@@ -189,14 +189,15 @@ def test_a_variant_passes_within_the_dtype_tolerance_of_its_baseline_and_fails_b
 
 
 def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
-    data = ROOT.parent / "shared" / "data"
-    cpu = plan_steps("cpu", 0, tmp_path, ROOT / "scripts", "python", data=data)
+    cpu = plan_steps("cpu", 0, tmp_path, ROOT / "scripts", "python")  # the CPU's smoke test needs no data
     assert [s.name for s in cpu] == CPU_STEPS
     assert {s.name for s in cpu if not s.skip} == CPU_RUN
     assert all("--device" in s.command or "--preset" in s.command for s in cpu if not s.skip)
     one = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path / "none")}
     assert list(one) == CUDA_STEPS and one["ladder"].skip and one["scaling_2gpu"].skip
     assert all("needs" in one[name].skip and "AMI" in one[name].skip for name in ("random_model", *E2E))  # no data
+    unnamed = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python")}
+    assert all("needs --data" in unnamed[name].skip for name in ("random_model", *E2E))  # no folder given
     assert "--no-gradient-checkpointing" in one["decomp_eager_nockpt_mb1"].command
     assert "auto" not in one["decomp_eager_nockpt_mb1"].command and "auto" in one["decomp_eager_ckpt_auto"].command
     assert one["shared_gpu_gloo"].env.keys() == {"CUDA_VISIBLE_DEVICES"} and "gloo" in one["shared_gpu_gloo"].command

@@ -1,4 +1,4 @@
-"""Host syncs per step (issue 11, item 7), guarded on CPU: the loop reads what it logs from the device in one
+"""Host syncs per step, guarded on CPU: the loop reads what it logs from the device in one
 transfer per step, and the meter times a CUDA step with events and reports peak memory per interval, with
 torch.cuda's timing and memory calls mocked."""
 

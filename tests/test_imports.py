@@ -58,3 +58,27 @@ def test_import_integrations_leaves_out_the_model_data_and_settings_modules():
     assert not {"trl", "ddp_ft.integrations.trl"} & modules, (
         "trl is an optional extra: only BucketedSFTTrainer needs it"
     )
+
+
+_GLOBAL_STATE = """
+import logging, warnings
+import accelerate, datasets, peft, torch, transformers  # what they change on import is theirs
+
+def state():
+    notices, root = logging.getLogger("bitsandbytes.backends.cpu.ops"), logging.getLogger()
+    return [list(warnings.filters), list(notices.filters), list(root.handlers), [root.level]]
+
+before = state()
+import ddp_ft, ddp_ft.integrations, ddp_ft.training, ddp_ft.commands
+added = [[x for x in a if x not in b] for a, b in zip(state(), before)]
+assert not any(added), f"warning filters, bitsandbytes' logger filters, root handlers, root level: {added}"
+"""
+
+
+def test_importing_ddp_ft_leaves_warning_filters_and_logging_untouched():
+    """On a launched rank above 0 too, where the entry points' explicit call would hold notices back."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RANK": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _GLOBAL_STATE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Memory of the 4-bit model (issue 11, item 8): the frozen weights that are not quantised stay in the compute dtype
+"""Memory of the 4-bit model: the frozen weights that are not quantised stay in the compute dtype
 unless ``upcast_frozen_weights``, at no cost in accuracy; the arithmetic of ``ddp_ft.training.model.memory`` is what a
 model measures. Tiny Qwen3 on the CPU, seconds."""
 

@@ -37,7 +37,7 @@ LAYERS = [
         "ddp_ft.training.model.probe",
         "ddp_ft.training.data",
         "ddp_ft.report.metrics",
-        "ddp_ft.training.faults",
+        "ddp_ft.training.hooks",
         "ddp_ft.integrations.checkpointing",
         "ddp_ft.training.perf_traps",
     },

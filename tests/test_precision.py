@@ -1,4 +1,4 @@
-"""The compute dtype a run picks (issue 11, item 3): one pure choice from the setting, the device type and the GPU's
+"""The compute dtype a run picks: one pure choice from the setting, the device type and the GPU's
 compute capability, checked on CPU without a GPU (torch.cuda's capability query monkeypatched where it is asked)."""
 
 import pytest
@@ -6,6 +6,8 @@ import torch
 
 from ddp_ft.training.model.precision import choose_precision
 from ddp_ft.training.model.qlora import ModelSettings
+
+from .faults import injected
 
 
 @pytest.mark.parametrize(
@@ -98,7 +100,7 @@ def test_fp16_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank_as_to
     assert_close(params0, params1, rtol=0, atol=0)
 
 
-def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp_path, monkeypatch):
+def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp_path):
     """``--compute-dtype float16`` in the plain loop with the gradient overflowing at step 1: the step is logged as
     skipped with the scale halved and the schedule held back a step; the scale is checkpointed, so a run resumed from
     step 2 trains step 3 at the same scale and loss (before ``scaler.pt`` it restarted at 65536). That every rank
@@ -129,13 +131,12 @@ def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp
         "none",
     ]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    monkeypatch.setenv("DDP_FT_INJECT_FAULT", "overflow@1")
-    loop.train(parse_settings([*flags, "--save-every", "2", "--output-dir", str(full)]), DistInfo())
+    with injected("overflow@1"):
+        loop.train(parse_settings([*flags, "--save-every", "2", "--output-dir", str(full)]), DistInfo())
     steps = [r for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"]
     assert [(r["skipped"], r["loss_scale"]) for r in steps] == [(1, 2.0**15), (0, 2.0**15), (0, 2.0**15)]
     assert math.isnan(steps[0]["grad_norm"]) and steps[1]["lr"] == steps[0]["lr"]  # the schedule waited a step
 
-    monkeypatch.delenv("DDP_FT_INJECT_FAULT")
     resume = ["--output-dir", str(resumed), "--resume", str(full / "ddp_ft-checkpoint-2")]
     loop.train(parse_settings([*flags, *resume]), DistInfo())
     (step3,) = [r for r in read_jsonl(resumed / "metrics.jsonl") if r["type"] == "train"]
@@ -146,13 +147,14 @@ def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp
 def _fp16_loop_on_two_ranks(rank, world_size, out):
     """The plain loop in float16 on this rank, rank 1's gradient overflowing in step 1's first (``no_sync``)
     micro-batch; returns this rank's adapter and loss scale at the final save."""
-    import os
-
     from ddp_ft.distributed import DistInfo
     from ddp_ft.training import loop
     from ddp_ft.training.config import parse_settings
+    from ddp_ft.training.hooks import install_run_hooks
 
-    os.environ["DDP_FT_INJECT_FAULT"] = "overflow@1,rank=1"  # the tiny cache: the suite's, inherited
+    from .faults import FaultInjector, parse_faults
+
+    install_run_hooks(FaultInjector(parse_faults("overflow@1,rank=1"), rank, attempt=0))
     saved = {}
     save_checkpoint = loop.save_checkpoint
 

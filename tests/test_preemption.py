@@ -20,10 +20,10 @@ from ddp_ft.training.checkpoint import (
     save_checkpoint,
     saved_position,
 )
-from ddp_ft.training.faults import ENV, Fault, FaultInjector, parse_faults
 from ddp_ft.training.preemption import StopSignal
 
 from .dist_harness import PYTHONPATH, run_distributed
+from .faults import ENV, Fault, FaultInjector, injected, parse_faults
 from .test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults
@@ -60,15 +60,15 @@ def test_ctrl_c_is_a_stop_and_a_second_one_interrupts_only_a_process_running_alo
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_a_signal_during_a_step_stops_the_loop_after_that_step_not_the_next(tmp_path, monkeypatch):
+def test_a_signal_during_a_step_stops_the_loop_after_that_step_not_the_next(tmp_path):
     """The flag is read after the step's last backward: SIGUSR1 sent in step 2's forward stops the run after step 2
     with its checkpoint (it used to be read before the forward: the run went on to step 3)."""
     from ddp_ft.training.config import settings_from_preset
     from ddp_ft.training.loop import train
 
-    monkeypatch.setenv(ENV, "sigusr1-self@2")
     settings = settings_from_preset("tiny", max_steps=4, save_every=0, report_to="none", output_dir=str(tmp_path))
-    result = train(settings, DistInfo())
+    with injected("sigusr1-self@2"):
+        result = train(settings, DistInfo())
     assert (result.steps, result.stopped_by) == (2, "SIGUSR1")
     assert resolve_checkpoint("latest", tmp_path).name == "ddp_ft-checkpoint-2"
 

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 from ddp_ft.integrations.stock import check_stock_settings, stock_ddp_arguments
 from ddp_ft.report.metrics import read_jsonl
 from ddp_ft.training.config import settings_from_preset
-from ddp_ft.training.faults import ENV as FAULTS_ENV
 
+from .faults import injected
 from .test_integrations import ROOT, _accelerate, _train_records
 
 RECIPE = ROOT / "recipes" / "qwen_ami.py"
@@ -34,11 +34,12 @@ def test_a_setting_the_chosen_trainer_cannot_honour_is_refused_naming_it(overrid
         check_stock_settings(settings, trainer, find_unused)
 
 
-def test_fault_injection_is_refused_for_a_stock_trainer_on_every_rank(monkeypatch):
-    monkeypatch.setenv(FAULTS_ENV, "data@2,rank=1")  # meant for rank 1: rank 0 refuses too
-    with pytest.raises(ValueError, match=FAULTS_ENV):
-        check_stock_settings(settings_from_preset("tiny", **STRIDED), "stock-hf", "trainer")
-    check_stock_settings(settings_from_preset("tiny"), "hf", "trainer")  # the ddp_ft trainers inject faults
+def test_fault_injection_is_refused_for_a_stock_trainer_on_every_rank():
+    with injected("data@2,rank=1", rank=0):  # meant for rank 1: rank 0 refuses too
+        with pytest.raises(ValueError, match="run hooks are installed"):
+            check_stock_settings(settings_from_preset("tiny", **STRIDED), "stock-hf", "trainer")
+        check_stock_settings(settings_from_preset("tiny"), "hf", "trainer")  # the ddp_ft trainers inject faults
+    check_stock_settings(settings_from_preset("tiny", **STRIDED), "stock-hf", "trainer")  # none installed: no refusal
 
 
 def test_the_runs_ddp_settings_reach_torch_ddp_through_the_trainers_ddp_arguments():

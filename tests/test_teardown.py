@@ -16,10 +16,10 @@ from .dist_harness import run_distributed
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-# entry point -> (the module holding its body, the name there that trains)
+# entry point -> (the module the body reads it from, the name there that trains)
 ENTRY_POINTS = {
     "scripts/train.py": ("ddp_ft.commands.train", "train"),
-    "recipes/qwen_ami.py": ("ddp_ft.commands.recipe", "build_trainer"),
+    "recipes/qwen_ami.py": ("ddp_ft.integrations.recipe", "build_trainer"),
 }
 
 

@@ -48,7 +48,9 @@ def _record_publishing(events: list[tuple]) -> None:
 def _checkpointing_run(rank, world_size, out):
     _as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
-    from ddp_ft.training.faults import Fault, FaultInjector
+    from ddp_ft.training.hooks import install_run_hooks
+
+    from .faults import Fault, FaultInjector
 
     events: list[tuple] = []
     _record_publishing(events)
@@ -63,13 +65,13 @@ def _checkpointing_run(rank, world_size, out):
         save_steps=SAVE_EVERY,
     )
     # rank 1 writes its files of checkpoint 2 two seconds after rank 0 (a slow disk)
-    faults = FaultInjector([Fault("slow-save", SAVE_EVERY, rank=1)], rank, attempt=0)
+    install_run_hooks(FaultInjector([Fault("slow-save", SAVE_EVERY, rank=1)], rank, attempt=0))
 
     class CountingTrainer(BucketedTrainer):
         def floating_point_ops(self, inputs) -> float:  # the Trainer's documented override; a rate per rank
             return _flos_per_sample(rank) * inputs["x"].shape[0]
 
-    trainer = CountingTrainer(model=_Regressor(), args=args, train_dataset=_dataset(), faults=faults)
+    trainer = CountingTrainer(model=_Regressor(), args=args, train_dataset=_dataset())
     trainer.train()
     return events, trainer.state.total_flos
 

@@ -25,6 +25,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import quiet_upstream_notices
 from .launcher import console, launch
 
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -295,6 +296,7 @@ def run_subcommand(name: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``ddp-ft NAME [flags]``. Returns the exit status (the console script exits with it)."""
+    quiet_upstream_notices()
     argv = list(sys.argv[1:] if argv is None else argv)
     build_parser().parse_args(argv[:1])  # --help, or an unknown name: argparse lists the subcommands and exits
     try:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..report.comparison import log_report_to_wandb, write_report
+from . import quiet_upstream_notices
 
 
 def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse, write the report, print its table, log it to wandb if asked."""
+    quiet_upstream_notices()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:

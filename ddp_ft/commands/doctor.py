@@ -31,6 +31,7 @@ from ..distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, device_
 from ..distributed.launch import check_world_seen
 from ..tools.ladder.bench_comm import format_size, measure_all_reduce, parse_size
 from ..training.model.precision import DTYPES, choose_precision
+from . import quiet_upstream_notices
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "trl")  # what ddp_ft subclasses or calls
 OPTIONAL = {"trl": 'the [trl] extra (pip install ".[trl]" in the clone), for --trainer trl'}
@@ -284,6 +285,7 @@ def main(
     argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
 ) -> int:
     """Run the checks on every rank; rank 0 prints the table. Returns 1 on any failure (on every rank), else 0."""
+    quiet_upstream_notices()
     args = parse_args(argv, parents, prog)
     info = init_distributed(timeout_s=args.timeout, device_type=None if args.device == "auto" else args.device)
     try:

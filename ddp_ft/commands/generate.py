@@ -21,6 +21,7 @@ from ..training.data.sources import load_prompt_rows
 from ..training.model.merge import MergeSettings
 from ..training.model.precision import DTYPES
 from ..training.predict import generate, load_trained, rouge_l, write_predictions
+from . import quiet_upstream_notices
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ def main(
     Raises:
         SystemExit: an --out that exists, no model or data file, prompts the run's format cannot take; naming it.
     """
+    quiet_upstream_notices()
     args = parse_args(argv, parents, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:

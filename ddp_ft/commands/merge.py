@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ..training.model.merge import BASES, MergeSettings, merge_adapter
 from ..training.model.precision import DTYPES
+from . import quiet_upstream_notices
 
 
 def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
@@ -79,6 +80,7 @@ def main(
     Raises:
         SystemExit: no adapter, a base model that cannot be found, an --out folder that is not empty; naming it.
     """
+    quiet_upstream_notices()
     args, settings = parse_args(argv, parents, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:

@@ -21,26 +21,22 @@ from ..distributed import (
     setup_logging,
 )
 from ..distributed.console import console_or_log
-from ..integrations.recipe import (
-    TRAINERS,
-    build_trainer,
-    log_resume,
-    predict_at_end,
-    trainer_checkpoint,
-    trainer_resume_target,
-)
-from ..integrations.stock import FIND_UNUSED, check_stock_settings
 from ..training.checkpoint import save_final
 from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from ..training.config import RunSettings, parse_settings, write_run_config
 from ..training.model.source import choose_default, log_choice
 from ..training.setup import check_run_settings, prepare_run
+from . import quiet_upstream_notices
 
 logger = logging.getLogger("ddp_ft.recipe")
 
 
 def recipe_parser() -> argparse.ArgumentParser:
     """The recipe's own flag (``--trainer``), as a parent parser; the rest are the shared settings."""
+    # The integrations import peft, and so bitsandbytes: here, after main() quieted its notice, not at import.
+    from ..integrations.recipe import TRAINERS
+    from ..integrations.stock import FIND_UNUSED
+
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument(
         "--trainer",
@@ -70,6 +66,7 @@ def main(
         parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
         prog (str | None): the command named in usage and errors. Default: the script's name
     """
+    quiet_upstream_notices()
     with failure_recorded():  # an exception on any rank reaches the launcher's summary: rank, host, traceback
         own = recipe_parser()
         entry, _ = own.parse_known_args(argv)
@@ -87,6 +84,15 @@ def main(
 
 def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_unused: str = "trainer") -> None:
     """Check, prepare the output folder and the trainer, write run_config.yaml, train, then evaluate and save."""
+    from ..integrations.recipe import (
+        build_trainer,
+        log_resume,
+        predict_at_end,
+        trainer_checkpoint,
+        trainer_resume_target,
+    )
+    from ..integrations.stock import check_stock_settings
+
     output_dir = settings.train.output_dir
     checked = check_run_settings(settings, info)  # before anything is touched; once
     check_stock_settings(settings, trainer_name, stock_find_unused)

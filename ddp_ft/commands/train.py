@@ -19,6 +19,7 @@ from ..distributed.console import console_or_log
 from ..training.config import parse_settings
 from ..training.loop import train
 from ..training.model.source import choose_default, log_choice
+from . import quiet_upstream_notices
 
 logger = logging.getLogger("ddp_ft.train")
 
@@ -37,6 +38,7 @@ def main(
         parents (Sequence[argparse.ArgumentParser]): a caller's own flags, listed by ``--help`` and ignored here.
         prog (str | None): the command named in usage and errors. Default: the script's name
     """
+    quiet_upstream_notices()
     with failure_recorded():  # an exception on any rank reaches torchrun's summary: rank, host, traceback
         choice = choose_default(argv)
         settings = parse_settings(argv, parents, choice.preset, prog)

@@ -292,8 +292,10 @@ class _HubKernelNotice(logging.Filter):
 
 def hold_library_notices() -> None:
     """Hold bitsandbytes' CPU hub-kernel notice back; :func:`setup_logging` says it once, at INFO on rank 0. The
-    entry points call this before anything imports bitsandbytes (``ddp_ft.commands``)."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_HubKernelNotice())
+    ``ddp_ft`` commands call this before anything imports bitsandbytes."""
+    notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _HubKernelNotice) for f in notices.filters):
+        notices.addFilter(_HubKernelNotice())
 
 
 # Upstream notices every process prints alike, kept to rank 0 (exact messages; rank 0 still shows each once): peft
@@ -314,9 +316,11 @@ class _OtherRankNotice(logging.Filter):
 
 
 def keep_upstream_notices_to_rank_zero(environ: Mapping[str, str] | None = None) -> None:
-    """On a launched process of rank > 0, hold back the upstream notices every rank would print alike: bitsandbytes'
-    hub-kernel notice (at its import: ``import ddp_ft`` first, as the examples do) and ``_RANK_ZERO_WARNINGS``.
-    Rank 0 and a single process keep them. Called when ``ddp_ft`` is imported; only those exact messages.
+    """On a launched process of rank > 0, hold back the upstream notices every rank would print alike.
+
+    These are bitsandbytes' hub-kernel notice and ``_RANK_ZERO_WARNINGS``, only those exact messages. Rank 0 and a
+    single process keep them. ``import ddp_ft`` does not call this: the entry points do, first thing. bitsandbytes
+    prints its notice when imported (``import peft`` imports it), so only a call before that holds it back.
 
     Args:
         environ (Mapping[str, str] | None): the launcher's environment (``RANK``). Default: ``os.environ``

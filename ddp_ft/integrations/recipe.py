@@ -108,9 +108,8 @@ def build_trainer(
     bucketed = evaluating_every_row(trainer_class)(
         model=model,
         args=args or TrainingArguments(**arguments),
-        data_collator=parts.faults.wrap_collate(parts.collate),
+        data_collator=parts.hooks.wrap_collate(parts.collate),
         ddp_settings=settings.ddp,
-        faults=parts.faults,
         balance_ranks=t.balance_ranks,
         **data,
     )

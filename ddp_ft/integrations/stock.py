@@ -9,7 +9,8 @@ micro-step; that cost is part of what is measured. Evaluation covers every held-
 (``ddp_ft.integrations.recipe_eval``: the eval loader only, outside the training path).
 
 A setting the stock classes cannot honour is refused before the model loads, never dropped: the balanced plan (pass
-``--no-balance-ranks``), BucketedDDP's own knobs away from their defaults, ``bucket_cap_mb='auto'``, and test faults.
+``--no-balance-ranks``), BucketedDDP's own knobs away from their defaults, ``bucket_cap_mb='auto'``, and installed run
+hooks (the fault tests').
 ``bucket_cap_mb``, ``broadcast_buffers`` and ``ddp_timeout`` become the Trainer's ``ddp_*`` arguments; torch DDP's
 ``find_unused_parameters`` is ``--stock-find-unused``: the Trainer's own choice (True for a PeftModel, which is not a
 ``PreTrainedModel``), or forced.
@@ -18,13 +19,12 @@ A setting the stock classes cannot honour is refused before the model loads, nev
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import fields
 
 from ..ddp import DDPSettings
 from ..ddp.autotune import AUTO
 from ..training.config import RunSettings
-from ..training.faults import ENV as FAULTS_ENV
+from ..training.hooks import run_hooks_installed
 from .callbacks import ThroughputCallback
 from .recipe_eval import evaluating_every_row
 
@@ -42,7 +42,7 @@ def check_stock_settings(settings: RunSettings, trainer: str, find_unused: str) 
     Raises:
         ValueError: ``--stock-find-unused`` other than ``trainer`` on a ddp_ft trainer; on a stock one, the balanced
             plan, ``bucket_cap_mb='auto'``, a BucketedDDP setting torch DDP is not given through the Trainer, or
-            ``DDP_FT_INJECT_FAULT``; each naming the setting and the fix.
+            installed run hooks (``ddp_ft.training.hooks``); each naming the setting and the fix.
     """
     if find_unused not in FIND_UNUSED:
         raise ValueError(f"--stock-find-unused {find_unused!r}: choose one of {', '.join(FIND_UNUSED)}.")
@@ -75,9 +75,10 @@ def check_stock_settings(settings: RunSettings, trainer: str, find_unused: str) 
             "Trainer) does not take. Leave them at their defaults; torch DDP's find_unused_parameters is "
             "--stock-find-unused."
         )
-    if os.environ.get(FAULTS_ENV):  # the same on every rank (a rank's own injector may hold none)
+    if run_hooks_installed():  # a harness installs them on every rank, where a rank's own may do nothing
         raise ValueError(
-            f"DDP_FT_INJECT_FAULT is set: fault injection needs a ddp_ft trainer, not --trainer {trainer}."
+            f"run hooks are installed (ddp_ft.training.hooks, as the fault tests do): they need a ddp_ft trainer, "
+            f"not --trainer {trainer}."
         )
 
 

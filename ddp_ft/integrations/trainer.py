@@ -30,7 +30,7 @@ from transformers.integrations import WandbCallback
 from ..ddp import BucketedDDP, DDPSettings
 from ..distributed.launch import TRAINER_CPU_FIX, check_world_seen
 from ..report.metrics import WandbSwitch
-from ..training.faults import FaultInjector
+from ..training.hooks import run_hooks
 from ..training.perf_traps import trainer_fix
 from ..training.preemption import StopSignal
 from .accelerate import BucketedAccelerator
@@ -51,7 +51,7 @@ class _StopCallback(TrainerCallback):
         self._trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._trainer.faults.start(state.global_step, args.gradient_accumulation_steps)
+        self._trainer._run_hooks.start(state.global_step, args.gradient_accumulation_steps)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._trainer.stop_requested():
@@ -84,8 +84,6 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
             of the epoch trained unless ``dataloader_drop_last`` (``ddp_ft.integrations.trainer_plan``); settings it
             cannot keep are refused, and so are rows it cannot cost (``check_plan_columns``: ``input_ids``, or TRL's
             DPO, reward and KTO rows by their padded width). Default: False (the stock Trainer's sampling)
-        faults (FaultInjector | None): test-only fault injection (``ddp_ft.training.faults``); the recipe passes the one
-            ``DDP_FT_INJECT_FAULT`` describes. Default: none
         **kwargs: passed to ``Trainer``.
 
     Raises:
@@ -99,7 +97,6 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         self,
         *args,
         ddp_settings: DDPSettings | None = None,
-        faults: FaultInjector | None = None,
         balance_ranks: bool = False,
         **kwargs,
     ) -> None:
@@ -118,7 +115,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         self._stop = StopSignal()
         self._stop_verdict: tuple[int, bool] = (-1, False)  # (global step, any rank asked to stop)
         self.stopped_by: str | None = None  # the signal that stopped train() early, after saving a checkpoint
-        self.faults = faults or FaultInjector([], 0, 0)
+        self._run_hooks = run_hooks()  # inert unless a harness installed some (ddp_ft.training.hooks)
         self._staging_dir: str | None = None
         # Found by type: TRL's online trainers take ``args`` third, after ``reward_funcs``.
         training_args = kwargs.get("args") or next((a for a in args if isinstance(a, TrainingArguments)), None)

@@ -1,7 +1,7 @@
 """``BucketedTrainer``'s checkpoints, made atomic: every rank writes into a staging folder, and rank 0 publishes it
 whole (fsync, rename) once all have.
 
-A mixin of :class:`~ddp_ft.integrations.trainer.BucketedTrainer`, which sets ``faults`` and ``_staging_dir``.
+A mixin of :class:`~ddp_ft.integrations.trainer.BucketedTrainer`, which sets ``_run_hooks`` and ``_staging_dir``.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ class AtomicCheckpoints:
         self.accelerator.wait_for_everyone()
         self._staging_dir = str(staging)
         try:
-            self.faults.checkpoint_writing(self.state.global_step)
+            self._run_hooks.checkpoint_writing(self.state.global_step)
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_dir = None
         if self.args.should_save:
-            self.faults.checkpoint_partly_written(self.state.global_step)
+            self._run_hooks.checkpoint_partly_written(self.state.global_step)
         self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are in the staging folder
         if self.args.should_save:
             publish_folder(staging / name, Path(run_dir) / name)

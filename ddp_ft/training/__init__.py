@@ -9,7 +9,7 @@
   arithmetic and the micro-batch probe, where a model comes from);
 * ``data/``: sources, tokenizer and chat template, formatting, packing, the per-rank loader;
 * ``checkpoint/``: atomic checkpoints, resume, and the output folder on a shared file system;
-* ``preemption``, ``faults``: stop signals, and the fault injection the tests use;
+* ``preemption``, ``hooks``: stop signals, and the hook point the fault tests install their faults at;
 * ``perf_traps/``: correct but slow settings, warned once.
 
 The Trainer path (``ddp_ft.integrations``) builds from the same pieces and never imports the loop: importing this

@@ -1,13 +1,12 @@
 """The defaults that depend on the device: fast on a GPU, unchanged on the CPU, each said once with why.
 
-One H100 (2026-11-26, ``../shared/gpu-runs/2026-11-26-h100``) trained the Qwen3-4B recipe at ~900 tokens/s with
-micro-batch 1 and eager layers: the host (Python, autograd, thousands of kernel launches per step) set the pace and the
-GPU idled. The same code did 9,561 tokens/s at micro-batch 16 and 20,720 with the decoder layers compiled. So on CUDA
+At micro-batch 1 with eager layers the host (Python, autograd, thousands of kernel launches per step) sets the pace
+and the GPU idles. On one H100 a full micro-batch and compiled decoder layers trained the Qwen3-4B recipe many times
+faster (``docs/entry_points.md``). So on CUDA
 ``micro_batch: auto`` fills the GPU (``ddp_ft.training.setup.resolve_micro_batch``; the effective batch is kept,
 accumulation shrinks) and ``compile: auto`` compiles each decoder layer (``ddp_ft.training.model.compilation``). On the
 CPU ``auto`` keeps the settings the CPU runs were measured with, micro-batch 1 and eager: a CPU has no separate memory
-to fill, compiling costs each process about 20 s here (the tiny model's layer graph, 2026-11-26), and whether it pays on
-a CPU is not measured.
+to fill, compiling costs each process its start-up time, and whether it pays on a CPU is not measured.
 
 Each default is resolved in place before anything loads, so ``run_config.yaml`` records what ran, and said once on
 rank 0. A number for ``--micro-batch`` or ``--no-compile`` turns either off. An explicit ``--compile`` where

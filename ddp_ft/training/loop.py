@@ -69,7 +69,7 @@ class _Loop:
         self.stopped_by: str | None = None
         self.saved_step = run.state.global_step  # a checkpoint already holds this step (the one resumed, or 0)
         self.has_eval = len(run.parts.eval_set) > 0  # --eval-fraction 0: no eval loss at all (an empty sum is not 0)
-        run.parts.faults.start(run.state.global_step, run.accumulation)
+        run.parts.hooks.start(run.state.global_step, run.accumulation)
 
     def train(self) -> TrainResult:
         """Train to ``total_steps`` (or to a stop signal), then evaluate and save; closes the progress bar and sink."""
@@ -188,7 +188,7 @@ class _Loop:
             run.info,
             self.t.save_total_limit,
             run.loader.layout,
-            before_publish=run.parts.faults.checkpoint_partly_written,
+            before_publish=run.parts.hooks.checkpoint_partly_written,
             scaler=run.scaler,
             tokenizer=run.parts.tokenizer,
             data=run.parts.data_record,

@@ -124,7 +124,7 @@ def make_loader(settings: RunSettings, info: DistInfo, parts: RunParts) -> Epoch
     t = settings.train
     return EpochLoader(
         parts.train_set,
-        parts.faults.wrap_collate(parts.collate),
+        parts.hooks.wrap_collate(parts.collate),
         t.micro_batch,
         info.rank,
         info.world_size,

@@ -35,7 +35,7 @@ from .data import (
 )
 from .data.tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
 from .defaults import resolve_device_defaults
-from .faults import FaultInjector
+from .hooks import RunHooks, run_hooks
 from .model.compilation import compile_repeated_blocks
 from .model.kernels import apply_liger_to_qwen3, check_kernel_settings
 from .model.memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
@@ -64,7 +64,7 @@ class RunParts:
     eval_set: Dataset
     collate: Callable[[list[dict]], dict[str, torch.Tensor]]  # right padding, or a PackedCollator (``packing``)
     truncation: TruncationReport  # how many training samples had to be cut
-    faults: FaultInjector  # test-only (``DDP_FT_INJECT_FAULT``); empty and inert otherwise
+    hooks: RunHooks  # a harness's hook point (``ddp_ft.training.hooks``); inert unless one is installed
     packing: bool = False  # ``DataSettings.packing`` resolved: micro-batches packed into rows without padding
     data_record: dict | None = None  # the data settings as resolved (format found, its shape): ``ddp_ft_data.json``
     eval_rows: Dataset | None = None  # the eval split before tokenizing: prompts for ``--predict``
@@ -291,7 +291,7 @@ def prepare_run(settings: RunSettings, info: DistInfo, checked: tuple[int, dict 
         eval_set=eval_set,
         collate=collate,
         truncation=truncation,
-        faults=FaultInjector.from_env(info.rank),
+        hooks=run_hooks(),
         packing=packing,
         data_record=raw.record(settings.data),
         eval_rows=raw.splits["eval"],
@@ -331,7 +331,7 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
     check_vocabulary(parts.tokenizer, model.get_input_embeddings().num_embeddings)
     if parts.packing:  # the attention implementation is known now: refuse one that would mix packed sequences
         check_packed_model(model)
-    parts.faults.attach(model)
+    parts.hooks.attach(model)
     return model
 
 

@@ -92,8 +92,9 @@ def build_trainer(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ...distributed import destroy_distributed
+    from ...distributed import destroy_distributed, keep_upstream_notices_to_rank_zero
 
+    keep_upstream_notices_to_rank_zero()
     try:
         build_trainer(parse_args(argv)).train()
     finally:

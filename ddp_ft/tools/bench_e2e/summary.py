@@ -19,8 +19,8 @@ import statistics
 from .runs import BASE, config_of
 
 ENTRIES = ("loop", "recipe")
-TARGET = 0.95  # issue 13: 2-rank DDP at >= 0.95 of the independent pair
-# (ddp_ft, stock) pairs of the headline; the target of issue 27: ddp_ft / stock >= 1.10 on mixed, >= 1.00 on tiny.
+TARGET = 0.95  # the goal: 2-rank DDP at >= 0.95 of the independent pair
+# (ddp_ft, stock) pairs of the headline; the goal: ddp_ft / stock >= 1.10 on mixed, >= 1.00 on tiny.
 STOCK_PAIRS = (("ddp-recipe", "stock-recipe"), ("ddp-recipe", "stock-recipe-unused-off"), ("ddp-trl", "stock-trl"))
 STOCK_PAIRS += (("ddp-dpo", "stock-dpo"), ("ddp-dpo-strided", "stock-dpo"))
 STOCK_TARGET = {"mixed": 1.10, "tiny": 1.00}

@@ -21,7 +21,6 @@ import torch
 
 from ...distributed import DEVICE_CHOICES, device_and_backend
 from ..bench import cpu_name
-from .e2e import SHARED_DATA
 from .plan import plan_steps
 from .render import format_table, write_markdown
 from .runner import report_failed, run_report
@@ -44,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--data",
         type=Path,
-        default=SHARED_DATA,
-        help="folder with qwen2-tokenizer/ and ami/ami_abstractive.jsonl for the end-to-end steps (skipped without)",
+        default=None,
+        help="folder with qwen2-tokenizer/ and ami/ami_abstractive.jsonl for the end-to-end steps (skipped without; "
+        "make gpu-report passes the project's data folder)",
     )
     args = p.parse_args(argv)
     if args.budget_s <= 0:

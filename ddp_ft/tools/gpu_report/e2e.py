@@ -6,9 +6,9 @@ Each end-to-end step is ``python -m ddp_ft.tools.gpu_report.e2e --out RESULT.jso
 runs as a user would start it (``--output-dir`` pointing into the report's folder), then its ``metrics.jsonl`` is
 read into the result JSON: non-padding tokens/s per optimizer step (the median of the steps after the first, which
 carries compilation and the micro-batch probe), the measured peak and the probe's expected peak, the compile
-counters and time, the micro-batch and accumulation that ran. The model and the data are the ones of the H100 run of
-2026-11-26 (``../shared/gpu-runs/2026-11-26-h100/README.md``): a random-weight Qwen3-4B built by
-``scripts/random_model.py`` and the AMI meetings; without them the end-to-end steps are skipped with the reason.
+counters and time, the micro-batch and accumulation that ran. The model is a random-weight Qwen3-4B built by
+``scripts/random_model.py`` with the tokenizer in ``--data``, the data the AMI meetings there; without them the
+end-to-end steps are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def read_run(metrics: Path) -> dict:
 
 
 def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
-    """Headline of one end-to-end step; expected against measured peak beyond 10% is a problem (issue 33's gate)."""
+    """Headline of one end-to-end step; expected against measured peak beyond 10% is a problem."""
     rate, peak, expected = result.get("tokens_per_s"), result.get("peak_allocated_gb"), result.get("expected_peak_gb")
     parts = [f"{rate:,.0f} non-padding tokens/s" if rate else "no step timed"]
     parts.append(f"micro-batch {result.get('micro_batch')} x {result.get('accumulation')}")
@@ -89,21 +89,22 @@ if __name__ == "__main__":
 
 # ---------------------------------------------------------------- the report's steps
 
-SHARED_DATA = Path("../shared/data")  # where the project's GPU runs found the tokenizer and the AMI meetings
+DATA_FILES = ("qwen2-tokenizer", "ami/ami_abstractive.jsonl")  # what the end-to-end steps read from ``--data``
 CPU_SMOKE = ["--preset", "tiny", "--max-steps", "2", "--report-to", "none"]
 OLD_DEFAULTS = ["--micro-batch", "1", "--no-compile", "--packing", "false"]  # the seed's: micro-batch 1, eager, padded
 
 
-def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path = SHARED_DATA) -> list:
+def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path | None = None) -> list:
     """The end-to-end steps, most valuable first: the defaults of the loop and the recipe, sequence 2,048 packed, the
     old defaults, the stock Trainer at the reference write-up's settings. On the CPU only the loop's defaults
-    run, on the tiny preset (the smoke test of the mechanism); the rest needs CUDA and is skipped there."""
+    run, on the tiny preset (the smoke test of the mechanism); the rest needs CUDA and is skipped there. Without
+    ``data`` (a folder holding ``DATA_FILES``) the CUDA steps are skipped too, saying so."""
     from .runner import Step
 
     cuda = device == "cuda"
-    tokenizer, ami = data / "qwen2-tokenizer", data / "ami" / "ami_abstractive.jsonl"
+    tokenizer, ami = ((data or Path("DATA")) / name for name in DATA_FILES)
     model = results / "qwen3-4b-random"
-    missing = [str(p) for p in (tokenizer, ami) if not p.exists()] if cuda else []
+    missing = ([str(p) for p in (tokenizer, ami) if not p.exists()] if data else ["--data"]) if cuda else []
     no_data = f"needs {' and '.join(missing)} (the tokenizer and the AMI meetings)" if missing else None
     base = ["--preset", "qwen3-4b-ami", "--model-name-or-path", str(model), "--source", str(ami)]
     base += ["--report-to", "none"]

@@ -1,6 +1,6 @@
 """The steps of ``make gpu-report``, most valuable first, for this host: what each runs, and what it can skip.
 
-On CUDA (each step's expected seconds from the H100 run of 2026-11-26, ``../shared/gpu-runs/2026-11-26-h100``):
+On CUDA (each step's expected seconds from the H100 runs in ``docs/gpu.md``):
 
 1. ``random_model``: a random-weight Qwen3-4B with Qwen's tokenizer (``scripts/random_model.py``; no download).
 2. ``loop_defaults``, ``recipe_defaults``: what a user runs (``ddp_ft.tools.gpu_report.e2e``): ``scripts/train.py`` and
@@ -21,9 +21,9 @@ On CUDA (each step's expected seconds from the H100 run of 2026-11-26, ``../shar
    from the profiler's trace, and over gloo the communication leaves none to read.
 9. ``scaling_2gpu``: ``torchrun --nproc_per_node=2 scripts/bench_gpu.py`` on 2+ GPUs, else skipped.
 
-The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The H100 run of
-2026-11-26 made the reference shape's two modes (BucketedDDP against no wrapper at micro-batch 1: within noise) and
-Liger at micro-batch 1 (0.92x) redundant: they are gone. On the CPU (``--device cpu``, the smoke test) the loop's
+The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The reference shape's two
+modes (BucketedDDP against no wrapper at micro-batch 1) and Liger at micro-batch 1 are not steps: an H100 run settled
+them (``docs/gpu.md``). On the CPU (``--device cpu``, the smoke test) the loop's
 defaults on the tiny preset, one decomposition cell (eager, checkpointing off) at tiny shapes, ``gpu_check`` and the
 ladder run; what needs CUDA is skipped with the reason.
 """
@@ -38,7 +38,7 @@ import torch
 
 from ...training.model.kernels import check_kernel_settings
 from . import summaries
-from .e2e import SHARED_DATA, e2e_steps
+from .e2e import e2e_steps
 from .runner import Step
 
 # Liger and --compile against the same run without them: one mode, no dropout masks, the same steps.
@@ -68,7 +68,7 @@ def one_visible_gpu() -> str:
 
 
 def plan_steps(
-    device: str, gpu_count: int, results: Path, scripts: Path, python: str = sys.executable, data: Path = SHARED_DATA
+    device: str, gpu_count: int, results: Path, scripts: Path, python: str = sys.executable, data: Path | None = None
 ) -> list[Step]:
     """The report's steps for ``device`` (``cuda`` or ``cpu``) with ``gpu_count`` GPUs visible, in order.
 
@@ -78,8 +78,8 @@ def plan_steps(
         results (Path): the folder each step writes its JSON into (``<step name>.json``).
         scripts (Path): this checkout's ``scripts/``.
         python (str): the interpreter the steps run. Default: this one.
-        data (Path): the folder with ``qwen2-tokenizer/`` and ``ami/ami_abstractive.jsonl`` for the end-to-end
-            steps. Default: ``../shared/data``.
+        data (Path | None): the folder with ``qwen2-tokenizer/`` and ``ami/ami_abstractive.jsonl`` for the
+            end-to-end steps. Default: none, and those steps are skipped (``make gpu-report`` passes one).
     """
     e2e = e2e_steps(device, results, scripts, python, data)
     cells = _decomposition(device, results, scripts, python)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def hardware_line(report: dict) -> str:
-    """``1 x NVIDIA H100 80GB HBM3, torch 2.13.0+cu130 (CUDA 13.0), commit abc1234, 2026-11-25T15:00:00+00:00``."""
+    """``1 x NVIDIA H100 80GB HBM3, torch 2.13.0+cu130 (CUDA 13.0), commit abc1234, <UTC start>``."""
     gpus = report.get("gpus") or []
     where = f"{len(gpus)} x {gpus[0]}" if gpus else f"CPU ({report.get('cpu', 'unknown')}), the smoke test"
     versions = report.get("versions", {})

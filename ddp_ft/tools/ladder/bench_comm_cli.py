@@ -22,7 +22,7 @@ from typing import NoReturn
 
 import torch
 
-from ...distributed import DEVICE_CHOICES, destroy_distributed
+from ...distributed import DEVICE_CHOICES, destroy_distributed, keep_upstream_notices_to_rank_zero
 from ..bench import compute_setup, cpu_name, exit_without_finalization
 from .bench_comm import (
     FAVOURED_FRACTION,
@@ -131,6 +131,7 @@ def report(args: argparse.Namespace, setup, rows) -> None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run, then leave without interpreter finalization (``exit_without_finalization``)."""
+    keep_upstream_notices_to_rank_zero()
     run(argv)
     exit_without_finalization()
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ...distributed import keep_upstream_notices_to_rank_zero
 from ..bench import exit_without_finalization
 from .measure import (
     WORKLOADS,
@@ -116,6 +117,7 @@ def run(argv: list[str] | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run, then leave without interpreter finalization (``exit_without_finalization``)."""
+    keep_upstream_notices_to_rank_zero()
     run(argv)
     exit_without_finalization()
 

@@ -30,6 +30,7 @@ import torch
 
 from ...ddp import ParamSpec, compute_bucket_assignment
 from ...ddp.autotune import AUTO
+from ...distributed import keep_upstream_notices_to_rank_zero
 from ..bench import exit_without_finalization
 from .measure import (
     WORKLOADS,
@@ -168,6 +169,7 @@ def run(argv: list[str] | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> NoReturn:
     """Run, then leave without interpreter finalization (``exit_without_finalization``)."""
+    keep_upstream_notices_to_rank_zero()
     run(argv)
     exit_without_finalization()
 

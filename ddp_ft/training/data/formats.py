@@ -169,14 +169,6 @@ def _turn(role: str, content: object) -> dict[str, str]:
     return {"role": role, "content": "" if content is None else str(content)}
 
 
-def shape_of(columns: list[str]) -> str:
-    """The standard shape of rows with these columns (``standard_rows``' output)."""
-    for shape, column in (("pair", "summary"), ("completion", "completion"), ("text", "text")):
-        if column in columns:
-            return shape
-    return "chat"
-
-
 def has_answer(batch: dict[str, list]) -> list[bool]:
     """Whether each standard row has something to learn: a non-empty answer, completion or text."""
     if "summary" in batch:

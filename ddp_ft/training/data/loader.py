@@ -87,11 +87,6 @@ class DataLayout:
         """``floor(train_samples / effective_batch)``: the trailing partial batch is dropped, on every world size."""
         return self.train_samples // self.effective_batch
 
-    def step_positions(self, step: int) -> slice:
-        """Step ``step`` (within its epoch) of the epoch's global order: positions ``[step * E, (step + 1) * E)``,
-        ``E`` the effective batch. The one cut of a step that the plans and the Trainer's token count share."""
-        return slice(step * self.effective_batch, (step + 1) * self.effective_batch)
-
     def describe(self) -> str:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (

@@ -263,11 +263,9 @@ def step_peak_bytes(step: Callable[[], object], skip_matmuls: bool = True) -> in
 
 # --- Choosing the micro-batch (``--micro-batch auto``) -----------------------------------------------------------
 
-# The share of the device kept free under the expected peak. Measured on an H100 (docs/performance.md, 2026-11-24,
-# Qwen3-4B, sequence 512, micro-batch 1): 4.376 GB max_memory_allocated against 4.281 GB expected (+2.2%), and
-# 4.691 GB reserved by the caching allocator (+9.6% over the expected peak). Rounded up to 15% for what was not
-# measured there: the CUDA context (it counts against the device's total) and kernel workspaces, and the estimate's
-# error growing with the micro-batch.
+# The share of the device kept free under the expected peak. It covers what the caching allocator reserves above the
+# allocated peak (measured on an H100: docs/performance.md), the CUDA context, which counts against the device's
+# total, kernel workspaces, and the estimate's error growing with the micro-batch.
 AUTO_MARGIN = 0.15
 
 

@@ -1,8 +1,8 @@
 """``--micro-batch auto`` by measurement: a few probe steps on the built model, a line through their peaks, the
 largest micro-batch under the device's memory less a margin, one choice for every rank.
 
-The arithmetic of ``ddp_ft.training.model.memory`` knows one model family (Qwen3) in one mode (eager, checkpointed): the
-H100 run of 2026-11-26 measured 36.4 GB where it expected 19.8 GB with ``--compile``. The probe measures instead, on the
+The arithmetic of ``ddp_ft.training.model.memory`` knows one model family (Qwen3) in one mode (eager, checkpointed): with
+``--compile`` an H100 measured far more than it expected (``docs/entry_points.md``). The probe measures instead, on the
 model as the run trains it (4-bit, LoRA, checkpointing, Liger, the compiled layers), for any causal LM:
 
 1. One warm-up step at the smallest probe micro-batch (not measured: compilation, cuBLAS workspaces, lazily built
@@ -47,10 +47,9 @@ from .precision import Precision
 
 logger = logging.getLogger(__name__)
 
-# Why 15%: the probe measures max_memory_allocated of the run's own steps, so the margin covers what it does not see,
-# and what must fit is what the caching allocator reserves: on the H100 (2026-11-26) reserved was 9.6% (eager) to
-# 10.5% (--compile: 40.08 GB against 36.28) above allocated, and the CUDA context (~0.5 GB) counts in the device's
-# total; 10% would leave allocated x 1.105 + context above the device. Kernels' workspaces at sizes not probed too.
+# Why 15%: the probe measures max_memory_allocated of the run's own steps, so the margin covers what it does not see.
+# What must fit is what the caching allocator reserves, about 10% above allocated on an H100 (docs/entry_points.md),
+# plus the CUDA context, which counts in the device's total, and kernels' workspaces at sizes not probed.
 PROBE_MARGIN = 0.15
 PROBE_POINTS = (1, 2, 4)  # small enough to fit where any training fits; three points show whether the line holds
 LINEARITY_TOLERANCE = 0.05  # a point further than this (relative) from the least-squares line: warned

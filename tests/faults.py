@@ -1,4 +1,7 @@
-"""Test-only fault injection, off unless ``DDP_FT_INJECT_FAULT`` is set: how the fault tests break real runs.
+"""Fault injection: how the fault tests break real runs, through the library's hook point (``ddp_ft.training.hooks``).
+
+In a process the suite starts, ``tests/fault_site/sitecustomize.py`` installs a ``FaultInjector`` when
+``DDP_FT_INJECT_FAULT`` is set (``install_from_env``); a test that trains in its own process installs one itself.
 
 ``DDP_FT_INJECT_FAULT`` holds ``;``-separated faults ``KIND@STEP[,rank=R][,attempt=A]``:
 
@@ -24,9 +27,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from ddp_ft.distributed import restart_count
+from ddp_ft.training.hooks import RunHooks, install_run_hooks
 
 ENV = "DDP_FT_INJECT_FAULT"
 KINDS = (
@@ -83,7 +91,7 @@ def parse_faults(spec: str) -> list[Fault]:
     return faults
 
 
-class FaultInjector:
+class FaultInjector(RunHooks):
     """Fires the faults meant for this rank and attempt; every method is a no-op when there are none.
 
     Micro-batches are counted from ``start(global_step, accumulation)`` on, so step numbers are the run's own
@@ -100,8 +108,6 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
-        from ..distributed import restart_count
-
         return cls(parse_faults(os.environ.get(ENV, "")), rank, restart_count())
 
     def __bool__(self) -> bool:
@@ -180,3 +186,22 @@ class FaultInjector:
         """Called by ``BucketedTrainer`` on every rank after the ranks meet to save, before this rank writes."""
         if any(f.kind == "slow-save" and f.step == step for f in self.faults):
             time.sleep(SLOW_SAVE_S)
+
+
+def install_from_env() -> None:
+    """Install the faults ``DDP_FT_INJECT_FAULT`` describes for this process's launched rank (``RANK``, else 0).
+
+    Every rank gets an injector, one with no faults for it included, so a stock trainer is refused on every rank.
+    """
+    install_run_hooks(FaultInjector.from_env(int(os.environ.get("RANK") or 0)))
+
+
+@contextmanager
+def injected(spec: str, rank: int = 0, attempt: int = 0) -> Iterator[FaultInjector]:
+    """The faults ``spec`` describes installed for ``rank`` and ``attempt`` while the block runs, in this process."""
+    injector = FaultInjector(parse_faults(spec), rank, attempt)
+    install_run_hooks(injector)
+    try:
+        yield injector
+    finally:
+        install_run_hooks(None)
