@@ -237,15 +237,7 @@ class EpochLoader:
 
     def describe_epoch(self) -> str:
         """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why."""
-        steps, layout = self.steps, self.layout
-        line = f"an epoch is {steps.steps} optimizer steps of {layout.effective_batch} samples"
-        if steps.left_out:
-            line += (
-                f": the last {steps.left_out} of the {layout.train_samples} training samples in each epoch's shuffled "
-                "order are left out (a different few every epoch), so every world size trains the same whole steps "
-                "and no sample twice in an epoch"
-            )
-        return line
+        return describe_epoch(self.layout, self.steps)
 
     def __iter__(self):
         raise TypeError(
@@ -347,3 +339,22 @@ class StepBatchSampler:
             for k in range(len(plan[0])):  # the step's accumulation: the last step's may be shorter
                 for rank in range(len(plan)):
                     yield plan[rank][k]
+
+
+def describe_epoch(layout: DataLayout, steps: EpochSteps | None = None) -> str:
+    """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why.
+
+    Args:
+        layout (DataLayout): the run's data layout.
+        steps (EpochSteps | None): the epoch's steps. Default: the plain loop's, whole effective batches.
+    """
+    if steps is None:
+        steps = EpochSteps(layout.train_samples, layout.world_size, layout.micro_batch, layout.accumulation)
+    line = f"an epoch is {steps.steps} optimizer steps of {layout.effective_batch} samples"
+    if steps.left_out:
+        line += (
+            f": the last {steps.left_out} of the {layout.train_samples} training samples in each epoch's shuffled "
+            "order are left out (a different few every epoch), so every world size trains the same whole steps "
+            "and no sample twice in an epoch"
+        )
+    return line
