@@ -91,8 +91,8 @@ def test_micro_batch_1_not_fitting_is_refused_naming_the_setting_and_the_numbers
     message = str(error.value)
     assert "--micro-batch auto" in message and "micro-batch 1 does not fit" in message
     assert "7.381 GB" in message and "6.800 GB" in message and "--max-seq-len" in message
-    with pytest.raises(ValueError, match=r"effective_batch=15 is not a positive multiple of world_size=2"):
-        auto_micro_batch(QWEN3_4B, 512, 15, 2, 80 * GB)
+    with pytest.raises(ValueError, match=r"effective_batch=15 is not divisible by micro_batch=1 x world_size=2"):
+        auto_micro_batch(QWEN3_4B, 512, 15, 2, 80 * GB)  # the one divisibility check (ddp_ft.training.batch)
 
 
 def test_describe_is_one_line_with_the_choice_and_its_expected_peak():

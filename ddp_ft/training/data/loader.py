@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..batch import gradient_accumulation_steps
 from .balance import Plan, balanced_plan, micro_batch_cost, strided_plan
 from .epoch_steps import EpochSteps
 from .settings import IGNORE_INDEX
@@ -71,16 +72,12 @@ class DataLayout:
         for name in ("train_samples", "effective_batch", "world_size", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DataLayout.{name}={getattr(self, name)}: must be >= 1.")
-        if self.effective_batch % (self.micro_batch * self.world_size):
-            raise ValueError(
-                f"effective_batch={self.effective_batch} is not divisible by micro_batch={self.micro_batch} x "
-                f"world_size={self.world_size}: the step would not be one effective batch."
-            )
+        gradient_accumulation_steps(self.effective_batch, self.micro_batch, self.world_size)
 
     @property
     def accumulation(self) -> int:
         """Micro-batches per rank per optimizer step."""
-        return self.effective_batch // (self.micro_batch * self.world_size)
+        return gradient_accumulation_steps(self.effective_batch, self.micro_batch, self.world_size)
 
     @property
     def steps_per_epoch(self) -> int:
