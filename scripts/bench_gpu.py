@@ -23,7 +23,7 @@ unknown.
 ``--shape tiny`` (with ``--device cpu``) is the smoke test.
 
 ``--micro-batch auto`` takes the micro-batch the run settings' ``--micro-batch auto`` would: the first guess of
-``ddp_ft.training.setup.resolve_micro_batch`` (``ddp_ft.training.model.memory``'s arithmetic for this shape,
+``ddp_ft.training.resolve.resolve_micro_batch`` (``ddp_ft.training.model.memory``'s arithmetic for this shape,
 ``--seq-len`` and ``--effective-batch`` against the GPU's memory), then the probe (``ddp_ft.training.model.probe``) on
 the first model built, before BucketedDDP wraps it; it records both expected peaks beside the measured
 ``max_memory_allocated``. ``--liger`` and ``--compile`` build every mode's model as the plain loop does with them
@@ -62,7 +62,8 @@ from ddp_ft.training.model.memory import MicroBatchChoice, Qwen3Shape
 from ddp_ft.training.model.precision import DTYPES, Precision
 from ddp_ft.training.model.probe import MicroBatchProbe, host_peak_bytes, probe_micro_batch
 from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, load_qlora_model
-from ddp_ft.training.setup import cache_dir, resolve_micro_batch, seed_everything
+from ddp_ft.training.resolve import resolve_micro_batch
+from ddp_ft.training.setup import cache_dir, seed_everything
 from ddp_ft.training.steps import forward_backward, step_counts
 
 OVERRIDES = {  # --flag -> Qwen3Shape field
@@ -154,7 +155,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def choose_micro_batch(args: argparse.Namespace, info: DistInfo, shape: Qwen3Shape, folder: Path) -> MicroBatchChoice:
-    """``--micro-batch auto`` as the run settings resolve it (``ddp_ft.training.setup.resolve_micro_batch``), with this
+    """``--micro-batch auto`` as the run settings resolve it (``ddp_ft.training.resolve.resolve_micro_batch``), with this
     benchmark's shape, sequence length, dtype and LoRA settings; ``--device-memory-gb`` replaces the GPU's total.
 
     Raises:

@@ -145,7 +145,7 @@ def test_bench_gpu_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
 
 
 def test_bench_gpu_micro_batch_auto_is_the_run_settings_choice(tmp_path):
-    """``--micro-batch auto`` goes through ``ddp_ft.training.setup.resolve_micro_batch``: the choice and expected peak
+    """``--micro-batch auto`` goes through ``ddp_ft.training.resolve.resolve_micro_batch``: the choice and expected peak
     of ``ddp_ft.training.model.memory.auto_micro_batch`` for the benchmark's shape, sequence length and dtype; refused
     on the CPU without ``--device-memory-gb``, as the run settings refuse it."""
     from ddp_ft.distributed import DistInfo

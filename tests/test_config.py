@@ -215,6 +215,17 @@ def test_the_written_run_config_reruns_the_same_settings(tmp_path):
     assert not (tmp_path / "r1").exists()  # rank 0 only
 
 
+def test_the_run_config_records_what_the_run_resolved_over_the_settings_as_parsed(tmp_path):
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.training.config import write_run_config
+
+    settings = parse_settings(["--preset", "tiny", "--output-dir", str(tmp_path), "--micro-batch", "auto"])
+    resolved = {"model": {"compile": False}, "train": {"micro_batch": 4}, "data": {"packing": False}}
+    rerun = parse_settings(["--config", str(write_run_config(settings, DistInfo(), resolved))])
+    assert (rerun.train.micro_batch, rerun.model.compile, rerun.data.packing) == (4, False, False)
+    assert (settings.train.micro_batch, settings.model.compile, settings.data.packing) == ("auto", "auto", "auto")
+
+
 def test_generation_settings_without_their_run_are_refused_not_dropped():
     with pytest.raises(ValueError, match=r"max_new_tokens=32 without predict: .*Give --predict N"):
         parse_settings(["--max-new-tokens", "32"])

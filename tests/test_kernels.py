@@ -11,11 +11,10 @@ import torch
 from ddp_ft.distributed import DistInfo
 from ddp_ft.integrations.recipe import training_arguments
 from ddp_ft.training.config import parse_settings, settings_from_preset
-from ddp_ft.training.defaults import resolve_device_defaults
 from ddp_ft.training.loop import train
 from ddp_ft.training.model.compilation import Blocker, check_compile_mode, compile_blockers, compile_repeated_blocks
 from ddp_ft.training.model.kernels import LIGER_INSTALL, check_kernel_settings
-from ddp_ft.training.setup import check_run_settings
+from ddp_ft.training.resolve import Resolved, resolve_device_defaults, resolve_run
 
 CUDA = torch.device("cuda", 0)  # only named: nothing here touches a GPU
 CPU = torch.device("cpu")
@@ -29,7 +28,7 @@ def _installed(*names):
 def test_liger_is_refused_on_the_cpu_before_anything_loads_naming_the_setting(tmp_path):
     settings = settings_from_preset("tiny", liger=True, output_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=r"--liger \(liger: true\): Liger's kernels are Triton kernels for CUDA GPUs"):
-        check_run_settings(settings, DistInfo())
+        resolve_run(settings, DistInfo())
     with pytest.raises(ValueError, match="Drop --liger"):
         train(settings, DistInfo())  # the plain loop: refused in its first check, nothing written
     assert not (tmp_path / "run").exists()
@@ -55,7 +54,7 @@ def test_compile_without_a_cpp_compiler_on_the_cpu_is_refused_naming_the_setting
     with pytest.raises(
         ValueError, match=r"--compile \(compile: true\): on the CPU .*'no-such-c\+\+' .* CXX.*--no-compile"
     ):
-        check_run_settings(settings, DistInfo())
+        resolve_run(settings, DistInfo())
     monkeypatch.delenv("CXX")
     check_kernel_settings(False, True, CPU, which=lambda name: f"/usr/bin/{name}")  # a compiler: allowed
 
@@ -84,12 +83,14 @@ def test_liger_is_off_and_compile_auto_by_default_and_both_set_by_flags_and_conf
     assert "compile: 'yes' is a str; compile takes true, false or 'auto'" in capsys.readouterr().err
 
 
-def test_the_recipe_hands_liger_and_compile_to_the_trainer():
+def test_the_recipe_hands_liger_and_the_resolved_compile_to_the_trainer():
     precision = SimpleNamespace(dtype=torch.float32)
     for liger, compile in ((False, False), (True, True)):
-        settings = settings_from_preset("tiny", liger=liger, compile=compile, report_to="none")
-        arguments = training_arguments(settings, DistInfo(), precision, accumulation=4)
+        settings = settings_from_preset("tiny", liger=liger, compile="auto", report_to="none")
+        resolved = Resolved(2, 4, compile, precision, {"": "cpu"}, "--micro-batch 2", "a test's")
+        arguments = training_arguments(settings, DistInfo(), precision, resolved)
         assert (arguments["use_liger_kernel"], arguments["torch_compile"]) == (liger, compile)
+        assert (arguments["per_device_train_batch_size"], arguments["gradient_accumulation_steps"]) == (2, 4)
 
 
 class _Stop(Exception):
@@ -103,6 +104,7 @@ def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch,
     from types import ModuleType
 
     import ddp_ft.training.loop
+    import ddp_ft.training.resolve
     import ddp_ft.training.setup
 
     calls = []
@@ -110,7 +112,7 @@ def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch,
     fake.apply_liger_kernel_to_qwen3 = lambda **kwargs: calls.append(("liger", kwargs))
     monkeypatch.setitem(sys.modules, "liger_kernel", ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
-    monkeypatch.setattr(ddp_ft.training.setup, "check_kernel_settings", lambda *args: calls.append(("checked", args)))
+    monkeypatch.setattr(ddp_ft.training.resolve, "check_kernel_settings", lambda *args: calls.append(("checked", args)))
 
     def build_model(*args):
         calls.append(("build_model", ()))
@@ -164,34 +166,38 @@ def _info(device: torch.device, rank: int = 0) -> DistInfo:
 
 def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_logged_once_with_why(caplog):
     """compile auto: on for CUDA when nothing blocks it, off on the CPU; micro-batch auto on the CPU is 1 (on CUDA it
-    is left to resolve_micro_batch); each said once on rank 0 with the reason and how to change it."""
+    is left to resolve_micro_batch); each said once on rank 0 with the reason and how to change it; the settings are
+    only read."""
     nothing = lambda *args, **kwargs: []  # noqa: E731
     for device, expected in ((CUDA, True), (CPU, False)):
         settings = settings_from_preset("qwen3-4b-ami")
         assert (settings.model.compile, settings.train.micro_batch) == ("auto", "auto")  # the preset keeps them auto
-        with caplog.at_level("INFO", logger="ddp_ft.training.defaults"):
-            resolve_device_defaults(settings, _info(device), blockers=nothing)
-        assert settings.model.compile is expected
-        assert settings.train.micro_batch == ("auto" if device.type == "cuda" else 1)
+        with caplog.at_level("INFO", logger="ddp_ft.training.resolve"):
+            defaults = resolve_device_defaults(settings, _info(device), blockers=nothing)
+        assert defaults.compile is expected
+        assert defaults.micro_batch == ("auto" if device.type == "cuda" else 1)
+        assert (settings.model.compile, settings.train.micro_batch) == ("auto", "auto")  # never written to
     said = [r.getMessage() for r in caplog.records]
     assert any("compile: on (auto on CUDA" in m and "--no-compile" in m for m in said), said
     assert any("compile: off (auto on cpu" in m for m in said) and any("micro-batch: 1 (auto on cpu" in m for m in said)
+    assert defaults.compile_why.startswith("auto on cpu: compiling costs")  # the CPU's, the loop's last: what was said
     caplog.clear()
     quiet = settings_from_preset("qwen3-4b-ami")
-    with caplog.at_level("INFO", logger="ddp_ft.training.defaults"):
+    with caplog.at_level("INFO", logger="ddp_ft.training.resolve"):
         resolve_device_defaults(quiet, _info(CPU, rank=1), blockers=nothing)  # another rank: nothing said
     assert not [r for r in caplog.records if r.levelno >= 20], caplog.records
     explicit = settings_from_preset("qwen3-4b-ami", compile=False, micro_batch=4)
-    resolve_device_defaults(explicit, _info(CUDA), blockers=nothing)
-    assert (explicit.model.compile, explicit.train.micro_batch) == (False, 4)  # a user's values are kept
+    kept = resolve_device_defaults(explicit, _info(CUDA), blockers=nothing)
+    assert (kept.compile, kept.micro_batch) == (False, 4)  # a user's values are kept
+    assert (kept.compile_why, kept.micro_batch_why) == ("--no-compile (compile: false)", "--micro-batch 4")
 
 
 def test_compile_where_it_is_known_to_break_is_off_by_default_with_the_reason_and_refused_when_asked(caplog):
     blocked = lambda *args, **kwargs: [Blocker("bitsandbytes 0.49 graph-breaks", "pip install x")]  # noqa: E731
     settings = settings_from_preset("qwen3-4b-ami")
-    with caplog.at_level("WARNING", logger="ddp_ft.training.defaults"):
-        resolve_device_defaults(settings, _info(CUDA), blockers=blocked)
-    assert settings.model.compile is False
+    with caplog.at_level("WARNING", logger="ddp_ft.training.resolve"):
+        defaults = resolve_device_defaults(settings, _info(CUDA), blockers=blocked)
+    assert defaults.compile is False and "pip install x" in defaults.compile_why
     assert any("compile: off" in r.getMessage() and "pip install x" in r.getMessage() for r in caplog.records)
     with pytest.raises(
         ValueError, match=r"--compile \(compile: true\): bitsandbytes 0.49 .*: pip install x.*--no-compile"

@@ -1,9 +1,10 @@
 """``--micro-batch auto``: the largest micro-batch whose expected peak fits the device, the effective batch unchanged.
 
 Pure arithmetic (``ddp_ft.training.model.memory.auto_micro_batch``), the settings that accept ``auto``, and its
-resolution in ``ddp_ft.training.setup`` with the device memory given (no GPU here, no process group).
+resolution in ``ddp_ft.training.resolve`` with the device memory given (no GPU here, no process group).
 """
 
+import dataclasses
 import logging
 
 import pytest
@@ -90,8 +91,8 @@ def test_micro_batch_1_not_fitting_is_refused_naming_the_setting_and_the_numbers
     message = str(error.value)
     assert "--micro-batch auto" in message and "micro-batch 1 does not fit" in message
     assert "7.381 GB" in message and "6.800 GB" in message and "--max-seq-len" in message
-    with pytest.raises(ValueError, match=r"effective_batch=15 is not a positive multiple of world_size=2"):
-        auto_micro_batch(QWEN3_4B, 512, 15, 2, 80 * GB)
+    with pytest.raises(ValueError, match=r"effective_batch=15 is not divisible by micro_batch=1 x world_size=2"):
+        auto_micro_batch(QWEN3_4B, 512, 15, 2, 80 * GB)  # the one divisibility check (ddp_ft.training.batch)
 
 
 def test_describe_is_one_line_with_the_choice_and_its_expected_peak():
@@ -126,26 +127,27 @@ def test_micro_batch_takes_a_number_or_auto_on_the_command_line_and_in_config_fi
         settings_from_preset("tiny", micro_batch=0)
 
 
-# Resolution, where both entry points pass first (ddp_ft.training.setup.check_run_settings).
+# Resolution, where both entry points pass first (ddp_ft.training.resolve.resolve_run).
 
 
 def test_auto_on_the_cpu_is_micro_batch_1_with_the_effective_batch_kept_before_anything_is_touched():
     """The CPU has no GPU memory to fill: auto (the default) keeps the CPU's micro-batch 1 there, accumulation
     following from the effective batch, resolved before the data or the model."""
-    from ddp_ft.training.setup import check_run_settings
+    from ddp_ft.training.resolve import resolve_run
 
     settings = settings_from_preset("tiny", micro_batch="auto")
-    accumulation, _ = check_run_settings(settings, DistInfo())
-    assert (settings.train.micro_batch, accumulation) == (1, settings.train.effective_batch)
+    resolved = resolve_run(settings, DistInfo())
+    assert (resolved.micro_batch, resolved.accumulation) == (1, settings.train.effective_batch)
+    assert not resolved.probe_pending and resolved.micro_batch_why.startswith("auto on cpu")
 
 
 def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog):
     from ddp_ft.training.model.qlora import build_tiny_qwen3
-    from ddp_ft.training.setup import resolve_micro_batch
+    from ddp_ft.training.resolve import resolve_micro_batch
 
     folder = build_tiny_qwen3(tmp_path / "tiny", vocab_size=1000)
     settings = settings_from_preset("tiny", micro_batch="auto", model_name_or_path=str(folder), effective_batch=8)
-    with caplog.at_level(logging.INFO, logger="ddp_ft.training.setup"):
+    with caplog.at_level(logging.INFO, logger="ddp_ft.training.resolve"):
         choice = resolve_micro_batch(settings, DistInfo(world_size=2), device_bytes=GB)
     assert (choice.micro_batch, choice.accumulation) == (4, 1)  # a few MB of model: all of the batch per forward
     assert choice.describe() in caplog.text
@@ -161,21 +163,25 @@ def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog
     )
     tight = resolve_micro_batch(settings, DistInfo(world_size=2), device_bytes=int((one + two) / 2 / (1 - AUTO_MARGIN)))
     assert tight.micro_batch == 1
-    with caplog.at_level(logging.INFO, logger="ddp_ft.training.setup"):
+    with caplog.at_level(logging.INFO, logger="ddp_ft.training.resolve"):
         caplog.clear()
         resolve_micro_batch(settings, DistInfo(rank=1, world_size=2), device_bytes=GB)
     assert "--micro-batch auto" not in caplog.text  # rank 0 only
 
 
-def test_check_run_settings_resolves_auto_in_place_to_an_int(monkeypatch):
-    import ddp_ft.training.setup as setup
+def test_resolve_run_turns_auto_into_an_int_leaving_the_settings_as_parsed(monkeypatch):
+    import ddp_ft.training.resolve as resolve
 
     chosen = MicroBatchChoice(2, 2, 2, 1, 2, 3)
-    monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: chosen)
-    monkeypatch.setattr(setup, "resolve_device_defaults", lambda settings, info: None)  # auto left, as on a GPU
+    monkeypatch.setattr(resolve, "resolve_micro_batch", lambda settings, info: chosen)
+    on_a_gpu = resolve.DeviceDefaults(False, "off", "auto", "auto")  # auto left for the arithmetic, as on a GPU
+    monkeypatch.setattr(resolve, "resolve_device_defaults", lambda settings, info: on_a_gpu)
     settings = settings_from_preset("tiny", micro_batch="auto")  # effective batch 8
-    accumulation, _ = setup.check_run_settings(settings, DistInfo(world_size=2))
-    assert settings.train.micro_batch == 2 and isinstance(settings.train.micro_batch, int)
-    assert accumulation == 2
-    monkeypatch.setattr(setup, "resolve_micro_batch", None)  # resolved once: a second pass does not resolve again
-    assert setup.check_run_settings(settings, DistInfo(world_size=2))[0] == 2
+    resolved = resolve.resolve_run(settings, DistInfo(world_size=2))
+    assert resolved.micro_batch == 2 and isinstance(resolved.micro_batch, int)
+    assert resolved.accumulation == 2 and resolved.probe_pending  # a first guess: the probe on the model decides
+    assert resolved.micro_batch_why == chosen.describe()
+    assert settings.train.micro_batch == "auto"  # the user's settings are never written to
+    assert resolved.as_config()["train"] == {"micro_batch": 2}  # run_config.yaml records the number
+    with pytest.raises(dataclasses.FrozenInstanceError):  # frozen: a later step makes a new value
+        resolved.micro_batch = 4

@@ -169,13 +169,12 @@ def test_two_ranks_with_different_devices_both_choose_what_the_smaller_device_fi
 def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -> None:
     """The CPU run's auto as on a GPU of ``device_bytes`` whose step peaks on a line: no arithmetic first guess."""
     import ddp_ft.training.model.probe as probe
-    import ddp_ft.training.setup as setup
+    import ddp_ft.training.resolve as resolve
 
-    monkeypatch.setattr(setup, "resolve_micro_batch", lambda settings, info: None)
+    monkeypatch.setattr(resolve, "resolve_micro_batch", lambda settings, info: None)
     # the device's defaults as on a GPU for the micro-batch (auto kept for the probe), compile off (the CPU's)
-    monkeypatch.setattr(
-        setup, "resolve_device_defaults", lambda settings, info: setattr(settings.model, "compile", False)
-    )
+    on_a_gpu = resolve.DeviceDefaults(False, "off", "auto", "auto")
+    monkeypatch.setattr(resolve, "resolve_device_defaults", lambda settings, info: on_a_gpu)
     monkeypatch.setattr(probe, "device_total_bytes", lambda device: device_bytes)
     monkeypatch.setattr(probe, "cuda_peak_bytes", lambda device: _line(resident, per_sample))
 
@@ -205,11 +204,13 @@ def test_the_trainer_recipe_takes_the_probed_micro_batch_and_its_accumulation_an
 
     _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)
     settings = settings_from_preset("tiny", micro_batch="auto", output_dir=str(tmp_path), report_to="none")
-    from ddp_ft.training.setup import check_run_settings
+    from ddp_ft.training.resolve import resolve_run
 
-    check_run_settings(settings, DistInfo())  # as the recipe's _train does first: the first guess, 1
-    assert settings.train.micro_batch == 1 and settings.micro_batch_auto
-    trainer = build_trainer(settings, DistInfo())
+    resolved = resolve_run(settings, DistInfo())  # as the recipe's _train does first: the first guess, 1
+    assert resolved.micro_batch == 1 and resolved.probe_pending
+    trainer = build_trainer(settings, DistInfo(), resolved=resolved)
+    assert (trainer.resolved.micro_batch, trainer.resolved.accumulation) == (4, 2)  # what run_config.yaml records
+    assert settings.train.micro_batch == "auto"  # the settings as parsed
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
     first = trainer.callback_handler.callbacks[0]
     assert isinstance(first, ExpectedPeakCallback) and first.expected_peak_gb > 8.0

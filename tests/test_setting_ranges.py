@@ -106,6 +106,7 @@ def test_the_edges_of_the_ranges_build_the_loops_schedule_and_the_trainers_argum
     from transformers import TrainingArguments, get_cosine_with_min_lr_schedule_with_warmup, set_seed
 
     from ddp_ft.integrations.recipe import training_arguments
+    from ddp_ft.training.resolve import Resolved
 
     settings = settings_from_preset("tiny", output_dir=str(tmp_path), report_to="none", **edge)
     t = settings.train
@@ -120,5 +121,6 @@ def test_the_edges_of_the_ranges_build_the_loops_schedule_and_the_trainers_argum
     assert optimizer.param_groups[0]["lr"] == pytest.approx(t.min_learning_rate)  # the decay ends on the floor
     set_seed(t.seed)  # numpy's seed range: what the Trainer does with it
     precision = choose_precision("float32", "cpu", None)
-    args = TrainingArguments(**training_arguments(settings, DistInfo(), precision, accumulation=1))
+    resolved = Resolved(t.micro_batch, 1, False, precision, {"": "cpu"}, "the edge's", "off")
+    args = TrainingArguments(**training_arguments(settings, DistInfo(), precision, resolved))
     assert (args.learning_rate, args.max_grad_norm, args.seed) == (t.learning_rate, t.max_grad_norm, t.seed)

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
+from ddp_ft.training.resolve import Resolved
+
 from .dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -36,6 +38,9 @@ class _FakeTrainer:
     stopped_by = None
     model = processing_class = _Saved()
     accelerator = SimpleNamespace(unwrap_model=lambda model, **_: model)
+
+    def __init__(self, resolved):
+        self.resolved = resolved  # what build_trainer was given: run_config.yaml is written from it
 
     def train(self, resume_from_checkpoint=None):
         pass
@@ -65,12 +70,12 @@ def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks, o
     seen = {}
 
     def work(
-        settings, info, *_, **__
-    ):  # the training (the recipe adds --trainer): the group is up, then fail or finish
+        settings, info, *args, **__
+    ):  # the training (the recipe adds --trainer and what it resolved): the group is up, then fail or finish
         seen["initialized"] = dist.is_initialized() and dist.get_world_size() == world_size
         if rank in failing_ranks:
             raise RuntimeError(f"injected failure on rank {rank}")
-        return _FakeTrainer()
+        return _FakeTrainer(next((a for a in args if isinstance(a, Resolved)), None))
 
     body, name = ENTRY_POINTS[entry_point]
     setattr(importlib.import_module(body), name, work)

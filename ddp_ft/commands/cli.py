@@ -195,7 +195,7 @@ def _validate(
 
 def _check_kernels(liger: bool, compile: bool | str) -> None:
     """``--liger`` and ``--compile`` checked on the device the workers will take (a GPU when this host has one),
-    before any starts; each worker checks its own again (``check_run_settings``)."""
+    before any starts; each worker checks its own again (``resolve_run``)."""
     if liger or compile is True:  # compile auto: resolved by each worker, off where it cannot work
         import torch
 

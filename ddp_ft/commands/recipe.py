@@ -25,7 +25,8 @@ from ..training.checkpoint import save_final
 from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from ..training.config import RunSettings, parse_settings, write_run_config
 from ..training.model.source import choose_default, log_choice
-from ..training.setup import check_run_settings, prepare_run
+from ..training.resolve import resolve_run
+from ..training.setup import prepare_run
 from . import quiet_upstream_notices
 
 logger = logging.getLogger("ddp_ft.recipe")
@@ -94,14 +95,16 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     from ..integrations.stock import check_stock_settings
 
     output_dir = settings.train.output_dir
-    checked = check_run_settings(settings, info)  # before anything is touched; once
+    resolved = resolve_run(settings, info)  # before anything is touched; once
     check_stock_settings(settings, trainer_name, stock_find_unused)
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     checkpoint = check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-    parts = prepare_run(settings, info, checked)
-    trainer = build_trainer(settings, info, trainer_name, stock_find_unused, checked, parts=parts)
-    write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
+    parts = prepare_run(settings, info, resolved)
+    trainer = build_trainer(settings, info, trainer_name, stock_find_unused, resolved, parts=parts)
+    write_run_config(
+        settings, info, trainer.resolved.as_config()
+    )  # every refusal (settings, data, resume) has passed: nothing is written before
     log_resume(checkpoint, info)
     trainer.train(resume_from_checkpoint=resume)
     if getattr(trainer, "stopped_by", None):  # a stock trainer has no stop handling

@@ -18,7 +18,8 @@ from ..training.model.precision import Precision
 from ..training.model.probe import MicroBatchProbe
 from ..training.perf_traps import command_line_fix
 from ..training.predict import PREDICTIONS_FILE, predict_rows, prediction_table, rouge_l, write_predictions
-from ..training.setup import RunParts, build_model, prepare_run, probe_run_micro_batch
+from ..training.resolve import Resolved, probe_run_micro_batch
+from ..training.setup import RunParts, build_model, prepare_run
 from .callbacks import ExpectedPeakCallback, with_step_progress
 from .recipe_eval import evaluating_every_row
 from .stock import STOCK_TRAINERS, build_stock_trainer, check_stock_settings
@@ -53,10 +54,13 @@ def build_trainer(
     info: DistInfo,
     trainer: str = "hf",
     stock_find_unused: str = "trainer",
-    checked: tuple[int, dict | str] | None = None,
+    resolved: Resolved | None = None,
     parts: RunParts | None = None,
 ) -> BucketedTrainer:
     """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
+
+    What the run trained with (``ddp_ft.training.resolve.Resolved``, the probe's micro-batch in it) is the returned
+    trainer's ``resolved``: ``run_config.yaml`` is written from it.
 
     Args:
         settings (RunSettings): the run.
@@ -69,7 +73,7 @@ def build_trainer(
             ``dataloader_drop_last`` is for training only). Default: hf
         stock_find_unused (str): torch DDP's ``find_unused_parameters`` for a stock trainer: ``trainer`` (the
             Trainer's own choice), ``true`` or ``false``. Default: trainer
-        checked (tuple | None): what ``check_run_settings`` returned, where the caller ran it first (the recipe's
+        resolved (Resolved | None): what ``resolve_run`` returned, where the caller ran it first (the recipe's
             command). Default: it runs here.
         parts (RunParts | None): what ``prepare_run`` built, where the caller built it (the recipe's command keeps
             the eval rows and the data record). Default: built here.
@@ -86,11 +90,13 @@ def build_trainer(
     check_stock_settings(settings, trainer, stock_find_unused)
     t = settings.train
     precision = trainer_precision(settings, info, trainer)
-    parts = parts or prepare_run(settings, info, checked)
+    parts = parts or prepare_run(settings, info, resolved)
     logger.info("data: %s", parts.truncation)
     model = build_model(settings, info, parts)
-    probe = probe_as_the_trainer_trains(model, settings, info, trainer) if settings.micro_batch_auto else None
-    arguments = training_arguments(settings, info, precision, probe.accumulation if probe else parts.accumulation)
+    resolved = parts.resolved
+    if resolved.probe_pending:
+        resolved = probe_as_the_trainer_trains(model, settings, info, resolved, trainer)
+    arguments = training_arguments(settings, info, precision, resolved)
     if trainer.endswith("trl"):
         # The rows are tokenized, labelled and truncated by ddp_ft.training.data already: TRL takes them as they are.
         arguments |= dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
@@ -99,7 +105,7 @@ def build_trainer(
         stock = build_stock_trainer(
             trainer, arguments, settings, stock_find_unused, model=model, data_collator=parts.collate, **data
         )
-        return with_step_progress(with_expected_peak(stock, probe))
+        return with_step_progress(with_resolved(stock, resolved))
     trainer_class, args = BucketedTrainer, None
     if trainer == "trl":
         from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
@@ -114,13 +120,18 @@ def build_trainer(
         **data,
     )
     bucketed.accelerator.compute_dtype_fix = command_line_fix  # the dtype warning names --compute-dtype
-    return with_step_progress(with_expected_peak(bucketed, probe))  # the loss on rank 0's bar, not thirty keys
+    return with_step_progress(with_resolved(bucketed, resolved))  # the loss on rank 0's bar, not thirty keys
 
 
 def probe_as_the_trainer_trains(
-    model: torch.nn.Module, settings: RunSettings, info: DistInfo, trainer: str = "hf", **overrides: object
-) -> MicroBatchProbe:
-    """``--micro-batch auto`` on the Trainer path: the probe (``ddp_ft.training.setup.probe_run_micro_batch``) on the
+    model: torch.nn.Module,
+    settings: RunSettings,
+    info: DistInfo,
+    resolved: Resolved,
+    trainer: str = "hf",
+    **overrides: object,
+) -> Resolved:
+    """``--micro-batch auto`` on the Trainer path: the probe (``ddp_ft.training.resolve.probe_run_micro_batch``) on the
     model as ``Trainer.train()`` will run it, before the Trainer exists (its batch size and accumulation are fixed
     then).
 
@@ -137,18 +148,22 @@ def probe_as_the_trainer_trains(
 
     Args:
         model (torch.nn.Module): the unwrapped model ``build_model`` returned.
-        settings (RunSettings): the run's; ``train.micro_batch`` is set to the choice.
+        settings (RunSettings): the run's.
         info (DistInfo): this rank.
+        resolved (Resolved): the run's, with ``probe_pending``.
         trainer (str): the recipe's ``--trainer``. Default: hf
         **overrides: passed to ``probe_micro_batch`` (``device_bytes``, ``measure``: tests).
+
+    Returns:
+        Resolved: ``resolved`` with the probe's micro-batch and accumulation.
     """
     if settings.model.liger:
         from transformers.integrations.liger import apply_liger_kernel
 
         apply_liger_kernel(model, None)
-    if settings.model.compile and trainer not in STOCK_TRAINERS:
+    if resolved.compile and trainer not in STOCK_TRAINERS:
         compile_repeated_blocks(model, backend="inductor")  # what BucketedAccelerator.prepare_model would do
-    elif settings.model.compile and info.is_main_process:
+    elif resolved.compile and info.is_main_process:
         logger.warning(
             "--micro-batch auto with --compile on the stock Trainer: Accelerate compiles the whole model inside "
             "train(), after the probe, so the probe measured the uncompiled model; compiled, the peak can be higher."
@@ -156,7 +171,14 @@ def probe_as_the_trainer_trains(
     if trainer in STOCK_TRAINERS and "optimizer_state" not in overrides:
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         overrides["optimizer_state"] = 3 * trainable  # AdamW's two moments and torch DDP's gradient buckets
-    return probe_run_micro_batch(model, settings, info, **overrides)
+    return probe_run_micro_batch(model, settings, info, resolved, **overrides)
+
+
+def with_resolved(trainer, resolved: Resolved):
+    """``trainer`` carrying what the run resolved (``trainer.resolved``) and logging the probe's expected peak beside
+    the measured one (:class:`ExpectedPeakCallback`)."""
+    trainer.resolved = resolved
+    return with_expected_peak(trainer, resolved.probe)
 
 
 def with_expected_peak(trainer, probe: MicroBatchProbe | None):
@@ -166,7 +188,7 @@ def with_expected_peak(trainer, probe: MicroBatchProbe | None):
     return trainer
 
 
-def training_arguments(settings: RunSettings, info: DistInfo, precision: Precision, accumulation: int) -> dict:
+def training_arguments(settings: RunSettings, info: DistInfo, precision: Precision, resolved: Resolved) -> dict:
     """The recipe's ``TrainingArguments`` values, the same for every trainer."""
     t = settings.train
     cuda = info.device.type == "cuda"
@@ -174,9 +196,9 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
     return dict(
         output_dir=t.output_dir,
         run_name=identity.name,  # the wandb run's name too
-        per_device_train_batch_size=t.micro_batch,
-        per_device_eval_batch_size=t.micro_batch,
-        gradient_accumulation_steps=accumulation,
+        per_device_train_batch_size=resolved.micro_batch,
+        per_device_eval_batch_size=resolved.micro_batch,
+        gradient_accumulation_steps=resolved.accumulation,
         num_train_epochs=t.epochs,
         max_steps=t.max_steps,
         learning_rate=t.learning_rate,
@@ -207,7 +229,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
         use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train(); checked before the load
-        torch_compile=settings.model.compile,  # Accelerate compiles the model, then BucketedAccelerator wraps it
+        torch_compile=resolved.compile,  # Accelerate compiles the model, then BucketedAccelerator wraps it
     )
 
 

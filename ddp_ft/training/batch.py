@@ -1,4 +1,8 @@
-"""Batch arithmetic: the accumulation that keeps the effective batch on every world size."""
+"""Batch arithmetic: the accumulation that keeps the effective batch on every world size.
+
+:func:`gradient_accumulation_steps` is the one divisibility check of the effective batch: the run's settings, the data
+layout and ``--micro-batch auto`` (at micro-batch 1: the samples per rank) all go through it.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,12 @@ def gradient_accumulation_steps(effective_batch: int, micro_batch: int, world_si
     """Micro-steps per optimizer step so that every world size trains on the same effective batch.
 
     Raises:
-        ValueError: if ``effective_batch`` is not a multiple of ``micro_batch * world_size``, naming the
+        ValueError: a size below 1, or ``effective_batch`` not a multiple of ``micro_batch * world_size``, naming the
             settings and the nearest workable values.
     """
+    for name, value in (("effective_batch", effective_batch), ("micro_batch", micro_batch), ("world_size", world_size)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: must be >= 1.")
     per_step = micro_batch * world_size
     if effective_batch % per_step:
         lower = max(per_step, effective_batch // per_step * per_step)

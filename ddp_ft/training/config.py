@@ -46,7 +46,7 @@ class TrainSettings:
         metadata={
             "help": "Samples per forward/backward per rank, or 'auto' (the default): on a GPU the largest that fits "
             "it with the effective batch unchanged, on the CPU 1; resolved and logged before training "
-            "(ddp_ft.training.defaults). A number turns it off."
+            "(ddp_ft.training.resolve). A number turns it off."
         },
     )
     balance_ranks: bool = field(
@@ -110,10 +110,6 @@ class RunSettings:
     ddp: DDPSettings
     train: TrainSettings
     preset: str = ""
-    micro_batch_auto: bool = False
-    """Set by ``ddp_ft.training.setup.check_run_settings`` when it resolved ``micro_batch: auto`` to a first guess: the
-    entry point then probes the built model (``ddp_ft.training.setup.probe_run_micro_batch``) and sets the measured
-    choice. A state of the run, not a setting: never written to ``run_config.yaml``, which records the number chosen."""
 
 
 SECTIONS = {
@@ -254,20 +250,32 @@ def _presets() -> dict[str, dict[str, object]]:
 PRESETS: dict[str, dict[str, object]] = _presets()  # name -> field overrides, from ddp_ft/training/configs/NAME.yaml
 
 
-def settings_as_config(settings: RunSettings) -> dict[str, object]:
-    """RunSettings as a config mapping, by section, that :func:`load_config` reads back to the same settings."""
+def settings_as_config(
+    settings: RunSettings, resolved: Mapping[str, Mapping[str, object]] | None = None
+) -> dict[str, object]:
+    """RunSettings as a config mapping, by section, that :func:`load_config` reads back to the same settings.
+
+    Args:
+        settings (RunSettings): the settings as parsed.
+        resolved (Mapping | None): values by section written over them: what the run resolved
+            (``ddp_ft.training.resolve.Resolved.as_config``). Default: None
+    """
     data: dict[str, object] = {"preset": settings.preset} if settings.preset else {}
-    return data | {name: asdict(getattr(settings, name)) for name in SECTIONS}
+    resolved = resolved or {}
+    return data | {name: asdict(getattr(settings, name)) | dict(resolved.get(name, {})) for name in SECTIONS}
 
 
-def write_run_config(settings: RunSettings, info: DistInfo) -> Path:
-    """Write the resolved settings to ``<output_dir>/run_config.yaml`` on rank 0, atomically (a temporary file
-    renamed over it), so ``--config`` on that file reruns them. Other ranks only return the path."""
+def write_run_config(
+    settings: RunSettings, info: DistInfo, resolved: Mapping[str, Mapping[str, object]] | None = None
+) -> Path:
+    """Write what the run trained with to ``<output_dir>/run_config.yaml`` on rank 0, atomically (a temporary file
+    renamed over it), so ``--config`` on that file reruns it: the settings, with ``resolved``
+    (``Resolved.as_config()``) over them. Other ranks only return the path."""
     path = Path(settings.train.output_dir) / RUN_CONFIG
     if info.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         header = "# Resolved settings of this run; rerun them with --config THIS_FILE (ddp-ft train or recipe, or their scripts)\n"
-        body = yaml.safe_dump(settings_as_config(settings), sort_keys=False)
+        body = yaml.safe_dump(settings_as_config(settings, resolved), sort_keys=False)
         tmp = path.with_name(f".{RUN_CONFIG}.tmp{os.getpid()}")
         tmp.write_text(header + body)
         os.replace(tmp, path)

@@ -69,7 +69,7 @@ class _Loop:
         self.stopped_by: str | None = None
         self.saved_step = run.state.global_step  # a checkpoint already holds this step (the one resumed, or 0)
         self.has_eval = len(run.parts.eval_set) > 0  # --eval-fraction 0: no eval loss at all (an empty sum is not 0)
-        run.parts.hooks.start(run.state.global_step, run.accumulation)
+        run.parts.hooks.start(run.state.global_step, run.resolved.accumulation)
 
     def train(self) -> TrainResult:
         """Train to ``total_steps`` (or to a stop signal), then evaluate and save; closes the progress bar and sink."""
@@ -97,8 +97,9 @@ class _Loop:
         batches = run.loader.epoch(state.epoch, start_sample=state.sample_in_epoch)
         order = global_order(len(run.parts.train_set), t.seed, state.epoch)  # every rank sees every step's samples
         while state.global_step < run.total_steps:
-            group = list(islice(batches, run.accumulation))
-            if len(group) < run.accumulation:  # epoch done (EpochLoader yields whole steps; the remainder is dropped)
+            accumulation = run.resolved.accumulation
+            group = list(islice(batches, accumulation))
+            if len(group) < accumulation:  # epoch done (EpochLoader yields whole steps; the remainder is dropped)
                 state.epoch, state.sample_in_epoch = state.epoch + 1, 0
                 return
             self.log.meter.start()
@@ -116,7 +117,7 @@ class _Loop:
     def _step(self, group: list, step_samples) -> StepResult:
         """One optimizer step on the micro-batches ``group``; advances the schedule and the data position."""
         run, t = self.run, self.t
-        info, precision, scaler, optimizer = run.info, run.precision, run.scaler, run.optimizer
+        info, precision, scaler, optimizer = run.info, run.resolved.precision, run.scaler, run.optimizer
         counts = torch.tensor(self.token_counts.totals(step_samples), dtype=torch.float64, device=info.device)
         stop = lambda: self.stop.local_flag  # noqa: E731 - read after the step's last backward: the step in flight
         outcome = forward_backward_timed(run.wrapped, group, info, counts, precision, scaler, stop)
@@ -172,7 +173,7 @@ class _Loop:
     def _evaluate(self) -> None:
         run = self.run
         self.eval_loss = evaluate(
-            run.model, run.parts.eval_set, run.parts.collate, self.t.micro_batch, run.info, run.precision
+            run.model, run.parts.eval_set, run.parts.collate, run.resolved.micro_batch, run.info, run.resolved.precision
         )
         self.log.evaluation(self.eval_loss)
 

@@ -2,12 +2,15 @@
 
 The settings go through each piece once, in the order that refuses before anything is touched or loaded:
 
-1. the checks that need only the settings and the world size (``setup.check_run_settings``);
+1. the checks that need only the settings and the world size, and what they resolve (``resolve.resolve_run``);
 2. the output folder every node shares, and the checkpoint to resume (``checkpoint``);
-3. tokenizer and data (``setup.prepare_run``), the per-rank loader, and a resume position this layout can continue;
+3. tokenizer and data (``setup.prepare_run``), and a resume position this data layout can continue;
 4. the model as it trains (``setup.build_training_model``: Liger, QLoRA, compiled layers, ``--micro-batch auto``'s
-   probe), wrapped in BucketedDDP when distributed, with its optimizer, schedule and loss scaler;
+   probe), then the per-rank loader at the final micro-batch, the model wrapped in BucketedDDP when distributed, its
+   optimizer, schedule and loss scaler;
 5. the resumed state, then ``run_config.yaml`` (written only once every refusal has passed).
+
+The settings are only read; what the run trains with is the frozen ``Run.resolved``.
 
 ``ddp_ft.training.loop`` trains the :class:`Run` it returns and never calls back here.
 """
@@ -25,31 +28,29 @@ from ..distributed import DistInfo, restart_count
 from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint
 from .checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from .config import RunSettings, write_run_config
-from .data import EpochLoader
+from .data import DataLayout, EpochLoader, describe_epoch
 from .model.compilation import CompileWatch
-from .model.precision import Precision
-from .model.probe import MicroBatchProbe
 from .perf_traps import loop_fix, watch_idle_device
-from .setup import RunParts, build_training_model, check_run_settings, prepare_run
+from .resolve import Resolved, resolve_run
+from .setup import RunParts, build_training_model, prepare_run
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Run:
-    """Everything one rank trains with: the settings, the data, the model and its optimizer, where it starts."""
+    """Everything one rank trains with: the settings, what they resolved to, the data, the model and its optimizer,
+    where it starts."""
 
-    settings: RunSettings
+    settings: RunSettings  # as parsed, never written to
+    resolved: Resolved  # micro-batch, accumulation, compile, packing, precision: what the run trains with
     info: DistInfo
     parts: RunParts  # tokenizer, data sets, collate, truncation report, fault injection
     output_dir: Path
     loader: EpochLoader
-    accumulation: int  # micro-batches per rank per optimizer step (the probe's, with --micro-batch auto)
     total_steps: int
-    precision: Precision
     model: torch.nn.Module  # unwrapped: what is saved, evaluated and unscaled
     wrapped: torch.nn.Module  # BucketedDDP(model) when distributed, else the model itself
-    probe: MicroBatchProbe | None  # --micro-batch auto's measurement, else None
     compile_watch: CompileWatch | None
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -64,29 +65,27 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
 
     Raises:
         ValueError: a setting, the data, the output folder or the checkpoint to resume that cannot work, naming the
-            setting to change (``setup.check_run_settings``, ``setup.prepare_run``, ``checkpoint``).
+            setting to change (``resolve.resolve_run``, ``setup.prepare_run``, ``checkpoint``).
     """
     t = settings.train
-    checked = check_run_settings(settings, info)  # before anything is touched
+    resolved = resolve_run(settings, info)  # before anything is touched
     output_dir = Path(t.output_dir)
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
-    parts = prepare_run(settings, info, checked)
-    loader = make_loader(settings, info, parts)  # with --micro-batch auto's first guess; remade once the probe chose
-    logger.info("%s", loader.describe_epoch())  # floor(samples / effective batch): what is left out, once
-    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * loader.layout.steps_per_epoch
+    parts = prepare_run(settings, info, resolved)  # packing resolved here
+    # The global order and the steps; the micro-batch (a first guess with --micro-batch auto) only splits a step.
+    layout = DataLayout(len(parts.train_set), t.seed, t.effective_batch, info.world_size, parts.resolved.micro_batch)
+    logger.info("%s", describe_epoch(layout))  # floor(samples / effective batch): what is left out, once
+    total_steps = t.max_steps if t.max_steps > 0 else t.epochs * layout.steps_per_epoch
     if resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
-        check_resume_position(resume_from, loader.layout)
+        check_resume_position(resume_from, layout)
 
-    precision = settings.model.precision(info.device)
+    precision = parts.resolved.precision
     scaled = ", loss-scaled" if precision.loss_scaling else ""
     logger.info("compute dtype %s (%s)%s", precision.name, precision.reason, scaled)
-    compile_watch = CompileWatch() if settings.model.compile else None  # compiles from the first forward
-    model, probe = build_training_model(settings, info, parts)  # Liger, compiled, probed
-    accumulation = parts.accumulation
-    if probe is not None:  # --micro-batch auto: the probe's choice
-        accumulation = probe.accumulation
-        loader = make_loader(settings, info, parts)  # the same global order and steps: only the per-forward split
+    compile_watch = CompileWatch() if parts.resolved.compile else None  # compiles from the first forward
+    model, resolved = build_training_model(settings, info, parts)  # Liger, compiled, probed: the final micro-batch
+    loader = make_loader(settings, info, parts, resolved)
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
     scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -97,19 +96,19 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, info, scaler)
         _log_resume(settings, resume_from, state)
-    write_run_config(settings, info)  # every refusal (settings, data, resume) has passed: nothing is written before
+    write_run_config(
+        settings, info, resolved.as_config()
+    )  # every refusal (settings, data, resume) has passed: nothing is written before
     return Run(
         settings=settings,
+        resolved=resolved,
         info=info,
         parts=parts,
         output_dir=output_dir,
         loader=loader,
-        accumulation=accumulation,
         total_steps=total_steps,
-        precision=precision,
         model=model,
         wrapped=wrapped,
-        probe=probe,
         compile_watch=compile_watch,
         trainable=trainable,
         optimizer=optimizer,
@@ -119,13 +118,13 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     )
 
 
-def make_loader(settings: RunSettings, info: DistInfo, parts: RunParts) -> EpochLoader:
-    """This rank's micro-batches of every step, at the settings' micro-batch (``ddp_ft.training.data.loader``)."""
+def make_loader(settings: RunSettings, info: DistInfo, parts: RunParts, resolved: Resolved) -> EpochLoader:
+    """This rank's micro-batches of every step, at the resolved micro-batch (``ddp_ft.training.data.loader``)."""
     t = settings.train
     return EpochLoader(
         parts.train_set,
         parts.hooks.wrap_collate(parts.collate),
-        t.micro_batch,
+        resolved.micro_batch,
         info.rank,
         info.world_size,
         seed=t.seed,

@@ -61,15 +61,15 @@ class RunLog:
             run.total_steps,
             t.effective_batch,
             run.info.world_size,
-            t.micro_batch,
-            run.accumulation,
+            run.resolved.micro_batch,
+            run.resolved.accumulation,
             run.parts.truncation,
         )
 
     def step(self, result: StepResult) -> None:
         """The step's record (throughput, rank balance, loss scale, communication) to the sink and progress bar."""
         run = self.run
-        state, wrapped = run.state, run.wrapped
+        state, wrapped, probe = run.state, run.wrapped, run.resolved.probe
         record = train_record(
             step=state.global_step,
             samples_seen=state.samples_seen,
@@ -79,9 +79,9 @@ class RunLog:
             epoch=state.epoch,
             **self.meter.stop(result.input_tokens),
             **rank_balance(result.compute_ms, run.info.rank),
-            **({"expected_peak_gb": run.probe.expected_peak / 1e9} if run.probe else {}),  # beside peak_mem_gb
+            **({"expected_peak_gb": probe.expected_peak / 1e9} if probe else {}),  # beside peak_mem_gb
         )
-        if run.precision.loss_scaling:
+        if run.resolved.precision.loss_scaling:
             record.update({"loss_scale": result.loss_scale, "skipped": int(result.skipped)})
         if isinstance(wrapped, BucketedDDP):
             record.update(wrapped.pop_comm_stats().as_dict())
@@ -121,7 +121,7 @@ class RunLog:
 def _config_record(run: Run, name: str) -> dict:
     """The run's config record: its layout and data, and which samples each rank starts on (proof in the log that
     the shards follow the global rank; a collective, on every rank)."""
-    settings, info, t = run.settings, run.info, run.settings.train
+    settings, info = run.settings, run.info
     first_indices = next(run.loader.plans(run.state.epoch))[info.rank][0]
     all_first = [first_indices] * info.world_size
     if info.is_distributed:
@@ -129,8 +129,8 @@ def _config_record(run: Run, name: str) -> dict:
     return config_record(
         run_name=name,
         world_size=info.world_size,
-        micro_batch=t.micro_batch,
-        accumulation=run.accumulation,
+        micro_batch=run.resolved.micro_batch,
+        accumulation=run.resolved.accumulation,
         total_steps=run.total_steps,
         resumed_from_step=run.state.global_step,
         bucket_cap_mb=settings.ddp.bucket_cap_mb,
@@ -141,6 +141,6 @@ def _config_record(run: Run, name: str) -> dict:
         truncation=str(run.parts.truncation),
         preset=settings.preset,
         first_batch_indices=all_first,
-        **({"micro_batch_probe": run.probe.as_record()} if run.probe else {}),
+        **({"micro_batch_probe": run.resolved.probe.as_record()} if run.resolved.probe else {}),
         **host_record(info.device.type, info.local_world_size),
     )

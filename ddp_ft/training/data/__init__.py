@@ -37,6 +37,7 @@ from .loader import (
     answer_tokens,
     check_resume,
     count_tokens,
+    describe_epoch,
     make_collator,
     sample_lengths,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "check_packed_model",
     "check_resume",
     "count_tokens",
+    "describe_epoch",
     "load_raw_splits",
     "load_source",
     "make_collator",

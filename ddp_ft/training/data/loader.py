@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..batch import gradient_accumulation_steps
 from .balance import Plan, balanced_plan, micro_batch_cost, strided_plan
 from .epoch_steps import EpochSteps
 from .settings import IGNORE_INDEX
@@ -71,16 +72,12 @@ class DataLayout:
         for name in ("train_samples", "effective_batch", "world_size", "micro_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DataLayout.{name}={getattr(self, name)}: must be >= 1.")
-        if self.effective_batch % (self.micro_batch * self.world_size):
-            raise ValueError(
-                f"effective_batch={self.effective_batch} is not divisible by micro_batch={self.micro_batch} x "
-                f"world_size={self.world_size}: the step would not be one effective batch."
-            )
+        gradient_accumulation_steps(self.effective_batch, self.micro_batch, self.world_size)
 
     @property
     def accumulation(self) -> int:
         """Micro-batches per rank per optimizer step."""
-        return self.effective_batch // (self.micro_batch * self.world_size)
+        return gradient_accumulation_steps(self.effective_batch, self.micro_batch, self.world_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -232,15 +229,7 @@ class EpochLoader:
 
     def describe_epoch(self) -> str:
         """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why."""
-        steps, layout = self.steps, self.layout
-        line = f"an epoch is {steps.steps} optimizer steps of {layout.effective_batch} samples"
-        if steps.left_out:
-            line += (
-                f": the last {steps.left_out} of the {layout.train_samples} training samples in each epoch's shuffled "
-                "order are left out (a different few every epoch), so every world size trains the same whole steps "
-                "and no sample twice in an epoch"
-            )
-        return line
+        return describe_epoch(self.layout, self.steps)
 
     def __iter__(self):
         raise TypeError(
@@ -342,3 +331,22 @@ class StepBatchSampler:
             for k in range(len(plan[0])):  # the step's accumulation: the last step's may be shorter
                 for rank in range(len(plan)):
                     yield plan[rank][k]
+
+
+def describe_epoch(layout: DataLayout, steps: EpochSteps | None = None) -> str:
+    """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why.
+
+    Args:
+        layout (DataLayout): the run's data layout.
+        steps (EpochSteps | None): the epoch's steps. Default: the plain loop's, whole effective batches.
+    """
+    if steps is None:
+        steps = EpochSteps(layout.train_samples, layout.world_size, layout.micro_batch, layout.accumulation)
+    line = f"an epoch is {steps.steps} optimizer steps of {layout.effective_batch} samples"
+    if steps.left_out:
+        line += (
+            f": the last {steps.left_out} of the {layout.train_samples} training samples in each epoch's shuffled "
+            "order are left out (a different few every epoch), so every world size trains the same whole steps "
+            "and no sample twice in an epoch"
+        )
+    return line

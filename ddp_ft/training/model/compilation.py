@@ -17,7 +17,7 @@ Gradient checkpointing (transformers' ``GradientCheckpointingLayer.__call__``) s
 
 :class:`CompileWatch` counts the graphs compiled, the recompilations after the first, the limit hits and the time
 spent compiling, for the run's metrics. :func:`compile_blockers` lists what stops compilation from working here;
-``ddp_ft.training.defaults`` turns the default off for them, an explicit ``--compile`` is refused.
+``ddp_ft.training.resolve`` turns the default off for them, an explicit ``--compile`` is refused.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..batch import gradient_accumulation_steps
+
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 NF4_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
 NESTED_BLOCKSIZE = 256  # double quantisation: the absmaxes quantised to uint8 in blocks of 256
@@ -327,14 +329,9 @@ def auto_micro_batch(
         ValueError: ``effective_batch`` not a multiple of ``world_size``, a margin outside [0, 1), or micro-batch 1
             not fitting; naming ``--micro-batch`` and the numbers.
     """
-    if effective_batch < 1 or world_size < 1 or effective_batch % world_size:
-        raise ValueError(
-            f"--micro-batch auto: effective_batch={effective_batch} is not a positive multiple of world_size="
-            f"{world_size}; no micro-batch keeps the effective batch."
-        )
+    per_rank = gradient_accumulation_steps(effective_batch, 1, world_size)  # samples per rank per step
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin}: must be in [0, 1).")
-    per_rank = effective_batch // world_size
     budget = int(device_bytes * (1.0 - margin))
 
     def peak(m: int) -> int:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ...distributed import DistInfo
+from ..batch import gradient_accumulation_steps
 from .precision import Precision
 
 logger = logging.getLogger(__name__)
@@ -258,15 +259,9 @@ def probe_micro_batch(
             naming --micro-batch and the fix.
         RuntimeError: the probe failed on another rank.
     """
-    world = info.world_size
-    if effective_batch < 1 or effective_batch % world:
-        raise ValueError(
-            f"--micro-batch auto: effective_batch={effective_batch} is not a positive multiple of world_size={world}; "
-            "no micro-batch keeps the effective batch."
-        )
+    per_rank = gradient_accumulation_steps(effective_batch, 1, info.world_size)  # samples per rank per step
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin}: must be in [0, 1).")
-    per_rank = effective_batch // world
     failure, probe = None, None
     try:  # a rank that fails still joins the all-reduce below: no rank is left waiting in it
         fitting = [m for m in points if m <= per_rank] or [1]

@@ -1,0 +1,331 @@
+"""What a run derives from its settings, computed once into a frozen :class:`Resolved` that the rest of the run reads.
+
+A user's settings are never written to after they are parsed. This module alone turns them into the numbers a run
+trains with: micro-batch, accumulation, compile, packing, precision and this rank's device map, each with why. It is
+the plain loop's counterpart of torchtitan's derived fields. Three steps, each returning a new value:
+
+1. :func:`resolve_run`, before anything is touched: every check that needs only the settings and the world size.
+2. :func:`resolve_run_packing`, once the model's config is at hand (``setup.prepare_run``).
+3. :func:`probe_run_micro_batch`, once the model is built, with ``--micro-batch auto`` on CUDA only.
+
+At micro-batch 1 with eager layers the host (Python, autograd, thousands of kernel launches per step) sets the pace
+and the GPU idles; a full micro-batch and compiled decoder layers train many times faster (``docs/gpu.md``). So on
+CUDA ``micro_batch: auto`` fills the GPU (:func:`resolve_micro_batch`, then the probe; the effective batch is kept,
+accumulation shrinks) and ``compile: auto`` compiles each decoder layer (``ddp_ft.training.model.compilation``). On
+the CPU ``auto`` keeps micro-batch 1 and eager layers: a CPU has no separate memory to fill, compiling costs each
+process its start-up time, and whether it pays on a CPU is not measured.
+
+Each default is said once on rank 0, and ``run_config.yaml`` records what ran (:meth:`Resolved.as_config`). A number
+for ``--micro-batch`` or ``--no-compile`` turns either off. An explicit ``--compile`` where compilation is known to
+break is refused (``ddp_ft.training.model.compilation.compile_blockers``); the default is turned off there, with the
+reason and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..ddp.autotune import AUTO
+from ..distributed import DistInfo
+from ..distributed.launch import check_accelerate_launch
+from .batch import gradient_accumulation_steps
+from .config import RunSettings
+from .data import packing_problem, resolve_packing
+from .model.compilation import Blocker, compile_blockers, refuse_blockers
+from .model.kernels import check_kernel_settings
+from .model.memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
+from .model.precision import Precision
+from .model.probe import MicroBatchProbe, probe_micro_batch
+from .model.qlora import EMBEDDED_MODEL, check_device_map
+
+logger = logging.getLogger(__name__)
+
+COMPILE_WHY = "regional compilation of the decoder layers, twice as fast at a full micro-batch on a GPU (docs/gpu.md)"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the run trains with, derived from its settings once; the settings themselves stay as parsed.
+
+    Args:
+        micro_batch (int): samples per forward per rank.
+        accumulation (int): micro-batches per rank per optimizer step.
+        compile (bool): each decoder layer compiled in place before the wrap.
+        precision (Precision): the compute dtype, its autocast and loss scaling; ``precision.reason`` says why.
+        device_map (dict | str): this rank's ``from_pretrained`` device map.
+        micro_batch_why (str): where the micro-batch came from.
+        compile_why (str): why compilation is on or off.
+        probe_pending (bool): ``--micro-batch auto`` on CUDA: ``micro_batch`` is a first guess until the built model
+            is probed (:func:`probe_run_micro_batch`). Default: False
+        probe (MicroBatchProbe | None): the probe's measurement, once it decided. Default: None
+        packing (bool | None): micro-batches packed into rows without padding; None until
+            :func:`resolve_run_packing`. Default: None
+        packing_why (str): why packing is on or off. Default: ""
+    """
+
+    micro_batch: int
+    accumulation: int
+    compile: bool
+    precision: Precision
+    device_map: dict[str, int | str] | str
+    micro_batch_why: str
+    compile_why: str
+    probe_pending: bool = False
+    probe: MicroBatchProbe | None = None
+    packing: bool | None = None
+    packing_why: str = ""
+
+    def as_config(self) -> dict[str, dict[str, object]]:
+        """The resolved values by settings section, written over the settings in ``run_config.yaml``."""
+        data = {} if self.packing is None else {"data": {"packing": self.packing}}
+        return {"model": {"compile": self.compile}, "train": {"micro_batch": self.micro_batch}, **data}
+
+
+class DeviceDefaults(NamedTuple):
+    """``compile`` and ``micro_batch`` after the device's defaults; ``micro_batch`` stays ``auto`` on CUDA."""
+
+    compile: bool
+    compile_why: str
+    micro_batch: int | str
+    micro_batch_why: str
+
+
+def resolve_device_defaults(
+    settings: RunSettings, info: DistInfo, blockers: Callable[..., list[Blocker]] = compile_blockers
+) -> DeviceDefaults:
+    """Resolve ``compile: auto`` (and refuse an explicit ``compile: true`` that cannot work), and ``micro_batch:
+    auto`` off CUDA; log each default once on rank 0.
+
+    Args:
+        settings (RunSettings): the run's settings, only read.
+        info (DistInfo): this rank; its device.
+        blockers (Callable): :func:`~ddp_ft.training.model.compilation.compile_blockers` (injectable for tests).
+
+    Returns:
+        DeviceDefaults: compile as a bool and the micro-batch (``auto`` left on CUDA for :func:`resolve_micro_batch`),
+        each with why.
+
+    Raises:
+        ValueError: ``--compile`` (``compile: true``) where compilation cannot work or is known to break, naming each
+            reason, its fix, and ``--no-compile``.
+    """
+    model, lora, train = settings.model, settings.lora, settings.train
+    say = logger.info if info.is_main_process else logger.debug
+    compile_, compile_why = model.compile, "--no-compile (compile: false)"
+    if model.compile in (True, AUTO):
+        found = blockers(
+            info.device,
+            four_bit=model.load_in_4bit,
+            lora_dropout=lora.lora_dropout,
+            checkpointing=model.gradient_checkpointing,
+        )
+        if model.compile is True:
+            refuse_blockers(found, "--compile (compile: true)")
+            compile_why = "--compile (compile: true)"
+        elif info.device.type != "cuda":
+            compile_ = False
+            compile_why = (
+                f"auto on {info.device.type}: compiling costs each process tens of seconds; --compile turns it on"
+            )
+            say("compile: off (%s)", compile_why)
+        elif found:
+            compile_ = False
+            compile_why = "though the default on CUDA is on: " + "; ".join(f"{b.reason} ({b.fix})" for b in found)
+            if info.is_main_process:
+                logger.warning("compile: off, %s", compile_why)
+        else:
+            compile_ = True
+            compile_why = f"auto on CUDA: {COMPILE_WHY}; --no-compile turns it off"
+            say("compile: on (%s)", compile_why)
+    micro_batch, micro_why = train.micro_batch, f"--micro-batch {train.micro_batch}"
+    if train.micro_batch == AUTO and info.device.type != "cuda":
+        micro_batch = 1
+        micro_why = (
+            f"auto on {info.device.type}: the host's memory is shared, with no GPU to fill; --micro-batch N sets it"
+        )
+        say("micro-batch: 1 (%s)", micro_why)
+    return DeviceDefaults(compile_, compile_why, micro_batch, micro_why)
+
+
+def resolve_run(settings: RunSettings, info: DistInfo) -> Resolved:
+    """Every check that needs only the settings and the world size, and what they resolve; both entry points run it
+    first, before anything is touched.
+
+    On a GPU ``--micro-batch auto`` becomes a first guess (:func:`resolve_micro_batch`, or 1 where the arithmetic
+    does not know the model) with ``probe_pending`` set: the entry point probes the built model
+    (:func:`probe_run_micro_batch`).
+
+    Returns:
+        Resolved: micro-batch, accumulation, compile, precision and device map; packing not yet.
+
+    Raises:
+        ValueError: ``--micro-batch auto`` without a GPU or that cannot fit, an Accelerate launch setting no entry
+            point can honour, ``--liger`` or ``--compile`` where they cannot work (``ddp_ft.training.model.kernels``),
+            impossible batch arithmetic, a model-splitting device map under DDP, or a compute dtype this device cannot
+            run, each naming the setting to change.
+    """
+    precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
+    check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
+    defaults = resolve_device_defaults(settings, info)  # an impossible --compile refused here
+    check_kernel_settings(settings.model.liger, False, info.device)  # --liger (--compile: just above, with LoRA's)
+    micro_batch, micro_why, pending = defaults.micro_batch, defaults.micro_batch_why, False
+    if micro_batch == AUTO:
+        guess = resolve_micro_batch(settings, info)
+        micro_batch, pending = (guess.micro_batch if guess is not None else 1), True
+        micro_why = guess.describe() if guess is not None else "--micro-batch auto: a first guess of 1, then the probe"
+    accumulation = gradient_accumulation_steps(settings.train.effective_batch, micro_batch, info.world_size)
+    device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
+    check_device_map(device_map, info.world_size)
+    return Resolved(
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+        compile=defaults.compile,
+        precision=precision,
+        device_map=device_map,
+        micro_batch_why=micro_why,
+        compile_why=defaults.compile_why,
+        probe_pending=pending,
+    )
+
+
+def resolve_micro_batch(
+    settings: RunSettings, info: DistInfo, shape: Qwen3Shape | None = None, device_bytes: int | None = None
+) -> MicroBatchChoice | None:
+    """``--micro-batch auto``'s first guess, before the model loads: the largest micro-batch whose expected peak
+    fits this rank's GPU by arithmetic, logged on rank 0.
+
+    The entry points then probe the built model (:func:`probe_run_micro_batch`), which decides: the arithmetic
+    knows Qwen3 shapes in eager mode only (compiled layers hold more than it expects: ``docs/gpu.md``). It remains the
+    guess the data and the resume position are checked with.
+
+    The arithmetic of ``ddp_ft.training.model.memory.auto_micro_batch`` at ``max_seq_len``, with the run's dtype, layout
+    and LoRA rank, against the device's total memory (``torch.cuda.mem_get_info``; under a process group the smallest of
+    the ranks', so that every rank makes the same choice). The entry points call it on CUDA only (on the CPU ``auto``
+    is 1: :func:`resolve_device_defaults`); a caller on another device must give ``device_bytes``.
+
+    Args:
+        settings (RunSettings): the run's settings.
+        info (DistInfo): this rank; its device and the world size.
+        shape (Qwen3Shape | None): the model's sizes. Default: from the model's ``config.json`` (``AutoConfig``).
+        device_bytes (int | None): memory of the device. Default: ``torch.cuda.mem_get_info(info.device)``'s total.
+
+    Returns:
+        MicroBatchChoice | None: the guess; None for the embedded tiny model (no ``config.json`` before it is built)
+        and for a model whose config is not Qwen3-shaped (the probe decides alone).
+
+    Raises:
+        ValueError: off CUDA without ``device_bytes``, or when micro-batch 1 does not fit by the arithmetic; naming
+            --micro-batch.
+    """
+    if device_bytes is None:
+        if info.device.type != "cuda":
+            raise ValueError(
+                f"--micro-batch auto fills a GPU's memory; this run is on {info.device.type}, whose memory is the "
+                "host's: give --micro-batch a number (default 1)."
+            )
+        device_bytes = torch.cuda.mem_get_info(info.device)[1]
+        if info.is_distributed and dist.is_initialized():  # every rank chooses for the smallest device: one choice
+            smallest = torch.tensor([device_bytes], dtype=torch.int64, device=info.device)
+            dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+            device_bytes = int(smallest.item())
+    if shape is None:
+        name = settings.model.model_name_or_path
+        if name == EMBEDDED_MODEL:
+            return None
+        from transformers import AutoConfig
+
+        try:
+            shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(name))
+        except AttributeError:  # not a Qwen3-shaped config: no arithmetic for it
+            return None
+    precision = settings.model.precision(info.device)
+    choice = auto_micro_batch(
+        shape,
+        settings.data.max_seq_len,
+        settings.train.effective_batch,
+        info.world_size,
+        device_bytes,
+        compute_dtype=precision.name,
+        upcast_frozen_weights=settings.model.upcast_frozen_weights,
+        lora_r=settings.lora.lora_r,
+        double_quant=settings.model.double_quant,
+    )
+    if info.is_main_process:
+        logger.info("%s", choice.describe())
+    return choice
+
+
+def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInfo, model_path: str) -> Resolved:
+    """``--packing`` resolved for this device and model (``ddp_ft.training.data.resolve_packing``), logged on rank 0.
+
+    The model's config is read (not the model) only when packing may be on, to find an architecture whose attention
+    would mix packed sequences before anything loads; ``setup.build_model`` checks the loaded model again.
+
+    Returns:
+        Resolved: ``resolved`` with ``packing`` and ``packing_why``.
+
+    Raises:
+        ValueError: ``--packing true`` for a model whose attention would let a sequence attend to its neighbour.
+    """
+    packing = settings.data.packing
+    problem = None
+    if packing is True or (packing == AUTO and info.device.type == "cuda"):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        config.use_cache = False  # as load_qlora_model sets it: the cache is the loaded model's check
+        problem = packing_problem(config)
+    chosen, reason = resolve_packing(packing, info.device.type, problem)
+    if info.is_main_process:
+        logger.info("packing %s (%s)", "on" if chosen else "off", reason)
+    return replace(resolved, packing=chosen, packing_why=reason)
+
+
+def probe_run_micro_batch(
+    model: torch.nn.Module, settings: RunSettings, info: DistInfo, resolved: Resolved, **overrides: object
+) -> Resolved:
+    """``--micro-batch auto``'s decision, on the built model: ``ddp_ft.training.model.probe.probe_micro_batch`` at
+    ``max_seq_len`` with the run's autocast, in place of the first guess.
+
+    Call it on every rank, after the model is built as the run trains it (compiled, with Liger) and before
+    BucketedDDP wraps it; the effective batch is unchanged.
+
+    Args:
+        model (torch.nn.Module): the unwrapped model.
+        settings (RunSettings): the run's settings.
+        info (DistInfo): this rank.
+        resolved (Resolved): the run's, with ``probe_pending``.
+        **overrides: passed to ``probe_micro_batch`` (``device_bytes``, ``measure``, ``margin``: tests).
+
+    Returns:
+        Resolved: the probe's micro-batch and accumulation, and the probe itself.
+
+    Raises:
+        ValueError: micro-batch 1 does not fit on some rank, naming --micro-batch.
+    """
+    probe = probe_micro_batch(
+        model,
+        seq_len=settings.data.max_seq_len,
+        effective_batch=settings.train.effective_batch,
+        info=info,
+        precision=resolved.precision,
+        **overrides,
+    )
+    if info.is_main_process and probe.micro_batch != resolved.micro_batch:
+        logger.info(
+            "--micro-batch auto: the probe's %d replaces the first guess %d", probe.micro_batch, resolved.micro_batch
+        )
+    return replace(
+        resolved,
+        micro_batch=probe.micro_batch,
+        accumulation=probe.accumulation,
+        micro_batch_why=probe.describe(),
+        probe_pending=False,
+        probe=probe,
+    )
