@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..ddp.timeline import BackwardRecorder
 from ..distributed import DistInfo, restart_count
 from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint
 from .checkpoint.shared_fs import check_shared_resume, prepare_output_dir
@@ -49,6 +50,7 @@ class Run:
     precision: Precision
     model: torch.nn.Module  # unwrapped: what is saved, evaluated and unscaled
     wrapped: torch.nn.Module  # BucketedDDP(model) when distributed, else the model itself
+    recorder: BackwardRecorder | None  # one process: when each bucket BucketedDDP would build is ready
     probe: MicroBatchProbe | None  # --micro-batch auto's measurement, else None
     compile_watch: CompileWatch | None
     trainable: list[torch.nn.Parameter]
@@ -88,6 +90,7 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
         accumulation = probe.accumulation
         loader = make_loader(settings, info, parts)  # the same global order and steps: only the per-forward split
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
+    recorder = None if info.is_distributed else settings.ddp.record_backward(model)  # for ddp-ft forecast
     scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
@@ -109,6 +112,7 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
         precision=precision,
         model=model,
         wrapped=wrapped,
+        recorder=recorder,
         probe=probe,
         compile_watch=compile_watch,
         trainable=trainable,
