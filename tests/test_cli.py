@@ -52,7 +52,7 @@ def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
             "recipe",
             ["--nproc", "--trainer {hf,trl,stock-hf,stock-trl}", "--stock-find-unused", "--config", "--micro_batch"],
         ),
-        ("compare", ["baseline_dir", "--out", "--independent"]),
+        ("compare", ["baseline_dir", "--out", "--independent", "--forecast"]),
         ("forecast", ["RUN", "--nproc N", "--link {pcie4,pcie5,nvlink,infiniband,measured}", "--probe", "--out"]),
         ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes", "--out"]),
         ("ladder", ["--nproc", "--rungs", "--workloads"]),

@@ -1,5 +1,6 @@
 """``ddp-ft forecast``: the simulated schedule against hand-computed ones, the ring's cost, the link fitted from the
-doctor's probe, the table from known records, and the command end to end on a tiny one-process run."""
+doctor's probe, the table from known records, and the command end to end on a tiny one-process run beside a DDP run
+in ``ddp-ft compare``."""
 
 import json
 
@@ -7,6 +8,7 @@ import pytest
 
 from ddp_ft.commands import cli, doctor
 from ddp_ft.distributed import DistInfo
+from ddp_ft.report.comparison import write_report
 from ddp_ft.report.forecast import (
     PRESETS,
     PROBE_FILE,
@@ -27,7 +29,7 @@ from ddp_ft.tools.ladder.bench_comm import CommRow
 from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.loop import train
 
-from .test_report import config
+from .test_report import config, ddp_run, write_run
 
 ONE_GBPS_10US = Link("test", "1 GB/s, 10 us", 1.0, 10.0, "by hand")
 
@@ -197,3 +199,17 @@ def test_forecast_command_prints_the_table_with_its_sources_and_writes_its_json(
     assert [r.setup for r in forecast.rows][1:] == ["2 processes", "4 processes", "8 processes", "2 nodes x 2"]
     with pytest.raises(SystemExit, match=r"--link measured reads ddp-ft doctor's probe"):
         cli.main(["forecast", str(tiny_run), "--nproc", "2", "--link", "measured"])
+
+
+def test_compare_shows_the_forecast_beside_the_measured_ddp_run(tiny_run, tmp_path):
+    assert cli.main(["forecast", str(tiny_run), "--nproc", "2", "--link", "nvlink", "--out", str(tiny_run)]) == 0
+    two = load_forecast(tiny_run).row(2)
+    ddp = write_run(tmp_path / "ddp", ddp_run())  # step time 1.200 s, exposed 2.00 ms (medians after warm-up)
+    report = write_report(tiny_run, ddp, tmp_path / "compare")  # the baseline's forecast.json, found beside it
+    assert report["forecast"]["step_time_s"] == two.step_time_s and report["forecast"]["from_run"] == "tiny-single-1"
+    shown = report["markdown"]
+    assert "Forecast beside the measured run (ddp-ft forecast of tiny-single-1: 2 processes over NVLink" in shown
+    assert f"| step time (s) | {two.step_time_s:.3f} | 1.200 |" in shown
+    assert f"| exposed comm (ms) | {two.exposed_comm_ms:.2f} | 2.00 |" in shown
+    elsewhere = write_report(ddp, ddp, tmp_path / "none", forecast=tiny_run)  # another baseline: said so
+    assert any("the forecast was made from tiny-single-1, not from the baseline ddp-2" in n for n in elsewhere["notes"])
