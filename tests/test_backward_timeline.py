@@ -58,6 +58,7 @@ def test_each_bucket_is_stamped_when_its_last_gradient_is_ready_from_the_start_o
     second, first = timeline.ready_ms  # bucket 0 holds the last layer: backward reaches it first
     assert second < 0.5 * PAUSE_S * 1e3 <= PAUSE_S * 1e3 <= first <= timeline.backward_ms
     assert timeline.backward_ms < 1.9 * PAUSE_S * 1e3, "forward's pause counted: the clock must start in backward"
+    assert PAUSE_S * 1e3 <= timeline.forward_ms < 1.9 * PAUSE_S * 1e3
 
 
 def test_the_latest_backward_is_kept_and_removed_hooks_record_nothing():
@@ -106,4 +107,5 @@ def test_bucketed_ddp_stamps_its_synced_backward_only_with_the_bytes_it_sends():
     for slow, unchanged, fast, nbytes in run_distributed(_synced_backward_only):
         assert slow.bucket_bytes == fast.bucket_bytes == tuple(nbytes)
         assert slow.ready_ms[0] < PAUSE_S * 1e3 <= slow.ready_ms[1] <= slow.backward_ms
+        assert PAUSE_S * 1e3 <= slow.forward_ms and fast.forward_ms < PAUSE_S * 1e3
         assert unchanged and fast.ready_ms[1] < PAUSE_S * 1e3

@@ -69,8 +69,8 @@ def test_a_link_slower_than_backward_exposes_the_backlog():
     assert schedule.done_ms == (60.0, 110.0) and schedule.exposed_ms == 90.0
 
 
-def _measured(step_ms=1000.0, compute_ms=800.0, accumulation=4):
-    return MeasuredStep(step_ms, compute_ms, accumulation, 4000.0, (30,), (100.0,), 100.0)
+def _measured(step_ms=1000.0, micro_ms=200.0, accumulation=4):
+    return MeasuredStep(step_ms, micro_ms, accumulation, 4000.0, (30,), (100.0,), 100.0)
 
 
 def test_only_the_synced_micro_step_communicates():
@@ -126,7 +126,7 @@ def _one_process_run(steps=4, ready=(90.0, 100.0), bucket_bytes=(2**20, 2**18)):
         records.append({"type": "train", "step": step, "step_time_s": 1.0, "compute_max_ms": 800.0, "tokens": 4000})
         records.append(
             {"type": "backward", "step": step, "bucket_bytes": list(bucket_bytes), "bucket_ready_ms": list(ready)}
-            | {"backward_ms": 100.0}
+            | {"backward_ms": 100.0, "forward_ms": 100.0}  # 200 ms per micro-step: the 800 ms of compute over 4
         )
     return records
 
@@ -153,6 +153,16 @@ def test_the_table_has_2_4_8_and_nproc_processes_then_2_nodes_paced_by_their_slo
     assert nodes.link == "NVLink 4 (H100 SXM) + InfiniBand NDR 400G" and nodes.exposed_comm_ms > three.exposed_comm_ms
     assert any("3 ranks: effective batch 8 does not split" in n for n in forecast.notes)
     assert Forecast.from_dict(json.loads(json.dumps(forecast.to_dict()))) == forecast
+
+
+def test_a_micro_step_costs_its_timed_forward_and_backward_else_the_steps_compute_over_its_micro_steps():
+    links = (PRESETS["pcie4"], PRESETS["infiniband"])
+    timed = forecast_run(_one_process_run(), 2, *links)
+    untimed = [{k: v for k, v in r.items() if k != "forward_ms"} for r in _one_process_run()]  # an older record
+    assert forecast_run(untimed, 2, *links).rows == timed.rows  # 800 ms / 4 = 100 + 100
+    fast = [r | {"forward_ms": 50.0} if r["type"] == "backward" else r for r in _one_process_run()]
+    two = forecast_run(fast, 2, *links).row(2)  # 150 ms a micro-step: 400 ms of the step do not scale
+    assert two.step_time_s == pytest.approx((400.0 + 2 * 150.0 + timed.row(2).exposed_comm_ms) / 1e3)
 
 
 def test_a_run_the_forecast_cannot_read_is_refused_with_what_to_run():
@@ -184,6 +194,7 @@ def test_a_one_process_run_records_each_steps_buckets_and_leaves_its_other_recor
     for record in backward:  # the tiny preset's LoRA gradients: a 1 MiB first bucket, then the rest
         assert record["bucket_bytes"] == [1_048_576, 196_608]
         assert 0 < record["bucket_ready_ms"][0] <= record["bucket_ready_ms"][1] <= record["backward_ms"]
+        assert record["forward_ms"] > 0
     assert not any("bucket" in key or key.startswith("comm/") for r in trains for key in r)
     assert next(r for r in records if r["type"] == "config")["buckets"] == 0
 

@@ -200,6 +200,8 @@ class Reducer:
             bucket.pending = len(bucket.params)
             bucket.future = None
         self.stats.start_backward(synced=sync)
+        if sync:
+            self.clock.forward_start()
         if self.gradient_as_bucket_view:
             self._attach_grad_views()
 

@@ -31,16 +31,20 @@ class BackwardTimeline:
         bucket_bytes (tuple[int, ...]): bytes each bucket hands to its all-reduce, in launch order.
         ready_ms (tuple[float, ...]): ms from the start of backward to each bucket's last gradient.
         backward_ms (float): ms from the start of backward to its last gradient.
+        forward_ms (float | None): ms from the start of the forward that made its graph to the start of backward, or
+            None where no forward was stamped.
     """
 
     bucket_bytes: tuple[int, ...]
     ready_ms: tuple[float, ...]
     backward_ms: float
+    forward_ms: float | None = None
 
 
 class BackwardClock:
-    """Stamps one backward at a time: :meth:`start`, :meth:`bucket_ready` per bucket, :meth:`end`. What
-    :meth:`read` gives is the latest backward that reached :meth:`end`; one started and never ended leaves it.
+    """Stamps one iteration at a time: :meth:`forward_start`, then :meth:`start` when backward begins,
+    :meth:`bucket_ready` per bucket, :meth:`end`. What :meth:`read` gives is the latest backward that reached
+    :meth:`end`; one started and never ended leaves it.
 
     Args:
         device (torch.device): where backward computes (CUDA: timed with events on its current stream).
@@ -48,13 +52,21 @@ class BackwardClock:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._forward_start: object = None
+        self._forward: Measurement | None = None
         self._start: object = None
         self._bytes: tuple[int, ...] = ()
         self._ready: list[Measurement | None] = []
-        self._done: tuple[tuple[int, ...], list[Measurement | None], Measurement] | None = None
+        self._done: tuple | None = None  # bytes, ready, end, forward: the latest finished backward
+
+    def forward_start(self) -> None:
+        """A forward begins: the next backward counts its forward from here."""
+        self._forward_start = start_timer(self._device)
 
     def start(self, bucket_bytes: tuple[int, ...] | list[int]) -> None:
         """A backward begins, over buckets of ``bucket_bytes``."""
+        self._forward = None if self._forward_start is None else stop_timer(self._device, self._forward_start)
+        self._forward_start = None
         self._start = start_timer(self._device)
         self._bytes = tuple(bucket_bytes)
         self._ready = [None] * len(self._bytes)
@@ -67,7 +79,7 @@ class BackwardClock:
     def end(self) -> None:
         """The backward's last gradient is ready: it becomes the one :meth:`read` gives."""
         if self._start is not None:
-            self._done = (self._bytes, self._ready, stop_timer(self._device, self._start))
+            self._done = (self._bytes, self._ready, stop_timer(self._device, self._start), self._forward)
             self._start = None
 
     def read(self) -> BackwardTimeline | None:
@@ -75,16 +87,17 @@ class BackwardClock:
         parameter) counts as ready at the end."""
         if self._done is None:
             return None
-        bucket_bytes, ready, end = self._done
+        bucket_bytes, ready, end, forward = self._done
         end_ms = elapsed_ms(end)
-        return BackwardTimeline(bucket_bytes, tuple(end_ms if r is None else elapsed_ms(r) for r in ready), end_ms)
+        ready_ms = tuple(end_ms if r is None else elapsed_ms(r) for r in ready)
+        return BackwardTimeline(bucket_bytes, ready_ms, end_ms, None if forward is None else elapsed_ms(forward))
 
 
 class BackwardRecorder:
     """At world size 1, when each bucket BucketedDDP would build became ready in the latest backward.
 
-    A forward with grad enabled arms the next backward. It starts when backward reaches the module's output (or its
-    first gradient) and ends when the autograd engine finishes. A pass that accumulates into no parameter
+    A forward with grad enabled arms the next backward and starts its clock. Backward starts when it reaches the
+    module's output (or its first gradient) and ends when the autograd engine finishes. A pass that accumulates into no parameter
     (``torch.autograd.grad``) does not count. The hooks hold the recorder weakly: they go when it is freed, or at
     :meth:`remove_hooks`.
 
@@ -124,6 +137,7 @@ class BackwardRecorder:
             p.register_post_accumulate_grad_hook(functools.partial(_param_ready, owner, i))
             for i, (_, p) in enumerate(named)
         ]
+        handles.append(module.register_forward_pre_hook(functools.partial(_forward_begins, owner)))
         handles.append(module.register_forward_hook(functools.partial(_forward_done, owner)))
         self._release = weakref.finalize(self, _remove_handles, handles)
 
@@ -175,6 +189,12 @@ def _param_ready(owner: weakref.ref, index: int, param: nn.Parameter) -> None:
     recorder = owner()
     if recorder is not None:
         recorder._on_param_ready(index)
+
+
+def _forward_begins(owner: weakref.ref, module: nn.Module, args: tuple) -> None:
+    recorder = owner()
+    if recorder is not None and torch.is_grad_enabled():
+        recorder.clock.forward_start()
 
 
 def _forward_done(owner: weakref.ref, module: nn.Module, args: tuple, output: object) -> None:

@@ -173,6 +173,7 @@ def backward_record(
     bucket_bytes: list[int] | tuple[int, ...],
     ready_ms: list[float] | tuple[float, ...],
     backward_ms: float,
+    forward_ms: float | None = None,
 ) -> dict:
     """A ``backward`` record: the buckets of the step's last backward (a ``BackwardTimeline``).
 
@@ -181,6 +182,7 @@ def backward_record(
         bucket_bytes (list[int]): bytes each bucket sends, in launch order.
         ready_ms (list[float]): ms from the start of that backward to each bucket's last gradient.
         backward_ms (float): ms from its start to its last gradient.
+        forward_ms (float | None): ms from the start of its forward to the start of backward. Default: None
     """
     return {
         "type": BACKWARD,
@@ -188,6 +190,7 @@ def backward_record(
         "bucket_bytes": list(bucket_bytes),
         "bucket_ready_ms": list(ready_ms),
         "backward_ms": backward_ms,
+        "forward_ms": forward_ms,
     }
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -103,10 +104,7 @@ class RunLog:
         source = run.wrapped if isinstance(run.wrapped, BucketedDDP) else run.recorder
         timeline = source.last_backward_timeline() if source is not None and run.info.is_main_process else None
         if timeline is not None:
-            ready, backward = timeline.ready_ms, timeline.backward_ms
-            self.sink.log(
-                backward_record(step=step, bucket_bytes=timeline.bucket_bytes, ready_ms=ready, backward_ms=backward)
-            )
+            self.sink.log(backward_record(step=step, **asdict(timeline)))
 
     def evaluation(self, eval_loss: float) -> None:
         state = self.run.state

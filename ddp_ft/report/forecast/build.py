@@ -139,9 +139,13 @@ def measured_steps(records: list[dict], skip_first: int = 1) -> tuple[dict, list
 
 
 def _step(train: dict, backward: dict, accumulation: int) -> MeasuredStep:
+    """A micro-step costs its forward and backward as timed in the step's last one (on CUDA by events: the device's
+    time, where the host's runs ahead), or, in a record without its forward, the step's compute over its micro-steps."""
+    forward = backward.get("forward_ms")
+    micro = forward + backward["backward_ms"] if forward is not None else train["compute_max_ms"] / accumulation
     return MeasuredStep(
         step_ms=train["step_time_s"] * 1e3,
-        compute_ms=train["compute_max_ms"],
+        micro_ms=micro,
         accumulation=accumulation,
         tokens=train["tokens"],
         bucket_bytes=tuple(backward["bucket_bytes"]),
@@ -252,13 +256,14 @@ def assumptions(device_type: str | None) -> list[str]:
     return [
         "each rank computes a micro-step as fast as the measured process did: no contention between ranks for "
         "cores, memory bandwidth or power, and no rank waits for a slower one",
+        f"a micro-step costs the forward and backward of each step's last one (by {clock})",
         "the effective batch is kept (accumulation per rank = measured accumulation / ranks), and the rest of a step "
         "(optimizer, clipping, logging) costs what it cost",
         "only the last micro-step of a step communicates; its buckets launch in index order, each once it and those "
         "before it are ready and the link is free, one all-reduce at a time",
         "a ring all-reduce of B bytes over N ranks costs 2(N-1)/N x B / bandwidth + 2(N-1) x latency: one ring, "
         "no other traffic; on 2 nodes the slower hop paces every step",
-        f"bucket ready times are the measured run's (its last backward of each step, by {clock})",
+        "bucket ready times are the measured run's, in that same backward",
         "collectives outside the buckets (the loss gather, buffer broadcasts) are left out; preset bandwidths are "
         "published peaks, which all-reduces do not reach",
     ]

@@ -64,7 +64,7 @@ class MeasuredStep:
 
     Args:
         step_ms (float): the whole step (``step_time_s``).
-        compute_ms (float): forward and backward of all its micro-steps (``compute_max_ms``).
+        micro_ms (float): forward and backward of one of its micro-steps.
         accumulation (int): its micro-steps.
         tokens (float): tokens it trained on.
         bucket_bytes (tuple[int, ...]): bytes of each bucket BucketedDDP would send.
@@ -73,7 +73,7 @@ class MeasuredStep:
     """
 
     step_ms: float
-    compute_ms: float
+    micro_ms: float
     accumulation: int
     tokens: float
     bucket_bytes: tuple[int, ...]
@@ -115,10 +115,9 @@ def predict_step(
     Returns:
         PredictedStep: the step, its exposed and total communication, its tokens.
     """
-    per_micro_ms = measured.compute_ms / measured.accumulation
-    rest_ms = measured.step_ms - measured.compute_ms
+    rest_ms = measured.step_ms - measured.micro_ms * measured.accumulation
     schedule = schedule_buckets(measured.bucket_bytes, measured.ready_ms, measured.backward_ms, cost_ms)
     exposed = schedule.exposed_ms if ranks > 1 else 0.0
     comm = schedule.comm_ms if ranks > 1 else 0.0
     tokens = measured.tokens / measured.accumulation * accumulation * ranks
-    return PredictedStep(rest_ms + per_micro_ms * accumulation + exposed, exposed, comm, tokens)
+    return PredictedStep(rest_ms + measured.micro_ms * accumulation + exposed, exposed, comm, tokens)
