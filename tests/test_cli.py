@@ -1,6 +1,7 @@
 """The ddp-ft command: help for every subcommand, errors before anything launches, a 2-rank train under its own
 torchrun that writes a run_config.yaml which reruns it, the recipe on 2 ranks, and the doctor passing and failing."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from ddp_ft.commands import cli, doctor, launcher
+from ddp_ft.report.forecast import PROBE_FILE
 from ddp_ft.report.metrics import read_jsonl
 from ddp_ft.training.checkpoint import DATA_FILE, FINAL_DIR
 from ddp_ft.training.config import RUN_CONFIG, parse_settings
@@ -50,8 +52,9 @@ def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
             "recipe",
             ["--nproc", "--trainer {hf,trl,stock-hf,stock-trl}", "--stock-find-unused", "--config", "--micro_batch"],
         ),
-        ("compare", ["baseline_dir", "--out", "--independent"]),
-        ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes"]),
+        ("compare", ["baseline_dir", "--out", "--independent", "--forecast"]),
+        ("forecast", ["RUN", "--nproc N", "--link {pcie4,pcie5,nvlink,infiniband,measured}", "--probe", "--out"]),
+        ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes", "--out"]),
         ("ladder", ["--nproc", "--rungs", "--workloads"]),
         ("bucket-sweep", ["--nproc", "--caps", "--no-auto"]),
         ("bench-comm", ["--nproc", "--sizes", "--byte-budget"]),
@@ -90,6 +93,8 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
         (["merge", "run", "--out", "o", "--device", "tpu"], "MergeSettings.device='tpu' (--device): choose auto"),
+        (["forecast", "run", "--nproc", "0"], "--nproc 0: give the processes per machine, 1 or more"),
+        (["forecast", "run", "--nproc", "2", "--probe", "p"], "--probe is read by --link measured"),
     ],
 )
 def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(argv, needle, capsys, monkeypatch):
@@ -228,6 +233,8 @@ def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_
         "--sizes",
         "4K",
         "64K",
+        "--out",
+        str(tmp_path / "probe"),
     ]
     run = _run(command, tmp_path, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
@@ -235,6 +242,9 @@ def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_
     for row in ("world size", "accelerate world", "devices", "backend", "precision", "torch", "all-reduce"):
         assert f"\n{row} " in run.stdout, row
     assert "FAIL" not in run.stdout and "backend           PASS    gloo on cpu" in run.stdout
+    probe = json.loads((tmp_path / "probe" / PROBE_FILE).read_text())  # what ddp-ft forecast --link measured fits
+    timed = sorted((r["nbytes"], r["world_size"]) for r in probe["all_reduce"] if r["method"] == "backend")
+    assert timed == [(4096, 2), (65536, 2)] and probe["backend"] == "gloo"
 
 
 @pytest.mark.distributed

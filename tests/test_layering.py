@@ -41,7 +41,7 @@ LAYERS = [
         "ddp_ft.integrations.checkpointing",
         "ddp_ft.training.perf_traps",
     },
-    {"ddp_ft.training.config", "ddp_ft.training.resolve", "ddp_ft.training.checkpoint"},
+    {"ddp_ft.training.config", "ddp_ft.training.resolve", "ddp_ft.training.checkpoint", "ddp_ft.report.forecast"},
     {
         "ddp_ft.training.setup",
         "ddp_ft.report.comparison",

@@ -4,6 +4,7 @@
     ddp-ft recipe --nproc 2 --preset tiny                             # the HF Trainer path
     ddp-ft doctor --nproc 2                                           # preflight: launch, devices, versions, comm
     ddp-ft compare runs/single runs/ddp --out runs/compare
+    ddp-ft forecast runs/single --nproc 2 --link nvlink               # BucketedDDP on 2 GPUs, from a 1-process run
     ddp-ft merge runs/tiny --out models/tiny                          # adapter + base: one model to serve
 
 Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``,
@@ -58,6 +59,11 @@ SUBCOMMANDS = {
     ),
     "compare": Subcommand(
         "Compare a 1-device run with a DDP run: table, plot, JSON (scripts/compare.py).", "ddp_ft.commands.compare", 0
+    ),
+    "forecast": Subcommand(
+        "Forecast BucketedDDP on N processes from a finished 1-process run: table, JSON (links measured or preset).",
+        "ddp_ft.commands.forecast",
+        0,
     ),
     "merge": Subcommand(
         "Merge a run's LoRA adapter into its base: a standalone model and tokenizer to serve.",
@@ -289,8 +295,8 @@ def run_subcommand(name: str, argv: list[str]) -> int:
     argv, failure_dir = _validate(name, argv, parents, nproc)
     if name in ("train", "recipe"):
         same_threads_for_any_nproc(prog)
-    if nproc <= 1:
-        return _in_process(name, strip_option(argv, "--nproc"), parents)
+    if nproc <= 1:  # a subcommand that never launches (forecast) keeps an --nproc of its own
+        return _in_process(name, strip_option(argv, "--nproc") if parents else argv, parents)
     return launch(prog, sub.module, nproc, strip_option(argv, "--nproc"), failure_dir)
 
 

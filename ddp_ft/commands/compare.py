@@ -5,6 +5,7 @@
     ddp-ft train --nproc 2 --preset tiny --output-dir runs/ddp
     ddp-ft compare runs/single runs/ddp --out runs/compare [--wandb-project P --wandb-group G]
         [--independent runs/alone0 runs/alone1]   # single-device runs that ran side by side: the limit
+        [--forecast runs/single]                  # ddp-ft forecast's prediction beside the DDP run
 
 Prints the markdown table and writes comparison.md, comparison.png and comparison.json into --out.
 ddp-ft gives every process of both runs the same threads (1, or OMP_NUM_THREADS), so their speeds compare. Runs
@@ -42,6 +43,13 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
         help="output_dirs of single-device runs of the same experiment run at the same time, one per device of the "
         "DDP run: what the devices do with no communication at all, shown as the limit",
     )
+    p.add_argument(
+        "--forecast",
+        type=Path,
+        default=None,
+        help="a forecast.json of ddp-ft forecast (or its folder), shown beside the DDP run. Default: the baseline "
+        "folder's forecast.json, if it has one",
+    )
     p.add_argument("--skip-first", type=int, default=1, help="warm-up steps left out of the medians")
     p.add_argument("--wandb-project", default=None, help="log the comparison to this wandb project")
     p.add_argument("--wandb-group", default=None, help="wandb group (default: <baseline>-vs-<other> run names)")
@@ -59,7 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         report = write_report(
-            args.baseline_dir, args.other_dir, args.out, skip_first=args.skip_first, independent_dirs=args.independent
+            args.baseline_dir,
+            args.other_dir,
+            args.out,
+            skip_first=args.skip_first,
+            independent_dirs=args.independent,
+            forecast=args.forecast,
         )
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"compare: {error}") from error

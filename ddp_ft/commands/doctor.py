@@ -12,16 +12,20 @@ the backend for the device (NCCL on CUDA, gloo on the CPU); the precision ``--co
 needs compute capability 8.0); the installed torch, transformers, accelerate, peft, bitsandbytes and trl against
 ddp_ft's bounds; an all-reduce that sums correctly and its bus bandwidth at a few sizes
 (``ddp_ft.tools.ladder.bench_comm.measure_all_reduce``, few repeats: a smoke test, not ``ddp-ft bench-comm``).
+``--out DIR`` also writes the checks and the timings to ``DIR/doctor.json``: the link ``ddp-ft forecast --link
+measured`` fits.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,7 +33,8 @@ import torch.distributed as dist
 from ..ddp.placement import device_identity, shared_device
 from ..distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, device_and_backend, init_distributed
 from ..distributed.launch import check_world_seen
-from ..tools.ladder.bench_comm import format_size, measure_all_reduce, parse_size
+from ..report.forecast import PROBE_FILE
+from ..tools.ladder.bench_comm import CommRow, format_size, measure_all_reduce, parse_size
 from ..training.model.precision import DTYPES, choose_precision
 from . import quiet_upstream_notices
 
@@ -82,6 +87,13 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     )
     p.add_argument("--repeats", type=int, default=3, help="timed all-reduces per size and method. Default: 3")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds. Default: 120")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"also write the checks and the all-reduce timings to OUT/{PROBE_FILE}, the link ddp-ft forecast "
+        "--link measured reads",
+    )
     return p
 
 
@@ -212,31 +224,38 @@ def check_versions() -> list[Check]:
     return checks
 
 
-def check_all_reduce(info: DistInfo, sizes: list[int], repeats: int) -> Check:
-    """A sum that comes out right, then the bus bandwidth at ``sizes`` (backend and ring)."""
+def check_all_reduce(info: DistInfo, sizes: list[int], repeats: int) -> tuple[Check, list[CommRow]]:
+    """A sum that comes out right, then the bus bandwidth at ``sizes`` (backend and ring).
+
+    Returns:
+        tuple[Check, list[CommRow]]: the row of the table, and the timings (none when the check failed or one process
+        ran it), each the slowest rank's.
+    """
     if info.world_size == 1:
-        return Check("all-reduce", True, "one process: nothing to reduce")
+        return Check("all-reduce", True, "one process: nothing to reduce"), []
     try:
         total = torch.full((4,), float(info.rank + 1), device=info.device)
         dist.all_reduce(total)
         expected = info.world_size * (info.world_size + 1) / 2
         if not torch.all(total == expected):
-            return Check(
+            wrong = Check(
                 "all-reduce",
                 False,
                 f"sum {total[0].item()} instead of {expected}",
                 "a broken transport: check the backend's network settings (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, "
                 "NCCL_P2P_DISABLE) and run ddp-ft bench-comm.",
             )
+            return wrong, []
         rows = measure_all_reduce(sizes, repeats, warmup=1, device=info.device, byte_budget=2**28)
     except Exception as error:  # a timeout or a transport error: the failure, reported as one
-        return Check("all-reduce", False, f"{type(error).__name__}: {error}", "see the error; then ddp-ft bench-comm")
+        failed = Check("all-reduce", False, f"{type(error).__name__}: {error}", "see the error; then ddp-ft bench-comm")
+        return failed, []
     shown = ", ".join(f"{format_size(r.nbytes)} {r.busbw_gbps:.2f}" for r in rows if r.method == "backend")
-    return Check("all-reduce", True, f"sums right; backend busbw GB/s: {shown}")
+    return Check("all-reduce", True, f"sums right; backend busbw GB/s: {shown}"), rows
 
 
-def run_checks(args: argparse.Namespace, info: DistInfo) -> list[Check]:
-    """This rank's checks, in table order."""
+def run_checks(args: argparse.Namespace, info: DistInfo) -> tuple[list[Check], list[CommRow]]:
+    """This rank's checks, in table order, and the all-reduce timings."""
     from accelerate import PartialState
 
     identities = [device_identity(info.device)]
@@ -244,15 +263,17 @@ def run_checks(args: argparse.Namespace, info: DistInfo) -> list[Check]:
         identities = [None] * info.world_size
         dist.all_gather_object(identities, device_identity(info.device))
     seen = PartialState(cpu=info.device.type == "cpu").num_processes
-    return [
+    comm, rows = check_all_reduce(info, args.sizes, args.repeats)
+    checks = [
         check_world_size(info.world_size, args.expect_world_size),
         check_accelerate(info.world_size, seen),
         check_devices(identities, info.device),
         check_backend(info, args.device),
         check_precision(args.compute_dtype, info.device),
         *check_versions(),
-        check_all_reduce(info, args.sizes, args.repeats),
+        comm,
     ]
+    return checks, rows
 
 
 def merge(by_rank: list[list[Check]]) -> list[Check]:
@@ -281,6 +302,21 @@ def format_table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def write_probe(out_dir: Path, info: DistInfo, checks: list[Check], rows: list[CommRow]) -> Path:
+    """``out_dir/doctor.json``: the checks and the all-reduce timings (``ddp-ft forecast --link measured``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / PROBE_FILE
+    probe = {
+        "world_size": info.world_size,
+        "device": info.device.type,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "checks": [asdict(c) for c in checks],
+        "all_reduce": [r.as_dict() for r in rows],
+    }
+    path.write_text(json.dumps(probe, indent=2))
+    return path
+
+
 def main(
     argv: list[str] | None = None, parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None
 ) -> int:
@@ -289,7 +325,7 @@ def main(
     args = parse_args(argv, parents, prog)
     info = init_distributed(timeout_s=args.timeout, device_type=None if args.device == "auto" else args.device)
     try:
-        checks = run_checks(args, info)
+        checks, rows = run_checks(args, info)
         by_rank = [checks]
         if dist.is_initialized():
             by_rank = [None] * info.world_size
@@ -298,6 +334,8 @@ def main(
         if info.is_main_process:
             print(f"ddp-ft doctor: {info.world_size} process(es), {info.device.type}", flush=True)
             print(format_table(merged), flush=True)
+            if args.out is not None:
+                print(f"wrote {write_probe(args.out, info, merged, rows)}", flush=True)
         return int(not all(c.ok for c in merged))
     finally:
         destroy_distributed()

@@ -24,6 +24,7 @@ from .buckets import BucketSpec
 from .comm_hooks import CommHook, allreduce_divided_hook, allreduce_hook, wire_dtype
 from .grad_buffers import BucketBuffer
 from .stats import CommRecorder, Measurement, start_timer, stop_timer
+from .timeline import BackwardClock
 
 _REENTRANT_HINT = (
     "If the model uses gradient checkpointing, enable it non-reentrant: "
@@ -83,6 +84,7 @@ class Reducer:
         # The window ends when the finalizer's wait returns, which on CUDA is not when the GPU finished.
         self._measure_window = self._device.type == "cpu"
         self.stats = CommRecorder()  # the latest backward's and since the last pop
+        self.clock = BackwardClock(self._device)  # when each bucket was ready in the latest synced backward
 
         # Counters read once per optimizer step by the StepWatch (ddp_ft.ddp.watch), never on the backward path.
         self.synced_done = 0  # synced backward passes finished
@@ -198,6 +200,8 @@ class Reducer:
             bucket.pending = len(bucket.params)
             bucket.future = None
         self.stats.start_backward(synced=sync)
+        if sync:
+            self.clock.forward_start()
         if self.gradient_as_bucket_view:
             self._attach_grad_views()
 
@@ -224,6 +228,7 @@ class Reducer:
         if self._armed and self._sync and not self._finalizer_queued:
             self._finalizer_queued = True
             self._pass_accumulates = accumulates
+            self.clock.start(self._wire_bytes)
             if self.on_synced_backward is not None:
                 self._backward_timer = start_timer(self._device)
             Variable._execution_engine.queue_callback(self._finalize_backward)
@@ -263,6 +268,7 @@ class Reducer:
                 param.grad = view
         bucket.pending -= 1
         if bucket.pending == 0:
+            self.clock.bucket_ready(bucket_index)
             self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -292,6 +298,7 @@ class Reducer:
             self._finalizer_queued = False
             return
         self.last_ready_at = time.perf_counter()  # this rank's compute is done; what follows is waiting
+        self.clock.end()
         token = start_timer(self._device)
         used_map = None
         if self.find_unused_parameters:

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .autotune import AUTO
-from .comm_hooks import COMM_HOOKS, check_powersgd_buckets
+from .autotune import AUTO, TORCH_DEFAULT_CAP_MB
+from .comm_hooks import COMM_HOOKS, allreduce_hook, check_powersgd_buckets
 from .ranges import DDP_RANGES, check_ranges
+from .timeline import BackwardRecorder
 from .wrapper import BucketedDDP
 
 COMM_HOOK_CHOICES = (*COMM_HOOKS, "powersgd")
@@ -58,6 +59,15 @@ class DDPSettings:
                 "bucket_cap_mb='auto' with comm_hook='powersgd': PowerSGD keeps its state per bucket index, which "
                 "the trial's layout changes would scramble. Give bucket_cap_mb a number, or another comm_hook."
             )
+
+    def record_backward(self, module: torch.nn.Module) -> BackwardRecorder:
+        """At world size 1, when each bucket :meth:`wrap` would build becomes ready, with nothing communicated.
+
+        ``bucket_cap_mb="auto"`` records the layout its trial starts from; PowerSGD's buckets count their raw bytes.
+        """
+        cap = TORCH_DEFAULT_CAP_MB if self.bucket_cap_mb == AUTO else self.bucket_cap_mb
+        hook = COMM_HOOKS.get(self.comm_hook, allreduce_hook)
+        return BackwardRecorder(module, cap, self.first_bucket_cap_mb, hook)
 
     def wrap(self, module: torch.nn.Module) -> BucketedDDP:
         """``module`` in a BucketedDDP configured by these settings (comm hook registered)."""

@@ -19,6 +19,7 @@ from .placement import device_identity, model_device
 from .reducer import Reducer
 from .state_dict import add_module_prefix, report_keys_unprefixed, strip_module_prefix
 from .stats import CommStats
+from .timeline import BackwardTimeline
 from .verify import verify_across_ranks
 from .watch import StepWatch
 
@@ -330,6 +331,11 @@ class BucketedDDP(nn.Module, JoinableDDP):
         waiting for the slower rank (``ddp_ft.training.loop`` gathers it per step).
         """
         return getattr(self._reducer, "last_ready_at", None)
+
+    def last_backward_timeline(self) -> BackwardTimeline | None:
+        """When each bucket was ready in the latest synced backward, from its start (``ddp-ft forecast`` reads
+        it), or None before the first. On CUDA, events read now: call it after the step's own wait."""
+        return self._reducer.clock.read()
 
     def pop_comm_stats(self) -> CommStats:
         """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""

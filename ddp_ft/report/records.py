@@ -12,6 +12,8 @@ Both the plain loop and the Trainer recipe name their wandb runs with :func:`run
 * ``stop``: the plain loop, when a signal stopped the run.
 * ``bucket_choice``: with ``bucket_cap_mb="auto"``, once, at the first optimizer step after the trial decided: the
   caps kept, and every candidate's caps, buckets and median time.
+* ``backward``: the plain loop, one per optimizer step: each bucket's bytes and when it was ready in the step's last
+  backward (the synced one under DDP), what ``ddp-ft forecast`` reads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ EVAL = "eval"
 STOP = "stop"
 PREDICT = "predict"
 BUCKET_CHOICE = "bucket_choice"
+BACKWARD = "backward"
 
 # What ``tokens`` and ``tokens_per_s`` count, on both paths (the Trainer's ``include_num_input_tokens_seen``).
 TOKENS_COUNTED = "non-padding input tokens (attention mask)"
@@ -161,6 +164,33 @@ def bucket_choice_record(*, step: int, choice) -> dict:
         "buckets": choice.buckets,
         "candidates": [[c.bucket_cap_mb, c.first_bucket_cap_mb, c.buckets] for c in choice.candidates],
         "median_ms": list(choice.medians_ms),
+    }
+
+
+def backward_record(
+    *,
+    step: int,
+    bucket_bytes: list[int] | tuple[int, ...],
+    ready_ms: list[float] | tuple[float, ...],
+    backward_ms: float,
+    forward_ms: float | None = None,
+) -> dict:
+    """A ``backward`` record: the buckets of the step's last backward (a ``BackwardTimeline``).
+
+    Args:
+        step (int): the optimizer step.
+        bucket_bytes (list[int]): bytes each bucket sends, in launch order.
+        ready_ms (list[float]): ms from the start of that backward to each bucket's last gradient.
+        backward_ms (float): ms from its start to its last gradient.
+        forward_ms (float | None): ms from the start of its forward to the start of backward. Default: None
+    """
+    return {
+        "type": BACKWARD,
+        "step": step,
+        "bucket_bytes": list(bucket_bytes),
+        "bucket_ready_ms": list(ready_ms),
+        "backward_ms": backward_ms,
+        "forward_ms": forward_ms,
     }
 
 

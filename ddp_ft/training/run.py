@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..ddp.timeline import BackwardRecorder
 from ..distributed import DistInfo, restart_count
 from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint
 from .checkpoint.shared_fs import check_shared_resume, prepare_output_dir
@@ -51,6 +52,7 @@ class Run:
     total_steps: int
     model: torch.nn.Module  # unwrapped: what is saved, evaluated and unscaled
     wrapped: torch.nn.Module  # BucketedDDP(model) when distributed, else the model itself
+    recorder: BackwardRecorder | None  # one process: when each bucket BucketedDDP would build is ready
     compile_watch: CompileWatch | None
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
@@ -87,6 +89,7 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     model, resolved = build_training_model(settings, info, parts)  # Liger, compiled, probed: the final micro-batch
     loader = make_loader(settings, info, parts, resolved)
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
+    recorder = None if info.is_distributed else settings.ddp.record_backward(model)  # for ddp-ft forecast
     scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
@@ -109,6 +112,7 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
         total_steps=total_steps,
         model=model,
         wrapped=wrapped,
+        recorder=recorder,
         compile_watch=compile_watch,
         trainable=trainable,
         optimizer=optimizer,

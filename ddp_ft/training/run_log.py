@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -15,6 +16,7 @@ from ..ddp import BucketedDDP
 from ..report.metrics import ThroughputMeter, open_metric_sink
 from ..report.records import (
     STOP,
+    backward_record,
     bucket_choice_record,
     config_record,
     eval_record,
@@ -87,6 +89,7 @@ class RunLog:
             record.update(wrapped.pop_comm_stats().as_dict())
         record.update(run.compile_watch.snapshot() if run.compile_watch else {})
         self.sink.log(record)
+        self._backward(state.global_step)
         if isinstance(wrapped, BucketedDDP) and wrapped.bucket_choice is not None and not self.choice_logged:
             self.sink.log(bucket_choice_record(step=state.global_step, choice=wrapped.bucket_choice))
             self.choice_logged = True
@@ -94,6 +97,14 @@ class RunLog:
         self.last_loss = result.loss
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def _backward(self, step: int) -> None:
+        """The step's ``backward`` record: when each bucket was ready in its last backward (rank 0 only)."""
+        run = self.run
+        source = run.wrapped if isinstance(run.wrapped, BucketedDDP) else run.recorder
+        timeline = source.last_backward_timeline() if source is not None and run.info.is_main_process else None
+        if timeline is not None:
+            self.sink.log(backward_record(step=step, **asdict(timeline)))
 
     def evaluation(self, eval_loss: float) -> None:
         state = self.run.state

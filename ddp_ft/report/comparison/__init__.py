@@ -12,15 +12,23 @@ One module per part, each importing only the ones before it:
   device type, the host) (pure);
 * ``summary``: :class:`RunSummary`, :class:`LossCurve`, :class:`Comparison`, :func:`summarize_run`,
   :func:`loss_curve`, :func:`compare_runs` (pure, unit-tested);
-* ``render``: :func:`table_rows`, :func:`summary_lines`, :func:`markdown_table` (pure), :func:`comparison_figure`
-  and :func:`plot_comparison`;
+* ``render``: :func:`table_rows`, :func:`summary_lines`, :func:`forecast_lines` (``ddp-ft forecast`` beside the DDP
+  run), :func:`markdown_table` (pure), :func:`comparison_figure` and :func:`plot_comparison`;
 * ``wandb_io``: :func:`records_from_wandb` (a run logged online as records) and :func:`log_report_to_wandb`;
 * ``files``: :func:`load_run` and :func:`write_report`, the thin I/O around the rest.
 """
 
 from .fairness import host_notes, mismatch
 from .files import load_run, write_report
-from .render import TOKENS_NOTE, comparison_figure, markdown_table, plot_comparison, summary_lines, table_rows
+from .render import (
+    TOKENS_NOTE,
+    comparison_figure,
+    forecast_lines,
+    markdown_table,
+    plot_comparison,
+    summary_lines,
+    table_rows,
+)
 from .summary import MEMORY_METRICS, Comparison, LossCurve, RunSummary, compare_runs, loss_curve, summarize_run
 from .wandb_io import WANDB_PREFIX, log_report_to_wandb, records_from_wandb
 
@@ -33,6 +41,7 @@ __all__ = [
     "RunSummary",
     "compare_runs",
     "comparison_figure",
+    "forecast_lines",
     "host_notes",
     "load_run",
     "log_report_to_wandb",

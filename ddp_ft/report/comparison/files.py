@@ -8,6 +8,7 @@ import json
 import logging
 from pathlib import Path
 
+from ..forecast.render import FORECAST_FILE, load_forecast
 from ..metrics import read_jsonl, timeline
 from .render import markdown_table, plot_comparison, table_rows
 from .summary import RunSummary, compare_runs, summarize_run
@@ -42,6 +43,7 @@ def write_report(
     out_dir: str | Path,
     skip_first: int = 1,
     independent_dirs: list[str | Path] | None = None,
+    forecast: str | Path | None = None,
 ) -> dict:
     """Compare two run directories; write ``comparison.md``, ``comparison.png`` and ``comparison.json``.
 
@@ -52,6 +54,8 @@ def write_report(
         skip_first (int): warm-up steps left out of the medians. Default: 1.
         independent_dirs (list[str | Path] | None): output_dirs of single-device runs of the same experiment that
             ran side by side, one per device of the DDP run: the limit DDP is measured against. Default: None.
+        forecast (str | Path | None): a ``forecast.json`` of ``ddp-ft forecast`` (or its folder), shown beside the
+            DDP run. Default: the baseline folder's ``forecast.json`` if it has one.
 
     Returns:
         dict: the content of ``comparison.json``: :meth:`Comparison.to_dict` plus ``table``
@@ -60,7 +64,11 @@ def write_report(
     baseline, baseline_records = load_run(baseline_dir, skip_first)
     other, other_records = load_run(other_dir, skip_first)
     independent = [load_run(d, skip_first)[0] for d in independent_dirs or []]
-    comparison = compare_runs(baseline, baseline_records, other, other_records, independent)
+    if forecast is None and not str(baseline_dir).startswith(WANDB_PREFIX):
+        beside = Path(baseline_dir) / FORECAST_FILE
+        forecast = beside if beside.is_file() else None
+    predicted = load_forecast(forecast) if forecast is not None else None
+    comparison = compare_runs(baseline, baseline_records, other, other_records, independent, predicted)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     markdown = markdown_table(comparison)

@@ -107,12 +107,34 @@ def summary_lines(comparison: Comparison) -> list[str]:
     ]
 
 
+def forecast_lines(comparison: Comparison) -> list[str]:
+    """The forecast beside the measured DDP run, as a markdown table; none without a forecast."""
+    f, other = comparison.forecast, comparison.other
+    if f is None:
+        return []
+    rows = [
+        ("step time (s)", _fmt(f["step_time_s"], ".3f"), _fmt(other.step_time_s, ".3f")),
+        ("exposed comm (ms)", _fmt(f["exposed_comm_ms"], ".2f"), _fmt(other.exposed_comm_ms, ".2f")),
+        ("tokens/s (global)", _fmt(f["tokens_per_s"], ",.1f"), _fmt(other.tokens_per_s, ",.1f")),
+        ("scaling efficiency", _fmt(f["scaling_efficiency"], ".1%"), _fmt(comparison.scaling_efficiency, ".1%")),
+    ]
+    return [
+        "",
+        f"Forecast beside the measured run (ddp-ft forecast of {f['from_run']}: {f['setup']} over {f['link']}):",
+        "",
+        f"| metric | forecast | {other.run_name} (measured) |",
+        "|---|---:|---:|",
+        *(f"| {name} | {predicted} | {measured} |" for name, predicted, measured in rows),
+    ]
+
+
 def markdown_table(comparison: Comparison) -> str:
-    """The comparison as markdown: one column per run, then speedup, efficiency and loss-gap lines."""
+    """The comparison as markdown: one column per run, then speedup, efficiency and loss-gap lines, then the forecast
+    beside the DDP run when there is one."""
     columns, rows = table_rows(comparison)
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join([*lines, "", *summary_lines(comparison)]) + "\n"
+    return "\n".join([*lines, "", *summary_lines(comparison), *forecast_lines(comparison)]) + "\n"
 
 
 def plot_comparison(comparison: Comparison, path: str | Path) -> Path:

@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
+from ..forecast.build import Forecast
 from ..records import CONFIG, EVAL, TRAIN, of_type
 from .fairness import HOST_FIELDS, host_notes, mismatch
 
@@ -114,6 +115,8 @@ class Comparison:
         of_limit (float | None): ``other.tokens_per_s / limit_tokens_per_s``: how close DDP came to that limit.
         not_comparable (list[str]): why a speed ratio is withheld (None above), each with its fix: runs that
             differ in threads per process or device type.
+        forecast (dict | None): the ``ddp-ft forecast`` row for ``other``'s world size (a ``ForecastRow`` as a dict,
+            with ``from_run``, the run it was made from), shown beside ``other``; None when no forecast was given.
     """
 
     baseline: RunSummary
@@ -131,6 +134,7 @@ class Comparison:
     limit_tokens_per_s: float | None = None
     of_limit: float | None = None
     not_comparable: list[str] = field(default_factory=list)
+    forecast: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -233,6 +237,7 @@ def compare_runs(
     other: RunSummary,
     other_records: list[dict],
     independent: list[RunSummary] | None = None,
+    forecast: Forecast | None = None,
 ) -> Comparison:
     """Compare two summarized runs; the records supply the loss curves.
 
@@ -246,6 +251,8 @@ def compare_runs(
         other_records (list[dict]): its ``metrics.jsonl`` records.
         independent (list[RunSummary] | None): single-device runs of the same experiment that ran side by side,
             one per device of ``other`` (the limit: what the devices do with no communication). Default: None.
+        forecast (Forecast | None): ``ddp-ft forecast`` of ``baseline``; its row for ``other``'s world size is kept
+            to be shown beside ``other``. Default: None.
 
     Returns:
         Comparison: speedup, scaling efficiency, step-time ratio, loss-curve gap, eval-loss delta and notes. A
@@ -267,6 +274,7 @@ def compare_runs(
         notes.append(_over_the_limit_note(baseline, other, independent, of_limit))
 
     speedup = None if refused else _ratio(other.tokens_per_s, baseline.tokens_per_s)
+    beside = _forecast_row(forecast, baseline, other, notes) if forecast is not None else None
     return Comparison(
         baseline=baseline,
         other=other,
@@ -287,7 +295,22 @@ def compare_runs(
         limit_tokens_per_s=limit,
         of_limit=of_limit,
         not_comparable=[reason for reason in (refused, *unfair_limit) if reason],
+        forecast=beside,
     )
+
+
+def _forecast_row(forecast: Forecast, baseline: RunSummary, other: RunSummary, notes: list[str]) -> dict | None:
+    """The forecast's one-machine row for ``other``'s world size, with the run it came from; caveats go to ``notes``."""
+    if forecast.run_name != baseline.run_name:
+        notes.append(f"the forecast was made from {forecast.run_name}, not from the baseline {baseline.run_name}")
+    row = forecast.row(other.world_size)
+    if row is None:
+        notes.append(
+            f"the forecast has no row for {other.world_size} processes: ddp-ft forecast BASELINE --nproc "
+            f"{other.world_size} --out DIR"
+        )
+        return None
+    return {**asdict(row), "from_run": forecast.run_name}
 
 
 def _run_notes(baseline: RunSummary, other: RunSummary, base_points: int, other_points: int, matched: int) -> list:

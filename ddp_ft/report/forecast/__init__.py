@@ -1,0 +1,41 @@
+"""What BucketedDDP would do on N processes, from a finished one-process run (``ddp-ft forecast``).
+
+The run's ``backward`` records say when each bucket was ready in backward; a link (a preset with its source, or
+this machine's, fitted from ``ddp-ft doctor``'s probe) says what an all-reduce costs. One module per part, each
+importing only the ones before it:
+
+* ``links``: :class:`Link`, :data:`PRESETS`, :func:`ring_allreduce_ms`, :func:`fit_link`, :func:`load_probe`;
+* ``schedule``: :func:`schedule_buckets` and :func:`predict_step`, the Reducer's schedule replayed (pure);
+* ``build``: :class:`Forecast`, :func:`measured_steps` and :func:`forecast_run`, records in, rows out (pure);
+* ``render``: :func:`markdown` (pure), :func:`write_forecast` and :func:`load_forecast`.
+"""
+
+from .build import Forecast, ForecastRow, forecast_run, measured_steps, split_batch
+from .links import LINK_CHOICES, MEASURED, PRESETS, PROBE_FILE, Link, fit_link, load_probe, ring_allreduce_ms
+from .render import FORECAST_FILE, load_forecast, markdown, write_forecast
+from .schedule import BucketSchedule, MeasuredStep, PredictedStep, predict_step, schedule_buckets
+
+__all__ = [
+    "FORECAST_FILE",
+    "LINK_CHOICES",
+    "MEASURED",
+    "PRESETS",
+    "PROBE_FILE",
+    "BucketSchedule",
+    "Forecast",
+    "ForecastRow",
+    "Link",
+    "MeasuredStep",
+    "PredictedStep",
+    "fit_link",
+    "forecast_run",
+    "load_forecast",
+    "load_probe",
+    "markdown",
+    "measured_steps",
+    "predict_step",
+    "ring_allreduce_ms",
+    "schedule_buckets",
+    "split_batch",
+    "write_forecast",
+]
