@@ -3,6 +3,8 @@ doctor's probe, the table from known records, and the command end to end on a ti
 in ``ddp-ft compare``."""
 
 import json
+import math
+import statistics
 
 import pytest
 
@@ -15,11 +17,13 @@ from ddp_ft.report.forecast import (
     Forecast,
     Link,
     MeasuredStep,
+    expected_max_of_normals,
     fit_link,
     forecast_run,
     load_forecast,
     load_probe,
     predict_step,
+    rank_wait_ms,
     ring_allreduce_ms,
     schedule_buckets,
     split_batch,
@@ -82,6 +86,22 @@ def test_only_the_synced_micro_step_communicates():
     assert four.step_ms - two.step_ms == 2 * 200.0, "no_sync micro-steps add compute only"
     alone = predict_step(_measured(), ranks=1, accumulation=4, cost_ms=cost)
     assert (alone.step_ms, alone.exposed_ms) == (1000.0, 0.0)
+
+
+def test_a_step_waits_for_its_slowest_rank_as_many_normal_draws_predict():
+    """E[max of N standard normals]: 0 for 1, 1/sqrt(pi) for 2, 1.0294 for 4; a rank's step sums its micro-steps,
+    so 2 ranks of 2 micro-steps of spread s wait s x sqrt(2) / sqrt(pi), once per step, on the synced backward."""
+    assert expected_max_of_normals(1) == 0.0
+    assert expected_max_of_normals(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-6)
+    assert expected_max_of_normals(4) == pytest.approx(1.0293754, rel=1e-6)
+    micro = [196.0, 204.0, 196.0, 204.0]
+    wait = rank_wait_ms(micro, ranks=2, accumulation=2)
+    assert wait == pytest.approx(statistics.stdev(micro) * math.sqrt(2) / math.sqrt(math.pi))
+    assert rank_wait_ms([200.0] * 4, ranks=8, accumulation=4) == 0.0 and rank_wait_ms(micro, 1, 4) == 0.0
+    cost = per_byte(1.0)
+    waited = predict_step(_measured(), ranks=2, accumulation=2, cost_ms=cost, wait_ms=wait)
+    alone = predict_step(_measured(), ranks=2, accumulation=2, cost_ms=cost)
+    assert (waited.step_ms - alone.step_ms, waited.exposed_ms - alone.exposed_ms) == pytest.approx((wait, wait))
 
 
 def test_a_split_that_keeps_the_effective_batch_or_says_why_it_cannot():

@@ -13,7 +13,15 @@ importing only the ones before it:
 from .build import Forecast, ForecastRow, forecast_run, measured_steps, split_batch
 from .links import LINK_CHOICES, MEASURED, PRESETS, PROBE_FILE, Link, fit_link, load_probe, ring_allreduce_ms
 from .render import FORECAST_FILE, load_forecast, markdown, write_forecast
-from .schedule import BucketSchedule, MeasuredStep, PredictedStep, predict_step, schedule_buckets
+from .schedule import (
+    BucketSchedule,
+    MeasuredStep,
+    PredictedStep,
+    expected_max_of_normals,
+    predict_step,
+    rank_wait_ms,
+    schedule_buckets,
+)
 
 __all__ = [
     "FORECAST_FILE",
@@ -33,7 +41,9 @@ __all__ = [
     "load_probe",
     "markdown",
     "measured_steps",
+    "expected_max_of_normals",
     "predict_step",
+    "rank_wait_ms",
     "ring_allreduce_ms",
     "schedule_buckets",
     "split_batch",

@@ -3,11 +3,13 @@
 Pure: numbers in, numbers out. The schedule is the Reducer's. Only the synced (last) micro-step of a step
 communicates. Its buckets launch in index order, each once it and every bucket before it hold their gradients, and
 one all-reduce runs at a time (a process group runs its collectives in order). What is still running when backward
-ends is exposed: the step waits for it.
+ends is exposed: the step waits for it. The synced backward also waits for the slowest rank (:func:`rank_wait_ms`).
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -98,8 +100,44 @@ class PredictedStep:
     tokens: float
 
 
+def expected_max_of_normals(n: int, points: int = 8001) -> float:
+    """The expected maximum of ``n`` independent standard normal draws (0 for one), by the trapezoid rule."""
+    if n <= 1:
+        return 0.0
+    lo, hi = -10.0, 10.0
+    width = (hi - lo) / (points - 1)
+    total = 0.0
+    for i in range(points):
+        x = lo + i * width
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        below = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        weight = 0.5 if i in (0, points - 1) else 1.0
+        total += weight * x * n * density * below ** (n - 1)
+    return total * width
+
+
+def rank_wait_ms(micro_ms: Sequence[float], ranks: int, accumulation: int) -> float:
+    """How long a step waits, on average, for its slowest rank.
+
+    Each rank's step is ``accumulation`` micro-steps drawn from the measured ones, independently; their sum is
+    taken as normal, so the slowest of ``ranks`` exceeds the mean by the expected maximum of that many normals.
+
+    Args:
+        micro_ms (Sequence[float]): the measured micro-steps (one per timed step).
+        ranks (int): ranks in the ring.
+        accumulation (int): micro-steps per rank per step.
+
+    Returns:
+        float: ms; 0 for one rank or fewer than two measured micro-steps.
+    """
+    if ranks <= 1 or len(micro_ms) < 2:
+        return 0.0
+    spread = statistics.stdev(micro_ms) * math.sqrt(accumulation)
+    return spread * expected_max_of_normals(ranks)
+
+
 def predict_step(
-    measured: MeasuredStep, ranks: int, accumulation: int, cost_ms: Callable[[int], float]
+    measured: MeasuredStep, ranks: int, accumulation: int, cost_ms: Callable[[int], float], wait_ms: float = 0.0
 ) -> PredictedStep:
     """``measured`` on ``ranks`` ranks of ``accumulation`` micro-steps each.
 
@@ -111,13 +149,15 @@ def predict_step(
         ranks (int): ranks in the ring.
         accumulation (int): micro-steps per rank.
         cost_ms (Callable[[int], float]): ms one all-reduce of that many bytes takes over the ring.
+        wait_ms (float): the synced backward's wait for the slowest rank (:func:`rank_wait_ms`); a rank's
+            all-reduce cannot finish before it, so it counts as exposed. Default: 0.
 
     Returns:
         PredictedStep: the step, its exposed and total communication, its tokens.
     """
     rest_ms = measured.step_ms - measured.micro_ms * measured.accumulation
     schedule = schedule_buckets(measured.bucket_bytes, measured.ready_ms, measured.backward_ms, cost_ms)
-    exposed = schedule.exposed_ms if ranks > 1 else 0.0
+    exposed = schedule.exposed_ms + wait_ms if ranks > 1 else 0.0
     comm = schedule.comm_ms if ranks > 1 else 0.0
     tokens = measured.tokens / measured.accumulation * accumulation * ranks
     return PredictedStep(rest_ms + measured.micro_ms * accumulation + exposed, exposed, comm, tokens)
