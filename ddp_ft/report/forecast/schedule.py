@@ -120,7 +120,9 @@ def rank_wait_ms(micro_ms: Sequence[float], ranks: int, accumulation: int) -> fl
     """How long a step waits, on average, for its slowest rank.
 
     Each rank's step is ``accumulation`` micro-steps drawn from the measured ones, independently; their sum is
-    taken as normal, so the slowest of ``ranks`` exceeds the mean by the expected maximum of that many normals.
+    taken as normal, so the slowest of ``ranks`` exceeds the mean by the expected maximum of that many normals. The
+    micro-steps' spread is robust (1.4826 x their median absolute deviation): a step that stalled the whole host (a
+    collection, a checkpoint) stalls every rank alike and is no rank-to-rank spread.
 
     Args:
         micro_ms (Sequence[float]): the measured micro-steps (one per timed step).
@@ -132,8 +134,9 @@ def rank_wait_ms(micro_ms: Sequence[float], ranks: int, accumulation: int) -> fl
     """
     if ranks <= 1 or len(micro_ms) < 2:
         return 0.0
-    spread = statistics.stdev(micro_ms) * math.sqrt(accumulation)
-    return spread * expected_max_of_normals(ranks)
+    middle = statistics.median(micro_ms)
+    spread = 1.4826 * statistics.median(abs(m - middle) for m in micro_ms)
+    return spread * math.sqrt(accumulation) * expected_max_of_normals(ranks)
 
 
 def predict_step(
