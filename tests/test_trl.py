@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from .dist_harness import run_distributed
-from .trl_runs import CASES, Case, Run, sft_config, train
+from .trl_runs import CASES, Case, Run, sft_config, tiny_paths, train
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -33,13 +33,7 @@ ONE_PROCESS_LOSS_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-5}
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
-    from ddp_ft.training.model.qlora import build_tiny_qwen3
-
-    root = tmp_path_factory.mktemp("trl")
-    tokenizer = build_tiny_tokenizer(root / "tokenizer")
-    model = build_tiny_qwen3(root / "qwen3", vocab_size=len(load_tokenizer(str(tokenizer))), seed=0)
-    return str(tokenizer), str(model)
+    return tiny_paths(tmp_path_factory.mktemp("trl"))
 
 
 def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str, dict[str, Run]]:

@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from .dist_harness import run_distributed
 from .trl_offline_runs import Case, OfflineRun, config, models, rows, train
+from .trl_runs import tiny_paths
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -61,13 +62,7 @@ def _tolerance(case: Case, weight: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
-    from ddp_ft.training.model.qlora import build_tiny_qwen3
-
-    root = tmp_path_factory.mktemp("trl_offline")
-    tokenizer = build_tiny_tokenizer(root / "tokenizer")
-    model = build_tiny_qwen3(root / "qwen3", vocab_size=len(load_tokenizer(str(tokenizer))), seed=0)
-    return str(tokenizer), str(model)
+    return tiny_paths(tmp_path_factory.mktemp("trl_offline"))
 
 
 def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str, dict[str, OfflineRun]]:

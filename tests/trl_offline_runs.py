@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .trl_runs import Run, _text, cpu_arguments
+from .trl_runs import Run, _text, cpu_arguments, split_steps
 
 
 @dataclass(frozen=True)
@@ -145,15 +145,7 @@ def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log:
         )
         log.clear()
         trainer.train()
-    steps, current = [], None
-    for entry in log:
-        if entry == "train_begin":
-            current = []
-        elif entry == "step_end":
-            steps.append(current)
-            current = []
-        elif current is not None:
-            current.append(entry)
+    steps = split_steps(log)
     trained = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     adapters = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]

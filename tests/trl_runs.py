@@ -34,6 +34,33 @@ CASES = (
 )
 
 
+def tiny_paths(root) -> tuple[str, str]:
+    """The tiny tokenizer and a tiny Qwen3 of its vocabulary, built under ``root``: (tokenizer, model)."""
+    from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
+    from ddp_ft.training.model.qlora import build_tiny_qwen3
+
+    tokenizer = build_tiny_tokenizer(root / "tokenizer")
+    model = build_tiny_qwen3(root / "qwen3", vocab_size=len(load_tokenizer(str(tokenizer))), seed=0)
+    return str(tokenizer), str(model)
+
+
+def split_steps(log: list[str]) -> list[list[str]]:
+    """The collectives of each optimizer step, from a log of ``train_begin``, collective names and ``step_end``.
+
+    A step runs from the end of the one before: the Trainer draws its batches there.
+    """
+    steps, current = [], None
+    for entry in log:
+        if entry == "train_begin":
+            current = []
+        elif entry == "step_end":
+            steps.append(current)
+            current = []
+        elif current is not None:
+            current.append(entry)
+    return steps
+
+
 def _text(rng: random.Random, low: int, high: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
 
@@ -175,15 +202,7 @@ def train(
         if log is not None:
             log.clear()
         trainer.train()
-    steps, current = [], None  # a step: from the end of the one before (the Trainer draws its batches there)
-    for entry in log or []:
-        if entry == "train_begin":
-            current = []
-        elif entry == "step_end":
-            steps.append(current)
-            current = []
-        elif current is not None:
-            current.append(entry)
+    steps = split_steps(log or [])
     trained = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     adapters = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]

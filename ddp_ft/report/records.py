@@ -198,6 +198,20 @@ def of_type(records: list[dict], kind: str) -> list[dict]:
     return [r for r in records if r.get("type") == kind]
 
 
+def timed_train_records(records: list[dict], skip_first: int) -> list[dict]:
+    """The train records after the first ``skip_first`` of each run segment (each config record starts one, so a
+    resumed run warms up again); all of them if that leaves none."""
+    timed, since_config = [], 0
+    for record in records:
+        if record.get("type") == CONFIG:
+            since_config = 0
+        elif record.get("type") == TRAIN:
+            if since_config >= skip_first:
+                timed.append(record)
+            since_config += 1
+    return timed or of_type(records, TRAIN)
+
+
 def define_step_metrics(run) -> None:
     """Plot ``train/*`` and ``eval/*`` against samples seen (``run``: a wandb run, or the ``wandb`` module)."""
     run.define_metric(STEP_METRIC)

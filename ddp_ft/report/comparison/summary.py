@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from ..forecast.build import Forecast
-from ..records import CONFIG, EVAL, TRAIN, of_type
+from ..records import CONFIG, EVAL, TRAIN, of_type, timed_train_records
 from .fairness import HOST_FIELDS, host_notes, mismatch
 
 MEMORY_METRICS = ("peak_mem_gb", "peak_rss_gb")  # CUDA allocator peak (GPU), peak resident set size (CPU)
@@ -184,15 +184,7 @@ def summarize_run(records: list[dict], skip_first: int = 1, name: str = "run") -
         raise ValueError("no config record (type 'config'): is this a ddp_ft metrics.jsonl?")
     if not trains:
         raise ValueError(f"run {configs[0].get('run_name')!r} has no train record")
-    timed, since_config = [], 0
-    for record in records:
-        if record.get("type") == CONFIG:
-            since_config = 0
-        elif record.get("type") == TRAIN:
-            if since_config >= skip_first:
-                timed.append(record)
-            since_config += 1
-    timed = timed or trains
+    timed = timed_train_records(records, skip_first)
     memory_metric = next((m for m in MEMORY_METRICS if any(m in r for r in trains)), None)
     evals = [r for r in of_type(records, EVAL) if r.get("eval_loss") is not None]
     first = configs[0]

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from ..records import BACKWARD, CONFIG, TRAIN, of_type
+from ..records import BACKWARD, CONFIG, of_type, timed_train_records
 from .links import MEASURED, Link, ring_allreduce_ms
 from .schedule import MeasuredStep, PredictedStep, predict_step, rank_wait_ms
 
@@ -120,15 +120,7 @@ def measured_steps(records: list[dict], skip_first: int = 1) -> tuple[dict, list
     if config.get("comm_hook") == "powersgd":
         raise ValueError(f"{name} uses comm_hook powersgd, whose traffic the ring's cost does not describe")
     backward = {r["step"]: r for r in of_type(records, BACKWARD)}
-    timed, since_config = [], 0
-    for record in records:
-        if record.get("type") == CONFIG:
-            since_config = 0
-        elif record.get("type") == TRAIN:
-            if since_config >= skip_first:
-                timed.append(record)
-            since_config += 1
-    timed = timed or of_type(records, TRAIN)
+    timed = timed_train_records(records, skip_first)
     steps = [_step(r, backward[r["step"]], config["accumulation"]) for r in timed if r["step"] in backward]
     if not steps:
         raise ValueError(
