@@ -46,7 +46,7 @@ from .model.qlora import EMBEDDED_MODEL, check_device_map
 
 logger = logging.getLogger(__name__)
 
-COMPILE_WHY = "regional compilation of the decoder layers, twice as fast at a full micro-batch on a GPU (docs/gpu.md)"
+COMPILE_WHY = "regional compilation of the decoder layers, much faster at a full micro-batch on a GPU (docs/gpu.md)"
 
 
 @dataclass(frozen=True)
