@@ -19,13 +19,14 @@ from .dist_harness import PYTHONPATH
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
-E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "loop_old_defaults", "stock_reference"]
+E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "pieces", "packed_2048_short", "loop_old_defaults"]
+E2E += ["stock_reference"]
 CELLS = {
     mb: [f"decomp_{c}_{k}_{mb}" for k in ("ckpt", "nockpt") for c in ("eager", "compiled")] for mb in ("auto", "mb1")
 }
 CPU_STEPS = [E2E[0], *CELLS["auto"], *E2E[1:], *CELLS["mb1"], "shared_gpu_gloo", "gpu_check", "ladder", "scaling_2gpu"]
 CPU_RUN = {"loop_defaults", "decomp_eager_nockpt_auto", "gpu_check", "ladder"}
-CUDA_STEPS = ["random_model", *E2E[:3], *CELLS["auto"], *E2E[3:], *CELLS["mb1"], *CPU_STEPS[-4:]]
+CUDA_STEPS = ["random_model", *E2E[:5], *CELLS["auto"], *E2E[5:], *CELLS["mb1"], *CPU_STEPS[-4:]]
 
 
 def writes(path: Path, payload: dict) -> list[str]:
@@ -204,9 +205,9 @@ def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
     two = {s.name: s for s in plan_steps("cuda", 2, tmp_path, ROOT / "scripts", "python")}
     assert two["ladder"].skip is None and two["scaling_2gpu"].skip is None
     assert "--nproc_per_node=2" in two["scaling_2gpu"].command
-    # one H100 and the data: what a user runs, and the decomposition at auto, fit the default budget of 600 s
+    # one H100 and the data: the defaults, packing's cost and the decomposition at auto fit the default 600 s
     first = [s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)]
-    valuable = {"random_model", *E2E, *CELLS["auto"]}
+    valuable = {"random_model", *E2E[:5], *CELLS["auto"]}
     assert sum(s.expected_s for s in first if s.name in valuable) <= 600
 
 

@@ -36,6 +36,7 @@ def read_run(metrics: Path) -> dict:
         "steps": len(steps),
         "micro_batch": config.get("micro_batch"),
         "accumulation": config.get("accumulation"),
+        "gradient_checkpointing": config.get("gradient_checkpointing"),
         "tokens_per_s": statistics.median(rates) if rates else None,
         "tokens_per_s_range": [min(rates), max(rates)] if rates else None,
         "first_step_s": steps[0].get("step_time_s") if steps else None,
@@ -51,6 +52,8 @@ def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
     rate, peak, expected = result.get("tokens_per_s"), result.get("peak_allocated_gb"), result.get("expected_peak_gb")
     parts = [f"{rate:,.0f} non-padding tokens/s" if rate else "no step timed"]
     parts.append(f"micro-batch {result.get('micro_batch')} x {result.get('accumulation')}")
+    if result.get("gradient_checkpointing") is not None:
+        parts.append(f"checkpointing {'on' if result['gradient_checkpointing'] else 'off'}")
     if peak:
         parts.append(f"peak {peak:.2f} GB" + (f" (expected {expected:.2f}: {peak / expected:.0%})" if expected else ""))
     if result.get("compile", {}).get("time_s"):
@@ -91,6 +94,9 @@ if __name__ == "__main__":
 
 DATA_FILES = ("qwen2-tokenizer", "ami/ami_abstractive.jsonl")  # what the end-to-end steps read from ``--data``
 CPU_SMOKE = ["--preset", "tiny", "--max-steps", "2", "--report-to", "none"]
+# Packing's cost: 40 texts of about 370 tokens are 8 rows of 2,048, as packed_2048's micro-batch of 8 full rows.
+SHORT = ["--format", "text", "--max-seq-len", "2048", "--packing", "true"]  # fmt: skip
+SHORT += ["--micro-batch", "40", "--effective-batch", "80"]
 OLD_DEFAULTS = ["--micro-batch", "1", "--no-compile", "--packing", "false"]  # the seed's: micro-batch 1, eager, padded
 
 
@@ -132,6 +138,16 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
         if not cuda
         else [Step("random_model", "a random-weight Qwen3-4B (no download)", build, None, 45, 300, skip=no_data)]
     )
+    pieces = [
+        python,
+        "-m",
+        "ddp_ft.tools.gpu_report.pieces",
+        "--source",
+        str(ami),
+        "--out",
+        str(results / "pieces.jsonl"),
+    ]
+    only_cuda = no_data if cuda else "CUDA only: the CPU smoke test runs loop_defaults"
     loop_defaults = [*train, *base, "--max-steps", "6"] if cuda else [*train, *CPU_SMOKE]
     return steps + [
         run(
@@ -146,7 +162,14 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
             "packed_2048",
             "the loop at its defaults, sequence 2,048 packed (Unsloth's published shape)",
             [*train, *base, "--max-seq-len", "2048", "--packing", "true", "--max-steps", "4"],
-            60,
+            100,
+        ),
+        Step("pieces", "AMI cut into 280-word texts (packing's cost)", pieces, None, 5, 60, skip=only_cuda),
+        run(
+            "packed_2048_short",
+            "the loop at sequence 2,048, five short texts packed per row (against packed_2048's one)",
+            [*train, *base, *SHORT, "--source", str(results / "pieces.jsonl"), "--max-steps", "3"],
+            100,
         ),
         run(
             "loop_old_defaults",
