@@ -25,6 +25,7 @@ from ..report.records import (
     train_record,
 )
 from ..training.model.compilation import CompileWatch, is_regionally_compiled
+from .checkpointing import is_checkpointed
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class ThroughputCallback(TrainerCallback):
             world_size=world_size,
             micro_batch=args.per_device_train_batch_size,
             accumulation=args.gradient_accumulation_steps,
+            gradient_checkpointing=is_checkpointed(kwargs["model"]) if kwargs.get("model") is not None else None,
             total_steps=state.max_steps,
             resumed_from_step=state.global_step,
             **self._ddp_config,

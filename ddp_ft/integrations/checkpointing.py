@@ -72,3 +72,8 @@ def check_checkpointed_adapters(model: nn.Module) -> None:
             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) "
             "(TrainingArguments(gradient_checkpointing_kwargs={'use_reentrant': False}))."
         )
+
+
+def is_checkpointed(model: nn.Module) -> bool:
+    """Whether any of ``model``'s transformers layers recomputes its activations in backward (checkpointing on)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

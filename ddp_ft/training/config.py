@@ -309,12 +309,20 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
         "bucket_cap_mb": {"type": _number_or_auto(float, "a number of MiB")},
         "micro_batch": {"type": _number_or_auto(int, "a whole number of samples")},
         "compile": switch,  # bare --compile: true
+        "gradient_checkpointing": switch,
         "packing": {**switch, "nargs": None, "const": None},  # a yes/no word or "auto"
     }
     for action in parser._actions:
         for name, value in or_auto.get(action.dest, {}).items():
             setattr(action, name, value)
     parser.add_argument("--no-compile", "--no_compile", dest="compile", action="store_false", help="--compile false.")
+    parser.add_argument(
+        "--no-gradient-checkpointing",
+        "--no_gradient_checkpointing",
+        dest="gradient_checkpointing",
+        action="store_false",
+        help="--gradient-checkpointing false.",
+    )
     return parser
 
 

@@ -42,7 +42,7 @@ from .model.kernels import check_kernel_settings
 from .model.memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model.precision import Precision
 from .model.probe import MicroBatchProbe, probe_micro_batch
-from .model.qlora import EMBEDDED_MODEL, check_device_map
+from .model.qlora import EMBEDDED_MODEL, check_device_map, set_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class Resolved:
         packing (bool | None): micro-batches packed into rows without padding; None until
             :func:`resolve_run_packing`. Default: None
         packing_why (str): why packing is on or off. Default: ""
+        checkpointing (bool): activation checkpointing on; ``auto`` starts on, and the probe may turn it off
+            (:func:`probe_run_micro_batch`). Default: True
+        checkpointing_why (str): why it is on or off. Default: ""
     """
 
     micro_batch: int
@@ -80,11 +83,14 @@ class Resolved:
     probe: MicroBatchProbe | None = None
     packing: bool | None = None
     packing_why: str = ""
+    checkpointing: bool = True
+    checkpointing_why: str = ""
 
     def as_config(self) -> dict[str, dict[str, object]]:
         """The resolved values by settings section, written over the settings in ``run_config.yaml``."""
         data = {} if self.packing is None else {"data": {"packing": self.packing}}
-        return {"model": {"compile": self.compile}, "train": {"micro_batch": self.micro_batch}, **data}
+        model = {"compile": self.compile, "gradient_checkpointing": self.checkpointing}
+        return {"model": model, "train": {"micro_batch": self.micro_batch}, **data}
 
 
 class DeviceDefaults(NamedTuple):
@@ -123,7 +129,7 @@ def resolve_device_defaults(
             info.device,
             four_bit=model.load_in_4bit,
             lora_dropout=lora.lora_dropout,
-            checkpointing=model.gradient_checkpointing,
+            checkpointing=model.gradient_checkpointing is not False,  # auto may keep it on
         )
         if model.compile is True:
             refuse_blockers(found, "--compile (compile: true)")
@@ -182,6 +188,7 @@ def resolve_run(settings: RunSettings, info: DistInfo) -> Resolved:
     accumulation = gradient_accumulation_steps(settings.train.effective_batch, micro_batch, info.world_size)
     device_map = settings.model.device_map or {"": info.device.index if info.device.type == "cuda" else "cpu"}
     check_device_map(device_map, info.world_size)
+    checkpointing, checkpointing_why = _checkpointing(settings, pending)
     return Resolved(
         micro_batch=micro_batch,
         accumulation=accumulation,
@@ -191,7 +198,19 @@ def resolve_run(settings: RunSettings, info: DistInfo) -> Resolved:
         micro_batch_why=micro_why,
         compile_why=defaults.compile_why,
         probe_pending=pending,
+        checkpointing=checkpointing,
+        checkpointing_why=checkpointing_why,
     )
+
+
+def _checkpointing(settings: RunSettings, probe_pending: bool) -> tuple[bool, str]:
+    """``gradient_checkpointing`` before the model is built: ``auto`` starts on, for the probe to decide."""
+    value = settings.model.gradient_checkpointing
+    if value != AUTO:
+        return bool(value), "gradient_checkpointing: true" if value else "--no-gradient-checkpointing"
+    if probe_pending:
+        return True, "auto: on until the probe measures whether the whole per-rank batch fits without it"
+    return True, "auto: on (without --micro-batch auto nothing measures whether the run fits without it)"
 
 
 def resolve_micro_batch(
@@ -309,17 +328,15 @@ def probe_run_micro_batch(
     Raises:
         ValueError: micro-batch 1 does not fit on some rank, naming --micro-batch.
     """
-    probe = probe_micro_batch(
-        model,
-        seq_len=settings.data.max_seq_len,
-        effective_batch=settings.train.effective_batch,
-        info=info,
-        precision=resolved.precision,
-        **overrides,
-    )
+    probe = _probe(model, settings, info, resolved, overrides)
     if info.is_main_process and probe.micro_batch != resolved.micro_batch:
         logger.info(
             "--micro-batch auto: the probe's %d replaces the first guess %d", probe.micro_batch, resolved.micro_batch
+        )
+    checkpointing, checkpointing_why = resolved.checkpointing, resolved.checkpointing_why
+    if settings.model.gradient_checkpointing == AUTO and checkpointing:
+        probe, checkpointing, checkpointing_why = _checkpointing_if_needed(
+            model, settings, info, resolved, probe, overrides
         )
     return replace(
         resolved,
@@ -328,4 +345,47 @@ def probe_run_micro_batch(
         micro_batch_why=probe.describe(),
         probe_pending=False,
         probe=probe,
+        checkpointing=checkpointing,
+        checkpointing_why=checkpointing_why,
     )
+
+
+def _probe(model, settings: RunSettings, info: DistInfo, resolved: Resolved, overrides: dict) -> MicroBatchProbe:
+    return probe_micro_batch(
+        model,
+        seq_len=settings.data.max_seq_len,
+        effective_batch=settings.train.effective_batch,
+        info=info,
+        precision=resolved.precision,
+        **overrides,
+    )
+
+
+def _checkpointing_if_needed(
+    model, settings: RunSettings, info: DistInfo, resolved: Resolved, probe: MicroBatchProbe, overrides: dict
+) -> tuple[MicroBatchProbe, bool, str]:
+    """``gradient_checkpointing: auto`` decided on the probed model: off when the whole per-rank batch fits without
+    it, measured by a second probe with it off; else on again. Checkpointing only buys memory for a larger micro-batch,
+    so it is tried off only when the first probe already chose the largest (accumulation 1). Every rank decides the
+    same: each probe's choice is the smallest over the ranks."""
+    say = logger.info if info.is_main_process else logger.debug
+    if probe.accumulation != 1:
+        why = f"auto: on, the micro-batch it allows ({probe.micro_batch}) is below the per-rank batch"
+        say("gradient checkpointing: %s", why.removeprefix("auto: "))
+        return probe, True, why
+    set_checkpointing(model, False)
+    try:
+        bare = _probe(model, settings, info, resolved, overrides)
+    except ValueError:  # not even micro-batch 1 fits without it, on some rank
+        bare = None
+    if bare is not None and bare.accumulation == 1:
+        why = (
+            f"auto: off, micro-batch {bare.micro_batch} fits without it (expected {bare.expected_peak / 1e9:.1f} GB "
+            f"of a {bare.budget / 1e9:.1f} GB budget), so nothing is recomputed; --gradient-checkpointing true keeps it"
+        )
+        say("gradient checkpointing: %s", why.removeprefix("auto: "))
+        return bare, False, why
+    set_checkpointing(model, True, settings.model.use_reentrant)
+    why = f"auto: on, micro-batch {probe.micro_batch} fits only with it"
+    say("gradient checkpointing: %s", why.removeprefix("auto: "))
+    return probe, True, why

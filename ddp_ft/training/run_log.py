@@ -142,6 +142,7 @@ def _config_record(run: Run, name: str) -> dict:
         world_size=info.world_size,
         micro_batch=run.resolved.micro_batch,
         accumulation=run.resolved.accumulation,
+        gradient_checkpointing=run.resolved.checkpointing,
         total_steps=run.total_steps,
         resumed_from_step=run.state.global_step,
         bucket_cap_mb=settings.ddp.bucket_cap_mb,

@@ -157,7 +157,8 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
     """The QLoRA model on this rank's device, seeded by ``settings.train.seed``, checked against the tokenizer."""
     seed_everything(settings.train.seed)
-    model_settings = type(settings.model)(**{**asdict(settings.model), "model_name_or_path": parts.model_path})
+    resolved = {"model_name_or_path": parts.model_path, "gradient_checkpointing": parts.resolved.checkpointing}
+    model_settings = type(settings.model)(**{**asdict(settings.model), **resolved})
     model = load_qlora_model(model_settings, settings.lora, parts.resolved.device_map, info.world_size)
     check_vocabulary(parts.tokenizer, model.get_input_embeddings().num_embeddings)
     if parts.resolved.packing:  # the attention implementation is known now: refuse one that would mix packed sequences

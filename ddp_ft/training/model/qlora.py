@@ -53,7 +53,14 @@ class ModelSettings:
             "a model over its GPUs; under DDP that is refused."
         },
     )
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
+    gradient_checkpointing: bool | str = field(
+        default="auto",
+        metadata={
+            "help": "Recompute activations in backward, trading compute for memory. auto (the default): on, except on "
+            "CUDA with --micro-batch auto when the probe measures that the whole per-rank batch fits without it "
+            "(then nothing is recomputed). true: on. --no-gradient-checkpointing: off."
+        },
+    )
     use_reentrant: bool = field(
         default=False,
         metadata={"help": "Reentrant checkpointing breaks DDP gradient hooks; keep False unless you know why."},
@@ -246,10 +253,8 @@ def load_qlora_model(
         # the hooks of enable_input_require_grads (activation_checkpointing_enable adds one too), so the fp32 output
         # is the leaf that requires grad and the fp16 one is freed at once, not held by the graph until the backward.
         base.get_input_embeddings().register_forward_hook(_residual_stream_in_float32, prepend=True)
-    if model.gradient_checkpointing:
-        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": model.use_reentrant})
-        # The frozen base's inputs carry no gradient; checkpointed segments need one to reach the adapters.
-        base.enable_input_require_grads()
+    if model.gradient_checkpointing:  # True, or auto: on until the probe finds it is not needed
+        set_checkpointing(base, True, model.use_reentrant)
     config = LoraConfig(
         r=lora.lora_r,
         lora_alpha=lora.lora_alpha,
@@ -323,3 +328,20 @@ def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.
             bnb_4bit_compute_dtype=dtype,
         )
     return AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool, use_reentrant: bool = False) -> None:
+    """Turn activation checkpointing of ``model`` (a transformers model, or a peft model around one) on or off.
+
+    On, each decoder layer is recomputed in backward, and the input embeddings' output requires grad: the frozen
+    base's inputs carry none, and checkpointed segments need one to reach the adapters. Off, the layers keep their
+    activations; the embeddings' hook stays, so that a compiled first layer keeps the graph it was compiled with (an
+    input no longer requiring grad would be a recompilation, toward Dynamo's limit of 8) at the cost of the input
+    gradient of one layer of 36.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if on:
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        base.activation_checkpointing_disable()
+    base.enable_input_require_grads()  # the output's requires_grad_ is idempotent: a hook more changes nothing
