@@ -311,21 +311,28 @@ def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins
         AcceleratorState._reset_state(True)
 
 
-def test_the_compile_watch_counts_recompilations_and_warns_from_four_with_the_way_to_the_reason(caplog):
+def test_the_compile_watch_is_quiet_about_the_warm_up_and_warns_from_four_graphs_after_it(caplog):
     from ddp_ft.training.model.compilation import CompileWatch
 
     torch._dynamo.reset()
     watch = CompileWatch()
     square = torch.compile(lambda x: x * x, backend="eager", dynamic=False)
+    cube = torch.compile(lambda x: x * x * x, backend="eager", dynamic=False)  # its own limit of 8
     try:
         with caplog.at_level("WARNING", logger="ddp_ft.training.model.compilation"):
-            for size in range(2, 9):
+            for size in range(2, 7):  # the warm-up: the probe's points, with and without checkpointing, step 1
                 square(torch.ones(size))
+            warm = watch.snapshot()
+            quiet = [r.getMessage() for r in caplog.records]
+            for size in range(2, 6):  # four more after it
+                cube(torch.ones(size))
             snapshot = watch.snapshot()
     finally:
         watch.close()
         torch._dynamo.reset()
-    assert snapshot["compile/graphs"] == 7 and snapshot["compile/recompiles"] == 6
+    assert warm["compile/graphs"] == 5 and not quiet
+    assert snapshot["compile/graphs"] == 9 and snapshot["compile/recompiles"] == 8
     assert snapshot["compile/time_s"] > 0 and snapshot["compile/limit_hits"] == 0
-    warnings = [r.getMessage() for r in caplog.records if "recompilations" in r.getMessage()]
-    assert len(warnings) == 1 and 'TORCH_LOGS="recompiles"' in warnings[0], warnings
+    warnings = [r.getMessage() for r in caplog.records if "recompile" in r.getMessage()]
+    assert len(warnings) == 1 and "4 graphs compiled since warm-up" in warnings[0], warnings
+    assert 'TORCH_LOGS="recompiles"' in warnings[0]

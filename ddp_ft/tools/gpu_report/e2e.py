@@ -148,27 +148,27 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
         str(results / "pieces.jsonl"),
     ]
     only_cuda = no_data if cuda else "CUDA only: the CPU smoke test runs loop_defaults"
-    loop_defaults = [*train, *base, "--max-steps", "6"] if cuda else [*train, *CPU_SMOKE]
+    loop_defaults = [*train, *base, "--max-steps", "16"] if cuda else [*train, *CPU_SMOKE]
     return steps + [
         run(
             "loop_defaults",
             "the loop at its defaults (micro-batch auto, compile, packing)",
             loop_defaults,
-            75 if cuda else 40,
+            120 if cuda else 40,
             cuda_only=False,
         ),
-        run("recipe_defaults", "the Trainer recipe at its defaults", [*recipe, *base, "--max-steps", "6"], 75),
+        run("recipe_defaults", "the Trainer recipe at its defaults", [*recipe, *base, "--max-steps", "16"], 95),
         run(
             "packed_2048",
             "the loop at its defaults, sequence 2,048 packed (Unsloth's published shape)",
-            [*train, *base, "--max-seq-len", "2048", "--packing", "true", "--max-steps", "4"],
-            100,
+            [*train, *base, "--max-seq-len", "2048", "--packing", "true", "--max-steps", "6"],
+            90,
         ),
         Step("pieces", "AMI cut into 280-word texts (packing's cost)", pieces, None, 5, 60, skip=only_cuda),
         run(
             "packed_2048_short",
             "the loop at sequence 2,048, five short texts packed per row (against packed_2048's one)",
-            [*train, *base, *SHORT, "--source", str(results / "pieces.jsonl"), "--max-steps", "3"],
+            [*train, *base, *SHORT, "--source", str(results / "pieces.jsonl"), "--max-steps", "5"],
             100,
         ),
         run(

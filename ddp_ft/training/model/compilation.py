@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 COMPILED_FLAG = "_ddp_ft_compiled"  # set on each block this module compiled, so a second call leaves it
 MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer; in a checkpointed layer that is eager
-RECOMPILES_WARNED = 4  # half of Dynamo's default recompile limit (8)
+RECOMPILES_WARNED = 4  # after warm-up; half of Dynamo's default recompile limit (8)
 DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # peft#3020 / pytorch#121966: compiled dropout in a checkpoint crashed before
 # On CUDA it still crashes in the partitioner on torch 2.11 (docs/gpu.md); no later CUDA torch has run here, so the
 # blocker holds on CUDA at every version.
@@ -267,9 +267,10 @@ class CompileWatch:
 
     Dynamo's counters are process-wide; the watch reads their change. A recompilation is any graph after the first.
     With the sequence and batch dimensions dynamic a run should show a few at most: size 1 is always specialised
-    (the micro-batch probe's first point), evaluation runs without gradients. From :data:`RECOMPILES_WARNED` on,
-    or when Dynamo hits its recompile limit (from then on it runs the layer eagerly, silently apart from one log
-    line, which the watch counts), it warns.
+    (the micro-batch probe's first point), evaluation runs without gradients. The graphs of the warm-up (everything
+    before the first snapshot: the probe, with and without checkpointing under ``auto``, and the first step) are
+    expected; from :data:`RECOMPILES_WARNED` graphs after it on, or when Dynamo hits its recompile limit (from then
+    on it runs the layer eagerly, silently apart from one log line, which the watch counts), it warns.
     """
 
     LIMIT_LOGGER = "torch._dynamo.convert_frame"
@@ -278,6 +279,7 @@ class CompileWatch:
         self._base = self._now()
         self.limit_hits = 0
         self._reported = (0, 0)
+        self._warm: int | None = None  # graphs at the first snapshot: the warm-up's
         watch = self
 
         class _Counter(logging.Filter):
@@ -300,13 +302,15 @@ class CompileWatch:
         ``compile/time_s`` since the watch was made; a recompilation newly seen is logged once as a warning."""
         graphs, seconds = (now - base for now, base in zip(self._now(), self._base, strict=True))
         recompiles = max(0, graphs - 1)
-        if (recompiles, self.limit_hits) != self._reported and (recompiles >= RECOMPILES_WARNED or self.limit_hits):
+        self._warm = graphs if self._warm is None else self._warm
+        late = graphs - self._warm
+        if (recompiles, self.limit_hits) != self._reported and (late >= RECOMPILES_WARNED or self.limit_hits):
             logger.warning(
-                "compile: %d graphs compiled so far (%d recompilations, %d recompile-limit hits, after which Dynamo "
+                "compile: %d graphs compiled since warm-up (%d in all, %d recompile-limit hits, after which Dynamo "
                 "runs the layer eagerly): shapes or values the layers branch on keep changing. "
                 'TORCH_LOGS="recompiles" names the reason.',
+                late,
                 graphs,
-                recompiles,
                 self.limit_hits,
             )
         self._reported = (recompiles, self.limit_hits)
