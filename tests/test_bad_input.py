@@ -24,7 +24,7 @@ from ddp_ft.training.checkpoint import FORMAT_VERSION, TrainState, save_checkpoi
 from ddp_ft.training.config import parse_settings
 from ddp_ft.training.data import DataLayout, load_raw_splits
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 from .test_checkpoint import _parts, _trainer_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 
 from ddp_ft.tools.ladder.bench_comm import CommRow, default_sizes, favoured_size, format_size, parse_size, repeats_at
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

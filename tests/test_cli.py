@@ -16,7 +16,7 @@ from ddp_ft.report.metrics import read_jsonl
 from ddp_ft.training.checkpoint import DATA_FILE, FINAL_DIR
 from ddp_ft.training.config import RUN_CONFIG, parse_settings
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -200,8 +200,10 @@ def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_t
     assert len(config) == 1 and config[0]["world_size"] == 2
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
     written = tmp_path / "run" / RUN_CONFIG
-    # what ran: the device's defaults resolved (on the CPU, compile and packing off), so a rerun runs the same
-    assert parse_settings(["--config", str(written)]) == parse_settings([*flags, "--no-compile", "--packing", "false"])
+    # what ran: the device's defaults resolved (on the CPU compile and packing off, checkpointing on): a rerun runs the same
+    assert parse_settings(["--config", str(written)]) == parse_settings(
+        [*flags, "--no-compile", "--packing", "false", "--gradient-checkpointing", "true"]
+    )
     final = tmp_path / "run" / FINAL_DIR  # the adapter with its tokenizer and data settings, as the recipe's
     assert all((final / name).is_file() for name in ("adapter_model.safetensors", "tokenizer_config.json", DATA_FILE))
 

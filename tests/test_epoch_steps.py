@@ -12,7 +12,7 @@ import torch
 
 from ddp_ft.training.data import EpochLoader, EpochSteps, StepBatchSampler
 
-from .dist_harness import run_distributed
+from .helpers.dist_harness import run_distributed
 
 
 def _stock_steps(n: int, micro: int, world: int, accumulation: int, drop_last: bool) -> list[list[list[int]]]:
@@ -198,7 +198,7 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
     from transformers import AutoTokenizer
 
-    from .trl_runs import Case, model_and_peft_config, rows, sft_config
+    from .helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
 
     case = Case("prompt_completion", False, "peft_config", False)
     model, peft_config = model_and_peft_config(paths[1], case, 2)

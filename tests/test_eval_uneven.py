@@ -11,8 +11,8 @@ import tempfile
 
 import pytest
 
-from .dist_harness import run_distributed
-from .meetings import write_mixed_length_meetings
+from .helpers.dist_harness import run_distributed
+from .helpers.meetings import write_mixed_length_meetings
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,7 @@ import torch.distributed.run
 
 from ddp_ft.training.config import parse_settings
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

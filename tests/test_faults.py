@@ -1,7 +1,7 @@
 """A rank that raises or hangs takes the whole job down within a bound, the launcher names the rank and the cause, and
 no process is left behind; a stop signal to one rank alone stops every rank with a checkpoint and exit 0.
 
-Faults come from ``DDP_FT_INJECT_FAULT``, installed at the library's hook point by ``tests/faults.py`` in each process the
+Faults come from ``DDP_FT_INJECT_FAULT``, installed at the library's hook point by ``tests/helpers/faults.py`` in each process the
 real launchers start.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from ddp_ft.report.metrics import read_jsonl
 
-from .dist_harness import PYTHONPATH, processes_running_with
+from .helpers.dist_harness import PYTHONPATH, processes_running_with
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
@@ -83,7 +83,7 @@ def test_a_rank_raising_in_forward_fails_every_restart_and_torchrun_names_it_as_
         and "InjectedFault: injected fault: forward failed at step 2 on rank 1" in cause
     )
     # the first attempt failed the same way before torchrun restarted it: restarts ran out on the original error
-    assert run.stderr.count("[rank1]: tests.faults.InjectedFault: injected fault: forward failed") == 2, run.stderr[
+    assert run.stderr.count("[rank1]: tests.helpers.faults.InjectedFault: injected fault: forward failed") == 2, run.stderr[
         -6000:
     ]
 

@@ -20,7 +20,7 @@ from ddp_ft.tools.gpu_check import (
 )
 from ddp_ft.training.model.precision import Precision, choose_precision
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"

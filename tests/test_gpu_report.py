@@ -14,7 +14,7 @@ import pytest
 from ddp_ft.tools.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
 from ddp_ft.tools.gpu_report.plan import plan_steps
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}

@@ -11,8 +11,8 @@ import pytest
 from ddp_ft.report.comparison import load_run
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from .dist_harness import PYTHONPATH
-from .meetings import write_mixed_length_meetings
+from .helpers.dist_harness import PYTHONPATH
+from .helpers.meetings import write_mixed_length_meetings
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def _accelerate(config: str, script: Path, tmp_path: Path, *flags: str) -> subpr
 
 
 def test_accelerator_wraps_in_bucketed_ddp_syncs_only_on_the_last_micro_step_and_unwraps(tmp_path):
-    run = _accelerate("2cpu_gloo.yaml", ROOT / "tests" / "accelerate_script.py", tmp_path)
+    run = _accelerate("2cpu_gloo.yaml", ROOT / "tests" / "helpers" / "accelerate_script.py", tmp_path)
     assert "BUCKETED_ACCELERATOR_OK" in run.stdout
 
 

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP, bf16_compress_hook
 
-from .dist_harness import gather_tensors, run_distributed
-from .models import Net
+from .helpers.dist_harness import gather_tensors, run_distributed
+from .helpers.models import Net
 from .test_plugin_wrapping import _as_accelerate_rank
 
 pytestmark = pytest.mark.distributed

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddp_ft.tools.ladder.rungs import RUNGS, accumulate, build_rung
 from ddp_ft.tools.ladder.timeline import Timeline
-from tests.dist_harness import PYTHONPATH, run_distributed
+from tests.helpers.dist_harness import PYTHONPATH, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

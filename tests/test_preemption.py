@@ -22,8 +22,8 @@ from ddp_ft.training.checkpoint import (
 )
 from ddp_ft.training.preemption import StopSignal
 
-from .dist_harness import PYTHONPATH, run_distributed
-from .faults import ENV, Fault, FaultInjector, injected, parse_faults
+from .helpers.dist_harness import PYTHONPATH, run_distributed
+from .helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
 from .test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults

@@ -19,7 +19,7 @@ from ddp_ft.report.comparison import (
 )
 from ddp_ft.report.metrics import resolve_wandb_mode
 
-from .dist_harness import PYTHONPATH
+from .helpers.dist_harness import PYTHONPATH
 
 ROOT = Path(__file__).resolve().parents[1]
 

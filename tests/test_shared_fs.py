@@ -21,7 +21,7 @@ from ddp_ft.training.checkpoint.shared_fs import (
     check_shared_resume,
 )
 
-from .dist_harness import run_distributed
+from .helpers.dist_harness import run_distributed
 from .test_checkpoint import _parts
 
 pytestmark = pytest.mark.distributed

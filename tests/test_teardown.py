@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ddp_ft.training.resolve import Resolved
 
-from .dist_harness import run_distributed
+from .helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

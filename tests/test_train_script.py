@@ -11,8 +11,8 @@ import torch
 
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from .dist_harness import PYTHONPATH
-from .meetings import write_chat_meetings, write_mixed_length_meetings
+from .helpers.dist_harness import PYTHONPATH
+from .helpers.meetings import write_chat_meetings, write_mixed_length_meetings
 from .test_checkpoint import _trainer_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

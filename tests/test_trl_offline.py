@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .dist_harness import run_distributed
-from .trl_offline_runs import Case, OfflineRun, config, models, rows, train
-from .trl_runs import tiny_paths
+from .helpers.dist_harness import run_distributed
+from .helpers.trl_offline_runs import Case, OfflineRun, config, models, rows, train
+from .helpers.trl_runs import tiny_paths
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed

@@ -296,7 +296,7 @@ def peak_tflops(device_name: str, compute_dtype: torch.dtype) -> float | None:
 
 
 def exit_without_finalization() -> NoReturn:
-    """Leave a finished, written benchmark or check without interpreter finalization, as tests/dist_harness.py does:
+    """Leave a finished, written benchmark or check without interpreter finalization, as tests/helpers/dist_harness.py does:
     a gloo thread that releases a collective's work while the interpreter shuts down aborts the process ("terminate
     called without an active exception", seen once in a few runs), which would turn a finished run into a crash."""
     sys.stdout.flush()

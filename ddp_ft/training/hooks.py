@@ -2,7 +2,7 @@
 
 Both training paths call the installed ``RunHooks`` at fixed points: when training starts or resumes, around the data
 collator, on the model, and while a checkpoint is written. The fault tests install hooks that break a real run there
-(``tests/faults.py``); the library itself never installs any, and importing it installs nothing.
+(``tests/helpers/faults.py``); the library itself never installs any, and importing it installs nothing.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # For the scripts a test starts: this checkout first, then the start-up hook that installs DDP_FT_INJECT_FAULT's faults
-# (tests/fault_site/sitecustomize.py), then whatever PYTHONPATH the suite was started with (a host whose packages come
+# (tests/helpers/fault_site/sitecustomize.py), then whatever PYTHONPATH the suite was started with (a host whose packages come
 # from PYTHONPATH, as on the GPU machine where the suite first ran, keeps them).
-FAULT_SITE = ROOT / "tests" / "fault_site"
+FAULT_SITE = ROOT / "tests" / "helpers" / "fault_site"
 PYTHONPATH = os.pathsep.join(p for p in (str(ROOT), str(FAULT_SITE), os.environ.get("PYTHONPATH", "")) if p)
 
 # Imported once, in the fork server, before it forks the first process. A module missing here is skipped.

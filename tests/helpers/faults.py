@@ -1,6 +1,6 @@
 """Fault injection: how the fault tests break real runs, through the library's hook point (``ddp_ft.training.hooks``).
 
-In a process the suite starts, ``tests/fault_site/sitecustomize.py`` installs a ``FaultInjector`` when
+In a process the suite starts, ``tests/helpers/fault_site/sitecustomize.py`` installs a ``FaultInjector`` when
 ``DDP_FT_INJECT_FAULT`` is set (``install_from_env``); a test that trains in its own process installs one itself.
 
 ``DDP_FT_INJECT_FAULT`` holds ``;``-separated faults ``KIND@STEP[,rank=R][,attempt=A]``:

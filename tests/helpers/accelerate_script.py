@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate.utils import DistributedType  # noqa: E402
 
 from ddp_ft.ddp import BucketedDDP  # noqa: E402
 from ddp_ft.integrations import BucketedAccelerator  # noqa: E402
-from tests.dist_harness import gather_tensors  # noqa: E402
-from tests.models import Net, local_slice, make_batch  # noqa: E402
+from tests.helpers.dist_harness import gather_tensors  # noqa: E402
+from tests.helpers.models import Net, local_slice, make_batch  # noqa: E402
 
 
 def main() -> None:
