@@ -19,14 +19,14 @@ from .helpers.dist_harness import PYTHONPATH
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
-E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "pieces", "packed_2048_short", "loop_old_defaults"]
-E2E += ["stock_reference"]
+E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "pieces", "packed_2048_short", "packed_2048_short_sdpa"]
+E2E += ["loop_old_defaults", "stock_reference"]
 CELLS = {
     mb: [f"decomp_{c}_{k}_{mb}" for k in ("ckpt", "nockpt") for c in ("eager", "compiled")] for mb in ("auto", "mb1")
 }
 CPU_STEPS = [E2E[0], *CELLS["auto"], *E2E[1:], *CELLS["mb1"], "shared_gpu_gloo", "gpu_check", "ladder", "scaling_2gpu"]
 CPU_RUN = {"loop_defaults", "decomp_eager_nockpt_auto", "gpu_check", "ladder"}
-CUDA_STEPS = ["random_model", *E2E[:5], *CELLS["auto"], *E2E[5:], *CELLS["mb1"], *CPU_STEPS[-4:]]
+CUDA_STEPS = ["random_model", *E2E[:6], *CELLS["auto"], *E2E[6:], *CELLS["mb1"], *CPU_STEPS[-4:]]
 
 
 def writes(path: Path, payload: dict) -> list[str]:

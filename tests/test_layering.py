@@ -32,6 +32,7 @@ LAYERS = [
     {
         "ddp_ft.training.model.qlora",
         "ddp_ft.training.model.kernels",
+        "ddp_ft.training.model.attention",
         "ddp_ft.training.model.compilation",
         "ddp_ft.training.model.memory",
         "ddp_ft.training.model.probe",

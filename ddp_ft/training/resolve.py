@@ -70,6 +70,8 @@ class Resolved:
         checkpointing (bool): activation checkpointing on; ``auto`` starts on, and the probe may turn it off
             (:func:`probe_run_micro_batch`). Default: True
         checkpointing_why (str): why it is on or off. Default: ""
+        attention (str | None): the layers' ``attn_implementation``; None: transformers' default. Default: None
+        attention_why (str): why. Default: ""
     """
 
     micro_batch: int
@@ -85,11 +87,17 @@ class Resolved:
     packing_why: str = ""
     checkpointing: bool = True
     checkpointing_why: str = ""
+    attention: str | None = None
+    attention_why: str = ""
 
     def as_config(self) -> dict[str, dict[str, object]]:
         """The resolved values by settings section, written over the settings in ``run_config.yaml``."""
         data = {} if self.packing is None else {"data": {"packing": self.packing}}
-        model = {"compile": self.compile, "gradient_checkpointing": self.checkpointing}
+        model = {
+            "compile": self.compile,
+            "gradient_checkpointing": self.checkpointing,
+            "attention": self.attention or AUTO,
+        }
         return {"model": model, "train": {"micro_batch": self.micro_batch}, **data}
 
 

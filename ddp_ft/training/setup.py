@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from .data import (
 )
 from .data.tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
 from .hooks import RunHooks, run_hooks
+from .model.attention import resolve_attention
 from .model.compilation import compile_repeated_blocks
 from .model.kernels import apply_liger_to_qwen3
 from .model.qlora import EMBEDDED_MODEL, build_tiny_qwen3, load_qlora_model
@@ -139,6 +140,13 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
         )
     resolved = resolve_run_packing(resolved, settings, info, model_path)
     packed = resolved.packing
+    lengths = [len(ids) for ids in train_set["input_ids"]]
+    attention, why = resolve_attention(
+        settings.model.attention, info.device.type, packed, lengths, settings.data.max_seq_len
+    )
+    resolved = replace(resolved, attention=attention, attention_why=why)
+    if info.is_main_process:
+        logger.info("attention: %s (%s)", attention or "transformers' default", why)
     collate = PackedCollator(tokenizer.pad_token_id, settings.data.max_seq_len) if packed else make_collator(tokenizer)
     return RunParts(
         resolved=resolved,
@@ -157,7 +165,11 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
     """The QLoRA model on this rank's device, seeded by ``settings.train.seed``, checked against the tokenizer."""
     seed_everything(settings.train.seed)
-    resolved = {"model_name_or_path": parts.model_path, "gradient_checkpointing": parts.resolved.checkpointing}
+    resolved = {
+        "model_name_or_path": parts.model_path,
+        "gradient_checkpointing": parts.resolved.checkpointing,
+        "attention": parts.resolved.attention or "auto",
+    }
     model_settings = type(settings.model)(**{**asdict(settings.model), **resolved})
     model = load_qlora_model(model_settings, settings.lora, parts.resolved.device_map, info.world_size)
     check_vocabulary(parts.tokenizer, model.get_input_embeddings().num_embeddings)

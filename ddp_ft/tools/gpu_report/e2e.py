@@ -167,8 +167,24 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
         Step("pieces", "AMI cut into 280-word texts (packing's cost)", pieces, None, 5, 60, skip=only_cuda),
         run(
             "packed_2048_short",
-            "the loop at sequence 2,048, five short texts packed per row (against packed_2048's one)",
+            "the loop at sequence 2,048, five short texts packed per row (against packed_2048's one), at the defaults",
             [*train, *base, *SHORT, "--source", str(results / "pieces.jsonl"), "--max-steps", "5"],
+            100,
+        ),
+        run(
+            "packed_2048_short_sdpa",
+            "the same through sdpa, which computes the blocks the mask hides (attention auto: flex there)",
+            [
+                *train,
+                *base,
+                *SHORT,
+                "--source",
+                str(results / "pieces.jsonl"),
+                "--max-steps",
+                "5",
+                "--attention",
+                "sdpa",
+            ],
             100,
         ),
         run(

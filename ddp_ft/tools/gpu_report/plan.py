@@ -7,7 +7,8 @@ On CUDA (each step's expected seconds from the H100 runs in ``docs/gpu.md``):
    ``accelerate launch recipes/qwen_ami.py`` on the AMI meetings at their defaults (micro-batch auto, regional
    compilation, packing): non-padding tokens/s, peak against the probe's expected peak, compile time and graphs.
    ``packed_2048``: the loop at sequence 2,048, packed, Unsloth's published shape (each AMI sample fills a row);
-   ``packed_2048_short``: the same rows holding five short texts each (``pieces``), for packing's cost.
+   ``packed_2048_short``: the same rows holding five short texts each (``pieces``), for packing's cost, at the
+   defaults (flex attention) and through sdpa (``packed_2048_short_sdpa``).
 3. The decomposition at micro-batch auto: ``bench_gpu`` {eager, compiled} x {checkpointing on, off}, one mode, no
    dropout; each compiled cell's losses against its eager twin's (the compute dtype's tolerance), the expected
    against the measured peak (the 10% gate).
@@ -84,7 +85,7 @@ def plan_steps(
     """
     e2e = e2e_steps(device, results, scripts, python, data)
     cells = _decomposition(device, results, scripts, python)
-    first, then = e2e[: 6 if device == "cuda" else 1], e2e[6 if device == "cuda" else 1 :]
+    first, then = e2e[: 7 if device == "cuda" else 1], e2e[7 if device == "cuda" else 1 :]
     auto = [c for c in cells if c.name.endswith("_auto")]
     one = [c for c in cells if not c.name.endswith("_auto")]
     return first + auto + then + one + _check_steps(device, gpu_count, results, scripts, python)

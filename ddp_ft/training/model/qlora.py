@@ -65,6 +65,14 @@ class ModelSettings:
         default=False,
         metadata={"help": "Reentrant checkpointing breaks DDP gradient hooks; keep False unless you know why."},
     )
+    attention: str = field(
+        default="auto",
+        metadata={
+            "help": "The decoder layers' attn_implementation: auto (flex_attention on CUDA when packed rows hold two "
+            "or more samples, whose masked blocks it skips; transformers' default, sdpa, otherwise), or one "
+            "transformers knows (sdpa, eager, flex_attention). Resolved before the model loads and logged."
+        },
+    )
     liger: bool = field(
         default=False,
         metadata={
@@ -320,6 +328,8 @@ def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.
 
     dtype = model.precision(map_device(device_map)).dtype
     kwargs: dict = {"device_map": device_map, "dtype": dtype}
+    if model.attention != "auto":  # auto is resolved before the build (ddp_ft.training.model.attention)
+        kwargs["attn_implementation"] = model.attention
     if model.load_in_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
