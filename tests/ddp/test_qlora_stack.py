@@ -8,7 +8,7 @@ from torch.testing import assert_close
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 
-from .helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.dist_harness import gather_tensors, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -86,7 +86,7 @@ def test_both_entry_points_start_the_group_with_ddp_timeout(entry_point, body, m
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("entry", Path(__file__).parents[1] / entry_point)
+    spec = importlib.util.spec_from_file_location("entry", Path(__file__).parents[2] / entry_point)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     seen = []

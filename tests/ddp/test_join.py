@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP, bf16_compress_hook
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net
-from .test_plugin_wrapping import _as_accelerate_rank
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net
+from ..test_plugin_wrapping import _as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -236,7 +236,7 @@ def _trainer_even_batches_off(rank, world_size):
     _as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
 
-    from .test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
+    from ..test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
 
     outcomes = {}
     for samples in (20, 16):  # 5 batches of 4: rank 0 three, rank 1 two; 4 batches: two each

@@ -21,8 +21,8 @@ from ddp_ft.training.checkpoint.shared_fs import (
     check_shared_resume,
 )
 
-from .helpers.dist_harness import run_distributed
-from .test_checkpoint import _parts
+from ..helpers.dist_harness import run_distributed
+from ..test_checkpoint import _parts
 
 pytestmark = pytest.mark.distributed
 

@@ -1,6 +1,6 @@
 """The cross-rank check at construction, as pure functions over each rank's description: no process group.
 
-The distributed side (every rank raising on a real mismatch) is tested in test_bucketed_ddp.py.
+The distributed side (every rank raising on a real mismatch) is tested in test_wrapper.py.
 """
 
 import torch

@@ -17,8 +17,8 @@ from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP, DDPSettings, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 

@@ -12,8 +12,8 @@ from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ft.ddp import COMM_HOOKS, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from ddp_ft.ddp.comm_hooks import wire_dtype
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 
 def test_hooks_are_plain_functions_with_their_own_names_and_no_patched_attributes():

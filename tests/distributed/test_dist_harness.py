@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -10,7 +10,7 @@ from torch import nn
 from ddp_ft.ddp import BucketedDDP, DDPSettings, ParamSpec, compute_bucket_assignment
 from ddp_ft.ddp.timeline import BackwardRecorder
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 FIRST_CAP_MB = 16 / 1024  # the second layer's weight fills the first bucket: one bucket per layer
 PAUSE_S = 0.1

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from ddp_ft.training.resolve import Resolved
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # entry point -> (the module the body reads it from, the name there that trains)
 ENTRY_POINTS = {
     "scripts/train.py": ("ddp_ft.commands.train", "train"),

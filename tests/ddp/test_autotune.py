@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ft.ddp import BucketedDDP, ParamSpec, allreduce_hook, compute_bucket_assignment
 from ddp_ft.ddp.autotune import TRIAL_ROUNDS, bucket_candidates, choose
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 MB = 1024 * 1024
 
