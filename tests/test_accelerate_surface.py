@@ -248,6 +248,6 @@ def test_accumulate_backward_clipping_join_and_gather_for_metrics_match_torch_dd
     """`accumulate` (no_sync on all but the last micro-step), `backward`, `clip_grad_norm_`, `clip_grad_value_`,
     `join_uneven_inputs` with even batches (on its multi-GPU path: no join, as Accelerate) and `gather_for_metrics` on an uneven eval set:
     gradients, norms, parameters and gathered predictions bitwise equal to torch DDP's under the same accelerator.
-    Uneven batches under `join_uneven_inputs(even_batches=False)`: `tests/test_join.py`."""
+    Uneven batches under `join_uneven_inputs(even_batches=False)`: `tests/ddp/test_join.py`."""
     for synced, gathered in run_distributed(_training_surface):
         assert synced == 2 and gathered == 7

@@ -88,7 +88,7 @@ def _entry(
     # Done and saved: leave without interpreter finalization. torch's Python comm hooks (PowerSGD, the compress
     # wrappers) leave Future.then callbacks that gloo's thread may release while the interpreter shuts down, which
     # aborts the process ("terminate called without an active exception"); our own hooks run no such callback
-    # (tested in test_ddp_communication.py). Flush first: what the rank printed is replayed in the test.
+    # (tested in tests/ddp/test_communication.py). Flush first: what the rank printed is replayed in the test.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -22,7 +22,7 @@ from .settings import Check, GpuCheckSettings
 
 INJECT_ENV = "DDP_FT_GPU_CHECK_INJECT"  # test-only: "grad" perturbs one BucketedDDP gradient on the last rank
 # Tolerance of BucketedDDP's gradients against torch DDP's (rtol, atol as a fraction of the largest gradient): the
-# project's global-batch tolerances (tests/test_qlora_ddp.py); a wrong reduction is off by 50% or more.
+# project's global-batch tolerances (tests/ddp/test_qlora_stack.py); a wrong reduction is off by 50% or more.
 GRAD_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 1e-2), "float16": (1e-2, 5e-3)}
 COMPARE_CAPS_MB = (0.05, 0.01)  # bucket cap, first bucket cap: several buckets even on the tiny model
 COMPARE_BATCH = (2, 64)  # samples, tokens per sample, per rank and micro-step

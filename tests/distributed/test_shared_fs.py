@@ -21,8 +21,8 @@ from ddp_ft.training.checkpoint.shared_fs import (
     check_shared_resume,
 )
 
-from .helpers.dist_harness import run_distributed
-from .test_checkpoint import _parts
+from ..helpers.dist_harness import run_distributed
+from ..test_checkpoint import _parts
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +59,7 @@ def _checkpoint(output_dir: Path, step: int, samples_seen: int) -> None:
     save_checkpoint(output_dir, model, optimizer, scheduler, TrainState(step, 0, 0, samples_seen), DistInfo())
 
 
-def test_ranks_that_cannot_see_rank_0s_output_dir_or_checkpoint_fail_on_every_rank_naming_their_node(tmp_path):
+def test_unshared_output_dir_fails_naming_the_node(tmp_path):
     _checkpoint(tmp_path / "shared" / "run", 4, 32)
     _checkpoint(tmp_path / "node0" / "run", 4, 32)  # node 1 has no checkpoint: its disk never got one
     (tmp_path / "node1").mkdir()
@@ -93,7 +93,7 @@ def test_ranks_that_cannot_see_rank_0s_output_dir_or_checkpoint_fail_on_every_ra
     assert not [p for p in (tmp_path / "node0" / "run").iterdir() if p.name.startswith(MARKER_PREFIX)]
 
 
-def test_a_single_process_writes_nothing_and_resolves_as_before(tmp_path):
+def test_single_process_writes_nothing_resolves_same(tmp_path):
     check_shared_output_dir(tmp_path / "run", DistInfo())
     assert not (tmp_path / "run").exists()
     _checkpoint(tmp_path / "run", 2, 16)

@@ -17,14 +17,12 @@ from ddp_ft.distributed import cuda_device_index, init_distributed
         (1, 2, 8, 1),  # more GPUs than processes
     ],
 )
-def test_one_visible_gpu_is_cuda_0_otherwise_the_local_rank(local_rank, local_world_size, visible, expected):
+def test_one_gpu_is_cuda_0_otherwise_the_local_rank(local_rank, local_world_size, visible, expected):
     assert cuda_device_index(local_rank, local_world_size, visible) == expected
 
 
 @pytest.mark.parametrize(("local_rank", "local_world_size", "visible"), [(2, 4, 2), (0, 4, 2), (2, 3, 2)])
-def test_fewer_gpus_than_processes_but_more_than_one_is_an_error_naming_the_variables(
-    local_rank, local_world_size, visible
-):
+def test_some_but_too_few_gpus_raise_naming_variables(local_rank, local_world_size, visible):
     with pytest.raises(
         RuntimeError,
         match=rf"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size} but "
@@ -33,7 +31,7 @@ def test_fewer_gpus_than_processes_but_more_than_one_is_an_error_naming_the_vari
         cuda_device_index(local_rank, local_world_size, visible)
 
 
-def test_init_distributed_puts_rank_1_on_cuda_0_when_it_sees_one_gpu(monkeypatch):
+def test_rank_1_seeing_one_gpu_takes_cuda_0(monkeypatch):
     """The launcher gave LOCAL_RANK=1 its own GPU: it was refused ('only 1 CUDA devices') and the device map pointed
     at cuda:1. Now the process takes cuda:0 (one process here: no process group is needed to see the choice)."""
     chosen = []
@@ -64,7 +62,7 @@ def two_ranks_on_one_visible_gpu(monkeypatch):
     return calls
 
 
-def test_the_nccl_group_is_bound_to_this_process_s_device_with_the_settings_timeout(two_ranks_on_one_visible_gpu):
+def test_nccl_group_bound_to_device_with_timeout(two_ranks_on_one_visible_gpu):
     """Item 5: ``device_id`` makes NCCL create its communicator at once and gives barriers this device; before, the
     group was unbound and a barrier guessed ``cuda:<rank % device count>``."""
     from datetime import timedelta
@@ -79,14 +77,14 @@ def test_the_nccl_group_is_bound_to_this_process_s_device_with_the_settings_time
     "entry_point,body",
     [("scripts/train.py", "ddp_ft.commands.train"), ("recipes/qwen_ami.py", "ddp_ft.commands.recipe")],
 )
-def test_both_entry_points_start_the_group_with_ddp_timeout(entry_point, body, monkeypatch):
+def test_entry_points_start_group_with_ddp_timeout(entry_point, body, monkeypatch):
     """``--ddp-timeout`` reaches init_process_group on both entry points (the recipe starts the group itself,
     before Accelerate, which then adopts it)."""
     import importlib
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("entry", Path(__file__).parents[1] / entry_point)
+    spec = importlib.util.spec_from_file_location("entry", Path(__file__).parents[2] / entry_point)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     seen = []
@@ -117,7 +115,7 @@ def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):
     assert barriers == [((), {})]
 
 
-def test_the_suite_hides_cuda_from_itself_and_every_process_it_starts():
+def test_suite_hides_cuda_from_its_processes():
     """Item 2: on a GPU host the CPU suite's launches inherited CUDA (2 processes on 1 GPU failed with 'LOCAL_RANK=1
     but only 1 CUDA devices'; on 2 GPUs they took NCCL and CUDA metrics). ``cuda`` tests get it back explicitly."""
     import os

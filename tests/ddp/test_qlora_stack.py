@@ -8,7 +8,7 @@ from torch.testing import assert_close
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 
-from .helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.dist_harness import gather_tensors, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -94,9 +94,7 @@ def _qlora_against_references(rank, world_size, path, compute_dtype, steps=2):
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
-def test_qlora_gradients_equal_torch_ddp_and_the_global_batch_with_non_reentrant_checkpointing(
-    tiny_qwen3, compute_dtype
-):
+def test_non_reentrant_grads_equal_torch_and_global(tiny_qwen3, compute_dtype):
     assert run_distributed(_qlora_against_references, tiny_qwen3, compute_dtype, timeout=300)[0] > 1
 
 
@@ -114,11 +112,11 @@ def _reentrant(rank, world_size, path):
         assert_close(g_ours, g_ref, rtol=rtol, atol=atol_fraction * g_ref.abs().max().item(), msg=name)
 
 
-def test_reentrant_checkpointing_on_the_qlora_stack_gives_the_global_batch_gradients(tiny_qwen3):
+def test_reentrant_checkpointing_gives_global_grads(tiny_qwen3):
     """Each decoder layer is one reentrant segment whose parameters are used once, so every gradient arrives once
     and the finalizer (queued in the outermost backward) averages them all: the global batch's gradients, no error.
     (A parameter reused across reentrant segments is the other case: an error, never a double count; see
-    test_bucketed_ddp.py's test_gradient_arriving_twice_under_reentrant_checkpointing_is_an_error_not_a_double_count.)"""
+    test_wrapper.py's test_reentrant_gradient_arriving_twice_raises.)"""
     run_distributed(_reentrant, tiny_qwen3, timeout=300)
 
 
@@ -163,7 +161,7 @@ def _perturbed_quant_state(rank, world_size, path, what):
 
 
 @pytest.mark.parametrize("what", ["quant_state", "swapped_rows"])
-def test_a_4bit_base_differing_in_quant_state_or_row_order_raises_on_every_rank_naming_the_weight(tiny_qwen3, what):
+def test_differing_4bit_base_raises_naming_the_weight(tiny_qwen3, what):
     """The frozen 4-bit base is not broadcast: a rank whose NF4 weight differs in any tensor of its quant state (not
     a parameter or buffer: the top-level ``absmax``, the code book, the nested double-quant ``absmax`` and code book,
     each in turn) or has two packed rows swapped must be refused at construction, naming the weight."""

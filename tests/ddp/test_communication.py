@@ -17,8 +17,8 @@ from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP, DDPSettings, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -85,7 +85,7 @@ def _overlap(rank, world_size):
     return events
 
 
-def test_all_reduces_are_in_flight_during_backward_and_waited_on_only_after_the_last_gradient():
+def test_all_reduces_overlap_and_wait_after_backward():
     """Overlap: each bucket is launched before backward computes the next bucket's gradients, and no future is
     waited on before backward's last gradient. An implementation that waits on each all-reduce as it launches fails here."""
     run_distributed(_overlap)
@@ -135,7 +135,7 @@ def _launch_order(rank, world_size):
     return readiness, launches
 
 
-def test_buckets_launch_in_index_order_on_every_rank_whatever_order_their_gradients_become_ready():
+def test_buckets_launch_in_index_order_on_every_rank():
     """Launch order: rank 1's gradients become ready in another order than rank 0's, across four buckets; both still
     launch 0, 1, 2, 3 and their gradients equal torch DDP's and the global batch's. Launching in readiness order
     would pair different buckets across ranks."""
@@ -202,7 +202,7 @@ def _grads(model):
 
 
 @pytest.mark.parametrize("hook_name", HOOKS)
-def test_each_comm_hook_sends_its_dtype_asynchronously_within_its_precision_and_as_many_bytes_as_reported(hook_name):
+def test_hooks_send_own_dtype_async_bytes_as_reported(hook_name):
     """Compression is real: the all-reduces a backward makes carry the hook's dtype (half the bytes of fp32 for
     bf16/fp16), are launched async, add up to the bytes the stats report, and the result stays within the dtype's
     precision of the fp32 global batch. Our hooks run no Python on the communication thread (no Future.then)."""
@@ -257,7 +257,7 @@ def _against_torch_ddp_with_the_same_hook(rank, world_size, hook_name):
 
 
 @pytest.mark.parametrize("hook_name", ["fp16_wrapper", "powersgd"])
-def test_torchs_compress_wrapper_and_powersgd_give_torch_ddps_gradients_step_by_step(hook_name):
+def test_torch_compress_and_powersgd_as_torch_ddp(hook_name):
     """torch's fp16_compress_wrapper replaces the bucket's buffer (GradBucket.set_buffer) and so sends 16 bits (its
     bf16 twin needs NCCL: torch refuses it on gloo);
     PowerSGD (error feedback, warm start, start_powerSGD_iter) runs on BucketedDDP's buckets: every step's
@@ -274,7 +274,7 @@ def _powersgd_with_two_buckets_on_gloo(rank, world_size):
     return str(error.value)
 
 
-def test_powersgd_with_several_buckets_on_gloo_is_refused_before_training():
+def test_powersgd_several_buckets_on_gloo_refused():
     """PowerSGD's second-stage all-reduces start from future callbacks, which gloo runs on its own thread: with
     several buckets their order can differ across ranks (a 2-bucket tiny run hung at step 4). Refused on every rank,
     naming the bucket settings that give one bucket."""

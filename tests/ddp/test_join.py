@@ -13,9 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP, bf16_compress_hook
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net
-from .test_plugin_wrapping import _as_accelerate_rank
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net
+from ..test_plugin_wrapping import _as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -147,7 +147,7 @@ def _assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: str
         torch.testing.assert_close(a, b, **tolerance, msg=lambda m: f"{what}: {m}")
 
 
-def test_uneven_inputs_under_join_give_torch_ddps_weights_and_one_processs_on_the_same_samples():
+def test_uneven_join_weights_as_torch_and_one_process():
     """A rank out of batches shadows the others' bucket all-reduces with zeros inside `model.join()` / torch's `Join`:
     final parameters and buffers (BatchNorm's running statistics, broadcast from the highest rank still training)
     bitwise torch DDP's join, with the divisor as torch's (the initial world size, or the ranks still training with
@@ -218,7 +218,7 @@ def _accelerate_join(rank, world_size):
     return results
 
 
-def test_bucketed_accelerator_joins_uneven_inputs_as_torch_ddp_does():
+def test_accelerator_joins_uneven_inputs_as_torch_ddp():
     """`accelerator.join_uneven_inputs([model], even_batches=False)` (refused before) trains the ranks' uneven
     batches of a prepared loader (3 against 2 here) to torch DDP's joined weights, on CPU processes too (stock
     Accelerate joins on GPUs only), and restores the loader's `even_batches`; `even_batches=False` in the
@@ -236,7 +236,7 @@ def _trainer_even_batches_off(rank, world_size):
     _as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
 
-    from .test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
+    from ..test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
 
     outcomes = {}
     for samples in (20, 16):  # 5 batches of 4: rank 0 three, rank 1 two; 4 batches: two each
@@ -261,7 +261,7 @@ def _trainer_even_batches_off(rank, world_size):
     return outcomes
 
 
-def test_trainer_refuses_even_batches_off_only_where_the_ranks_get_different_batch_counts():
+def test_trainer_refuses_even_batches_off_if_uneven():
     """`TrainingArguments(accelerator_config={"even_batches": False})`: the Trainer never joins, so a loader giving
     the ranks 3 and 2 batches is refused on every rank before any step (the stock Trainer with torch DDP goes out of
     step); with even data the setting trains."""

@@ -13,11 +13,11 @@ import torch.distributed as dist
 
 from ddp_ft.training.resolve import Resolved
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # entry point -> (the module the body reads it from, the name there that trains)
 ENTRY_POINTS = {
     "scripts/train.py": ("ddp_ft.commands.train", "train"),
@@ -90,9 +90,7 @@ def _main_then_group_state(rank, world_size, entry_point, port, failing_ranks, o
 
 @pytest.mark.parametrize("failing_ranks", [(), (1,)], ids=["success", "rank_1_fails"])
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS)
-def test_every_rank_tears_the_process_group_down_whether_training_succeeds_or_fails(
-    entry_point, failing_ranks, tmp_path
-):
+def test_every_rank_tears_down_on_success_or_failure(entry_point, failing_ranks, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -21,7 +21,7 @@ def _rank_one_raises(rank: int, world_size: int) -> None:
         raise ValueError("rank one's own error")
 
 
-def test_each_rank_is_its_own_process_with_the_tests_current_environment_and_directory(tmp_path, monkeypatch, capsys):
+def test_each_rank_own_process_with_test_env_and_cwd(tmp_path, monkeypatch, capsys):
     run_distributed(_what_a_rank_sees, "DDP_FT_HARNESS_PROBE")  # the fork server is running from here on
     monkeypatch.setenv("DDP_FT_HARNESS_PROBE", "set after the fork server started")
     monkeypatch.chdir(tmp_path)
@@ -33,6 +33,6 @@ def test_each_rank_is_its_own_process_with_the_tests_current_environment_and_dir
     assert "--- rank 1 stdout:\nrank 1 says hello" in out
 
 
-def test_a_rank_that_raises_fails_the_test_with_that_ranks_traceback():
+def test_raising_rank_fails_test_with_its_traceback():
     with pytest.raises(RuntimeError, match="(?s)failed on 1 rank.*rank1 raised.*ValueError: rank one's own error"):
         run_distributed(_rank_one_raises)

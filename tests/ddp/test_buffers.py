@@ -12,8 +12,8 @@ from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -49,7 +49,7 @@ def _buffer_schedule(rank, world_size):
     assert ours.module.scale[0].item() == 7.0 + rank
 
 
-def test_buffers_are_broadcast_on_torch_ddps_schedule_and_never_in_no_grad_forwards():
+def test_broadcast_as_torch_ddp_never_under_no_grad():
     run_distributed(_buffer_schedule)
 
 
@@ -87,7 +87,7 @@ def _buffer_written_once(rank, world_size):
     return constant, calls[len(constant) :]
 
 
-def test_a_constant_buffer_is_never_broadcast_and_one_written_once_is_broadcast_once():
+def test_buffer_broadcast_once_per_write():
     """After construction a buffer travels only when written: a constant one never (3 steps, no broadcast), one
     written once at the next step's first forward only (its count, then its 32 values), not at every step after."""
     for constant, after_write in run_distributed(_buffer_written_once):
@@ -129,7 +129,7 @@ def _changing_buffers(rank, world_size):
     return seen["ours"]
 
 
-def test_buffers_written_by_every_forward_match_torch_ddp_under_no_sync():
+def test_per_forward_buffers_match_torch_under_no_sync():
     per_rank = run_distributed(_changing_buffers)
     # Not trivially equal: the running stats differ across ranks between broadcasts.
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(*per_rank, strict=True))
@@ -151,5 +151,5 @@ def _buffers_written_differently(rank, world_size):
         ddp(torch.zeros(2, 16))
 
 
-def test_buffers_written_differently_across_ranks_raise_instead_of_mis_broadcasting():
+def test_buffers_differing_across_ranks_raise():
     run_distributed(_buffers_written_differently)

@@ -10,10 +10,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ft.ddp import COMM_HOOKS, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from ddp_ft.ddp.comm_hooks import wire_dtype
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 
-def test_hooks_are_plain_functions_with_their_own_names_and_no_patched_attributes():
+def test_hooks_are_plain_functions_with_own_names():
     for name, hook in zip(
         ("allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"),
         (allreduce_hook, bf16_compress_hook, fp16_compress_hook),
@@ -32,7 +32,7 @@ class _Unhashable:
         raise AssertionError("not called")
 
 
-def test_wire_dtype_is_the_compressed_dtype_for_compress_hooks_and_the_buffers_otherwise():
+def test_wire_dtype_is_compressed_or_the_buffers():
     assert wire_dtype(bf16_compress_hook, torch.float32) is torch.bfloat16
     assert wire_dtype(fp16_compress_hook, torch.float32) is torch.float16
     assert wire_dtype(torch_hooks.bf16_compress_hook, torch.float32) is torch.bfloat16
@@ -82,7 +82,7 @@ def _grads_with_each_hook_on_torch_ddp(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_each_of_our_hooks_registers_on_torch_ddp_and_gives_its_default_gradients():
+def test_hooks_register_on_torch_ddp_as_its_defaults():
     """torch's ``register_comm_hook`` checks the hook's annotations (``dist.GradBucket``,
     ``torch.futures.Future[torch.Tensor]``; strings under ``from __future__ import annotations`` fail). Each of ours
     registers (bf16 refused only where torch refuses its own bf16 hook: no CUDA/NCCL), and averages as torch's
@@ -99,7 +99,7 @@ def test_each_of_our_hooks_registers_on_torch_ddp_and_gives_its_default_gradient
                 torch.testing.assert_close(g, e, rtol=rtol, atol=atol * scale, msg=f"{name} hook, rank {rank}")
 
 
-def test_gradients_are_views_into_the_buffer_a_hook_set_as_torchs_grad_bucket_slices_its_current_buffer():
+def test_gradients_are_views_into_the_set_buffer():
     """torch's compress wrappers hand the hook a 16-bit copy (set_buffer) and PowerSGD then compresses
     ``bucket.gradients()``: those must be views into that copy, in its dtype, as in torch's GradBucket."""
     from ddp_ft.ddp import GradBucket

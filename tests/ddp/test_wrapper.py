@@ -11,8 +11,8 @@ from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -79,7 +79,7 @@ def _against_references(rank, world_size, cap, first_cap, grad_view, steps=3):
 
 @pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
 @pytest.mark.parametrize("caps", CAPS.values(), ids=CAPS.keys())
-def test_gradients_equal_torch_ddp_and_single_process_over_steps(caps, grad_view):
+def test_gradients_equal_torch_ddp_and_one_process(caps, grad_view):
     results = run_distributed(_against_references, *caps, grad_view)
     n_buckets, n_trainable = results[0]["buckets"], results[0]["n_trainable"]
     if caps == CAPS["one_param_per_bucket"]:
@@ -130,7 +130,7 @@ def _no_sync_accumulation(rank, world_size, grad_view, micro_steps=3):
 
 
 @pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
-def test_no_sync_communicates_nothing_and_synced_step_reduces_the_accumulation(grad_view):
+def test_no_sync_sends_nothing_then_sync_reduces_sum(grad_view):
     calls, buckets = run_distributed(_no_sync_accumulation, grad_view)[0]
     assert calls == [0, 0, buckets, 0, 0, buckets]
 
@@ -155,12 +155,12 @@ def _unused_parameter(rank, world_size, find_unused):
     return None
 
 
-def test_unused_parameter_is_an_error_naming_it_on_every_rank():
+def test_unused_parameter_raises_naming_it_every_rank():
     for message in run_distributed(_unused_parameter, False):
         assert message is not None and "'unused.weight'" in message and "find_unused_parameters=True" in message
 
 
-def test_parameter_unused_on_every_rank_keeps_no_gradient_with_find_unused_parameters():
+def test_find_unused_gives_unused_parameter_no_grad():
     assert run_distributed(_unused_parameter, True) == [None, None]
 
 
@@ -194,7 +194,7 @@ def _unused_in_the_synced_step(rank, world_size, grad_view):
 
 
 @pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
-def test_find_unused_parameters_reduces_what_an_unused_parameter_accumulated_under_no_sync(grad_view):
+def test_find_unused_reduces_grads_from_no_sync_steps(grad_view):
     """A parameter used only in no_sync micro-steps contributes its accumulated gradient to the synced step's
     average (not zero), exactly as torch DDP and as one process on the global batch."""
     run_distributed(_unused_in_the_synced_step, grad_view)
@@ -214,7 +214,7 @@ def _used_on_one_rank_only(rank, world_size):
             assert_close(p_ours.grad, p_torch.grad, rtol=0, atol=0, msg=name)
 
 
-def test_parameter_used_on_one_rank_only_matches_torch_ddp():
+def test_parameter_used_on_one_rank_matches_torch_ddp():
     run_distributed(_used_on_one_rank_only)
 
 
@@ -262,7 +262,7 @@ def _globally_unused_under_adamw(rank, world_size, grad_view):
 
 
 @pytest.mark.parametrize("grad_view", [True, False], ids=["grad_as_bucket_view", "grad_copies"])
-def test_parameter_unused_on_every_rank_keeps_grad_none_and_adamw_leaves_it_as_torch_ddp(grad_view):
+def test_unused_parameter_skipped_by_adamw_as_torch(grad_view):
     """find_unused_parameters=True: a parameter no rank used (and that accumulated nothing under no_sync) keeps
     grad=None, so AdamW with weight decay skips it; one used on some rank gets the average. Gradients equal torch
     DDP's (None where torch's are None) and the global batch's, and so do parameters after each AdamW step."""
@@ -298,7 +298,7 @@ def _mismatch(rank, world_size, kind):
         ("bucket_cap", "bucket 0"),
     ],
 )
-def test_mismatched_models_raise_on_every_rank_naming_the_difference(kind, expected):
+def test_mismatched_models_raise_naming_the_difference(kind, expected):
     messages = run_distributed(_mismatch, kind, timeout=60)
     for message in messages:
         assert message is not None and expected in message, message
@@ -325,7 +325,7 @@ def _state_dict_and_errors(rank, world_size):
         torch.nn.functional.mse_loss(model2.module(x), y).backward()
 
 
-def test_state_dict_has_no_module_prefix_and_misuse_is_reported():
+def test_state_dict_unprefixed_and_misuse_reported():
     run_distributed(_state_dict_and_errors)
 
 
@@ -344,7 +344,7 @@ def _start_from_rank0(rank, world_size):
     assert dist.get_world_size() == world_size
 
 
-def test_trainable_parameters_and_buffers_start_from_rank_0():
+def test_parameters_and_buffers_start_from_rank_0():
     run_distributed(_start_from_rank0)
 
 
@@ -374,7 +374,7 @@ def _gradient_in_two_pieces(rank, world_size):
     assert "use_reentrant" in str(error.value) and "'shared." in str(error.value)
 
 
-def test_gradient_arriving_twice_under_reentrant_checkpointing_is_an_error_not_a_double_count():
+def test_reentrant_gradient_arriving_twice_raises():
     run_distributed(_gradient_in_two_pieces)
 
 
@@ -392,5 +392,5 @@ def _loss_scaled_in_place(rank, world_size):
         assert_close(g_ours, g_ref, rtol=1e-6, atol=1e-7)
 
 
-def test_outputs_modified_in_place_still_reduce_correctly():
+def test_outputs_modified_in_place_still_reduce():
     run_distributed(_loss_scaled_in_place)

@@ -16,8 +16,8 @@ from torch.testing import assert_close
 
 from ddp_ft.ddp import BucketedDDP
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -74,7 +74,7 @@ def _rewrap(rank, world_size, explicit):
 
 
 @pytest.mark.parametrize("explicit", [False, True], ids=["wrapper_dropped", "remove_hooks"])
-def test_a_module_rewrapped_after_its_wrapper_is_dropped_trains_as_torch_ddp(explicit):
+def test_rewrapped_module_trains_as_torch_ddp(explicit):
     """Wrap, train a step, drop the wrapper (garbage-collected, or remove_hooks() first), train the bare module
     locally, wrap again and train: gradients and parameters equal torch DDP's, re-wrapped the same way."""
     run_distributed(_rewrap, explicit)
@@ -101,7 +101,7 @@ def _gradient_penalty(rank, world_size):
             model.module.zero_grad(set_to_none=True)
 
 
-def test_autograd_grad_through_a_synced_forward_then_backward_equals_torch_ddp():
+def test_autograd_grad_then_backward_as_torch_ddp():
     """A gradient penalty: torch.autograd.grad(loss, inputs, create_graph=True) accumulates into no parameter and
     must not end the iteration; the backward of loss + penalty that follows reduces, exactly as torch DDP."""
     run_distributed(_gradient_penalty)
@@ -141,7 +141,7 @@ def _module_child_state_dict(rank, world_size):
         assert torch.equal(value, expected), key
 
 
-def test_state_dict_round_trips_for_a_model_with_a_child_named_module():
+def test_state_dict_round_trips_child_named_module():
     run_distributed(_module_child_state_dict)
 
 
@@ -162,7 +162,7 @@ def _never_popped(rank, world_size):
     return held, stats.synced_backwards, stats.exposed_comm_ms, sum(per_backward), MAX_PENDING_WAITS
 
 
-def test_comm_timings_stay_bounded_when_nobody_pops_them_and_still_add_up():
+def test_unpopped_comm_timings_bounded_and_add_up():
     """A plain Accelerate user never calls pop_comm_stats(): the wrapper kept one measurement (a CUDA event pair on
     GPU) per synced backward for the whole run. Now it holds at most MAX_PENDING_WAITS + 1, folding the oldest into
     milliseconds, and the popped total still equals the sum of every backward's own measurement."""

@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ft.ddp import BucketedDDP, ParamSpec, allreduce_hook, compute_bucket_assignment
 from ddp_ft.ddp.autotune import TRIAL_ROUNDS, bucket_candidates, choose
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 MB = 1024 * 1024
 
@@ -24,7 +24,7 @@ def _specs(module):
     return [ParamSpec.of(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def test_candidates_are_distinct_layouts_with_torch_default_first():
+def test_candidates_distinct_with_torch_default_first():
     specs = _specs(Net())
     found = bucket_candidates(specs)
     layouts = [tuple(b.param_indices for b in layout) for _, layout in found]
@@ -39,7 +39,7 @@ def test_candidates_are_distinct_layouts_with_torch_default_first():
     assert len(bucket_candidates(_specs(torch.nn.Linear(4, 1, bias=False)))) == 1
 
 
-def test_choice_is_the_lowest_median_ties_to_the_earlier_and_the_default_stays_within_the_noise():
+def test_lowest_median_wins_default_kept_within_noise():
     assert choose([[5.0, 1.0, 9.0], [4.0, 4.0, 4.0], [3.0, 100.0, 3.5]]) == 2  # a single outlier does not count
     assert choose([[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]) == 0
     assert choose([[3.0, 3.0, 3.0], [2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]) == 1
@@ -116,7 +116,7 @@ def _trial_matches_torch_ddp(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_auto_trains_bitwise_as_torch_ddp_through_the_trial_and_every_rank_keeps_one_logged_choice():
+def test_trial_trains_bitwise_as_torch_one_choice():
     ranks = run_distributed(_trial_matches_torch_ddp)
     (results0, log0), (results1, log1) = ranks
     for view, result in results0.items():
@@ -181,7 +181,7 @@ def _auto_edge_cases(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_auto_follows_the_timings_skips_a_trial_with_one_layout_and_refuses_powersgd():
+def test_follows_timings_skips_one_layout_no_powersgd():
     out0, out1 = run_distributed(_auto_edge_cases)
     biased = out0["biased"]
     assert biased == out1["biased"]
@@ -190,7 +190,7 @@ def test_auto_follows_the_timings_skips_a_trial_with_one_layout_and_refuses_powe
     assert len(out0["single_before"].candidates) == 1 and out0["single_before"].timings_ms == ((),)
 
 
-def test_the_choice_record_names_the_kept_caps_and_every_candidates_median():
+def test_record_names_kept_caps_and_every_median():
     from ddp_ft.ddp import BucketCandidate, BucketChoice
     from ddp_ft.report.records import BUCKET_CHOICE, bucket_choice_record
 

@@ -5,7 +5,7 @@ import pytest
 from ddp_ft.ddp.stats import MAX_PENDING_WAITS, CommRecorder, CommStats
 
 
-def test_latest_backward_and_pending_since_pop_count_the_same_events():
+def test_latest_and_pending_count_the_same_events():
     recorder = CommRecorder()
     assert recorder.last() == CommStats() and recorder.pop() == CommStats()
     recorder.start_backward(synced=False)  # an accumulation micro-step: nothing on the wire
@@ -25,7 +25,7 @@ def test_latest_backward_and_pending_since_pop_count_the_same_events():
     assert recorder.last() == CommStats(backwards=1)
 
 
-def test_waits_nobody_pops_stay_bounded_and_still_add_up():
+def test_unpopped_waits_stay_bounded_and_add_up():
     recorder = CommRecorder()
     waits = [0.25 * (i + 1) for i in range(3 * MAX_PENDING_WAITS)]
     for wait in waits:

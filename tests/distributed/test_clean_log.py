@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from ..test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
 
 
 @pytest.mark.usefixtures("run_env")
@@ -22,7 +22,7 @@ def test_a_short_run_prints_no_deprecation_warning(entry, tmp_path):
     assert not deprecations, deprecations
 
 
-def test_the_embedded_model_has_the_tokenizers_special_tokens_so_the_trainer_aligns_nothing(tmp_path, monkeypatch):
+def test_embedded_model_has_tokenizer_special_tokens(tmp_path, monkeypatch):
     """The tiny model's config holds its tokenizer's eos and pad ids, as a hub model does: the Trainer's
     ``align_special_tokens`` changes nothing and prints no 'new PAD/BOS/EOS tokens' warning on every rank. The ids
     go in after the weights are drawn, so the weights are those of a build without them."""
@@ -48,9 +48,7 @@ def test_the_embedded_model_has_the_tokenizers_special_tokens_so_the_trainer_ali
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_bitsandbytes_cpu_hub_kernel_notice_is_said_once_on_rank_zero_and_the_log_level_is_checked(
-    monkeypatch, caplog, capsys
-):
+def test_bnb_notice_once_on_rank_0_log_level_checked(monkeypatch, caplog, capsys):
     import logging
 
     from ddp_ft import distributed
@@ -80,7 +78,7 @@ def test_bitsandbytes_cpu_hub_kernel_notice_is_said_once_on_rank_zero_and_the_lo
     assert logging.getLogger().level == logging.WARNING
 
 
-def test_upstream_notices_every_rank_prints_are_held_back_on_ranks_above_zero_only(monkeypatch, caplog):
+def test_upstream_notices_held_back_above_rank_0(monkeypatch, caplog):
     """The exact messages of ddp_ft.distributed's table, on RANK > 0 only: rank 0 and a single process keep them, and
     any other warning passes (tests/test_examples.py counts them on real 2-rank runs)."""
     import logging

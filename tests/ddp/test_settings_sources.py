@@ -8,15 +8,15 @@ from transformers import TrainingArguments
 from ddp_ft.ddp import DDPSettings
 from ddp_ft.integrations.settings import describe_sources, resolve_ddp_settings
 
-from .helpers.dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank, _dataset, _Regressor
+from ..helpers.dist_harness import run_distributed
+from ..test_plugin_wrapping import _as_accelerate_rank, _dataset, _Regressor
 
 
 def _args(tmp_path, **kwargs):
     return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kwargs)
 
 
-def test_training_arguments_are_mapped_onto_bucketed_ddp_settings_and_their_source_is_named(tmp_path):
+def test_training_arguments_mapped_naming_the_source(tmp_path):
     args = _args(tmp_path, ddp_bucket_cap_mb=5, ddp_find_unused_parameters=True, ddp_broadcast_buffers=False)
     settings, sources = resolve_ddp_settings(DDPSettings(), args)
     assert (settings.bucket_cap_mb, settings.find_unused_parameters, settings.broadcast_buffers) == (5, True, False)
@@ -26,7 +26,7 @@ def test_training_arguments_are_mapped_onto_bucketed_ddp_settings_and_their_sour
     assert "gradient_as_bucket_view=True (default)" in line
 
 
-def test_accelerate_ddp_kwargs_are_mapped_including_its_compression_hooks():
+def test_accelerate_kwargs_mapped_with_comm_hooks():
     kwargs = DistributedDataParallelKwargs(bucket_cap_mb=10, gradient_as_bucket_view=True, comm_hook="bf16")
     settings, sources = resolve_ddp_settings(None, None, kwargs)
     assert (settings.bucket_cap_mb, settings.comm_hook) == (10, "bf16")
@@ -36,7 +36,7 @@ def test_accelerate_ddp_kwargs_are_mapped_including_its_compression_hooks():
     assert settings.gradient_as_bucket_view  # accelerate's default is not a request: ours stays
 
 
-def test_two_sources_that_disagree_are_an_error_naming_both(tmp_path):
+def test_disagreeing_sources_raise_naming_both(tmp_path):
     with pytest.raises(ValueError, match=r"DDPSettings.bucket_cap_mb=10.*TrainingArguments.ddp_bucket_cap_mb=5"):
         resolve_ddp_settings(DDPSettings(bucket_cap_mb=10), _args(tmp_path, ddp_bucket_cap_mb=5))
     with pytest.raises(ValueError, match=r"TrainingArguments.ddp_timeout"):
@@ -45,7 +45,7 @@ def test_two_sources_that_disagree_are_an_error_naming_both(tmp_path):
     assert same.bucket_cap_mb == 5
 
 
-def test_auto_bucket_cap_from_ddp_ft_settings_is_kept_and_a_trainer_cap_beside_it_conflicts(tmp_path):
+def test_auto_cap_kept_trainer_cap_beside_conflicts(tmp_path):
     settings, sources = resolve_ddp_settings(DDPSettings(bucket_cap_mb="auto"), _args(tmp_path))
     assert settings.bucket_cap_mb == "auto" and sources["bucket_cap_mb"] == "ddp_ft DDPSettings.bucket_cap_mb"
     with pytest.raises(ValueError, match=r"DDPSettings.bucket_cap_mb='auto'.*TrainingArguments.ddp_bucket_cap_mb=5"):
@@ -62,7 +62,7 @@ def test_auto_bucket_cap_from_ddp_ft_settings_is_kept_and_a_trainer_cap_beside_i
     ],
     ids=["ddp_static_graph", "static_graph", "comm_wrapper without a hook", "check_reduction"],
 )
-def test_settings_without_a_bucketed_ddp_meaning_are_refused_by_name(tmp_path, source):
+def test_settings_without_meaning_refused_by_name(tmp_path, source):
     args = _args(tmp_path, **source["training_args"]) if "training_args" in source else None
     kwargs = DistributedDataParallelKwargs(**source["ddp_kwargs"]) if "ddp_kwargs" in source else None
     name = next(iter(source.get("training_args", source.get("ddp_kwargs"))))
@@ -100,7 +100,7 @@ def _trainer_with_ddp_arguments(rank, world_size, arguments):
 
 
 @pytest.mark.distributed
-def test_trainer_ddp_arguments_reach_bucketed_ddp_or_stop_the_run_before_training():
+def test_trainer_arguments_reach_ddp_or_stop_the_run():
     honoured = run_distributed(
         _trainer_with_ddp_arguments,
         {"ddp_find_unused_parameters": True, "ddp_broadcast_buffers": False, "ddp_bucket_cap_mb": 1},

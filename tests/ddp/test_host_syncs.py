@@ -10,7 +10,7 @@ import torch
 from ddp_ft.report.metrics import ThroughputMeter
 
 
-def test_the_loop_reads_the_device_once_per_step_one_transfer_of_what_it_logs_and_the_stop_flags(tmp_path, monkeypatch):
+def test_loop_reads_the_device_once_per_step(tmp_path, monkeypatch):
     """Each ``.item()``/``.tolist()`` waits for the device. The loop's own, per step: one transfer of loss, grad norm,
     token count, the ranks' compute times and stop flags. Before: two (the stop flag read before the step, then the
     logged scalars); before that, four (loss, grad norm, tokens, flag)."""
@@ -72,7 +72,7 @@ class _Event:
         return (end.stamp - self.stamp) * 1000
 
 
-def test_a_cuda_step_is_timed_by_events_and_memory_peaks_are_per_interval_allocated_and_reserved(monkeypatch):
+def test_cuda_step_timed_by_events_peaks_per_interval(monkeypatch):
     """No ``torch.cuda.synchronize`` (it waits for every stream, the NCCL one included); the step time is the event
     pair's; the peaks are reset at each reading, so a log line reports its own interval, not the process's life."""
     peaks = {"allocated": 3e9, "reserved": 4e9}

@@ -23,7 +23,7 @@ def _dead_pipe() -> int:
     return write
 
 
-def test_writes_to_a_dead_console_go_on_into_the_log_file(tmp_path, monkeypatch):
+def test_dead_console_writes_go_on_into_the_log_file(tmp_path, monkeypatch):
     dead = open(_dead_pipe(), "w")  # noqa: SIM115 - closed below
     monkeypatch.setattr(sys, "stderr", dead)
     logger = logging.getLogger("test_console")
@@ -44,7 +44,7 @@ def test_writes_to_a_dead_console_go_on_into_the_log_file(tmp_path, monkeypatch)
         assert line in log, log
 
 
-def test_a_stop_signal_with_stderr_gone_is_recorded_and_its_line_logged(tmp_path):
+def test_signal_with_stderr_gone_recorded_and_logged(tmp_path):
     """The handler writes to fd 2 itself (it must not take a lock). A BrokenPipeError there would surface in the
     middle of the step, and the rank would die without a checkpoint."""
     saved = os.dup(2)

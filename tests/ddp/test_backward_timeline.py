@@ -10,7 +10,7 @@ from torch import nn
 from ddp_ft.ddp import BucketedDDP, DDPSettings, ParamSpec, compute_bucket_assignment
 from ddp_ft.ddp.timeline import BackwardRecorder
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 FIRST_CAP_MB = 16 / 1024  # the second layer's weight fills the first bucket: one bucket per layer
 PAUSE_S = 0.1
@@ -49,7 +49,7 @@ def _step(chain, pause, call=None):
     (call or chain)(torch.randn(4, 64)).backward()
 
 
-def test_each_bucket_is_stamped_when_its_last_gradient_is_ready_from_the_start_of_backward():
+def test_bucket_stamped_when_its_last_grad_is_ready():
     model = _Chain()
     recorder = BackwardRecorder(model, first_bucket_cap_mb=FIRST_CAP_MB)
     assert recorder.last_backward_timeline() is None
@@ -61,7 +61,7 @@ def test_each_bucket_is_stamped_when_its_last_gradient_is_ready_from_the_start_o
     assert PAUSE_S * 1e3 <= timeline.forward_ms < 1.9 * PAUSE_S * 1e3
 
 
-def test_the_latest_backward_is_kept_and_removed_hooks_record_nothing():
+def test_latest_kept_and_removed_hooks_record_nothing():
     model = _Chain()
     recorder = BackwardRecorder(model, first_bucket_cap_mb=FIRST_CAP_MB)
     _step(model, PAUSE_S)
@@ -77,7 +77,7 @@ def test_the_latest_backward_is_kept_and_removed_hooks_record_nothing():
     assert recorder.last_backward_timeline() == fast
 
 
-def test_bucket_bytes_are_bucketed_ddps_layout_sent_by_the_comm_hook():
+def test_bucket_bytes_are_the_layout_the_hook_sends():
     model = _Chain()
     specs = [ParamSpec.of(n, p) for n, p in model.named_parameters()]
     layout = compute_bucket_assignment(specs, 25.0, FIRST_CAP_MB)
@@ -103,7 +103,7 @@ def _synced_backward_only(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_bucketed_ddp_stamps_its_synced_backward_only_with_the_bytes_it_sends():
+def test_stamps_synced_backward_only_with_bytes_sent():
     for slow, unchanged, fast, nbytes in run_distributed(_synced_backward_only):
         assert slow.bucket_bytes == fast.bucket_bytes == tuple(nbytes)
         assert slow.ready_ms[0] < PAUSE_S * 1e3 <= slow.ready_ms[1] <= slow.backward_ms

@@ -1,6 +1,6 @@
 """The cross-rank check at construction, as pure functions over each rank's description: no process group.
 
-The distributed side (every rank raising on a real mismatch) is tested in test_bucketed_ddp.py.
+The distributed side (every rank raising on a real mismatch) is tested in test_wrapper.py.
 """
 
 import torch
@@ -14,7 +14,7 @@ def spec(name, numel, dtype=torch.float32, device="cpu"):
     return ParamSpec(name, numel, dtype, device, (numel,))
 
 
-def test_layout_difference_names_first_differing_parameter():
+def test_layout_diff_names_first_differing_parameter():
     a = [spec("w1", 10), spec("w2", 20), spec("w3", 30)]
     b = [spec("w1", 10), ParamSpec("w2", 21, torch.float32, "cpu", (21,)), spec("w3", 30)]
     la = describe_layout(a, compute_bucket_assignment(a, 25, 25))
@@ -24,7 +24,7 @@ def test_layout_difference_names_first_differing_parameter():
     assert "'w2'" in message and "[20]" in message and "[21]" in message and "rank 1" in message
 
 
-def test_layout_difference_reports_extra_parameter_and_bucket_boundaries():
+def test_layout_diff_names_extra_param_and_boundaries():
     a = [spec("w1", 10), spec("w2", 20)]
     b = a + [spec("extra", 5)]
     la = describe_layout(a, compute_bucket_assignment(a, 25, 25))
@@ -48,7 +48,7 @@ def _describe(model, cap_mb=25.0):
     return describe_rank(model, specs, compute_bucket_assignment(specs, cap_mb, cap_mb))
 
 
-def test_a_rank_describes_its_layout_and_the_digests_of_its_frozen_parameters_off_the_meta_device():
+def test_rank_describes_layout_and_frozen_digests():
     described = _describe(_Model())
     assert described["layout"]["params"] == [
         ("lora.weight", (2, 4), "torch.float32"),
@@ -63,7 +63,7 @@ def test_equal_ranks_pass():
     assert cross_rank_mismatch([_describe(_Model()) for _ in range(3)]) is None
 
 
-def test_frozen_rows_swapped_on_one_rank_name_the_parameter_the_rank_and_the_digests():
+def test_swapped_frozen_rows_name_param_rank_digests():
     other = _Model()
     with torch.no_grad():
         other.frozen.weight[[0, 1]] = other.frozen.weight[[1, 0]].clone()
@@ -82,7 +82,7 @@ def test_a_missing_frozen_parameter_is_counted():
     assert "rank 0 has 2 frozen parameters, rank 1 1" in message, message
 
 
-def test_the_layout_is_compared_before_the_frozen_weights():
+def test_layout_compared_before_frozen_weights():
     other = _Model()
     other.frozen.requires_grad_(True)  # trainable on rank 1 only: the layout differs, and so do the frozen lists
     message = cross_rank_mismatch([_describe(_Model()), _describe(other)])

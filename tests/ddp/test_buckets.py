@@ -10,7 +10,7 @@ def spec(name, numel, dtype=torch.float32, device="cpu"):
     return ParamSpec(name, numel, dtype, device, (numel,))
 
 
-def test_reverse_registration_order_fills_first_bucket_from_last_parameter():
+def test_first_bucket_filled_from_last_parameter():
     params = [spec(f"p{i}", 1000) for i in range(6)]  # 4000 bytes each
     buckets = compute_bucket_assignment(params, bucket_cap_mb=8000 / MB, first_bucket_cap_mb=4000 / MB)
     assert [b.param_indices for b in buckets] == [(5,), (4, 3), (2, 1), (0,)]
@@ -18,7 +18,7 @@ def test_reverse_registration_order_fills_first_bucket_from_last_parameter():
     assert [b.numel for b in buckets] == [1000, 2000, 2000, 1000]
 
 
-def test_every_parameter_in_exactly_one_bucket_and_buffers_contiguous():
+def test_each_parameter_in_one_bucket_contiguously():
     sizes = [7, 300, 1, 5000, 42, 42, 900, 3]
     params = [spec(f"p{i}", n) for i, n in enumerate(sizes)]
     buckets = compute_bucket_assignment(params, bucket_cap_mb=2000 / MB, first_bucket_cap_mb=100 / MB)
@@ -39,7 +39,7 @@ def test_parameter_larger_than_cap_gets_its_own_bucket():
     assert [b.param_indices for b in buckets] == [(2, 1), (0,)]
 
 
-def test_tiny_cap_gives_one_parameter_per_bucket_and_huge_cap_one_bucket():
+def test_tiny_cap_one_per_bucket_huge_cap_one_bucket():
     params = [spec(f"p{i}", 10 + i) for i in range(5)]
     assert len(compute_bucket_assignment(params, 1e-9, 1e-9)) == 5
     one = compute_bucket_assignment(params, 25, 25)
