@@ -17,8 +17,8 @@ from ddp_ft.training.data import (
 )
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
 
 SHAPES = [(2, 1, 8), (2, 2, 4), (2, 4, 2), (3, 2, 2), (4, 1, 4), (1, 2, 8), (2, 1, 1)]  # world, micro, accumulation
 
@@ -240,7 +240,7 @@ def _trainer_batches(rank, world_size):
 
     from ddp_ft.integrations import BucketedTrainer
 
-    from .test_plugin_wrapping import _as_accelerate_rank, _Regressor
+    from ..test_plugin_wrapping import _as_accelerate_rank, _Regressor
 
     _as_accelerate_rank(rank, world_size)
     lengths = [random.Random(i).randint(10, 500) for i in range(45)]

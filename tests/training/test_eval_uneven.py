@@ -11,8 +11,8 @@ import tempfile
 
 import pytest
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +56,7 @@ def _one_and_two_processes(rank, world_size, cache, source):
     from ddp_ft.training.setup import resolve_model_and_tokenizer
     from ddp_ft.training.steps import evaluate
 
-    from .test_plugin_wrapping import _as_accelerate_rank
+    from ..test_plugin_wrapping import _as_accelerate_rank
 
     os.environ["DDP_FT_CACHE"] = cache
     settings = settings_from_preset("tiny", source=source, eval_fraction=0.0)

@@ -27,8 +27,8 @@ from ddp_ft.training.data import (
     strided_plan,
 )
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
 
 PAD = 0
 

@@ -19,7 +19,7 @@ from ddp_ft.training.data.tokenizer import (
     load_tokenizer,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 QWEN2_TOKENIZER = SHARED_DATA / "qwen2-tokenizer"
 
 CONVERSATION = [{"role": "user", "content": "Summarize: we chose yellow."}, {"role": "assistant", "content": "Yellow."}]

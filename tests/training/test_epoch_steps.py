@@ -12,7 +12,7 @@ import torch
 
 from ddp_ft.training.data import EpochLoader, EpochSteps, StepBatchSampler
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 
 def _stock_steps(n: int, micro: int, world: int, accumulation: int, drop_last: bool) -> list[list[list[int]]]:
@@ -171,8 +171,8 @@ def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
 
     from transformers import default_data_collator
 
-    from .test_plugin_wrapping import _gloo_trainer_args
-    from .test_trainer_step_sync import _CausalTokens, _labelled_rows
+    from ..test_plugin_wrapping import _gloo_trainer_args
+    from ..test_trainer_step_sync import _CausalTokens, _labelled_rows
 
     rows = _labelled_rows()[:ROWS]
     for index, row in enumerate(rows):
@@ -198,7 +198,7 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
     from transformers import AutoTokenizer
 
-    from .helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
+    from ..helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
 
     case = Case("prompt_completion", False, "peft_config", False)
     model, peft_config = model_and_peft_config(paths[1], case, 2)
@@ -220,7 +220,7 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
 
 def _stock_and_balanced(rank, world_size, paths):
-    from .test_plugin_wrapping import _as_accelerate_rank
+    from ..test_plugin_wrapping import _as_accelerate_rank
 
     _as_accelerate_rank(rank, world_size)
     from transformers import Trainer
@@ -305,7 +305,7 @@ def test_a_sampling_strategy_the_plan_would_replace_is_refused_naming_balance_ra
 
     from ddp_ft.integrations import BucketedTrainer
 
-    from .test_plugin_wrapping import _dataset, _Regressor
+    from ..test_plugin_wrapping import _dataset, _Regressor
 
     for strategy in ("sequential", "group_by_length"):
         args = TrainingArguments(

@@ -22,9 +22,9 @@ from ddp_ft.training.checkpoint import (
 )
 from ddp_ft.training.preemption import StopSignal
 
-from .helpers.dist_harness import PYTHONPATH, run_distributed
-from .helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
-from .test_checkpoint import _parts
+from ..helpers.dist_harness import PYTHONPATH, run_distributed
+from ..helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
+from ..test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults
 
