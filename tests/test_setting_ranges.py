@@ -16,7 +16,7 @@ from ddp_ft.training.model.precision import choose_precision
 from ddp_ft.training.ranges import DATA_RANGES, LORA_RANGES, SEED_MAX, TRAIN_RANGES
 
 TABLES = {"train": TRAIN_RANGES, "lora": LORA_RANGES, "data": DATA_RANGES, "ddp": DDP_RANGES, "model": {}}
-OWN_FLOOR = {"max_seq_len"}  # DataSettings explains its floor itself (tests/test_data.py)
+OWN_FLOOR = {"max_seq_len"}  # DataSettings explains its floor itself (tests/training/test_data.py)
 
 # (setting, a value outside its own range): each row is refused naming the setting, with the setting's default as
 # a valid value in the message.

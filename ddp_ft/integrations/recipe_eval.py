@@ -17,7 +17,7 @@ class EveryEvalRow:
     The loader is the Trainer's otherwise: its eval sampler, batch size, collator and workers, prepared by Accelerate
     (as ``PlannedData`` builds the training loader). On several ranks
     Accelerate completes the last batches with repeated rows (``even_batches``), and ``gather_for_metrics`` drops
-    them from the gathered losses (``tests/test_eval_uneven.py``).
+    them from the gathered losses (``tests/training/test_eval_uneven.py``).
     """
 
     def get_eval_dataloader(self, eval_dataset=None):

@@ -337,7 +337,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         the tokens of the dropped duplicates too, and the per-rank values only average right in pairs (measured on
         the tiny model and 5 samples: eval_loss 7.68 on 2 ranks, 7.44 on one process). With each batch's own mean,
         ``per_device_eval_batch_size=1`` gives the mean of the per-sample losses on every world size
-        (``tests/test_eval_uneven.py``); larger eval batches give the stock Trainer's mean of batch means, which
+        (``tests/training/test_eval_uneven.py``); larger eval batches give the stock Trainer's mean of batch means, which
         depends on how the samples fall into batches, so on the world size.
         """
         averaging = self.args.average_tokens_across_devices

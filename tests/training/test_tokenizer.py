@@ -19,7 +19,7 @@ from ddp_ft.training.data.tokenizer import (
     load_tokenizer,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 QWEN2_TOKENIZER = SHARED_DATA / "qwen2-tokenizer"
 
 CONVERSATION = [{"role": "user", "content": "Summarize: we chose yellow."}, {"role": "assistant", "content": "Yellow."}]
@@ -31,7 +31,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tiny")
 
 
-def test_tiny_tokenizer_builds_fast_deterministically_and_seed_changes_it(tmp_path, tiny_dir):
+def test_tiny_builds_fast_deterministically_per_seed(tmp_path, tiny_dir):
     start = time.perf_counter()
     again = build_tiny_tokenizer(tmp_path / "again")
     assert time.perf_counter() - start < 10
@@ -40,7 +40,7 @@ def test_tiny_tokenizer_builds_fast_deterministically_and_seed_changes_it(tmp_pa
     assert (other / "tokenizer.json").read_bytes() != (tiny_dir / "tokenizer.json").read_bytes()
 
 
-def test_build_is_idempotent_and_leaves_no_temporary_folders(tiny_dir):
+def test_build_is_idempotent_leaving_no_temp_folders(tiny_dir):
     before = {p.name: p.stat().st_mtime_ns for p in tiny_dir.iterdir()}
     start = time.perf_counter()
     assert build_tiny_tokenizer(tiny_dir) == tiny_dir
@@ -49,7 +49,7 @@ def test_build_is_idempotent_and_leaves_no_temporary_folders(tiny_dir):
     assert [p.name for p in tiny_dir.parent.iterdir()] == [tiny_dir.name]
 
 
-def test_tiny_tokenizer_speaks_chatml_with_single_token_specials_and_right_padding(tiny_dir):
+def test_tiny_speaks_chatml_single_token_specials(tiny_dir):
     tok = load_tokenizer(str(tiny_dir))
     assert tok.chat_template == CHATML_TEMPLATE
     assert tok.apply_chat_template(CONVERSATION, tokenize=False) == CHATML_TEXT
@@ -61,7 +61,7 @@ def test_tiny_tokenizer_speaks_chatml_with_single_token_specials_and_right_paddi
     assert len(tok) <= 4096
 
 
-def test_tiny_tokenizer_round_trips_any_text_byte_level(tiny_dir):
+def test_tiny_round_trips_any_text_byte_level(tiny_dir):
     tok = load_tokenizer(str(tiny_dir))
     text = "Um, the remote's price: 12,50 € — ça va? 遥控器 🙂\n\nNext."
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
@@ -80,7 +80,7 @@ def _word_tokenizer(words: list[str], **special: str):
 WORDS = ["[UNK]", "hello", "</s>", "Summarize", ":", "we", "chose", "yellow", ".", "Yellow", "#", "Response"]
 
 
-def test_template_less_tokenizer_gets_the_plain_template_with_its_own_eos_and_no_token_added():
+def test_template_less_gets_plain_template_own_eos():
     tok = _word_tokenizer(WORDS, eos_token="</s>")
     ensure_chat_format(tok)
     assert len(tok) == len(WORDS) and IM_START not in tok.get_vocab()
@@ -93,12 +93,12 @@ def test_template_less_tokenizer_gets_the_plain_template_with_its_own_eos_and_no
     assert (tok.pad_token, tok.padding_side) == ("</s>", "right")
 
 
-def test_chatml_is_refused_for_a_vocabulary_without_its_tokens_naming_them_and_the_plain_template():
+def test_chatml_refused_for_vocab_missing_its_tokens():
     with pytest.raises(ValueError, match=r"chatml.*has no <\|im_start\|> and no <\|im_end\|>.*--chat-template plain"):
         ensure_chat_format(_word_tokenizer(WORDS, eos_token="</s>"), "chatml")
 
 
-def test_chatml_plain_and_a_jinja_file_replace_a_tokenizers_own_template_without_adding_tokens(tiny_dir, tmp_path):
+def test_chatml_plain_or_jinja_replace_own_template(tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
     plain = load_tokenizer(str(tiny_dir), "plain")
@@ -113,12 +113,12 @@ def test_chatml_plain_and_a_jinja_file_replace_a_tokenizers_own_template_without
     assert ensure_chat_format(bare, "chatml").chat_template == CHATML_TEMPLATE and len(bare) == size
 
 
-def test_chat_template_setting_refuses_an_unknown_word_or_missing_file_naming_the_setting():
+def test_chat_template_refuses_unknown_word_or_file():
     with pytest.raises(ValueError, match=r"chat_template='llama3' \(--chat-template\): neither one of auto, chatml"):
         DataSettings(chat_template="llama3")
 
 
-def test_missing_eos_takes_the_vocabularys_end_token_and_without_one_is_refused_naming_the_file():
+def test_missing_eos_takes_vocab_end_token_or_refuses():
     fallback = ensure_chat_format(_word_tokenizer(WORDS))  # no eos, no pad set; "</s>" in the vocabulary
     assert (fallback.eos_token, fallback.pad_token) == ("</s>", "</s>")
     words = [w for w in WORDS if w != "</s>"]
@@ -126,7 +126,7 @@ def test_missing_eos_takes_the_vocabularys_end_token_and_without_one_is_refused_
         ensure_chat_format(_word_tokenizer(words))
 
 
-def test_a_tokenizer_larger_than_the_embedding_is_refused_naming_the_real_cause():
+def test_tokenizer_larger_than_embedding_is_refused():
     check_vocabulary(_word_tokenizer(WORDS), len(WORDS))  # fits: nothing to say
     with pytest.raises(ValueError, match=r"has 12 tokens but the model's embedding only 8 rows.*another model's"):
         check_vocabulary(_word_tokenizer(WORDS), 8)
@@ -147,7 +147,7 @@ def test_existing_chat_template_and_pad_token_are_kept(tiny_dir):
 
 
 @pytest.mark.skipif(not QWEN2_TOKENIZER.is_dir(), reason="shared test data (qwen2-tokenizer) not present")
-def test_bare_qwen2_vocab_gets_chatml_with_qwen_ids_and_endoftext_padding():
+def test_bare_qwen2_vocab_gets_chatml_endoftext_pad():
     tok = load_tokenizer(str(QWEN2_TOKENIZER))
     assert tok.chat_template == CHATML_TEMPLATE
     assert tok.convert_tokens_to_ids([ENDOFTEXT, IM_START, IM_END]) == [151643, 151644, 151645]

@@ -29,7 +29,7 @@ from ddp_ft.training.data.formatting import _id_lists
 from ddp_ft.training.data.synthetic import generate_synthetic_meetings
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 AMI = SHARED_DATA / "ami" / "ami_abstractive.jsonl"
 QWEN2_TOKENIZER = SHARED_DATA / "qwen2-tokenizer"
 needs_shared_data = pytest.mark.skipif(
@@ -79,14 +79,14 @@ def assert_well_formed(ds, max_len: int) -> None:
 # truncate_example (pure)
 
 
-def test_short_sample_is_untouched_and_labels_mask_exactly_the_prompt():
+def test_short_sample_untouched_labels_mask_the_prompt():
     out = truncate_example([1, 2, 3], [7, 8], max_len=64, keep_prompt_head=1, keep_prompt_tail=1)
     assert out.input_ids == [1, 2, 3, 7, 8]
     assert out.labels == [IGNORE_INDEX] * 3 + [7, 8]
     assert not out.prompt_cut and not out.answer_cut
 
 
-def test_long_prompt_is_cut_in_the_middle_keeping_head_and_generation_prompt_tail_to_fit_exactly():
+def test_long_prompt_cut_mid_keeping_head_and_tail():
     prompt, answer = list(range(100)), list(range(1000, 1010))
     out = truncate_example(prompt, answer, max_len=50, keep_prompt_head=8, keep_prompt_tail=4)
     assert out.input_ids == list(range(8)) + list(range(68, 100)) + answer
@@ -95,7 +95,7 @@ def test_long_prompt_is_cut_in_the_middle_keeping_head_and_generation_prompt_tai
     assert out.prompt_cut and not out.answer_cut
 
 
-def test_long_answer_is_cut_at_its_end_leaving_min_prompt_tokens_and_is_never_empty():
+def test_long_answer_cut_at_its_end_never_empty():
     prompt, answer = list(range(100)), list(range(1000, 1200))
     out = truncate_example(prompt, answer, max_len=64, keep_prompt_head=8, keep_prompt_tail=4, min_prompt_tokens=32)
     assert out.input_ids[32:] == answer[:32]  # answer keeps max_len - min_prompt_tokens, cut at its end
@@ -111,14 +111,14 @@ def test_long_answer_is_cut_at_its_end_leaving_min_prompt_tokens_and_is_never_em
     assert squeezed.input_ids == list(range(8)) + list(range(96, 100)) + [1000]
 
 
-def test_impossible_max_len_or_empty_answer_raises_naming_the_minimum():
+def test_impossible_fit_raises_naming_the_minimum():
     with pytest.raises(ValueError, match=r"max_len >= 13"):
         truncate_example(list(range(100)), [1], max_len=12, keep_prompt_head=8, keep_prompt_tail=4)
     with pytest.raises(ValueError, match="answer"):
         truncate_example([1, 2], [], max_len=64, keep_prompt_head=1, keep_prompt_tail=1)
 
 
-def test_random_shapes_fit_keep_head_tail_and_at_least_one_answer_token():
+def test_random_shapes_fit_with_head_tail_and_answer():
     rng = random.Random(0)
     for _ in range(500):
         head, tail = rng.randint(0, 20), rng.randint(0, 20)
@@ -152,7 +152,7 @@ def test_random_shapes_fit_keep_head_tail_and_at_least_one_answer_token():
         ({"source": " "}, r"DataSettings.source is empty"),
     ],
 )
-def test_settings_errors_name_the_field_and_the_allowed_values(overrides, pattern):
+def test_settings_errors_name_field_and_allowed_values(overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
         DataSettings(**overrides)
 
@@ -165,7 +165,7 @@ def test_synthetic_meetings_are_deterministic_by_seed():
     assert all(a["dialogue"] != b["dialogue"] for a, b in zip(first, other, strict=True))
 
 
-def test_synthetic_meetings_are_ami_like_and_summaries_report_the_decisions_in_the_transcript():
+def test_synthetic_meetings_ami_like_and_faithful():
     meetings = generate_synthetic_meetings(200, seed=0)
     assert all(set(m) == {"id", "dialogue", "summary"} for m in meetings)
     assert len({m["id"] for m in meetings}) == 200
@@ -210,7 +210,7 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
-def test_local_files_load_with_configured_columns_dropping_empty_rows(tmp_path, hf_cache, suffix):
+def test_local_files_load_columns_drop_empty_rows(tmp_path, hf_cache, suffix):
     rows = ROWS + [
         {"transcript": "Nothing was summarised.", "abstract": None, "extra": 8},
         {"transcript": "   ", "abstract": "Empty meeting.", "extra": 9},
@@ -228,7 +228,7 @@ def test_local_files_load_with_configured_columns_dropping_empty_rows(tmp_path, 
     assert list(again["eval"]["dialogue"]) == list(splits["eval"]["dialogue"])  # hold-out deterministic by seed
 
 
-def test_local_folder_with_a_validation_file_uses_it_as_eval(tmp_path, hf_cache):
+def test_folder_validation_file_is_the_eval_split(tmp_path, hf_cache):
     folder = tmp_path / "ami_like"
     folder.mkdir()
     write_rows(folder / "train.jsonl", ROWS[:6])
@@ -239,7 +239,7 @@ def test_local_folder_with_a_validation_file_uses_it_as_eval(tmp_path, hf_cache)
     assert len(splits["train"]) == 6
 
 
-def test_missing_column_error_names_the_column_the_setting_and_the_available_columns(tmp_path, hf_cache):
+def test_missing_column_names_setting_and_columns(tmp_path, hf_cache):
     path = write_rows(tmp_path / "meetings.jsonl", ROWS)
     with pytest.raises(ValueError) as err:
         load_raw_splits(DataSettings(source=str(path), summary_column="abstract"), cache_dir=hf_cache)
@@ -263,7 +263,7 @@ def test_empty_sources_raise_naming_source_and_split(tmp_path, hf_cache):
         load_raw_splits(DataSettings(source=str(blank)), cache_dir=hf_cache)
 
 
-def test_missing_file_and_unknown_extension_raise_before_training(tmp_path, hf_cache):
+def test_missing_file_and_unknown_extension_raise(tmp_path, hf_cache):
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl.*no such file"):
         load_raw_splits(DataSettings(source=str(tmp_path / "nope.jsonl")), cache_dir=hf_cache)
     odd = tmp_path / "meetings.yaml"
@@ -272,7 +272,7 @@ def test_missing_file_and_unknown_extension_raise_before_training(tmp_path, hf_c
         DataSettings(source=str(odd))
 
 
-def test_synthetic_source_holds_out_eval_and_missing_split_is_named(hf_cache):
+def test_synthetic_holds_out_eval_missing_split_named(hf_cache):
     splits = load_raw_splits(DataSettings(source="synthetic", num_synthetic=40, eval_fraction=0.1))
     assert (len(splits["train"]), len(splits["eval"])) == (36, 4)
     assert len(load_raw_splits(DataSettings(source="synthetic", num_synthetic=40, eval_fraction=0.0))["eval"]) == 0
@@ -285,7 +285,7 @@ def test_synthetic_source_holds_out_eval_and_missing_split_is_named(hf_cache):
 
 
 @needs_shared_data
-def test_real_ami_through_qwen2_chatml_fits_512_with_answers_and_counts_cuts(ami_raw, qwen_tokenizer):
+def test_real_ami_qwen2_chatml_fits_512_counting_cuts(ami_raw, qwen_tokenizer):
     settings = DataSettings(source=str(AMI), max_seq_len=512)
     assert template_overhead(qwen_tokenizer, settings.instruction) == (11, 5)
     ds, report = tokenize_dataset(ami_raw, qwen_tokenizer, settings)
@@ -306,14 +306,14 @@ def test_real_ami_through_qwen2_chatml_fits_512_with_answers_and_counts_cuts(ami
 
 
 @needs_shared_data
-def test_real_ami_through_tiny_tokenizer_fits_with_answers(ami_raw, tiny_tokenizer):
+def test_real_ami_tiny_tokenizer_fits_with_answers(ami_raw, tiny_tokenizer):
     ds, report = tokenize_dataset(ami_raw, tiny_tokenizer, DataSettings(source=str(AMI), max_seq_len=512))
     assert_well_formed(ds, 512)
     assert report.samples == report.prompt_cut == 142
     assert 0 < report.answer_cut < 142  # the tiny vocabulary spends more tokens on real English summaries
 
 
-def test_synthetic_through_tiny_tokenizer_matches_the_full_chat_encoding(tiny_tokenizer):
+def test_synthetic_tiny_tokens_match_chat_encoding(tiny_tokenizer):
     settings = DataSettings(source="synthetic", num_synthetic=24, max_seq_len=256, eval_fraction=0.0)
     raw = load_raw_splits(settings)["train"]
     ds, report = tokenize_dataset(raw, tiny_tokenizer, settings)
@@ -333,7 +333,7 @@ def test_synthetic_through_tiny_tokenizer_matches_the_full_chat_encoding(tiny_to
     assert tiny_tokenizer.decode(untruncated[0]["input_ids"][-n_answer:]) == row["summary"] + "<|im_end|>\n"
 
 
-def test_max_seq_len_too_small_for_the_template_names_the_minimum(tiny_tokenizer):
+def test_max_seq_len_below_template_names_the_minimum(tiny_tokenizer):
     settings = DataSettings(source="synthetic", max_seq_len=64, instruction="Summarize. " * 20)
     raw = load_raw_splits(DataSettings(source="synthetic", num_synthetic=4, eval_fraction=0.0))["train"]
     with pytest.raises(ValueError, match=r"max_seq_len=64 is too small.*max_seq_len >= \d+"):
@@ -346,7 +346,7 @@ def test_empty_split_tokenizes_to_an_empty_dataset(tiny_tokenizer):
     assert len(ds) == 0 and ds.column_names == ["input_ids", "labels"] and report.samples == 0
 
 
-def test_chat_template_output_as_list_or_batch_encoding_gives_the_same_ids():
+def test_template_list_or_batch_encoding_same_ids():
     from transformers import BatchEncoding
 
     ids = [[1, 2, 3], [4, 5]]
@@ -357,7 +357,7 @@ def test_chat_template_output_as_list_or_batch_encoding_gives_the_same_ids():
 # Collation and the epoch loader
 
 
-def test_collator_pads_right_labels_with_minus_100_and_count_tokens_skips_padding(tiny_tokenizer):
+def test_collator_right_pads_and_counts_skip_padding(tiny_tokenizer):
     collate = make_collator(tiny_tokenizer)
     batch = collate(
         [
@@ -389,7 +389,7 @@ def epoch_ids(loader: EpochLoader, epoch: int, start_sample: int = 0) -> list[li
 
 
 @pytest.mark.parametrize("n", [24, 20])
-def test_two_ranks_get_disjoint_shards_that_cover_the_dataset_but_its_trailing_partial_batch(n):
+def test_2_ranks_get_disjoint_shards_covering_the_data(n):
     rank0, rank1 = loaders(n)  # micro-batch 3, effective batch 6
     kept = n // 6 * 6
     a = [i for batch in epoch_ids(rank0, 0) for i in batch]
@@ -402,7 +402,7 @@ def test_two_ranks_get_disjoint_shards_that_cover_the_dataset_but_its_trailing_p
     assert [len(batch) for batch in epoch_ids(rank0, 0)] == [3] * (kept // 6), "whole micro-batches only"
 
 
-def test_each_epoch_reshuffles_and_the_same_seed_and_epoch_repeat_the_order():
+def test_each_epoch_reshuffles_same_seed_same_order():
     rank0, _ = loaders(20)
     assert epoch_ids(rank0, 0) != epoch_ids(rank0, 1)
     assert epoch_ids(rank0, 1) == epoch_ids(loaders(20)[0], 1)
@@ -410,7 +410,7 @@ def test_each_epoch_reshuffles_and_the_same_seed_and_epoch_repeat_the_order():
     assert epoch_ids(rank0, 0) != epoch_ids(loaders(20, seed=1)[0], 0)
 
 
-def test_iterating_the_loader_without_an_epoch_raises_type_error():
+def test_loader_without_an_epoch_raises_type_error():
     rank0, _ = loaders(20)
     with pytest.raises(TypeError, match=r"\.epoch\("):
         iter(rank0)
@@ -419,7 +419,7 @@ def test_iterating_the_loader_without_an_epoch_raises_type_error():
             pass
 
 
-def test_start_sample_resumes_with_exactly_the_tail_of_the_epoch_without_collating_skipped_batches():
+def test_start_sample_yields_exactly_the_epoch_tail():
     calls = []
     loader = EpochLoader(index_dataset(20), lambda b: calls.append(ids_of(b)) or ids_of(b), 3, 1, 2, seed=7)
     full = epoch_ids(loader, 5)
@@ -432,7 +432,7 @@ def test_start_sample_resumes_with_exactly_the_tail_of_the_epoch_without_collati
         loader.epoch(5, start_sample=24)
 
 
-def test_loader_batches_real_tokenized_samples_with_the_collator(tiny_tokenizer):
+def test_loader_batches_tokenized_samples_collated(tiny_tokenizer):
     settings = DataSettings(source="synthetic", num_synthetic=8, max_seq_len=128, eval_fraction=0.0)
     ds, _ = tokenize_dataset(load_raw_splits(settings)["train"], tiny_tokenizer, settings)
     loader = EpochLoader(ds, make_collator(tiny_tokenizer), micro_batch=2, rank=0, world_size=2, seed=0)
@@ -457,7 +457,7 @@ def step_samples(n, effective_batch, world_size, micro_batch, epoch=0, start_sam
     return [sorted(sum(parts, [])) for parts in zip(*per_rank, strict=True)]
 
 
-def test_seven_samples_effective_batch_two_give_three_steps_on_one_and_two_ranks_and_no_sample_twice():
+def test_7_samples_batch_2_are_3_steps_on_1_or_2_ranks():
     for epoch in (0, 1):
         one, two = step_samples(7, 2, 1, 1, epoch), step_samples(7, 2, 2, 1, epoch)
         assert one == two, "a step trains the same samples on any world size"
@@ -467,7 +467,7 @@ def test_seven_samples_effective_batch_two_give_three_steps_on_one_and_two_ranks
 
 
 @pytest.mark.parametrize("n", [24, 29])
-def test_a_step_reads_the_same_samples_on_every_world_size_and_micro_batch(n):
+def test_a_step_reads_same_samples_on_any_layout(n):
     """Step s covers positions [s*E, (s+1)*E) of the epoch's global order (DistributedSampler's permutation, seeded
     by seed + epoch), however world_size x micro_batch x accumulation splits the effective batch E."""
     reference = step_samples(n, 8, 1, 8, epoch=3)
@@ -477,7 +477,7 @@ def test_a_step_reads_the_same_samples_on_every_world_size_and_micro_batch(n):
     assert step_samples(n, 8, 2, 2, epoch=4) != reference
 
 
-def test_resuming_at_a_sample_position_continues_the_epoch_on_another_world_size_or_micro_batch():
+def test_resume_at_sample_position_on_another_layout():
     full = step_samples(31, 6, 2, 1, epoch=2)
     assert len(full) == 5
     for world_size, micro_batch in [(1, 1), (1, 3), (1, 6), (2, 3), (3, 1), (3, 2), (6, 1)]:
@@ -486,7 +486,7 @@ def test_resuming_at_a_sample_position_continues_the_epoch_on_another_world_size
             assert resumed == full[step:], (world_size, micro_batch, step)
 
 
-def test_a_resume_position_off_a_step_boundary_or_past_the_epoch_is_refused():
+def test_resume_off_a_step_or_past_the_epoch_refused():
     loader = EpochLoader(index_dataset(22), ids_of, 1, 0, 2, seed=0, effective_batch=4)  # 5 steps, 2 samples dropped
     with pytest.raises(ValueError, match=r"start_sample=6: .*multiple of the effective batch \(4\)"):
         loader.epoch(0, start_sample=6)
@@ -494,7 +494,7 @@ def test_a_resume_position_off_a_step_boundary_or_past_the_epoch_is_refused():
         loader.epoch(0, start_sample=24)
 
 
-def test_check_resume_accepts_any_split_of_the_same_effective_batch_and_refuses_the_rest_naming_both_layouts():
+def test_check_resume_takes_same_effective_batch_only():
     saved = DataLayout(train_samples=61, seed=0, effective_batch=8, world_size=2, micro_batch=2)
     for world_size, micro_batch in [(1, 1), (1, 8), (2, 4), (4, 2), (8, 1)]:
         check_resume(saved, DataLayout(61, 0, 8, world_size, micro_batch), sample_in_epoch=24)
@@ -513,15 +513,15 @@ def test_check_resume_accepts_any_split_of_the_same_effective_batch_and_refuses_
         DataLayout(61, 0, 8, 2, 3)
 
 
-def test_the_tokenizer_builds_from_the_synthetic_generator_without_importing_the_data_pipeline():
+def test_tokenizer_builds_without_the_data_pipeline():
     """The tokenizer is the pipeline's lowest stage: of ddp_ft it imports the synthetic generator and nothing else
     (no source, formatting or loader), so every stage may use it."""
-    from .test_layering import _graph
+    from ..test_layering import _graph
 
     assert _graph()["ddp_ft.training.data.tokenizer"] == {"ddp_ft.training.data.synthetic"}
 
 
-def test_a_cut_names_the_longest_sample_and_the_setting_and_no_cut_says_nothing(tiny_tokenizer):
+def test_a_cut_names_longest_sample_and_setting(tiny_tokenizer):
     """The truncation report measures the longest sample before cutting (what --max-seq-len must reach to keep every
     sample whole), and its advice names the setting; data that fits gets no advice."""
     settings = DataSettings(source="synthetic", num_synthetic=24, max_seq_len=256, eval_fraction=0.0)

@@ -11,9 +11,9 @@ from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.data import IGNORE_INDEX
 from ddp_ft.training.loop import train
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
-from .test_plugin_wrapping import _record_collectives
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
+from ..test_plugin_wrapping import _record_collectives
 
 MICRO = 2
 
@@ -100,7 +100,7 @@ def _effective_batch(rank, world_size, cache, source, k):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_with_accumulation_k_equal_one_process_with_2k_on_padded_uneven_data(tmp_path):
+def test_2_ranks_x_k_steps_equal_1_rank_x_2k(tmp_path):
     """The effective-batch guarantee on micro-batches with padding and uneven answer lengths: same token counts
     (non-padding, from the dataset), same loss and gradients as one process on the global batch, and only the last
     micro-step communicates. The two ranks split the step by ``balanced_plan``, the one process reads it unbalanced
@@ -126,7 +126,7 @@ def _assert_nothing_trained(tmp_path):
     assert not list((tmp_path / "run").glob("*checkpoint-*"))
 
 
-def test_missing_column_fails_before_training_naming_column_and_setting(tmp_path, monkeypatch):
+def test_missing_column_fails_before_training(tmp_path, monkeypatch):
     source = _write_jsonl(tmp_path / "meetings.jsonl", [{"transcript": "a b c", "summary": "d"}] * 20)
     with pytest.raises(ValueError) as error:
         _train_tiny(tmp_path, monkeypatch, source=source)
@@ -142,19 +142,19 @@ def test_empty_dataset_fails_before_training(tmp_path, monkeypatch):
     _assert_nothing_trained(tmp_path)
 
 
-def test_effective_batch_not_divisible_fails_before_anything_is_loaded(tmp_path, monkeypatch):
+def test_indivisible_effective_batch_fails_before_load(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="effective_batch=7"):
         _train_tiny(tmp_path, monkeypatch, effective_batch=7, micro_batch=2)
     assert not (tmp_path / "cache").exists()
 
 
-def test_sequence_length_too_small_for_any_answer_is_refused(tmp_path, monkeypatch):
+def test_seq_len_too_small_for_any_answer_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="max_seq_len"):
         _train_tiny(tmp_path, monkeypatch, max_seq_len=8)
     _assert_nothing_trained(tmp_path)
 
 
-def test_fewer_samples_than_one_effective_batch_is_refused(tmp_path, monkeypatch):
+def test_fewer_samples_than_one_batch_is_refused(tmp_path, monkeypatch):
     rows = [{"dialogue": f"meeting {i} talk", "summary": f"summary {i}"} for i in range(6)]
     source = _write_jsonl(tmp_path / "few.jsonl", rows)
     with pytest.raises(ValueError, match="effective batch"):
@@ -162,7 +162,7 @@ def test_fewer_samples_than_one_effective_batch_is_refused(tmp_path, monkeypatch
     _assert_nothing_trained(tmp_path)
 
 
-def test_device_map_auto_under_ddp_fails_before_anything_is_loaded(tmp_path, monkeypatch):
+def test_device_map_auto_under_ddp_fails_before_load(tmp_path, monkeypatch):
     monkeypatch.setenv("DDP_FT_CACHE", str(tmp_path / "cache"))
     settings = settings_from_preset("tiny", output_dir=str(tmp_path / "run"), device_map="auto")
     with pytest.raises(ValueError, match=r"device_map='auto'.*device_map=\{'': local_rank\}"):
@@ -170,7 +170,7 @@ def test_device_map_auto_under_ddp_fails_before_anything_is_loaded(tmp_path, mon
     assert not (tmp_path / "cache").exists()
 
 
-def test_resume_with_another_effective_batch_fails_before_training_naming_both_layouts(tmp_path, monkeypatch):
+def test_resume_with_another_batch_fails_early(tmp_path, monkeypatch):
     """The data position is a place in the epoch's global order counted in steps of the effective batch: another
     effective batch cannot continue it exactly, so the run stops before step 1 and says which layouts differ."""
     first = _train_tiny(tmp_path, monkeypatch, effective_batch=4, max_steps=1, save_every=0, report_to="none")
@@ -186,7 +186,7 @@ def test_resume_with_another_effective_batch_fails_before_training_naming_both_l
     assert not (again / "metrics.jsonl").exists()
 
 
-def test_evaluation_runs_without_autograd_and_restores_the_training_mode():
+def test_eval_without_autograd_restores_train_mode():
     """The loop's evaluate records no graph (no activations kept for a backward that never comes: on a GPU that is
     the eval's memory several times over); c7075c5 dropped its ``torch.no_grad()`` and eval losses moved by 6e-5."""
     from ddp_ft.training.steps import evaluate

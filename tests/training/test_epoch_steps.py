@@ -12,7 +12,7 @@ import torch
 
 from ddp_ft.training.data import EpochLoader, EpochSteps, StepBatchSampler
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 
 def _stock_steps(n: int, micro: int, world: int, accumulation: int, drop_last: bool) -> list[list[list[int]]]:
@@ -35,7 +35,7 @@ GRID = list(itertools.product(range(1, 30), (1, 2, 3), (1, 2, 3), (1, 2, 3), (Fa
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_trainer_epoch_steps_are_the_stock_trainers_steps_samples_and_repeats(world):
+def test_trainer_epoch_steps_equal_the_stock_trainers(world):
     """For every size of 1 to 29 samples, micro-batch 1-3, accumulation 1-3, ``dataloader_drop_last`` on and off:
     the steps, each step's micro-batches per rank and the samples of each step (repeats included, as positions of the
     epoch's order) are the stock Trainer's on Accelerate. Without drop_last every sample is trained; with it, the
@@ -64,7 +64,7 @@ def test_trainer_epoch_steps_are_the_stock_trainers_steps_samples_and_repeats(wo
 @pytest.mark.parametrize(
     ("world", "micro", "drop_last"), [(2, 1, False), (2, 2, False), (2, 1, True), (4, 1, False), (1, 2, False)]
 )
-def test_the_trainer_shard_of_the_plan_gives_every_rank_its_steps_a_short_last_one_included(world, micro, drop_last):
+def test_trainer_shard_gives_each_rank_every_step(world, micro, drop_last):
     """``BucketedTrainer``'s plan on 45 samples, effective batch 8 (a partial last step): Accelerate's shard of the
     ``StepBatchSampler`` gives each rank the plain loop's plan for that rank with the Trainer's steps, as many
     batches as stock, all full (on one process the last partial, as stock's); the samples of every step are
@@ -101,7 +101,7 @@ def _ids(batch: list[dict]) -> list[int]:
     return [sample["input_ids"][0] for sample in batch]
 
 
-def test_the_plain_loop_keeps_whole_steps_and_says_how_many_samples_it_leaves_out():
+def test_loop_keeps_whole_steps_and_reports_left_out():
     """The plain loop's policy is unchanged (floor(samples / effective batch) steps, the same on every world size, no
     sample twice); ``describe_epoch`` says what it leaves out and why, the line the loop logs once."""
     loader = EpochLoader([{"input_ids": [i]} for i in range(17)], _ids, 1, 0, 2, seed=0, effective_batch=4)
@@ -171,8 +171,8 @@ def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
 
     from transformers import default_data_collator
 
-    from .test_plugin_wrapping import _gloo_trainer_args
-    from .test_trainer_step_sync import _CausalTokens, _labelled_rows
+    from ..test_plugin_wrapping import _gloo_trainer_args
+    from ..test_trainer_step_sync import _CausalTokens, _labelled_rows
 
     rows = _labelled_rows()[:ROWS]
     for index, row in enumerate(rows):
@@ -198,7 +198,7 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
     from transformers import AutoTokenizer
 
-    from .helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
+    from ..helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
 
     case = Case("prompt_completion", False, "peft_config", False)
     model, peft_config = model_and_peft_config(paths[1], case, 2)
@@ -220,7 +220,7 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
 
 def _stock_and_balanced(rank, world_size, paths):
-    from .test_plugin_wrapping import _as_accelerate_rank
+    from ..test_plugin_wrapping import _as_accelerate_rank
 
     _as_accelerate_rank(rank, world_size)
     from transformers import Trainer
@@ -258,9 +258,7 @@ def _epochs(ranks: list[dict]) -> list[Counter]:
 @pytest.mark.parametrize(
     ("trainer", "drop_last"), [("hf", False), ("hf", True), ("trl", False)], ids=["Trainer", "Trainer-drop_last", "SFT"]
 )
-def test_balanced_trainers_train_the_stock_steps_learning_rates_and_samples_per_epoch(
-    stock_and_balanced, trainer, drop_last
-):
+def test_balanced_trainers_train_the_stock_epoch(stock_and_balanced, trainer, drop_last):
     """17 rows, effective batch 4 on 2 ranks, 2 epochs: ``BucketedTrainer(balance_ranks=True)`` against the stock
     ``Trainer`` and ``BucketedSFTTrainer`` (its default plan) against ``SFTTrainer`` on torch DDP make the same
     optimizer steps (5 an epoch, the last of one micro-batch) at the same learning rates, and train as many rows per
@@ -282,7 +280,7 @@ def test_balanced_trainers_train_the_stock_steps_learning_rates_and_samples_per_
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("drop_last", [False, True], ids=["all", "drop_last"])
-def test_the_short_last_step_divides_its_loss_by_its_own_answer_tokens_over_both_ranks(stock_and_balanced, drop_last):
+def test_short_last_step_divides_by_its_own_tokens(stock_and_balanced, drop_last):
     """Exact data parallelism on every step, the last one of a single micro-batch per rank included: each micro-step
     of both ranks gets as ``num_items_in_batch`` the answer tokens of that step's micro-batches over both ranks (the
     balanced plan's count, summed from the rows with no collective), as stock's gathered count is."""
@@ -298,14 +296,14 @@ def test_the_short_last_step_divides_its_loss_by_its_own_answer_tokens_over_both
             start += cut
 
 
-def test_a_sampling_strategy_the_plan_would_replace_is_refused_naming_balance_ranks(tmp_path):
+def test_replaced_sampling_strategy_is_refused(tmp_path):
     """``train_sampling_strategy`` other than ``random`` orders the samples its own way, which the plan's seeded
     shuffle would replace: refused when the loader is built (before any step), naming ``balance_ranks=False``."""
     from transformers import TrainingArguments
 
     from ddp_ft.integrations import BucketedTrainer
 
-    from .test_plugin_wrapping import _dataset, _Regressor
+    from ..test_plugin_wrapping import _dataset, _Regressor
 
     for strategy in ("sequential", "group_by_length"):
         args = TrainingArguments(
@@ -329,9 +327,7 @@ def test_a_sampling_strategy_the_plan_would_replace_is_refused_naming_balance_ra
         (False, False, 17, True, None),  # the partial round dropped, as stock does
     ],
 )
-def test_accelerate_loader_settings_the_plan_cannot_keep_are_refused_naming_balance_ranks(
-    split, even, rows, drop_last, refused
-):
+def test_unkeepable_loader_settings_are_refused(split, even, rows, drop_last, refused):
     """On 2 processes Accelerate's ``split_batches=True`` would split the plan's micro-batches again, and
     ``even_batches=False`` gives the ranks unequal batches where the rows do not fill every rank (the plan completes
     them): refused, naming ``balance_ranks=False``; ``even_batches=False`` on rows that fill them changes nothing."""

@@ -28,7 +28,7 @@ def _collate(rows):
     }
 
 
-def test_each_steps_counts_from_the_global_order_equal_the_sum_of_every_ranks_batches():
+def test_global_order_counts_equal_sum_of_rank_batches():
     data, world_size, micro, effective = _dataset(), 2, 1, 4
     counts = StepTokenCounts(data)
     for epoch in (0, 1):

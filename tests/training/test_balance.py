@@ -17,8 +17,8 @@ from ddp_ft.training.data import (
 )
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
 
 SHAPES = [(2, 1, 8), (2, 2, 4), (2, 4, 2), (3, 2, 2), (4, 1, 4), (1, 2, 8), (2, 1, 1)]  # world, micro, accumulation
 
@@ -41,7 +41,7 @@ def _spread(costs: list[int]) -> int:
 
 
 @pytest.mark.parametrize("world,micro,accumulation", SHAPES)
-def test_the_plan_is_a_partition_of_the_step_into_whole_micro_batches(world, micro, accumulation):
+def test_plan_partitions_the_step_into_micro_batches(world, micro, accumulation):
     rng = random.Random(0)
     for _ in range(50):
         indices, length_of = _step(rng, world, micro, accumulation)
@@ -53,7 +53,7 @@ def test_the_plan_is_a_partition_of_the_step_into_whole_micro_batches(world, mic
 
 
 @pytest.mark.parametrize("world,micro,accumulation", SHAPES)
-def test_balanced_ranks_pad_no_more_and_spread_no_wider_than_the_strided_split(world, micro, accumulation):
+def test_balanced_ranks_never_worse_than_strided(world, micro, accumulation):
     rng = random.Random(1)
     for _ in range(200):
         indices, length_of = _step(rng, world, micro, accumulation)
@@ -107,9 +107,7 @@ def _fewest_padded_tokens_on_the_slowest_rank(lengths: list[int], world: int, mi
 @pytest.mark.parametrize(
     "world,micro,accumulation,draws", [(2, 2, 2, 100), (4, 2, 1, 100), (2, 2, 3, 12), (2, 3, 2, 12)]
 )
-def test_with_micro_batches_of_two_or_more_the_slowest_rank_pads_to_the_exact_optimum(
-    world, micro, accumulation, draws
-):
+def test_micro_batches_of_2_plus_reach_exact_optimum(world, micro, accumulation, draws):
     """No split of a step's samples over ranks and micro-batches makes the slowest rank pad less: the balanced
     plan's step time (in padded tokens) is the best possible, so DDP / pair's plan ceiling is a true bound."""
     rng = random.Random(world * 100 + micro * 10 + accumulation)
@@ -122,7 +120,7 @@ def test_with_micro_batches_of_two_or_more_the_slowest_rank_pads_to_the_exact_op
         ), lengths
 
 
-def test_with_one_sample_per_micro_batch_the_slowest_rank_is_within_4_percent_of_the_optimum():
+def test_micro_batches_of_1_within_4pc_of_optimum():
     """Micro-batch 1 is number partitioning (no padding to share): the heuristic is not always exact."""
     rng = random.Random(7)
     ratios = []
@@ -134,7 +132,7 @@ def test_with_one_sample_per_micro_batch_the_slowest_rank_is_within_4_percent_of
     assert max(ratios) <= 1.04 and sum(ratios) / len(ratios) <= 1.015, (max(ratios), sum(ratios) / len(ratios))
 
 
-def test_the_plan_is_deterministic_and_follows_length_then_position():
+def test_plan_is_deterministic_by_length_then_position():
     indices, lengths = [7, 3, 9, 1, 5, 2, 8, 4], [30, 10, 30, 20, 10, 40, 20, 30]
     plan = balanced_plan(indices, lengths, 2, 2, 2)
     assert plan == balanced_plan(list(indices), list(lengths), 2, 2, 2)
@@ -142,14 +140,14 @@ def test_the_plan_is_deterministic_and_follows_length_then_position():
     assert plan == [[[4, 2], [3, 5]], [[7, 9], [1, 8]]]
 
 
-def test_one_rank_still_groups_similar_lengths_into_micro_batches():
+def test_one_rank_still_groups_similar_lengths():
     indices = list(range(8))
     length_of = {i: 400 if i % 2 else 40 for i in indices}
     balanced, strided = (rank_costs(p, length_of) for p in _plans(indices, length_of, 1, 2, 4))
     assert strided == [3200] and balanced == [1760]  # 2x400 + 2x400 + 2x40 + 2x40 is 1760 padded tokens
 
 
-def test_plan_sizes_that_do_not_make_the_step_are_refused():
+def test_plan_sizes_not_making_the_step_are_refused():
     with pytest.raises(ValueError, match="not world_size=2 x micro_batch=2 x accumulation=2"):
         balanced_plan(list(range(6)), [1] * 6, 2, 2, 2)
     with pytest.raises(ValueError, match="one length per sample"):
@@ -164,7 +162,7 @@ def _ids(batch: list[dict]) -> list[int]:
     return [sample["input_ids"][0] for sample in batch]
 
 
-def test_balanced_loader_trains_the_same_steps_as_the_unbalanced_one_on_any_world_size():
+def test_balanced_loader_trains_the_unbalanced_steps():
     lengths = [random.Random(i).randint(10, 500) for i in range(61)]
     data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
     reference = _loader_steps(EpochLoader(data, _ids, 8, 0, 1, seed=3, effective_batch=8, balance=False), 2)
@@ -182,7 +180,7 @@ def test_balanced_loader_trains_the_same_steps_as_the_unbalanced_one_on_any_worl
             assert len(resumed) == 4 * accumulation
 
 
-def test_on_mixed_length_meetings_balanced_ranks_cut_the_slowest_rank_and_the_padding(tmp_path):
+def test_balance_cuts_slowest_rank_and_padding(tmp_path):
     """Tokenized mixed-length meetings (60 to 256 tokens), 2 ranks, micro-batch 2, effective batch 16: per step,
     the rank with the most padded tokens sets the step time."""
     tokenizer = load_tokenizer(str(build_tiny_tokenizer(tmp_path / "tok")))
@@ -203,7 +201,7 @@ def test_on_mixed_length_meetings_balanced_ranks_cut_the_slowest_rank_and_the_pa
 
 
 @pytest.mark.parametrize("world,micro", [(1, 2), (2, 1), (2, 2), (4, 1)])
-def test_the_trainer_shard_of_the_step_batch_sampler_is_the_loop_plan_also_resumed_and_in_later_epochs(world, micro):
+def test_trainer_sampler_shard_is_the_loop_plan(world, micro):
     """What ``BucketedTrainer(balance_ranks=True)`` feeds Accelerate: its shard (batch i to rank i % world) gives each
     rank the batches ``EpochLoader`` gives that rank, with the stock Trainer's steps (``dataloader_drop_last=True``
     here: 45 rows make 5 whole steps of 8 and a short one); skipping ``n * accumulation`` batches (the Trainer's
@@ -240,7 +238,7 @@ def _trainer_batches(rank, world_size):
 
     from ddp_ft.integrations import BucketedTrainer
 
-    from .test_plugin_wrapping import _as_accelerate_rank, _Regressor
+    from ..test_plugin_wrapping import _as_accelerate_rank, _Regressor
 
     _as_accelerate_rank(rank, world_size)
     lengths = [random.Random(i).randint(10, 500) for i in range(45)]
@@ -285,5 +283,5 @@ def _trainer_batches(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_bucketed_trainer_with_balance_ranks_gives_each_rank_the_loop_plan_also_in_later_epochs_and_resumed():
+def test_bucketed_trainer_ranks_get_the_loop_plan():
     assert run_distributed(_trainer_batches, timeout=180) == [True, True]

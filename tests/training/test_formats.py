@@ -12,7 +12,7 @@ from ddp_ft.training.data.formats import resolve_format
 from ddp_ft.training.data.prompts import chat_prompt, prompt_of
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, ensure_chat_format, load_tokenizer
 
-QWEN2_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen2-tokenizer"
+QWEN2_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "qwen2-tokenizer"
 
 # ChatML with {% generation %} markers: transformers' assistant mask is the reference for ours.
 CHATML_MARKED = (
@@ -108,7 +108,7 @@ def test_loss_masks_equal_the_generation_markers(case, turns, tiny, plain):
     ]
 
 
-def test_a_default_system_prompt_and_an_answer_first_are_not_trained(tiny):
+def test_default_system_and_first_answer_not_trained(tiny):
     tokenizer = ensure_chat_format(load_tokenizer(tiny.name_or_path), "auto")
     tokenizer.chat_template = DEFAULT_SYSTEM + tokenizer.chat_template
     for messages in (CHAT[1:5], [{"role": "assistant", "content": "Hello, shall we start?"}, *CHAT[1:3]]):
@@ -123,7 +123,7 @@ def test_an_empty_answer_carries_no_loss(tiny):
     assert trained == "Twelve euros fifty per unit, as marketing asked.<|im_end|>\n"
 
 
-def test_conversational_prompt_completion_trains_the_completion_only(tiny):
+def test_prompt_completion_trains_the_completion_only(tiny):
     ids, labels = encode_messages(tiny, CHAT[:5], loss_from=3)
     _, every_answer = encode_messages(tiny, CHAT[:5])
     trained = tiny.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
@@ -131,7 +131,7 @@ def test_conversational_prompt_completion_trains_the_completion_only(tiny):
     assert sum(mask(labels)) < sum(mask(every_answer))
 
 
-def test_a_long_conversation_keeps_the_system_prompt_and_the_last_whole_turns(tiny):
+def test_long_chat_keeps_system_prompt_and_last_turns(tiny):
     full, _ = encode_messages(tiny, CHAT)
     last_two, _ = encode_messages(tiny, [CHAT[0], *CHAT[3:]])
     fitted = fit_conversation(tiny, CHAT, 0, len(last_two))
@@ -140,7 +140,7 @@ def test_a_long_conversation_keeps_the_system_prompt_and_the_last_whole_turns(ti
     assert tiny.decode(fitted.input_ids).startswith("<|im_start|>system\nYou answer in one sentence.")
 
 
-def test_a_conversation_whose_last_answer_cannot_start_is_dropped(tiny):
+def test_chat_whose_last_answer_cannot_start_dropped(tiny):
     system_and_question, _ = encode_messages(tiny, CHAT[:2] + [{"role": "assistant", "content": "x"}])
     fitted = fit_conversation(tiny, CHAT[:3], 0, len(system_and_question) - 3)
     assert fitted.input_ids == [] and fitted.full_len > 0
@@ -187,7 +187,7 @@ def write(path: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.parametrize("name", list(ROWS))
-def test_every_format_is_found_from_its_columns_and_trains_its_answers(name, tmp_path, tiny):
+def test_every_format_is_detected_and_trains_answers(name, tmp_path, tiny):
     source = write(tmp_path / f"{name}.jsonl", [ROWS[name]] * 8)
     settings = DataSettings(source=str(source), eval_fraction=0.25, max_seq_len=256)
     splits = load_raw_splits(settings, cache_dir=str(tmp_path / "cache"))
@@ -211,7 +211,7 @@ def test_every_format_is_found_from_its_columns_and_trains_its_answers(name, tmp
         assert "What did the team decide" not in trained and "Twelve" not in trained
 
 
-def test_a_named_format_overrides_detection_and_missing_columns_are_listed():
+def test_named_format_overrides_and_lists_missing():
     settings = DataSettings(format="text")
     assert resolve_format(dict.fromkeys(["messages", "text"]), settings, "here").name == "text"
     assert resolve_format(dict.fromkeys(["messages", "text"]), DataSettings(), "here").name == "messages"
@@ -221,7 +221,7 @@ def test_a_named_format_overrides_detection_and_missing_columns_are_listed():
         resolve_format(dict.fromkeys(["question", "answer"]), DataSettings(), "here")
 
 
-def test_pair_settings_with_another_format_are_refused_not_dropped(tmp_path):
+def test_pair_settings_on_other_format_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--instruction set for data in the messages format.*--format pair"):
         DataSettings(format="messages", instruction="Answer.")
     source = write(tmp_path / "chat.jsonl", [ROWS["messages"]] * 4)
@@ -229,14 +229,14 @@ def test_pair_settings_with_another_format_are_refused_not_dropped(tmp_path):
         load_raw_splits(DataSettings(source=str(source), instruction="Answer."), cache_dir=str(tmp_path / "c"))
 
 
-def test_unknown_roles_and_non_text_content_are_refused_naming_the_turn(tmp_path):
+def test_bad_roles_or_content_refused_naming_the_turn(tmp_path):
     bad = {"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "beep"}]}
     source = write(tmp_path / "bad.jsonl", [bad] * 3)
     with pytest.raises(ValueError, match=r"'conversations': turn role 'robot' is not one of"):
         load_raw_splits(DataSettings(source=str(source)), cache_dir=str(tmp_path / "c"))
 
 
-def test_long_conversations_are_fitted_counted_and_empty_answers_dropped(tmp_path, tiny):
+def test_long_chats_fitted_and_empty_answers_dropped(tmp_path, tiny):
     rows = [{"messages": CHAT}] * 6 + [{"messages": [*CHAT[:2], {"role": "assistant", "content": " "}]}] * 2
     source = write(tmp_path / "chat.jsonl", rows)
     settings = DataSettings(source=str(source), eval_fraction=0.0, max_seq_len=64)
@@ -251,7 +251,7 @@ def test_long_conversations_are_fitted_counted_and_empty_answers_dropped(tmp_pat
 # Folder sources and a separate eval file
 
 
-def test_a_folder_names_its_files_per_split_and_reads_each_once(tmp_path, caplog):
+def test_folder_names_files_per_split_reads_each_once(tmp_path, caplog):
     folder = tmp_path / "data"
     (folder / "more").mkdir(parents=True)
     write(folder / "train.jsonl", [ROWS["messages"]] * 5)
@@ -272,7 +272,7 @@ def test_a_folder_names_its_files_per_split_and_reads_each_once(tmp_path, caplog
         ({"train.jsonl": "messages", "validation.jsonl": "alpaca"}, r"several formats \(messages: train.jsonl; alpaca"),
     ],
 )
-def test_a_folder_with_duplicates_or_mixed_files_is_refused_naming_them(files, error, tmp_path):
+def test_folder_duplicates_or_mixed_files_are_refused(files, error, tmp_path):
     folder = tmp_path / "data"
     for name, fmt in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -284,7 +284,7 @@ def test_a_folder_with_duplicates_or_mixed_files_is_refused_naming_them(files, e
         load_raw_splits(DataSettings(source=str(folder)), cache_dir=str(tmp_path / "c"))
 
 
-def test_eval_source_is_evaluated_on_and_a_path_as_eval_split_is_refused(tmp_path):
+def test_eval_source_used_and_path_eval_split_refused(tmp_path):
     train = write(tmp_path / "qa_train.jsonl", [ROWS["alpaca"]] * 6)
     valid = write(tmp_path / "qa_validation.jsonl", [{**ROWS["alpaca"], "output": "Blue."}] * 2)
     splits = load_raw_splits(DataSettings(source=str(train), eval_source=str(valid)), cache_dir=str(tmp_path / "c"))
@@ -301,7 +301,7 @@ def test_eval_source_is_evaluated_on_and_a_path_as_eval_split_is_refused(tmp_pat
 
 
 @pytest.mark.parametrize("name", list(ROWS))
-def test_a_generation_prompt_is_the_training_sample_before_its_answer(name, tmp_path, tiny):
+def test_generation_prompt_is_sample_before_answer(name, tmp_path, tiny):
     source = write(tmp_path / f"{name}.jsonl", [ROWS[name]] * 4)
     settings = DataSettings(source=str(source), eval_fraction=0.0, max_seq_len=256)
     rows = load_raw_splits(settings, cache_dir=str(tmp_path / "cache"))["train"]
@@ -316,7 +316,7 @@ def test_a_generation_prompt_is_the_training_sample_before_its_answer(name, tmp_
     assert prompt.reference and prompt.reference.strip() in tiny.decode(ids[last_answer:])
 
 
-def test_a_prompt_alone_is_written_as_the_training_prompt_of_that_turn(tiny):
+def test_prompt_alone_is_written_as_training_prompt(tiny):
     history = CHAT[:4]  # ends on a question
     asked = chat_prompt(history, tiny)
     trained = chat_prompt([*history, CHAT[4]], tiny)
@@ -324,7 +324,7 @@ def test_a_prompt_alone_is_written_as_the_training_prompt_of_that_turn(tiny):
     assert asked.text.endswith("<|im_start|>assistant\n")
 
 
-def test_the_trl_recipe_trains_chat_rows_with_their_masks(tmp_path, tiny, monkeypatch, tiny_cache):
+def test_trl_recipe_trains_chat_rows_with_masks(tmp_path, tiny, monkeypatch, tiny_cache):
     """``ddp-ft recipe --trainer trl`` on a messages file: TRL gets the rows as ddp_ft encoded them, answers only."""
     from ddp_ft.distributed import DistInfo
     from ddp_ft.integrations.recipe import build_trainer

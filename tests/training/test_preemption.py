@@ -22,14 +22,14 @@ from ddp_ft.training.checkpoint import (
 )
 from ddp_ft.training.preemption import StopSignal
 
-from .helpers.dist_harness import PYTHONPATH, run_distributed
-from .helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
-from .test_checkpoint import _parts
+from ..helpers.dist_harness import PYTHONPATH, run_distributed
+from ..helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
+from ..test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults
 
 
-def test_a_stop_signal_is_recorded_not_fatal_and_the_previous_handlers_come_back():
+def test_stop_signal_is_recorded_handlers_restored():
     before = signal.getsignal(signal.SIGTERM)
     with StopSignal() as stop:
         assert stop.local_flag == 0.0
@@ -39,7 +39,7 @@ def test_a_stop_signal_is_recorded_not_fatal_and_the_previous_handlers_come_back
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_ctrl_c_is_a_stop_and_a_second_one_interrupts_only_a_process_running_alone(monkeypatch):
+def test_ctrl_c_stops_second_interrupts_only_alone(monkeypatch):
     """Under a launcher (ddp-ft, torchrun) a repeated SIGINT is the launcher's or a terminal's double delivery: one
     stop. A process running alone (one process, no launcher) gets a repeat only from the user pressing it again."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -60,7 +60,7 @@ def test_ctrl_c_is_a_stop_and_a_second_one_interrupts_only_a_process_running_alo
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_a_signal_during_a_step_stops_the_loop_after_that_step_not_the_next(tmp_path):
+def test_signal_mid_step_stops_after_that_step(tmp_path):
     """The flag is read after the step's last backward: SIGUSR1 sent in step 2's forward stops the run after step 2
     with its checkpoint (it used to be read before the forward: the run went on to step 3)."""
     from ddp_ft.training.config import settings_from_preset
@@ -115,7 +115,7 @@ def _agree(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_a_signal_to_one_rank_reaches_every_rank_in_the_steps_one_collective():
+def test_signal_to_1_rank_reaches_all_in_1_collective():
     """The flag rides on the gather of loss and compute time every step makes anyway: the signalled rank and the
     other see the same verdict at the same step boundary, and a step waits on that one collective only."""
     results = run_distributed(_agree)
@@ -126,7 +126,7 @@ def test_a_signal_to_one_rank_reaches_every_rank_in_the_steps_one_collective():
         assert blocking == ["all_gather", "all_gather"], blocking  # one per step
 
 
-def test_a_second_signal_during_a_save_does_not_interrupt_it(tmp_path):
+def test_second_signal_does_not_interrupt_a_save(tmp_path):
     model, optimizer, scheduler = _parts()
     with StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -145,7 +145,7 @@ def test_a_second_signal_during_a_save_does_not_interrupt_it(tmp_path):
     assert not clean_partial_saves(tmp_path)
 
 
-def test_partial_saves_are_removed_at_start_and_the_previous_checkpoint_resumes(tmp_path):
+def test_partial_saves_removed_previous_one_resumes(tmp_path):
     model, optimizer, scheduler = _parts()
     good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(2, 0, 4, 16), DistInfo())
     (tmp_path / ".tmp-ddp_ft-checkpoint-4" / "adapter").mkdir(parents=True)  # the loop's save, killed mid-write
@@ -155,7 +155,7 @@ def test_partial_saves_are_removed_at_start_and_the_previous_checkpoint_resumes(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp_ft-checkpoint-2", "latest"]
 
 
-def test_an_elastic_restart_resumes_from_the_newest_checkpoint_without_a_flag(tmp_path):
+def test_elastic_restart_resumes_newest_checkpoint(tmp_path):
     model, optimizer, scheduler = _parts()
     assert checkpoint_to_resume("", tmp_path, restart_count=1) is None  # crashed before the first save: start over
     first = save_checkpoint(tmp_path / "a", model, optimizer, scheduler, TrainState(2, 0, 4, 16), DistInfo())
@@ -167,7 +167,7 @@ def test_an_elastic_restart_resumes_from_the_newest_checkpoint_without_a_flag(tm
     assert checkpoint_to_resume("", tmp_path, restart_count=2) == newest
 
 
-def test_the_fault_switch_is_parsed_strictly_and_fires_only_on_its_rank_and_attempt():
+def test_fault_switch_is_strict_fires_on_its_rank():
     faults = parse_faults("forward@3,rank=1; kill-in-save@4,attempt=*")
     assert faults == [Fault("forward", 3, 1, 0), Fault("kill-in-save", 4, 0, None)]
     assert [f.kind for f in FaultInjector(faults, rank=0, attempt=1).faults] == ["kill-in-save"]
@@ -193,7 +193,7 @@ def _elastic_env(monkeypatch, port: int, restart: int, nodes: int) -> None:
         monkeypatch.setenv(name, value)
 
 
-def test_each_restart_attempt_gets_its_own_keys_in_torchruns_shared_store(monkeypatch):
+def test_each_restart_gets_own_keys_in_shared_store(monkeypatch):
     """torchrun keeps its rendezvous store across restarts: a restarted rank reading a key the failed attempt wrote
     (gloo's peer addresses) connects to a dead process. Every attempt's process group gets its own key space."""
     from torch.distributed import TCPStore
@@ -211,7 +211,7 @@ def test_each_restart_attempt_gets_its_own_keys_in_torchruns_shared_store(monkey
     assert first.get("rank1_address") == b"attempt 0's" and second.get("rank1_address") == b"attempt 1's"
 
 
-def test_restarts_across_nodes_with_the_shared_store_are_refused_naming_the_fix(monkeypatch):
+def test_restarts_across_nodes_on_shared_store_refused(monkeypatch):
     from ddp_ft.distributed import _restart_safe_store
 
     _elastic_env(monkeypatch, 1, restart=0, nodes=2)
@@ -242,7 +242,7 @@ time.sleep(120)
 """
 
 
-def test_a_rank_whose_launcher_dies_without_forwarding_a_signal_still_gets_sigterm(tmp_path):
+def test_rank_gets_sigterm_when_its_launcher_dies(tmp_path):
     """A launcher that dies of a signal it does not forward (torchrun of SIGUSR1 without --signals-to-handle, the
     single-process ``accelerate launch`` of anything) would leave its rank training on alone; the rank asks Linux for
     SIGTERM when its parent dies, so it stops with a checkpoint instead."""

@@ -12,14 +12,14 @@ import torch
 from ddp_ft.distributed import DistInfo
 from ddp_ft.training.steps import rank_balance
 
-from .helpers.dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
+from ..helpers.dist_harness import run_distributed
+from ..test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
 
 DELAY_S = 0.3
 BALANCE = ("compute_max_ms", "compute_min_ms", "imbalance", "wait_for_slowest_ms")
 
 
-def test_rank_balance_defines_imbalance_as_max_over_min_and_the_wait_as_max_minus_own():
+def test_imbalance_is_max_over_min_wait_max_minus_own():
     assert rank_balance([100.0, 150.0], rank=0) == {
         "compute_max_ms": 150.0,
         "compute_min_ms": 100.0,
@@ -64,7 +64,7 @@ def _slow_rank(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_a_slow_rank_shows_as_imbalance_and_as_the_fast_ranks_wait():
+def test_slow_rank_shows_as_imbalance_and_fast_wait():
     fast, slow = run_distributed(_slow_rank)
     delay_ms = 2 * DELAY_S * 1e3  # two micro-batches, each forward sleeps on rank 1
     assert fast[0] == slow[0] | {"wait_for_slowest_ms": fast[0]["wait_for_slowest_ms"]}  # the same numbers
@@ -115,7 +115,7 @@ def _slow_rank_trainer(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_the_trainer_shows_a_slow_rank_as_imbalance_and_as_the_fast_ranks_wait_every_step():
+def test_trainer_shows_slow_rank_imbalance_each_step():
     """The Trainer path records the loop's balance fields, from the token count's all-gather after the step's last
     backward: every logged step, in the logs (wandb's ``train/``) and in rank 0's ``metrics.jsonl``."""
     (fast, records), (slow, _) = run_distributed(_slow_rank_trainer, timeout=180)

@@ -11,8 +11,8 @@ import tempfile
 
 import pytest
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +56,7 @@ def _one_and_two_processes(rank, world_size, cache, source):
     from ddp_ft.training.setup import resolve_model_and_tokenizer
     from ddp_ft.training.steps import evaluate
 
-    from .test_plugin_wrapping import _as_accelerate_rank
+    from ..test_plugin_wrapping import _as_accelerate_rank
 
     os.environ["DDP_FT_CACHE"] = cache
     settings = settings_from_preset("tiny", source=source, eval_fraction=0.0)
@@ -88,7 +88,7 @@ def _one_and_two_processes(rank, world_size, cache, source):
     return results, lengths
 
 
-def test_two_ranks_evaluate_an_odd_sized_eval_set_as_one_process_does_in_the_loop_and_the_trainer(tmp_path, tiny_cache):
+def test_2_ranks_evaluate_an_odd_set_as_1_process_does(tmp_path, tiny_cache):
     source = write_mixed_length_meetings(tmp_path / "meetings.jsonl", n=8)
     (results, lengths), (other, _) = run_distributed(_one_and_two_processes, tiny_cache, source, timeout=180)
     assert len(set(lengths)) == len(lengths), "premise: samples of different lengths, so batches are padded"

@@ -27,8 +27,8 @@ from ddp_ft.training.data import (
     strided_plan,
 )
 
-from .helpers.dist_harness import run_distributed
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import run_distributed
+from ..helpers.meetings import write_mixed_length_meetings
 
 PAD = 0
 
@@ -59,7 +59,7 @@ def _padded(samples):
 # -- the pure parts --------------------------------------------------------------------------------------------------
 
 
-def test_pack_rows_places_every_sample_once_longest_first_in_rows_of_at_most_row_tokens():
+def test_pack_rows_places_each_sample_once_in_a_row():
     lengths = [90, 20, 60, 100, 35, 10, 128, 70]
     rows = pack_rows(lengths, 128)
     assert sorted(p for row in rows for p in row) == list(range(len(lengths)))
@@ -69,7 +69,7 @@ def test_pack_rows_places_every_sample_once_longest_first_in_rows_of_at_most_row
     assert pack_rows([300, 5], 128) == [[0], [1]]  # longer than a row: a row of its own
 
 
-def test_the_packed_collator_restarts_positions_and_masks_each_first_label_so_counts_equal_padding():
+def test_packed_collator_restarts_positions_and_labels():
     samples = _samples([40, 7, 25, 12])
     packed, padded = PackedCollator(PAD, 64)(samples), _padded(samples)
     assert "attention_mask" not in packed, "a mask would turn transformers' packed-sequence detection off"
@@ -85,9 +85,7 @@ def test_the_packed_collator_restarts_positions_and_masks_each_first_label_so_co
 
 
 @pytest.mark.parametrize(("micro", "accumulation"), [(4, 4), (8, 1)])
-def test_balanced_ranks_on_packed_costs_compute_about_the_same_packed_tokens_and_never_more_than_strided(
-    micro, accumulation
-):
+def test_balance_on_packed_costs_evens_packed_tokens(micro, accumulation):
     """Two ranks, lengths 60..512 packed into rows of 512. With one micro-batch per rank the sorted cut would give one
     rank the short samples and the other the long ones (3.5x the packed tokens at worst on these draws): the plan
     then deals the sorted samples in a snake, mixing them."""
@@ -108,7 +106,7 @@ def test_balanced_ranks_on_packed_costs_compute_about_the_same_packed_tokens_and
     assert sum(spreads) / len(spreads) <= 1.1 and max(spreads) <= 1.3, spreads
 
 
-def test_the_packing_setting_is_true_false_or_auto_from_flags_and_refused_otherwise_naming_it():
+def test_packing_setting_is_true_false_or_auto_only():
     assert DataSettings().packing == "auto"
     assert parse_settings(["--packing", "true"]).data.packing is True
     assert parse_settings(["--packing", "off"]).data.packing is False
@@ -128,7 +126,7 @@ def test_the_packing_setting_is_true_false_or_auto_from_flags_and_refused_otherw
         resolve_packing(True, "cpu", "the reason")
 
 
-def test_attention_that_separates_sequences_only_in_one_row_or_a_cache_is_a_packing_problem():
+def test_one_row_or_cache_attention_is_a_problem():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(use_cache=False)
@@ -170,7 +168,7 @@ def _logits_of_b(model, a, b):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_a_packed_sequence_cannot_attend_to_its_neighbour_in_training_or_evaluation(tiny_path, attention):
+def test_packed_sequence_cannot_attend_its_neighbour(tiny_path, attention):
     model = _load(tiny_path, attention)
     check_packed_model(model)  # accepted
     a, other_a, b = list(range(1, 30)), list(range(100, 140)), list(range(200, 217))
@@ -183,7 +181,7 @@ def test_a_packed_sequence_cannot_attend_to_its_neighbour_in_training_or_evaluat
         assert_close(packed_other, packed, rtol=1e-5, atol=1e-5)  # and another A changes nothing in B
 
 
-def test_with_every_token_a_label_no_token_predicts_across_a_boundary_and_the_loss_is_the_padded_one(tiny_path):
+def test_all_labels_no_prediction_across_a_boundary(tiny_path):
     """Samples labelled on every token (no prompt to mask): the first label of each packed sample must be dropped,
     as the padded batch drops it by the shift, or the last token of one sample would learn to predict the next."""
     model = _load(tiny_path, "sdpa")
@@ -197,7 +195,7 @@ def test_with_every_token_a_label_no_token_predicts_across_a_boundary_and_the_lo
     assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
 
 
-def test_an_attention_that_ignores_the_mask_leaks_across_packed_sequences_and_packing_refuses_it(tiny_path):
+def test_packing_refuses_attention_ignoring_the_mask(tiny_path):
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -255,7 +253,7 @@ def _packed_against_padded(rank, world_size, cache, source):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_packed_ranks_give_the_gradients_of_one_padded_process_on_the_global_batch_and_stay_balanced(tmp_path):
+def test_2_packed_ranks_give_1_padded_rank_gradients(tmp_path):
     """2 ranks with BucketedDDP, each on packed micro-batches of the balanced plan, against one process on the step's
     samples in one right-padded batch: same token counts, loss and gradients (fp32), and each rank computes the
     packed tokens the plan gave it, about the same on both."""
@@ -288,9 +286,7 @@ def _run(kind, tmp_path, source, packing):
 
 
 @pytest.mark.parametrize("kind", ["loop", "recipe"])
-def test_the_loop_and_the_trainer_recipe_with_packing_true_train_the_padded_runs_losses_and_count_its_tokens(
-    tmp_path, monkeypatch, tiny_cache, kind
-):
+def test_packed_loop_and_trainer_train_padded_losses(tmp_path, monkeypatch, tiny_cache, kind):
     monkeypatch.setenv("DDP_FT_CACHE", tiny_cache)
     source = write_mixed_length_meetings(tmp_path / "mixed.jsonl")
     packed, packed_tokens = _run(kind, tmp_path, source, True)
