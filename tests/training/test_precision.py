@@ -7,7 +7,7 @@ import torch
 from ddp_ft.training.model.precision import choose_precision
 from ddp_ft.training.model.qlora import ModelSettings
 
-from .helpers.faults import injected
+from ..helpers.faults import injected
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def _fp16_steps_with_one_rank_overflowing(rank, world_size, steps=3, overflow_st
 
     from ddp_ft.ddp import BucketedDDP
 
-    from .helpers.models import Net, local_slice, make_batch
+    from ..helpers.models import Net, local_slice, make_batch
 
     torch.manual_seed(0)
     base = Net()
@@ -93,7 +93,7 @@ def test_fp16_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank_as_to
     same scaler bit for bit and the same on both ranks."""
     from torch.testing import assert_close
 
-    from .helpers.dist_harness import run_distributed
+    from ..helpers.dist_harness import run_distributed
 
     (scales0, params0), (scales1, params1) = run_distributed(_fp16_steps_with_one_rank_overflowing, world_size=2)
     assert scales0 == scales1 == [2.0**10, 2.0**9, 2.0**9]
@@ -152,7 +152,7 @@ def _fp16_loop_on_two_ranks(rank, world_size, out):
     from ddp_ft.training.config import parse_settings
     from ddp_ft.training.hooks import install_run_hooks
 
-    from .helpers.faults import FaultInjector, parse_faults
+    from ..helpers.faults import FaultInjector, parse_faults
 
     install_run_hooks(FaultInjector(parse_faults("overflow@1,rank=1"), rank, attempt=0))
     saved = {}
@@ -184,7 +184,7 @@ def test_fp16_loop_on_two_ranks_skips_a_step_that_overflowed_on_one_rank_on_both
 
     from ddp_ft.report.metrics import read_jsonl
 
-    from .helpers.dist_harness import run_distributed
+    from ..helpers.dist_harness import run_distributed
 
     ranks = run_distributed(_fp16_loop_on_two_ranks, str(tmp_path / "run"), timeout=180)
     steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "train"]

@@ -14,7 +14,7 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.resolve import probe_run_micro_batch, resolve_run
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 GB = 10**9
 

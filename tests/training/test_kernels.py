@@ -1,7 +1,7 @@
 """--liger and --compile: refused where they cannot work, before anything loads; carried from every settings source to
 both entry points; compile's device default (on for CUDA, off on the CPU, off with the reason where known to break);
 regional compilation in place with the sequence dimension dynamic. Compilation under BucketedDDP on 2 real processes:
-tests/test_compile_overlap.py."""
+tests/training/test_compile_overlap.py."""
 
 from types import SimpleNamespace
 

@@ -20,8 +20,8 @@ from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.comm_hooks import allreduce_hook
 from ddp_ft.training.model.compilation import is_regionally_compiled, repeated_blocks
 
-from .helpers.dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
+from ..helpers.dist_harness import run_distributed
+from ..test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
 
 SMALL_BUCKETS = DDPSettings(bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)  # about a layer's LoRA per bucket
 
@@ -267,7 +267,7 @@ def _sft_compiled(rank, world_size, out):
     from ddp_ft.training.model.qlora import EMBEDDED_MODEL
     from ddp_ft.training.setup import resolve_model_and_tokenizer
 
-    from .helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
+    from ..helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
 
     model_dir, tokenizer_dir = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
     case = Case("prompt_completion", False, "peft_config", False)

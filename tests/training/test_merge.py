@@ -28,7 +28,7 @@ from ddp_ft.training.model.merge import (
 from ddp_ft.training.model.qlora import EMBEDDED_MODEL, LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.training.setup import resolve_model_and_tokenizer
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
 # float32 compute on the CPU: the merged weight W + s*B@A against W@x + s*B@(A@x), summed in another order.
 FLOAT32_TOL = dict(rtol=1e-5, atol=1e-5)

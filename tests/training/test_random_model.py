@@ -9,7 +9,7 @@ import sys
 
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer
 
-from .helpers.dist_harness import PYTHONPATH, ROOT
+from ..helpers.dist_harness import PYTHONPATH, ROOT
 
 
 def _run(args: list[str], tmp_path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ from ddp_ft.training.data.synthetic import generate_synthetic_meetings
 from ddp_ft.training.data.tokenizer import PLAIN_SEPARATOR, load_tokenizer
 from ddp_ft.training.model.source import choose_default
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
 ROWS = 40  # 5% held out: 38 training samples, 2 steps per epoch at the default effective batch 16, 3 epochs
 

@@ -118,7 +118,7 @@ def test_the_recipes_help_lists_its_own_trainer_flag_with_the_shared_settings():
     import sys
     from pathlib import Path
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen_ami.py"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen_ami.py"
     run = subprocess.run([sys.executable, str(recipe), "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "--trainer {hf,trl,stock-hf,stock-trl}" in run.stdout and "BucketedSFTTrainer" in run.stdout, run.stdout[
@@ -158,7 +158,7 @@ def test_presets_are_the_shipped_yaml_files_with_their_comments_and_the_repo_con
     for name in PRESETS:
         shipped = CONFIG_DIR / f"{name}.yaml"
         assert shipped.read_text().startswith("# ") and load_config(shipped) == PRESETS[name]
-        in_repo = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+        in_repo = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
         assert in_repo.read_text() == shipped.read_text()
     assert "about a minute on 2 CPU cores" in (CONFIG_DIR / "tiny.yaml").read_text()
 

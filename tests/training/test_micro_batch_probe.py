@@ -16,7 +16,7 @@ from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.model.memory import step_peak_bytes
 from ddp_ft.training.model.probe import PROBE_MARGIN, fit_peak_line, largest_fitting_divisor, probe_micro_batch
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 GB = 10**9
 SEQ = 32
