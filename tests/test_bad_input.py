@@ -25,7 +25,7 @@ from ddp_ft.training.config import parse_settings
 from ddp_ft.training.data import DataLayout, load_raw_splits
 
 from .helpers.dist_harness import PYTHONPATH
-from .test_checkpoint import _parts, _trainer_checkpoint
+from .training.test_checkpoint import _parts, _trainer_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--preset", "tiny", "--num-synthetic", "24", "--report-to", "none"]  # 23 training samples, 1 eval

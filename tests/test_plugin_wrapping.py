@@ -312,5 +312,6 @@ def _compiled(rank, world_size, backend):
 def test_accelerate_dynamo_backend_compiles_inside_bucketed_ddp_with_torch_ddps_gradients(backend):
     """Accelerate's `dynamo_backend` (and so TrainingArguments(torch_compile=True)) on a model without repeated layers
     compiles it whole in place, inside BucketedDDP; its hooks still fire on every parameter, and the gradients equal
-    eager torch DDP's. (Models with decoder layers are compiled layer by layer: tests/test_compile_overlap.py.)"""
+    eager torch DDP's. (Models with decoder layers are compiled layer by layer:
+    tests/training/test_compile_overlap.py.)"""
     run_distributed(_compiled, backend, timeout=240)

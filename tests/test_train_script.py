@@ -13,7 +13,7 @@ from ddp_ft.report.metrics import read_jsonl, timeline
 
 from .helpers.dist_harness import PYTHONPATH
 from .helpers.meetings import write_chat_meetings, write_mixed_length_meetings
-from .test_checkpoint import _trainer_checkpoint
+from .training.test_checkpoint import _trainer_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -22,7 +22,7 @@ from ddp_ft.training.checkpoint.shared_fs import (
 )
 
 from ..helpers.dist_harness import run_distributed
-from ..test_checkpoint import _parts
+from ..training.test_checkpoint import _parts
 
 pytestmark = pytest.mark.distributed
 

@@ -24,7 +24,7 @@ from ddp_ft.training.preemption import StopSignal
 
 from ..helpers.dist_harness import PYTHONPATH, run_distributed
 from ..helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
-from ..test_checkpoint import _parts
+from .test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults
 

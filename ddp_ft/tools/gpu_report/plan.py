@@ -92,7 +92,7 @@ def plan_steps(
 
 
 DECOMPOSITION = [(compiled, ckpt, mb) for mb in ("auto", "mb1") for ckpt in (True, False) for compiled in (False, True)]
-# the smoke test's: the cell with the new flag (compilation under BucketedDDP: tests/test_compile_overlap.py)
+# the smoke test's: the cell with the new flag (compilation under BucketedDDP: tests/training/test_compile_overlap.py)
 CPU_CELLS = {"decomp_eager_nockpt_auto"}
 
 

@@ -28,7 +28,7 @@ from ddp_ft.training.model.merge import (
 from ddp_ft.training.model.qlora import EMBEDDED_MODEL, LoraSettings, ModelSettings, load_qlora_model
 from ddp_ft.training.setup import resolve_model_and_tokenizer
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
 # float32 compute on the CPU: the merged weight W + s*B@A against W@x + s*B@(A@x), summed in another order.
 FLOAT32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -88,7 +88,7 @@ def test_final_folder_holds_adapter_tokenizer_and_data(run_dir):
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # nothing left from the atomic save
 
 
-def test_cli_merge_computes_the_adapter_on_its_nf4_base(run_dir, tmp_path):
+def test_merge_computes_the_adapter_on_its_nf4_base(run_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "merged"
@@ -138,7 +138,7 @@ def test_original_base_differs_from_nf4_by_its_error(run_dir, tmp_path):
         assert (error <= 0.16 * blocks.abs().amax(dim=1)).all(), name
 
 
-def test_a_run_without_final_merges_its_newest_checkpoint(tmp_path):
+def test_run_without_final_merges_newest_checkpoint(tmp_path):
     for adapter in (tmp_path / "ddp_ft-checkpoint-4" / "adapter", tmp_path / "checkpoint-2"):
         adapter.mkdir(parents=True)
         (adapter / "adapter_config.json").write_text("{}")
@@ -164,7 +164,7 @@ def test_merge_refuses_no_adapter_and_a_full_out_dir(run_dir, tmp_path):
     assert [p.name for p in full.iterdir()] == ["keep.txt"] and not list(tmp_path.glob(".tmp-*"))
 
 
-def test_generate_writes_what_the_adapter_on_its_nf4_base_writes(run_dir, tmp_path, capsys):
+def test_generate_writes_what_the_nf4_adapter_writes(run_dir, tmp_path, capsys):
     """`ddp-ft generate RUN --prompt` against greedy decoding by hand: the adapter on its 4-bit base, the prompt
     written as the pair format's training prompt (instruction, blank line, text, generation prompt)."""
     from peft import PeftModel

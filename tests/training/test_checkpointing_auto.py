@@ -14,7 +14,7 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.resolve import probe_run_micro_batch, resolve_run
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 GB = 10**9
 
@@ -64,7 +64,7 @@ def _probed(monkeypatch, device_gb: float, info: DistInfo | None = None, **overr
     return model, resolved, calls
 
 
-def test_auto_turns_checkpointing_off_when_the_whole_per_rank_batch_fits_without_it(monkeypatch):
+def test_off_when_the_whole_batch_fits_without_it(monkeypatch):
     # budget 45 GB less AdamW's moments: 8 samples need 12 GB checkpointed, 28 GB without
     model, resolved, calls = _probed(monkeypatch, 50)
     assert (resolved.micro_batch, resolved.accumulation) == (8, 1)
@@ -75,7 +75,7 @@ def test_auto_turns_checkpointing_off_when_the_whole_per_rank_batch_fits_without
     assert calls[0] and not calls[-1]  # measured with it first, then without
 
 
-def test_auto_keeps_checkpointing_when_only_it_lets_the_whole_batch_fit_and_restores_it_on_the_model(monkeypatch):
+def test_kept_and_restored_when_only_it_lets_batch_fit(monkeypatch):
     # budget 18 GB: 8 samples fit checkpointed (12 GB), not without (28 GB)
     model, resolved, calls = _probed(monkeypatch, 20)
     assert (resolved.micro_batch, resolved.accumulation) == (8, 1)
@@ -85,7 +85,7 @@ def test_auto_keeps_checkpointing_when_only_it_lets_the_whole_batch_fit_and_rest
     assert False in calls  # it was measured without
 
 
-def test_auto_does_not_try_without_checkpointing_when_even_with_it_the_batch_needs_accumulation(monkeypatch):
+def test_not_tried_off_when_batch_needs_accumulation(monkeypatch):
     # budget 9 GB: 4 samples checkpointed (8 GB), 8 would need 12
     model, resolved, calls = _probed(monkeypatch, 10)
     assert (resolved.micro_batch, resolved.accumulation) == (4, 2)
@@ -94,7 +94,7 @@ def test_auto_does_not_try_without_checkpointing_when_even_with_it_the_batch_nee
 
 
 @pytest.mark.parametrize("setting", [True, False])
-def test_an_explicit_setting_is_honoured_and_never_probed_the_other_way(monkeypatch, setting):
+def test_explicit_setting_is_honoured_and_not_probed(monkeypatch, setting):
     model, resolved, calls = _probed(monkeypatch, 50, gradient_checkpointing=setting)
     assert resolved.checkpointing is setting and set(calls) == {setting}
     assert _checkpointed(model) is setting
@@ -111,11 +111,11 @@ def _two_ranks(rank, world_size):
         return resolved.checkpointing, resolved.micro_batch, _checkpointed(model)
 
 
-def test_two_ranks_whose_devices_disagree_both_keep_checkpointing():
+def test_two_ranks_that_disagree_both_keep_it():
     assert run_distributed(_two_ranks, world_size=2, timeout=180) == [(True, 4, True)] * 2
 
 
-def test_the_loop_trains_without_checkpointing_when_auto_turns_it_off_and_records_it(tmp_path, monkeypatch):
+def test_loop_trains_without_it_and_records_it(tmp_path, monkeypatch):
     import ddp_ft.training.model.probe as probe
     from ddp_ft.training.loop import train
 
@@ -129,7 +129,7 @@ def test_the_loop_trains_without_checkpointing_when_auto_turns_it_off_and_record
     assert "gradient_checkpointing: false" in (tmp_path / "run_config.yaml").read_text()
 
 
-def test_checkpointing_turned_off_and_on_again_gives_the_gradients_of_a_model_never_touched(monkeypatch):
+def test_off_and_on_again_gives_untouched_gradients(monkeypatch):
     from ddp_ft.training.model.qlora import set_checkpointing
 
     model, _, _ = _probed(monkeypatch, 20)  # probed without checkpointing, then restored
@@ -146,7 +146,7 @@ def test_checkpointing_turned_off_and_on_again_gives_the_gradients_of_a_model_ne
     assert not _checkpointed(model)
 
 
-def test_the_trainer_recipe_trains_without_checkpointing_when_auto_turns_it_off_and_logs_it(tmp_path, monkeypatch):
+def test_trainer_recipe_trains_without_it_and_logs_it(tmp_path, monkeypatch):
     import ddp_ft.training.model.probe as probe
     from ddp_ft.integrations.recipe import build_trainer
 

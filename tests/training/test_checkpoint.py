@@ -35,7 +35,7 @@ def _parts():
     return model, optimizer, scheduler
 
 
-def test_save_writes_a_complete_checkpoint_and_points_latest_at_it(tmp_path):
+def test_save_is_complete_and_latest_points_at_it(tmp_path):
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     assert path == tmp_path / "ddp_ft-checkpoint-3"
@@ -46,7 +46,7 @@ def test_save_writes_a_complete_checkpoint_and_points_latest_at_it(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
-def test_a_save_that_fails_half_way_leaves_the_previous_checkpoint_and_latest_intact(tmp_path, monkeypatch):
+def test_failed_save_leaves_previous_and_latest_intact(tmp_path, monkeypatch):
     model, optimizer, scheduler = _parts()
     good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     before = (good / "optimizer.pt").read_bytes()
@@ -70,7 +70,7 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*checkpoint-*")) == ["ddp_ft-checkpoint-4", "ddp_ft-checkpoint-6"]
 
 
-def test_resume_from_a_folder_that_is_not_a_checkpoint_is_a_clear_error(tmp_path):
+def test_resume_from_a_non_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a ddp_ft checkpoint"):
         resolve_checkpoint(str(tmp_path), tmp_path)
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
@@ -95,7 +95,7 @@ def _trainer_checkpoint(folder):
     return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
-def test_a_trainer_checkpoint_in_the_output_dir_is_neither_resumed_nor_pruned(tmp_path):
+def test_trainer_checkpoint_neither_resumed_nor_pruned(tmp_path):
     trainer_files = _trainer_checkpoint(tmp_path / "checkpoint-3")
     model, optimizer, scheduler = _parts()
     saved = [
@@ -107,7 +107,7 @@ def test_a_trainer_checkpoint_in_the_output_dir_is_neither_resumed_nor_pruned(tm
     assert [p.exists() for p in saved] == [False, False, True]  # the loop pruned its own, only its own
 
 
-def test_resume_refuses_a_trainer_checkpoint_naming_the_path_and_what_it_is(tmp_path):
+def test_resume_refuses_trainer_checkpoint_naming_it(tmp_path):
     _trainer_checkpoint(tmp_path / "checkpoint-3")
     with pytest.raises(ValueError) as error:
         resolve_checkpoint(str(tmp_path / "checkpoint-3"), tmp_path)
@@ -116,7 +116,7 @@ def test_resume_refuses_a_trainer_checkpoint_naming_the_path_and_what_it_is(tmp_
     assert "Hugging Face Trainer checkpoint" in message and "recipes/qwen_ami.py" in message
 
 
-def test_the_recipe_says_once_on_rank_0_which_checkpoint_it_resumes_at_which_step(tmp_path, caplog):
+def test_recipe_logs_the_resumed_step_once_on_rank_0(tmp_path, caplog):
     from ddp_ft.integrations.recipe import log_resume
 
     _trainer_checkpoint(tmp_path / "checkpoint-3")
@@ -127,7 +127,7 @@ def test_the_recipe_says_once_on_rank_0_which_checkpoint_it_resumes_at_which_ste
     assert said == [f"resuming from {tmp_path / 'checkpoint-3'} at step 3"]
 
 
-def test_resume_refuses_a_checkpoint_of_another_format_version(tmp_path):
+def test_resume_refuses_a_newer_format_version(tmp_path):
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     state_file = path / ckpt.STATE_FILE
@@ -137,9 +137,7 @@ def test_resume_refuses_a_checkpoint_of_another_format_version(tmp_path):
         resolve_checkpoint("latest", tmp_path)
 
 
-def test_replacing_a_same_step_checkpoint_that_fails_half_way_keeps_latest_on_a_complete_checkpoint(
-    tmp_path, monkeypatch
-):
+def test_failed_same_step_resave_keeps_latest_complete(tmp_path, monkeypatch):
     """Saving step 3 again (a resumed run, a re-run in the same folder) swaps folders: if the swap dies after the old
     one moved away, latest must still name a complete checkpoint holding the previous contents."""
     model, optimizer, scheduler = _parts()
@@ -166,7 +164,7 @@ def test_replacing_a_same_step_checkpoint_that_fails_half_way_keeps_latest_on_a_
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["latest", good.name])
 
 
-def test_every_file_and_folder_is_fsynced_before_the_rename_that_publishes_it(tmp_path, monkeypatch):
+def test_all_fsynced_before_the_rename_publishing_it(tmp_path, monkeypatch):
     synced, events = set(), []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -232,7 +230,7 @@ def _plain(value) -> bool:
     return value is None or isinstance(value, (torch.Tensor, bool, int, float, str))
 
 
-def test_rng_states_file_holds_only_tensors_and_plain_data_and_restores_python_numpy_torch_streams_exactly(tmp_path):
+def test_rng_states_are_plain_data_and_restore_exactly(tmp_path):
     model, optimizer, scheduler = _parts()
     _seed_with_cached_gaussians(7)
     before = _snapshot()
@@ -264,9 +262,7 @@ def _adapter(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_load_checkpoint_reads_every_file_with_weights_only_and_restores_adamw_cosine_schedule_and_rng(
-    tmp_path, monkeypatch
-):
+def test_load_is_weights_only_restores_optim_and_rng(tmp_path, monkeypatch):
     model, optimizer, scheduler = _peft_parts()
     for _ in range(3):
         model(torch.randn(5, 4)).pow(2).sum().backward()
@@ -328,9 +324,7 @@ class _Payload:
         ("optimizer.pt", lambda: {"state": {}, "param_groups": [], "hook": _Payload()}, "_ran_on_load"),
     ],
 )
-def test_verify_checkpoint_refuses_a_pickled_object_without_running_it_naming_the_file_and_what_it_holds(
-    tmp_path, name, content, found
-):
+def test_verify_refuses_pickles_unrun_naming_the_file(tmp_path, name, content, found):
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     torch.save(content(), path / name)
@@ -342,7 +336,7 @@ def test_verify_checkpoint_refuses_a_pickled_object_without_running_it_naming_th
     assert _RAN_ON_LOAD == []
 
 
-def test_verify_checkpoint_refuses_a_pickled_adapter_bin_and_requires_safetensors(tmp_path):
+def test_verify_refuses_adapter_bin_for_safetensors(tmp_path):
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     adapter = path / ckpt.ADAPTER_DIR
@@ -355,7 +349,7 @@ def test_verify_checkpoint_refuses_a_pickled_adapter_bin_and_requires_safetensor
         ckpt.verify_checkpoint(path)
 
 
-def test_verify_checkpoint_refuses_a_truncated_file_naming_it(tmp_path):
+def test_verify_refuses_a_truncated_file_naming_it(tmp_path):
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     data = (path / "optimizer.pt").read_bytes()
@@ -364,7 +358,7 @@ def test_verify_checkpoint_refuses_a_truncated_file_naming_it(tmp_path):
         ckpt.verify_checkpoint(path)
 
 
-def test_the_loop_refuses_a_checkpoint_with_pickled_objects_before_the_model_loads(tmp_path):
+def test_loop_refuses_pickles_before_the_model_loads(tmp_path):
     from ddp_ft.training.checkpoint import check_resume_position
 
     layout = DataLayout(train_samples=16, seed=0, effective_batch=2, world_size=1, micro_batch=1)
@@ -376,7 +370,7 @@ def test_the_loop_refuses_a_checkpoint_with_pickled_objects_before_the_model_loa
         check_resume_position(path, layout)
 
 
-def test_resume_refuses_a_format_version_1_checkpoint_as_written_by_another_ddp_ft_version(tmp_path):
+def test_resume_refuses_format_1_of_older_ddp_ft(tmp_path):
     """Format 1 stored numpy's RNG state as pickled numpy objects, which this version does not load."""
     model, optimizer, scheduler = _parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())

@@ -20,8 +20,8 @@ from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.comm_hooks import allreduce_hook
 from ddp_ft.training.model.compilation import is_regionally_compiled, repeated_blocks
 
-from .helpers.dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
+from ..helpers.dist_harness import run_distributed
+from ..test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
 
 SMALL_BUCKETS = DDPSettings(bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)  # about a layer's LoRA per bucket
 
@@ -163,7 +163,7 @@ def _trainer_run(rank, world_size, compile: bool):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trainer_torch_compile_compiles_each_layer_before_the_wrap_keeping_overlap_and_the_eager_losses():
+def test_trainer_compile_keeps_overlap_and_losses():
     """A user's BucketedTrainer script with TrainingArguments(torch_compile=True), 2 ranks: the decoder layers are
     compiled in place (not the wrapped model), every synced backward launches its first all-reduce with most layers
     still to run, as eager does, the losses equal the eager run's, and the compile counters reach metrics.jsonl."""
@@ -221,7 +221,7 @@ STEPS = 3
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_run_and_the_eager_losses(tmp_path):
+def test_loop_compile_keeps_overlap_and_losses(tmp_path):
     """The plain loop with --compile (TorchInductor), 2 gloo ranks, BucketedDDP: in every synced backward the first
     all-reduce launches with most decoder layers' backward still to run, as in the eager run; each step's loss and
     gradient norm equal the eager run's to 1e-5 relative, and so does the final evaluation (no-grad passes run the
@@ -252,7 +252,7 @@ def test_loop_compile_keeps_all_reduces_launching_while_backward_has_layers_to_r
 # ---------------------------------------------------------------- TRL, Accelerate, the counters (one process)
 
 
-def test_sft_trainer_torch_compile_compiles_the_decoder_layers_not_the_whole_model(tmp_path):
+def test_sft_trainer_compiles_layers_not_whole_model(tmp_path):
     """BucketedSFTTrainer with SFTConfig(torch_compile=True): the decoder layers compiled in place by the accelerator,
     the trained model never an OptimizedModule, and the compile counters in metrics.jsonl (one process)."""
     run_distributed(_sft_compiled, str(tmp_path), world_size=1, timeout=240)
@@ -267,7 +267,7 @@ def _sft_compiled(rank, world_size, out):
     from ddp_ft.training.model.qlora import EMBEDDED_MODEL
     from ddp_ft.training.setup import resolve_model_and_tokenizer
 
-    from .helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
+    from ..helpers.trl_runs import Case, model_and_peft_config, rows, sft_config
 
     model_dir, tokenizer_dir = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
     case = Case("prompt_completion", False, "peft_config", False)
@@ -289,7 +289,7 @@ def _sft_compiled(rank, world_size, out):
     assert [r["compile/graphs"] >= 1 for r in records if r.get("type") == "train"] == [True]
 
 
-def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins_options():
+def test_dynamo_backend_compiles_layers_with_options():
     from accelerate.state import AcceleratorState
     from accelerate.utils import TorchDynamoPlugin
     from transformers import Qwen3ForCausalLM
@@ -311,7 +311,7 @@ def test_accelerate_dynamo_backend_compiles_each_layer_in_place_with_the_plugins
         AcceleratorState._reset_state(True)
 
 
-def test_the_compile_watch_is_quiet_about_the_warm_up_and_warns_from_four_graphs_after_it(caplog):
+def test_watch_quiet_in_warm_up_warns_from_4_graphs(caplog):
     from ddp_ft.training.model.compilation import CompileWatch
 
     torch._dynamo.reset()

@@ -16,7 +16,7 @@ from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.model.memory import step_peak_bytes
 from ddp_ft.training.model.probe import PROBE_MARGIN, fit_peak_line, largest_fitting_divisor, probe_micro_batch
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 
 GB = 10**9
 SEQ = 32
@@ -58,7 +58,7 @@ def _probe(model, effective_batch, device_bytes, measure, info=None, margin=0.1,
     )
 
 
-def test_the_choice_is_the_largest_micro_batch_whose_fitted_line_fits_the_device_less_the_margin():
+def test_largest_whose_fitted_line_fits_less_margin():
     # 4 GB resident + 1 GB per sample: 8 needs 12 GB, 16 needs 20 GB; a 14 GB device leaves 12.6 GB.
     probe = _probe(_causal_lm(), 16, 14 * GB, _line(4 * GB, GB), optimizer_state=0)
     assert (probe.micro_batch, probe.accumulation, probe.world_size) == (8, 2, 1)
@@ -73,7 +73,7 @@ def test_the_choice_is_the_largest_micro_batch_whose_fitted_line_fits_the_device
     assert _probe(_causal_lm(), 16, device - 2, _line(4 * GB, GB), optimizer_state=0).micro_batch == 4
 
 
-def test_only_divisors_of_the_per_rank_share_are_chosen_so_the_effective_batch_is_kept():
+def test_only_divisors_so_effective_batch_is_kept():
     # 12 per rank: 7 would fit 11.5 GB (11 GB) but does not divide 12; 6 does.
     assert largest_fitting_divisor(12, lambda m: 4 + m, 11) == 6
     assert largest_fitting_divisor(12, lambda m: 4 + m, 4) == 0
@@ -83,7 +83,7 @@ def test_only_divisors_of_the_per_rank_share_are_chosen_so_the_effective_batch_i
     assert probe.micro_batch * probe.accumulation * 2 == 24
 
 
-def test_no_micro_batch_fitting_is_an_error_naming_the_setting_the_numbers_and_the_fix():
+def test_none_fitting_names_setting_numbers_and_fix():
     with pytest.raises(ValueError) as error:
         _probe(_causal_lm(), 16, 5 * GB, _line(4 * GB, GB), optimizer_state=0)  # 5 GB at 1 > 4.5 GB budget
     message = str(error.value)
@@ -92,7 +92,7 @@ def test_no_micro_batch_fitting_is_an_error_naming_the_setting_the_numbers_and_t
     assert "--max-seq-len" in message and "--micro-batch 1" in message
 
 
-def test_the_fitted_line_lies_above_every_point_and_follows_the_steepest_part_of_a_curve():
+def test_fitted_line_is_above_points_on_steepest_part():
     assert fit_peak_line([(1, 5), (2, 6), (4, 8)]) == (4, 1, 0.0)
     resident, slope, off = fit_peak_line([(1, 10), (2, 12), (4, 20)])  # curving up: the last segment's slope 4
     assert slope == 4 and all(resident + slope * m >= p for m, p in [(1, 10), (2, 12), (4, 20)])
@@ -110,7 +110,7 @@ def _tiny_qlora(dropout: float = 0.05):
     return load_qlora_model(ModelSettings(model_name_or_path=path), settings.lora, {"": "cpu"}, 1)
 
 
-def test_on_the_tiny_4bit_model_measured_on_the_cpu_the_probe_picks_the_candidate_under_a_device_between_two_peaks():
+def test_tiny_4bit_on_cpu_picks_the_one_that_fits():
     model = _tiny_qlora()
     measure = lambda step, m: step_peak_bytes(step, skip_matmuls=False)  # noqa: E731  (the allocator's real peak)
     roomy = _probe(model, 4, 100 * GB, measure, optimizer_state=0, margin=PROBE_MARGIN)
@@ -124,7 +124,7 @@ def test_on_the_tiny_4bit_model_measured_on_the_cpu_the_probe_picks_the_candidat
     assert peaks[2] <= tight.expected_peak <= tight.budget < peaks[4]
 
 
-def test_the_probe_leaves_gradients_parameters_random_state_and_mode_as_they_were():
+def test_probe_leaves_model_and_rng_state_as_they_were():
     model = _tiny_qlora(dropout=0.5)  # dropout draws from the generator in every probe step
     trainable = [p for p in model.parameters() if p.requires_grad]
     trainable[0].grad = torch.full_like(trainable[0], 3.0)  # as if a micro-step had accumulated into it
@@ -159,7 +159,7 @@ def _two_ranks(rank, world_size):
     return agreed.micro_batch, agreed.accumulation, failed
 
 
-def test_two_ranks_with_different_devices_both_choose_what_the_smaller_device_fits_and_a_failure_reaches_both():
+def test_two_ranks_take_smaller_device_share_failures():
     (m0, a0, failed0), (m1, a1, failed1) = run_distributed(_two_ranks, world_size=2, timeout=120)
     assert (m0, a0) == (m1, a1) == (4, 2)
     assert "the probe failed on another rank" in failed0
@@ -179,9 +179,7 @@ def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -
     monkeypatch.setattr(probe, "cuda_peak_bytes", lambda device: _line(resident, per_sample))
 
 
-def test_the_loop_trains_at_the_probed_micro_batch_with_the_effective_batch_kept_and_logs_the_expected_peak(
-    tmp_path, monkeypatch
-):
+def test_loop_trains_at_probed_size_and_logs_peak(tmp_path, monkeypatch):
     from ddp_ft.training.loop import train
 
     _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)  # budget 8.5 GB: 4 (8 GB) of the tiny preset's effective batch 8
@@ -196,9 +194,7 @@ def test_the_loop_trains_at_the_probed_micro_batch_with_the_effective_batch_kept
     assert "micro_batch: 4\n" in (tmp_path / "run_config.yaml").read_text()  # a rerun gets the number chosen
 
 
-def test_the_trainer_recipe_takes_the_probed_micro_batch_and_its_accumulation_and_logs_the_expected_peak(
-    tmp_path, monkeypatch
-):
+def test_trainer_takes_probed_size_and_logs_peak(tmp_path, monkeypatch):
     from ddp_ft.integrations.callbacks import ExpectedPeakCallback
     from ddp_ft.integrations.recipe import build_trainer
 

@@ -1,7 +1,7 @@
 """--liger and --compile: refused where they cannot work, before anything loads; carried from every settings source to
 both entry points; compile's device default (on for CUDA, off on the CPU, off with the reason where known to break);
 regional compilation in place with the sequence dimension dynamic. Compilation under BucketedDDP on 2 real processes:
-tests/test_compile_overlap.py."""
+tests/training/test_compile_overlap.py."""
 
 from types import SimpleNamespace
 
@@ -25,7 +25,7 @@ def _installed(*names):
     return lambda name: object() if name in names else None
 
 
-def test_liger_is_refused_on_the_cpu_before_anything_loads_naming_the_setting(tmp_path):
+def test_liger_refused_on_cpu_before_anything_loads(tmp_path):
     settings = settings_from_preset("tiny", liger=True, output_dir=str(tmp_path / "run"))
     with pytest.raises(ValueError, match=r"--liger \(liger: true\): Liger's kernels are Triton kernels for CUDA GPUs"):
         resolve_run(settings, DistInfo())
@@ -41,14 +41,14 @@ def test_liger_is_refused_on_the_cpu_before_anything_loads_naming_the_setting(tm
         (("triton",), f"needs the liger-kernel package, which is not installed: {LIGER_INSTALL}"),
     ],
 )
-def test_liger_on_cuda_without_its_packages_is_refused_naming_the_fix(installed, needle):
+def test_liger_on_cuda_without_packages_names_the_fix(installed, needle):
     with pytest.raises(ValueError, match="--liger") as error:
         check_kernel_settings(True, False, CUDA, find_spec=_installed(*installed))
     assert needle in str(error.value)
     check_kernel_settings(True, False, CUDA, find_spec=_installed("triton", "liger_kernel"))  # both: allowed
 
 
-def test_compile_without_a_cpp_compiler_on_the_cpu_is_refused_naming_the_setting_and_cxx(monkeypatch, tmp_path):
+def test_compile_on_cpu_without_cxx_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-c++")
     settings = settings_from_preset("tiny", compile=True, output_dir=str(tmp_path / "run"))
     with pytest.raises(
@@ -59,13 +59,13 @@ def test_compile_without_a_cpp_compiler_on_the_cpu_is_refused_naming_the_setting
     check_kernel_settings(False, True, CPU, which=lambda name: f"/usr/bin/{name}")  # a compiler: allowed
 
 
-def test_compile_on_cuda_without_triton_is_refused_naming_the_setting():
+def test_compile_on_cuda_without_triton_is_refused():
     with pytest.raises(ValueError, match=r"--compile \(compile: true\): on CUDA .* Triton"):
         check_kernel_settings(False, True, CUDA, find_spec=_installed())
     check_kernel_settings(False, True, CUDA, find_spec=_installed("triton"))
 
 
-def test_liger_is_off_and_compile_auto_by_default_and_both_set_by_flags_and_config_files(tmp_path, capsys):
+def test_liger_off_compile_auto_unless_flag_or_file(tmp_path, capsys):
     defaults = parse_settings(["--preset", "tiny"]).model
     assert (defaults.liger, defaults.compile) == (False, "auto")
     flags = parse_settings(["--preset", "tiny", "--liger", "--compile"]).model
@@ -83,7 +83,7 @@ def test_liger_is_off_and_compile_auto_by_default_and_both_set_by_flags_and_conf
     assert "compile: 'yes' is a str; compile takes true, false or 'auto'" in capsys.readouterr().err
 
 
-def test_the_recipe_hands_liger_and_the_resolved_compile_to_the_trainer():
+def test_recipe_hands_liger_and_compile_to_trainer():
     precision = SimpleNamespace(dtype=torch.float32)
     for liger, compile in ((False, False), (True, True)):
         settings = settings_from_preset("tiny", liger=liger, compile="auto", report_to="none")
@@ -97,7 +97,7 @@ class _Stop(Exception):
     """Raised in place of building the model: the test has seen what it needs."""
 
 
-def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch, tmp_path):
+def test_loop_applies_liger_before_building_the_model(monkeypatch, tmp_path):
     """On a GPU with liger-kernel (both faked here): Liger's Qwen3 patch, fused linear cross-entropy included, is
     applied before the model is built, so ``from_pretrained`` builds Liger's layers."""
     import sys
@@ -130,7 +130,7 @@ def test_the_loop_applies_liger_to_qwen3_before_it_builds_the_model(monkeypatch,
     assert calls[-2][1] == dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
 
-def test_liger_refuses_a_model_that_is_not_qwen3_naming_the_setting(tmp_path):
+def test_liger_refuses_a_model_other_than_qwen3(tmp_path):
     from transformers import LlamaConfig
 
     from ddp_ft.training.model.kernels import apply_liger_to_qwen3
@@ -140,7 +140,7 @@ def test_liger_refuses_a_model_that_is_not_qwen3_naming_the_setting(tmp_path):
         apply_liger_to_qwen3(str(tmp_path))
 
 
-def test_compile_takes_the_repeated_layers_in_place_and_refuses_a_model_without_them():
+def test_compile_repeated_layers_in_place_or_refuse():
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -164,7 +164,7 @@ def _info(device: torch.device, rank: int = 0) -> DistInfo:
     return DistInfo(rank, rank, 1, 1, device, "nccl" if device.type == "cuda" else "gloo")
 
 
-def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_logged_once_with_why(caplog):
+def test_auto_defaults_by_device_logged_once_with_why(caplog):
     """compile auto: on for CUDA when nothing blocks it, off on the CPU; micro-batch auto on the CPU is 1 (on CUDA it
     is left to resolve_micro_batch); each said once on rank 0 with the reason and how to change it; the settings are
     only read."""
@@ -192,7 +192,7 @@ def test_compile_and_micro_batch_auto_are_fast_on_cuda_unchanged_on_the_cpu_and_
     assert (kept.compile_why, kept.micro_batch_why) == ("--no-compile (compile: false)", "--micro-batch 4")
 
 
-def test_compile_where_it_is_known_to_break_is_off_by_default_with_the_reason_and_refused_when_asked(caplog):
+def test_compile_known_to_break_is_off_or_refused(caplog):
     blocked = lambda *args, **kwargs: [Blocker("bitsandbytes 0.49 graph-breaks", "pip install x")]  # noqa: E731
     settings = settings_from_preset("qwen3-4b-ami")
     with caplog.at_level("WARNING", logger="ddp_ft.training.resolve"):
@@ -205,7 +205,7 @@ def test_compile_where_it_is_known_to_break_is_off_by_default_with_the_reason_an
         resolve_device_defaults(settings_from_preset("qwen3-4b-ami", compile=True), _info(CUDA), blockers=blocked)
 
 
-def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_before_2_11():
+def test_blockers_old_bnb_checkpointed_lora_dropout():
     versions = {"bitsandbytes": (0, 49), "torch": (2, 10)}
     found = compile_blockers(CPU, lora_dropout=0.05, checkpointing=True, which=lambda _: "g++", version=versions.get)
     assert [b.fix for b in found] == [
@@ -221,7 +221,7 @@ def test_compile_blockers_name_old_bitsandbytes_and_lora_dropout_in_checkpoints_
     assert no_dropout[1:] == []
 
 
-def test_lora_dropout_in_checkpointed_compiled_layers_is_blocked_on_cuda_at_torch_2_11():
+def test_checkpointed_lora_dropout_blocked_cuda_2_11():
     """Compiled LoRA dropout in checkpointed layers crashed Inductor's partitioner on CUDA torch 2.11 (docs/gpu.md)."""
     fixed_on_cpu = {"bitsandbytes": (0, 50), "torch": (2, 11)}
     found = compile_blockers(
@@ -242,7 +242,7 @@ def test_lora_dropout_in_checkpointed_compiled_layers_is_blocked_on_cuda_at_torc
         )
 
 
-def test_max_autotune_is_refused_on_several_processes_only():
+def test_max_autotune_is_refused_only_multi_process():
     with pytest.raises(ValueError, match=r"torch_compile_mode=...\)='max-autotune' on 2 processes: .*pytorch#140395"):
         check_compile_mode("max-autotune", 2, "TrainingArguments(torch_compile_mode=...)")
     check_compile_mode("max-autotune", 1, "mode")
@@ -250,7 +250,7 @@ def test_max_autotune_is_refused_on_several_processes_only():
     check_compile_mode(None, 2, "mode")
 
 
-def test_regional_compilation_marks_the_sequence_dimension_dynamic_so_new_lengths_do_not_recompile():
+def test_new_sequence_lengths_do_not_recompile():
     """Four padded lengths through regionally compiled tiny-Qwen3 layers, training: one graph with the sequence
     dimension marked dynamic before the first call (Dynamo's automatic dynamic shapes alone compile a second one at
     the second length); with every shape static (dynamic=False) each new length compiles again, until Dynamo's limit
@@ -276,7 +276,7 @@ def test_regional_compilation_marks_the_sequence_dimension_dynamic_so_new_length
     assert graphs[False] >= 4, graphs
 
 
-def test_a_users_model_is_refused_compilation_where_known_to_break_reading_dropout_and_checkpointing_from_it():
+def test_user_model_refused_where_compile_breaks():
     """TrainingArguments(torch_compile=True) on a LoRA model with dropout in checkpointed layers, on a torch before 2.11
     (faked): refused naming the setting and the fix; with dropout 0, or on torch 2.11, allowed."""
     from peft import LoraConfig, get_peft_model

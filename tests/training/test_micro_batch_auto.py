@@ -36,9 +36,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("seq_len,world_size,device_gb,micro_batch", CASES)
-def test_the_choice_is_the_largest_micro_batch_that_fits_and_keeps_the_effective_batch(
-    seq_len, world_size, device_gb, micro_batch
-):
+def test_largest_fitting_keeping_the_effective_batch(seq_len, world_size, device_gb, micro_batch):
     choice = auto_micro_batch(QWEN3_4B, seq_len, 16, world_size, device_gb * GB)
     assert choice.micro_batch == micro_batch
     assert choice.micro_batch * choice.accumulation * world_size == 16
@@ -47,7 +45,7 @@ def test_the_choice_is_the_largest_micro_batch_that_fits_and_keeps_the_effective
     assert choice.budget == int(device_gb * GB * (1 - AUTO_MARGIN))
 
 
-def test_only_divisors_of_the_per_rank_batch_are_chosen():
+def test_only_divisors_of_per_rank_batch_are_chosen():
     # Effective batch 12 on one rank: 5 fits 13.6 GB at 512 tokens (9.4 GB) and so would 6 (10.5), but 8 does not
     # divide 12; the candidates are 1, 2, 3, 4, 6, 12.
     choice = auto_micro_batch(QWEN3_4B, 512, 12, 1, 16 * GB)
@@ -57,7 +55,7 @@ def test_only_divisors_of_the_per_rank_batch_are_chosen():
     assert auto_micro_batch(QWEN3_4B, 512, 10, 2, 8 * GB).micro_batch == 1
 
 
-def test_the_budget_is_the_device_less_the_margin_to_the_byte():
+def test_budget_is_device_less_margin_to_the_byte():
     peak = estimate(QWEN3_4B, 512, 4).peak
     exact = auto_micro_batch(QWEN3_4B, 512, 16, 1, peak, margin=0.0)
     assert (exact.micro_batch, exact.expected_peak, exact.budget) == (4, peak, peak)
@@ -68,14 +66,14 @@ def test_the_budget_is_the_device_less_the_margin_to_the_byte():
 
 
 @pytest.mark.parametrize("seq_len,world_size,smallest_gb", [(512, 1, 5.5), (2048, 1, 9), (2048, 2, 9)])
-def test_more_device_memory_never_chooses_a_smaller_micro_batch(seq_len, world_size, smallest_gb):
+def test_more_memory_never_chooses_a_smaller_one(seq_len, world_size, smallest_gb):
     sizes = [smallest_gb + half / 2 for half in range(240)]  # every half GB up to about 120 GB
     chosen = [auto_micro_batch(QWEN3_4B, seq_len, 16, world_size, int(gb * GB)).micro_batch for gb in sizes]
     assert chosen == sorted(chosen)
     assert chosen[0] == 1 and chosen[-1] == 16 // world_size  # spans the whole range
 
 
-def test_the_run_settings_change_the_estimate():
+def test_run_settings_change_the_estimate():
     # peft's float32 layout (upcast) and a larger rank need more memory: a smaller micro-batch on the same device.
     kept = auto_micro_batch(QWEN3_4B, 512, 16, 1, 16 * GB)
     upcast = auto_micro_batch(QWEN3_4B, 512, 16, 1, 16 * GB, upcast_frozen_weights=True)
@@ -85,7 +83,7 @@ def test_the_run_settings_change_the_estimate():
     assert fp32.expected_peak == estimate(QWEN3_4B, 512, fp32.micro_batch, compute_dtype="float32").peak
 
 
-def test_micro_batch_1_not_fitting_is_refused_naming_the_setting_and_the_numbers():
+def test_1_not_fitting_is_refused_naming_the_numbers():
     with pytest.raises(ValueError) as error:
         auto_micro_batch(QWEN3_4B, 2048, 16, 1, 8 * GB)
     message = str(error.value)
@@ -95,7 +93,7 @@ def test_micro_batch_1_not_fitting_is_refused_naming_the_setting_and_the_numbers
         auto_micro_batch(QWEN3_4B, 512, 15, 2, 80 * GB)  # the one divisibility check (ddp_ft.training.batch)
 
 
-def test_describe_is_one_line_with_the_choice_and_its_expected_peak():
+def test_describe_is_one_line_with_choice_and_peak():
     text = MicroBatchChoice(4, 2, 2, 7_380_000_000, 20_400_000_000, 24 * GB).describe()
     assert "\n" not in text
     assert text.startswith("--micro-batch auto: 4 (x 2 accumulation x 2 rank(s) = effective batch 16)")
@@ -105,7 +103,7 @@ def test_describe_is_one_line_with_the_choice_and_its_expected_peak():
 # The setting: "auto" on the command line and in config files, anything else refused naming micro_batch.
 
 
-def test_micro_batch_takes_a_number_or_auto_on_the_command_line_and_in_config_files(tmp_path, capsys):
+def test_takes_a_number_or_auto_from_flags_and_files(tmp_path, capsys):
     assert parse_settings(["--preset", "tiny", "--micro-batch", "auto"]).train.micro_batch == "auto"
     assert parse_settings(["--preset", "tiny", "--micro_batch", "4"]).train.micro_batch == 4
     config = tmp_path / "run.yaml"
@@ -130,7 +128,7 @@ def test_micro_batch_takes_a_number_or_auto_on_the_command_line_and_in_config_fi
 # Resolution, where both entry points pass first (ddp_ft.training.resolve.resolve_run).
 
 
-def test_auto_on_the_cpu_is_micro_batch_1_with_the_effective_batch_kept_before_anything_is_touched():
+def test_cpu_is_1_with_effective_batch_kept_up_front():
     """The CPU has no GPU memory to fill: auto (the default) keeps the CPU's micro-batch 1 there, accumulation
     following from the effective batch, resolved before the data or the model."""
     from ddp_ft.training.resolve import resolve_run
@@ -141,7 +139,7 @@ def test_auto_on_the_cpu_is_micro_batch_1_with_the_effective_batch_kept_before_a
     assert not resolved.probe_pending and resolved.micro_batch_why.startswith("auto on cpu")
 
 
-def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog):
+def test_resolution_reads_model_config_logs_choice(tmp_path, caplog):
     from ddp_ft.training.model.qlora import build_tiny_qwen3
     from ddp_ft.training.resolve import resolve_micro_batch
 
@@ -169,7 +167,7 @@ def test_resolution_reads_the_models_config_and_logs_the_choice(tmp_path, caplog
     assert "--micro-batch auto" not in caplog.text  # rank 0 only
 
 
-def test_resolve_run_turns_auto_into_an_int_leaving_the_settings_as_parsed(monkeypatch):
+def test_resolve_run_makes_an_int_settings_untouched(monkeypatch):
     import ddp_ft.training.resolve as resolve
 
     chosen = MicroBatchChoice(2, 2, 2, 1, 2, 3)

@@ -8,12 +8,12 @@ from ddp_ft.training.model.qlora import check_device_map
 
 
 @pytest.mark.parametrize("effective,micro,world,expected", [(16, 1, 1, 16), (16, 1, 2, 8), (16, 2, 2, 4), (8, 2, 4, 1)])
-def test_accumulation_keeps_the_effective_batch_for_every_world_size(effective, micro, world, expected):
+def test_accumulation_keeps_batch_for_any_world_size(effective, micro, world, expected):
     assert gradient_accumulation_steps(effective, micro, world) == expected
     assert expected * micro * world == effective
 
 
-def test_impossible_batch_combination_names_the_settings_and_workable_values():
+def test_impossible_batch_names_settings_and_fixes():
     with pytest.raises(ValueError) as error:
         gradient_accumulation_steps(16, 3, 2)
     message = str(error.value)
@@ -21,7 +21,7 @@ def test_impossible_batch_combination_names_the_settings_and_workable_values():
     assert "--micro-batch one of [1, 2, 4, 8]" in message
 
 
-def test_preset_values_apply_and_command_line_flags_override_them():
+def test_preset_applies_and_flags_override_it():
     settings = parse_settings(
         ["--preset", "tiny", "--micro-batch", "4", "--lora-r", "8", "--no-gradient-as-bucket-view"]
     )
@@ -33,7 +33,7 @@ def test_preset_values_apply_and_command_line_flags_override_them():
     assert parse_settings(["--preset", "tiny", "--upcast-frozen-weights"]).model.upcast_frozen_weights
 
 
-def test_balanced_ranks_are_on_by_default_and_no_balance_ranks_turns_them_off():
+def test_balanced_ranks_on_unless_no_balance_ranks():
     assert parse_settings(["--preset", "tiny"]).train.balance_ranks is True
     assert parse_settings(["--preset", "tiny", "--no-balance-ranks"]).train.balance_ranks is False
     assert parse_settings(["--preset", "tiny", "--no_balance_ranks"]).train.balance_ranks is False
@@ -57,7 +57,7 @@ def test_reference_preset_is_the_reference_run():
     assert s.model.load_in_4bit and not s.model.use_reentrant and not s.model.upcast_frozen_weights
 
 
-def test_unknown_preset_is_refused_listing_the_known_ones(capsys):
+def test_unknown_preset_is_refused_listing_known_ones(capsys):
     with pytest.raises(SystemExit):
         parse_settings(["--preset", "qwen-huge"])
     err = capsys.readouterr().err
@@ -104,21 +104,21 @@ def test_bad_settings_fail_naming_the_field(overrides, needle):
 
 
 @pytest.mark.parametrize("device_map", ["auto", "balanced", {"model.layers.0": 0, "lm_head": 1}])
-def test_model_splitting_device_map_is_refused_under_ddp_with_the_fix(device_map):
+def test_splitting_device_map_refused_under_ddp(device_map):
     with pytest.raises(ValueError, match=r"device_map=\{'': local_rank\}"):
         check_device_map(device_map, world_size=2)
     check_device_map({"": 0}, world_size=2)
     check_device_map("auto", world_size=1)  # a single process may shard over its GPUs
 
 
-def test_the_recipes_help_lists_its_own_trainer_flag_with_the_shared_settings():
+def test_recipe_help_lists_trainer_and_shared_flags():
     """`recipes/qwen_ami.py --help` documents `--trainer` (parsed by the recipe itself) beside every shared setting;
     it did not before the recipe passed its parser in."""
     import subprocess
     import sys
     from pathlib import Path
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "qwen_ami.py"
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "qwen_ami.py"
     run = subprocess.run([sys.executable, str(recipe), "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "--trainer {hf,trl,stock-hf,stock-trl}" in run.stdout and "BucketedSFTTrainer" in run.stdout, run.stdout[
@@ -128,7 +128,7 @@ def test_the_recipes_help_lists_its_own_trainer_flag_with_the_shared_settings():
     assert "--micro_batch" in run.stdout and "--preset" in run.stdout
 
 
-def test_bucket_cap_mb_takes_a_number_or_auto_on_the_command_line(capsys):
+def test_bucket_cap_mb_takes_a_number_or_auto(capsys):
     assert parse_settings(["--preset", "tiny", "--bucket-cap-mb", "auto"]).ddp.bucket_cap_mb == "auto"
     assert parse_settings(["--bucket_cap_mb", "5"]).ddp.bucket_cap_mb == 5.0
     assert settings_from_preset("tiny", bucket_cap_mb="auto").ddp.bucket_cap_mb == "auto"
@@ -147,7 +147,7 @@ def _yaml(tmp_path, text: str):
     return str(path)
 
 
-def test_presets_are_the_shipped_yaml_files_with_their_comments_and_the_repo_configs_folder_shows_them():
+def test_presets_are_shipped_yaml_shown_in_configs():
     from pathlib import Path
 
     from ddp_ft.training.config import CONFIG_DIR, load_config
@@ -158,12 +158,12 @@ def test_presets_are_the_shipped_yaml_files_with_their_comments_and_the_repo_con
     for name in PRESETS:
         shipped = CONFIG_DIR / f"{name}.yaml"
         assert shipped.read_text().startswith("# ") and load_config(shipped) == PRESETS[name]
-        in_repo = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+        in_repo = Path(__file__).resolve().parents[2] / "configs" / f"{name}.yaml"
         assert in_repo.read_text() == shipped.read_text()
     assert "about a minute on 2 CPU cores" in (CONFIG_DIR / "tiny.yaml").read_text()
 
 
-def test_config_file_goes_over_the_preset_and_flags_over_the_file_flat_or_by_section(tmp_path):
+def test_file_overrides_preset_and_flags_override_file(tmp_path):
     path = _yaml(tmp_path, "preset: tiny\nmicro_batch: 4\ntrain:\n  learning_rate: 5e-4\nlora:\n  lora_r: 4\n")
     s = parse_settings(["--config", path])
     assert s.preset == "tiny" and s.data.source == "synthetic" and s.train.max_steps == PRESETS["tiny"]["max_steps"]
@@ -185,7 +185,7 @@ def test_config_file_goes_over_the_preset_and_flags_over_the_file_flat_or_by_sec
         ("- micro_batch\n", ["expected a mapping"]),
     ],
 )
-def test_config_file_with_an_unknown_key_or_a_wrong_type_is_refused_naming_the_key(tmp_path, capsys, text, needles):
+def test_file_unknown_key_or_type_refused_naming_it(tmp_path, capsys, text, needles):
     with pytest.raises(SystemExit) as error:
         parse_settings(["--config", _yaml(tmp_path, text)])
     assert error.value.code == 2
@@ -193,14 +193,14 @@ def test_config_file_with_an_unknown_key_or_a_wrong_type_is_refused_naming_the_k
     assert "run.yaml" in err and all(n in err for n in needles), err
 
 
-def test_config_file_with_a_bad_choice_names_the_key_and_the_choices(tmp_path):
+def test_file_bad_choice_names_key_and_choices(tmp_path):
     with pytest.raises(ValueError, match=r"comm_hook='int8': choose one of allreduce"):
         parse_settings(["--config", _yaml(tmp_path, "ddp:\n  comm_hook: int8\n")])
     with pytest.raises(ValueError, match=r"report_to='tensorboard': choose wandb or none"):
         parse_settings(["--config", _yaml(tmp_path, "report_to: tensorboard\n")])
 
 
-def test_the_written_run_config_reruns_the_same_settings(tmp_path):
+def test_written_run_config_reruns_the_same_settings(tmp_path):
     from ddp_ft.distributed import DistInfo
     from ddp_ft.training.config import RUN_CONFIG, write_run_config
 
@@ -215,7 +215,7 @@ def test_the_written_run_config_reruns_the_same_settings(tmp_path):
     assert not (tmp_path / "r1").exists()  # rank 0 only
 
 
-def test_the_run_config_records_what_the_run_resolved_over_the_settings_as_parsed(tmp_path):
+def test_run_config_records_resolved_over_parsed(tmp_path):
     from ddp_ft.distributed import DistInfo
     from ddp_ft.training.config import write_run_config
 
@@ -226,7 +226,7 @@ def test_the_run_config_records_what_the_run_resolved_over_the_settings_as_parse
     assert (settings.train.micro_batch, settings.model.compile, settings.data.packing) == ("auto", "auto", "auto")
 
 
-def test_generation_settings_without_their_run_are_refused_not_dropped():
+def test_generation_settings_without_run_are_refused():
     with pytest.raises(ValueError, match=r"max_new_tokens=32 without predict: .*Give --predict N"):
         parse_settings(["--max-new-tokens", "32"])
     assert parse_settings(["--predict", "2", "--max-new-tokens", "32"]).train.max_new_tokens == 32

@@ -69,14 +69,14 @@ def _numeric_fields():
                 yield section, f.name
 
 
-def test_every_numeric_setting_of_every_section_has_a_range():
+def test_every_numeric_setting_has_a_range():
     missing = [(s, n) for s, n in _numeric_fields() if n not in TABLES[s] and n not in OWN_FLOOR]
     assert not missing, f"numeric settings without a range in ddp_ft.training.ranges: {missing}"
     assert {n for table in TABLES.values() for n in table} == {n for _, n in _numeric_fields()} - OWN_FLOOR
 
 
 @pytest.mark.parametrize(("name", "value"), REFUSED, ids=[f"{n}={v!r}" for n, v in REFUSED])
-def test_a_value_outside_its_own_range_is_refused_naming_the_setting_and_a_valid_value(name, value):
+def test_out_of_range_is_refused_naming_a_valid_value(name, value):
     default = next(f.default for cls in SECTIONS.values() for f in fields(cls) if f.name == name)
     with pytest.raises(ValueError) as refused:
         settings_from_preset("tiny", **{name: value})
@@ -86,7 +86,7 @@ def test_a_value_outside_its_own_range_is_refused_naming_the_setting_and_a_valid
     settings_from_preset("tiny", **{name: default})  # the value named is valid
 
 
-def test_a_negative_learning_rate_is_refused_as_a_learning_rate_not_as_the_floor_above_it():
+def test_negative_lr_is_refused_as_lr_not_as_floor():
     """The issue's case: -0.001 was refused as "min_learning_rate=0.0001 is above learning_rate=-0.001: lower it"."""
     with pytest.raises(ValueError, match=r"^learning_rate=-0\.001: must be a positive number"):
         settings_from_preset("tiny", learning_rate=-0.001, min_learning_rate=1e-4)
@@ -102,7 +102,7 @@ EDGES = [  # the least (and most) each range allows, together: the run's schedul
 
 
 @pytest.mark.parametrize("edge", EDGES)
-def test_the_edges_of_the_ranges_build_the_loops_schedule_and_the_trainers_arguments(edge, tmp_path):
+def test_range_edges_build_schedule_and_trainer_args(edge, tmp_path):
     from transformers import TrainingArguments, get_cosine_with_min_lr_schedule_with_warmup, set_seed
 
     from ddp_ft.integrations.recipe import training_arguments

@@ -52,7 +52,7 @@ def _frozen_unquantised(model):
 
 
 @pytest.mark.parametrize(("upcast", "dtype"), [(False, torch.bfloat16), (True, torch.float32)])
-def test_frozen_weights_that_are_not_quantised_stay_in_the_compute_dtype_unless_upcast(tiny_qwen3, upcast, dtype):
+def test_unquantised_keep_compute_dtype_unless_upcast(tiny_qwen3, upcast, dtype):
     model, _ = _load(tiny_qwen3, "bfloat16", upcast)
     frozen = _frozen_unquantised(model)
     assert any("embed_tokens" in n for n in frozen) and any("norm" in n for n in frozen)
@@ -69,7 +69,7 @@ def _loss_and_grads(model, precision, seed=0):
     return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
 
 
-def test_bf16_kept_layout_is_as_accurate_as_peft_s_upcast_layout(tiny_qwen3):
+def test_bf16_kept_layout_as_accurate_as_peft_upcast(tiny_qwen3):
     """Against the exact computation of the same 4-bit model (float32 compute), the bf16 residual stream of the kept
     layout is no further off than peft's fp32 one: both run every matmul in bf16 under autocast, 2^-9 relative
     rounding per operand, which puts either layout's gradients about 8% (norm) from float32 on this model; the
@@ -87,7 +87,7 @@ def test_bf16_kept_layout_is_as_accurate_as_peft_s_upcast_layout(tiny_qwen3):
     assert (kept - upcast).norm() / upcast.norm() < 0.05
 
 
-def test_fp16_keeps_fp16_weights_with_an_fp32_residual_stream_and_changes_nothing(tiny_qwen3):
+def test_fp16_weights_fp32_stream_change_nothing(tiny_qwen3):
     """fp16 weights, but the embedding's output is widened, so the residual stream is fp32 as in peft's layout. The
     fp16 weights hold exactly the values peft upcasts and autocast meets the same fp16 operands, so the loss and
     the gradients are bit for bit those of the upcast layout."""
@@ -102,7 +102,7 @@ def test_fp16_keeps_fp16_weights_with_an_fp32_residual_stream_and_changes_nothin
     assert kept_loss == upcast_loss and torch.equal(kept, upcast)
 
 
-def test_hidden_weights_come_back_when_preparation_fails():
+def test_hidden_weights_return_when_preparation_fails():
     layer = torch.nn.Embedding(4, 3).to(torch.bfloat16)
     storage = layer.weight.data_ptr()
     with pytest.raises(RuntimeError), _frozen_weights_kept(layer):
@@ -113,7 +113,7 @@ def test_hidden_weights_come_back_when_preparation_fails():
 
 @pytest.mark.parametrize("compute_dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("upcast", [False, True])
-def test_memory_arithmetic_is_what_a_small_proxy_measures(tmp_path, upcast, compute_dtype):
+def test_arithmetic_is_what_a_small_proxy_measures(tmp_path, upcast, compute_dtype):
     """Parameters, buffers and 4-bit state to the byte; the training step's peak (the loop's forward_backward under
     autocast, matmuls skipped) to within the small tensors the arithmetic leaves out (token ids, labels, norm
     statistics: 16 KB at 4B width, see scripts/memory_4bit.py). A vocabulary of 8192 puts the peak in the loss's

@@ -22,7 +22,7 @@ from ddp_ft.training.data.synthetic import generate_synthetic_meetings
 from ddp_ft.training.data.tokenizer import PLAIN_SEPARATOR, load_tokenizer
 from ddp_ft.training.model.source import choose_default
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
 ROWS = 40  # 5% held out: 38 training samples, 2 steps per epoch at the default effective batch 16, 3 epochs
 
@@ -83,7 +83,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **extra}
 
 
-def test_a_base_models_tokenizer_gets_the_plain_format_with_its_own_bos_and_eos_and_no_token_added(own, tmp_path):
+def test_base_tokenizer_gets_plain_format_no_new_token(own, tmp_path):
     model_dir, data = own
     tokenizer = load_tokenizer(str(model_dir))
     assert len(tokenizer) == json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -101,7 +101,7 @@ def test_a_base_models_tokenizer_gets_the_plain_format_with_its_own_bos_and_eos_
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_own_llama_without_chat_template_trains_with_ddp_ft_train_nproc_2_and_no_other_flag(own, tmp_path):
+def test_llama_without_template_trains_with_no_flags(own, tmp_path):
     model_dir, data = own
     command = [sys.executable, "-m", "ddp_ft.commands.cli", "train", "--model-name-or-path", str(model_dir)]
     command += ["--source", str(data), "--nproc", "2"]
@@ -120,9 +120,7 @@ def test_own_llama_without_chat_template_trains_with_ddp_ft_train_nproc_2_and_no
 
 @pytest.mark.parametrize("command", ["train", "recipe"])
 @pytest.mark.parametrize("named", [False, True])
-def test_train_and_recipe_follow_one_rule_the_embedded_default_without_a_model_none_with_one(
-    command, named, own, monkeypatch, caplog
-):
+def test_train_and_recipe_share_the_default_model_rule(command, named, own, monkeypatch, caplog):
     from ddp_ft.commands import recipe, train
 
     ran = {}
@@ -144,7 +142,7 @@ def test_train_and_recipe_follow_one_rule_the_embedded_default_without_a_model_n
         assert "preset tiny (no model named and no CUDA: the embedded default, offline" in caplog.text
 
 
-def test_the_default_rule_reads_flags_and_the_config_file(tmp_path):
+def test_default_rule_reads_flags_and_the_config_file(tmp_path):
     with_model, with_preset, bare = (tmp_path / name for name in ("model.yaml", "preset.yaml", "bare.yaml"))
     with_model.write_text("model_name_or_path: my/model\n")
     with_preset.write_text("preset: tiny\n")
@@ -166,9 +164,7 @@ def _closed_port() -> int:
 
 
 @pytest.mark.parametrize("offline", ["0", "1"])
-def test_an_unreachable_hub_id_fails_in_seconds_before_any_worker_naming_a_local_folder_and_preset_tiny(
-    offline, tmp_path
-):
+def test_unreachable_hub_id_fails_fast_naming_fixes(offline, tmp_path):
     env = _env(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HUB_OFFLINE=offline, HF_HOME=str(tmp_path / "hf"))
     command = [
         sys.executable,

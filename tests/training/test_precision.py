@@ -7,7 +7,7 @@ import torch
 from ddp_ft.training.model.precision import choose_precision
 from ddp_ft.training.model.qlora import ModelSettings
 
-from .helpers.faults import injected
+from ..helpers.faults import injected
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ from .helpers.faults import injected
         ("bfloat16", "cpu", None, torch.bfloat16, False),
     ],
 )
-def test_auto_picks_bf16_only_from_compute_capability_8(requested, device_type, capability, dtype, loss_scaling):
+def test_auto_picks_bf16_only_from_capability_8(requested, device_type, capability, dtype, loss_scaling):
     chosen = choose_precision(requested, device_type, capability)
     assert (chosen.dtype, chosen.loss_scaling, chosen.autocast) == (dtype, loss_scaling, dtype != torch.float32)
     if device_type == "cpu":  # a CUDA scaler disables itself without CUDA
@@ -32,12 +32,12 @@ def test_auto_picks_bf16_only_from_compute_capability_8(requested, device_type, 
 
 
 @pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 1)])
-def test_bf16_on_a_card_that_only_emulates_it_is_refused_naming_the_fix(capability):
+def test_bf16_on_an_emulating_card_is_refused(capability):
     with pytest.raises(ValueError, match=r"--compute-dtype bfloat16 .* capability .*--compute-dtype float16"):
         choose_precision("bfloat16", "cuda", capability)
 
 
-def test_the_model_settings_ask_the_device_s_capability(monkeypatch):
+def test_model_settings_ask_the_device_s_capability(monkeypatch):
     """``ModelSettings.precision`` asks the real device (a T4 here, mocked): it used to pick bf16 whenever CUDA
     existed, because ``torch.cuda.is_bf16_supported()`` is True on a T4."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
@@ -53,7 +53,7 @@ def _fp16_steps_with_one_rank_overflowing(rank, world_size, steps=3, overflow_st
 
     from ddp_ft.ddp import BucketedDDP
 
-    from .helpers.models import Net, local_slice, make_batch
+    from ..helpers.models import Net, local_slice, make_batch
 
     torch.manual_seed(0)
     base = Net()
@@ -87,20 +87,20 @@ def _fp16_steps_with_one_rank_overflowing(rank, world_size, steps=3, overflow_st
 
 
 @pytest.mark.distributed
-def test_fp16_a_gradient_overflow_on_one_rank_skips_the_step_on_every_rank_as_torch_ddp():
+def test_fp16_overflow_on_one_rank_skips_on_all_as_ddp():
     """Item 3's loss scaling under BucketedDDP: the scaled gradients are averaged before ``unscale_``, so the inf of
     one rank reaches every rank; all skip the step and halve the scale together, weights equal to torch DDP's with the
     same scaler bit for bit and the same on both ranks."""
     from torch.testing import assert_close
 
-    from .helpers.dist_harness import run_distributed
+    from ..helpers.dist_harness import run_distributed
 
     (scales0, params0), (scales1, params1) = run_distributed(_fp16_steps_with_one_rank_overflowing, world_size=2)
     assert scales0 == scales1 == [2.0**10, 2.0**9, 2.0**9]
     assert_close(params0, params1, rtol=0, atol=0)
 
 
-def test_fp16_loop_skips_an_overflowing_step_and_resumes_with_its_loss_scale(tmp_path):
+def test_fp16_loop_skips_overflow_resumes_its_scale(tmp_path):
     """``--compute-dtype float16`` in the plain loop with the gradient overflowing at step 1: the step is logged as
     skipped with the scale halved and the schedule held back a step; the scale is checkpointed, so a run resumed from
     step 2 trains step 3 at the same scale and loss (before ``scaler.pt`` it restarted at 65536). That every rank
@@ -152,7 +152,7 @@ def _fp16_loop_on_two_ranks(rank, world_size, out):
     from ddp_ft.training.config import parse_settings
     from ddp_ft.training.hooks import install_run_hooks
 
-    from .helpers.faults import FaultInjector, parse_faults
+    from ..helpers.faults import FaultInjector, parse_faults
 
     install_run_hooks(FaultInjector(parse_faults("overflow@1,rank=1"), rank, attempt=0))
     saved = {}
@@ -173,7 +173,7 @@ def _fp16_loop_on_two_ranks(rank, world_size, out):
 
 @pytest.mark.distributed
 @pytest.mark.faults
-def test_fp16_loop_on_two_ranks_skips_a_step_that_overflowed_on_one_rank_on_both(tmp_path):
+def test_fp16_loop_skips_one_rank_s_overflow_on_both(tmp_path):
     """The plain loop itself (``forward_backward_timed``, the scaler, the schedule) on 2 ranks, accumulation 2: rank
     1's gradient overflows under ``no_sync`` in step 1. The inf reaches rank 0 with the synced micro-step's all-reduce,
     so both skip step 1 and halve the scale; steps 2 and 3 train with finite losses at that scale, and the two ranks
@@ -184,7 +184,7 @@ def test_fp16_loop_on_two_ranks_skips_a_step_that_overflowed_on_one_rank_on_both
 
     from ddp_ft.report.metrics import read_jsonl
 
-    from .helpers.dist_harness import run_distributed
+    from ..helpers.dist_harness import run_distributed
 
     ranks = run_distributed(_fp16_loop_on_two_ranks, str(tmp_path / "run"), timeout=180)
     steps = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "train"]

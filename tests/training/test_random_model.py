@@ -9,7 +9,7 @@ import sys
 
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer
 
-from .helpers.dist_harness import PYTHONPATH, ROOT
+from ..helpers.dist_harness import PYTHONPATH, ROOT
 
 
 def _run(args: list[str], tmp_path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -22,7 +22,7 @@ def _run(args: list[str], tmp_path, timeout: int = 300) -> subprocess.CompletedP
     )
 
 
-def test_the_folder_trains_through_train_py_and_a_mismatched_tokenizer_or_shape_is_refused(tmp_path):
+def test_folder_trains_and_mismatches_are_refused(tmp_path):
     tokenizer = build_tiny_tokenizer(tmp_path / "tok", vocab_size=600)
     out = tmp_path / "model"
     script = str(ROOT / "scripts" / "random_model.py")
