@@ -343,6 +343,6 @@ def main(
 
 if __name__ == "__main__":
     code = main()
-    sys.stdout.flush()  # done: leave without interpreter finalization (see scripts/bench_ddp.py)
+    sys.stdout.flush()  # done: leave without interpreter finalization (ddp_ft.tools.bench.exit_without_finalization)
     sys.stderr.flush()
     os._exit(code)

@@ -1,5 +1,8 @@
-"""``scripts/bench_gpu.py``'s result: the JSON it writes (tokens/s, step time, peak memory, MFU, the wrapper's
-overhead or the scaling, ``--micro-batch auto``'s expected peak against the measured one) and the table it prints."""
+"""The GPU benchmark's result: the JSON it writes and the table it prints.
+
+The JSON holds tokens/s, step time, peak memory and MFU per mode, the wrapper's overhead or the scaling, and
+``--micro-batch auto``'s expected peak against the measured one.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from ...training.model.memory import MicroBatchChoice, Qwen3Shape
 from ...training.model.probe import MicroBatchProbe
 from ...training.model.qlora import LoraSettings
 from ..bench import MFU_FORMULA, ComputeSetup, peak_tflops, qlora_training_flops
+from .steps import Batching
 
 # DESIGN.md: Qwen3-4B QLoRA, seq 512, 2x RTX 4090 over PCIe (with real AMI samples, accumulation 16 / 8).
 REFERENCE = {
@@ -54,6 +58,7 @@ def mode_summary(runs: list[dict], warmup: dict, devices: int, mfu_per_token: fl
 
 def report(
     args: argparse.Namespace,
+    batching: Batching,
     setup: ComputeSetup,
     shape: Qwen3Shape,
     samples: dict[str, list[dict]],
@@ -63,12 +68,15 @@ def report(
     choice: MicroBatchChoice | MicroBatchProbe | None,
     first_guess: MicroBatchChoice | None = None,
 ) -> None:
+    """Print the table and write the JSON to ``args.out``; its settings hold the micro-batch and accumulation trained
+    with (``batching``), not ``--micro-batch auto``."""
     info, device = setup.info, setup.info.device
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     flops = qlora_training_flops(shape, args.seq_len, LoraSettings().lora_r)
     peak = args.peak_tflops or peak_tflops(name, setup.precision.dtype)
     peak_source = "--peak-tflops" if args.peak_tflops else ("ddp_ft.tools.bench.PEAK_TFLOPS" if peak else "unknown")
+    settings = vars(args) | batching._asdict()
     modes = {}
     for mode, runs in samples.items():
         devices = 1 if mode == "single" else info.world_size
@@ -81,7 +89,7 @@ def report(
         "backend": setup.backend,
         "compute_dtype": setup.precision.name,
         "versions": versions(),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items()},
         "shape": vars(shape),
         "flops_per_token": {
             "forward": flops.forward,
