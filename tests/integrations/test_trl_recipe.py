@@ -8,7 +8,7 @@ import pytest
 
 from ddp_ft.report.metrics import read_jsonl
 
-from .test_integrations import ROOT, _accelerate, _run, _train_records
+from .test_accelerate_launch import ROOT, _accelerate, _run, _train_records
 
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

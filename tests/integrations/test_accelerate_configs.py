@@ -7,7 +7,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 
 from ddp_ft.distributed.launch import launched_alone
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "accelerate_configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "accelerate_configs").glob("*.yaml"))
 
 
 def test_the_four_launch_setups_are_shipped():

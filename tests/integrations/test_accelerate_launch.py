@@ -11,12 +11,12 @@ import pytest
 from ddp_ft.report.comparison import load_run
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from .helpers.dist_harness import PYTHONPATH
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import PYTHONPATH
+from ..helpers.meetings import write_mixed_length_meetings
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONFIGS = ROOT / "accelerate_configs"
 

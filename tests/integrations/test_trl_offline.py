@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_offline_runs import Case, OfflineRun, config, models, rows, train
-from .helpers.trl_runs import tiny_paths
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_offline_runs import Case, OfflineRun, config, models, rows, train
+from ..helpers.trl_runs import tiny_paths
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -51,7 +51,7 @@ STOCK = [case for case in CASES if case.name in ("dpo-adapter-ref", "kto-kl", "r
 # Logged values that time the run, not train it
 TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 # One process vs two on the same global batches: each adapter tensor within this fraction of its largest entry
-# (float32 adapters; the bfloat16 ones TRL makes for a 4-bit base differ by a bf16 rounding, as in tests/test_trl.py).
+# (float32 adapters; the bfloat16 ones TRL makes for a 4-bit base differ by a bf16 rounding, as in tests/integrations/test_trl.py).
 ONE_PROCESS_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 BF16_MODEL_TOL = 4e-2  # a bfloat16 model: forward and backward round in bf16 too, not only the adapters
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_runs import CASES, Case, Run, sft_config, tiny_paths, train
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_runs import CASES, Case, Run, sft_config, tiny_paths, train
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed

@@ -15,8 +15,8 @@ from ddp_ft.ddp import DDPSettings
 from ddp_ft.integrations.comm_hook_kwargs import AccelerateCommHook, accelerate_comm_hook
 from ddp_ft.integrations.settings import resolve_ddp_settings
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 from .test_plugin_wrapping import _as_accelerate_rank
 
 H = DDPCommunicationHookType

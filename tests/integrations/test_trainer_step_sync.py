@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net
 from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _record_collectives
 
 pytestmark = pytest.mark.distributed

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank, _dataset, _gloo_trainer_args, _Regressor
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
@@ -50,7 +50,7 @@ def _checkpointing_run(rank, world_size, out):
     from ddp_ft.integrations import BucketedTrainer
     from ddp_ft.training.hooks import install_run_hooks
 
-    from .helpers.faults import Fault, FaultInjector
+    from ..helpers.faults import Fault, FaultInjector
 
     events: list[tuple] = []
     _record_publishing(events)

@@ -20,7 +20,7 @@ from ddp_ft.training.perf_traps import (
     watch_idle_device,
 )
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank
 from .test_user_traps import _Records
 

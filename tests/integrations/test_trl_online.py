@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_runs import cpu_arguments
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_runs import cpu_arguments
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed

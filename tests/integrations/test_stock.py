@@ -9,8 +9,8 @@ from ddp_ft.integrations.stock import check_stock_settings, stock_ddp_arguments
 from ddp_ft.report.metrics import read_jsonl
 from ddp_ft.training.config import settings_from_preset
 
-from .helpers.faults import injected
-from .test_integrations import ROOT, _accelerate, _train_records
+from ..helpers.faults import injected
+from .test_accelerate_launch import ROOT, _accelerate, _train_records
 
 RECIPE = ROOT / "recipes" / "qwen_ami.py"
 STRIDED = {"balance_ranks": False}

@@ -18,8 +18,8 @@ from torch import nn
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.ddp.placement import model_device, shared_device
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 from .test_plugin_wrapping import _as_accelerate_rank
 
 # ---------------------------------------------------------------- placement
