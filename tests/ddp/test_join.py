@@ -12,10 +12,10 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP, bf16_compress_hook
+from tests.integrations.test_plugin_wrapping import _as_accelerate_rank
 
 from ..helpers.dist_harness import gather_tensors, run_distributed
 from ..helpers.models import Net
-from ..test_plugin_wrapping import _as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -235,8 +235,7 @@ def test_accelerator_joins_uneven_inputs_as_torch_ddp():
 def _trainer_even_batches_off(rank, world_size):
     _as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
-
-    from ..test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
+    from tests.integrations.test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
 
     outcomes = {}
     for samples in (20, 16):  # 5 batches of 4: rank 0 three, rank 1 two; 4 batches: two each

@@ -7,9 +7,9 @@ from transformers import TrainingArguments
 
 from ddp_ft.ddp import DDPSettings
 from ddp_ft.integrations.settings import describe_sources, resolve_ddp_settings
+from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _dataset, _Regressor
 
 from ..helpers.dist_harness import run_distributed
-from ..test_plugin_wrapping import _as_accelerate_rank, _dataset, _Regressor
 
 
 def _args(tmp_path, **kwargs):

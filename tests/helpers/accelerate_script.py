@@ -1,4 +1,4 @@
-"""Run under `accelerate launch` by tests/test_integrations.py: BucketedAccelerator on 2 CPU processes."""
+"""Run under `accelerate launch` by tests/integrations/test_accelerate_launch.py: BucketedAccelerator on 2 CPU processes."""
 
 import sys
 import tempfile

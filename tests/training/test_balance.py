@@ -237,8 +237,7 @@ def _trainer_batches(rank, world_size):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from ddp_ft.integrations import BucketedTrainer
-
-    from ..test_plugin_wrapping import _as_accelerate_rank, _Regressor
+    from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _Regressor
 
     _as_accelerate_rank(rank, world_size)
     lengths = [random.Random(i).randint(10, 500) for i in range(45)]

@@ -19,9 +19,9 @@ from torch.testing import assert_close
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.comm_hooks import allreduce_hook
 from ddp_ft.training.model.compilation import is_regionally_compiled, repeated_blocks
+from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
 
 from ..helpers.dist_harness import run_distributed
-from ..test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
 
 SMALL_BUCKETS = DDPSettings(bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)  # about a layer's LoRA per bucket
 

@@ -171,8 +171,8 @@ def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
 
     from transformers import default_data_collator
 
-    from ..test_plugin_wrapping import _gloo_trainer_args
-    from ..test_trainer_step_sync import _CausalTokens, _labelled_rows
+    from tests.integrations.test_plugin_wrapping import _gloo_trainer_args
+    from tests.integrations.test_trainer_step_sync import _CausalTokens, _labelled_rows
 
     rows = _labelled_rows()[:ROWS]
     for index, row in enumerate(rows):
@@ -220,7 +220,7 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
 
 def _stock_and_balanced(rank, world_size, paths):
-    from ..test_plugin_wrapping import _as_accelerate_rank
+    from tests.integrations.test_plugin_wrapping import _as_accelerate_rank
 
     _as_accelerate_rank(rank, world_size)
     from transformers import Trainer
@@ -302,8 +302,7 @@ def test_replaced_sampling_strategy_is_refused(tmp_path):
     from transformers import TrainingArguments
 
     from ddp_ft.integrations import BucketedTrainer
-
-    from ..test_plugin_wrapping import _dataset, _Regressor
+    from tests.integrations.test_plugin_wrapping import _dataset, _Regressor
 
     for strategy in ("sequential", "group_by_length"):
         args = TrainingArguments(

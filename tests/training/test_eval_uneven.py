@@ -55,8 +55,7 @@ def _one_and_two_processes(rank, world_size, cache, source):
     from ddp_ft.training.model.qlora import ModelSettings, load_qlora_model
     from ddp_ft.training.setup import resolve_model_and_tokenizer
     from ddp_ft.training.steps import evaluate
-
-    from ..test_plugin_wrapping import _as_accelerate_rank
+    from tests.integrations.test_plugin_wrapping import _as_accelerate_rank
 
     os.environ["DDP_FT_CACHE"] = cache
     settings = settings_from_preset("tiny", source=source, eval_fraction=0.0)

@@ -11,9 +11,9 @@ import torch
 
 from ddp_ft.distributed import DistInfo
 from ddp_ft.training.steps import rank_balance
+from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
 
 from ..helpers.dist_harness import run_distributed
-from ..test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
 
 DELAY_S = 0.3
 BALANCE = ("compute_max_ms", "compute_min_ms", "imbalance", "wait_for_slowest_ms")

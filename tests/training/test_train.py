@@ -10,10 +10,10 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.data import IGNORE_INDEX
 from ddp_ft.training.loop import train
+from tests.integrations.test_plugin_wrapping import _record_collectives
 
 from ..helpers.dist_harness import run_distributed
 from ..helpers.meetings import write_mixed_length_meetings
-from ..test_plugin_wrapping import _record_collectives
 
 MICRO = 2
 

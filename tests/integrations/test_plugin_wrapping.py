@@ -10,8 +10,8 @@ from torch import nn
 
 from ddp_ft.ddp import BucketedDDP
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -68,7 +68,7 @@ def _reprepare(rank, world_size, how):
 
 
 @pytest.mark.parametrize("how", ["evaluation_first", "after_free_memory", "twice"])
-def test_preparing_a_model_again_returns_its_bucketed_ddp_wrapper(how):
+def test_preparing_again_returns_its_bucketed_wrapper(how):
     """`prepare` decides by what the model is: an unwrapped training model is wrapped (or its existing wrapper is
     returned), whatever Accelerate's `_is_accelerate_prepared` flag says."""
     run_distributed(_reprepare, how, timeout=120)
@@ -136,7 +136,7 @@ def _trainer_run(rank, world_size, scenario):
     "scenario",
     ["evaluate_first", "auto_batch_size_after_oom", "train_twice", "torch_compile", "evaluate_first_compile"],
 )
-def test_trainer_trains_wrapped_through_every_preparation_path(scenario):
+def test_trainer_wrapped_on_every_preparation_path(scenario):
     """trainer.evaluate() before train(), auto_find_batch_size retrying after an out-of-memory error and a second
     train() call all prepare the model again, and torch_compile prepares a compiled one; each must still train with
     BucketedDDP (parameters equal on every rank), not as independent single processes, nor crash."""
@@ -144,7 +144,7 @@ def test_trainer_trains_wrapped_through_every_preparation_path(scenario):
     assert steps == [6, 6] if scenario == "train_twice" else steps == [3, 3]
 
 
-def test_a_multi_process_training_step_with_an_unwrapped_model_is_an_error():
+def test_multi_process_step_unwrapped_is_an_error():
     messages = run_distributed(_trainer_run, "unwrapped", timeout=180)
     for message in messages:
         assert "not wrapped in BucketedDDP" in message and "world size 2" in message
@@ -262,7 +262,7 @@ def _collectives_per_step(rank, world_size):
     return steps, buckets, trainer.state.num_input_tokens_seen, total_tokens
 
 
-def test_trainer_steps_make_no_collective_per_micro_step_and_count_non_padding_tokens_once_per_step():
+def test_no_collective_per_micro_step_tokens_once():
     """Accumulation 4: per optimizer step, the bucket all-reduces and one all-gather of the token count (with the stop
     flag and the compute time), whatever the accumulation; nothing at all (collective or ``.item()``/``.tolist()``)
     on the ``no_sync`` micro-steps, and on the synced one the buckets' all-reduces, then the all-gather, then one
@@ -309,7 +309,7 @@ def _compiled(rank, world_size, backend):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_accelerate_dynamo_backend_compiles_inside_bucketed_ddp_with_torch_ddps_gradients(backend):
+def test_dynamo_compiles_inside_with_torch_ddp_grads(backend):
     """Accelerate's `dynamo_backend` (and so TrainingArguments(torch_compile=True)) on a model without repeated layers
     compiles it whole in place, inside BucketedDDP; its hooks still fire on every parameter, and the gradients equal
     eager torch DDP's. (Models with decoder layers are compiled layer by layer:

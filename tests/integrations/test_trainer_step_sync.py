@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net
 from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _record_collectives
 
 pytestmark = pytest.mark.distributed
@@ -98,7 +98,7 @@ def _train(rank, world_size, rewrite_labels):
     return log, buckets, model.seen, logged
 
 
-def test_a_balanced_trainer_step_makes_one_collective_besides_the_buckets_also_when_it_logs():
+def test_balanced_step_one_collective_beside_buckets():
     """Between two step ends, with a log at every step: the buckets' all-reduces, then the step's one all-gather.
     The Trainer's own gathers are gone: the answer-token count before the step's compute (with
     ``average_tokens_across_devices``), the loss and the flos at every log."""
@@ -109,7 +109,7 @@ def test_a_balanced_trainer_step_makes_one_collective_besides_the_buckets_also_w
             assert calls.split() == ["all_reduce"] * buckets + ["all_gather"], log
 
 
-def test_the_balanced_trainer_divides_each_step_by_its_answer_tokens_over_all_ranks_and_logs_the_ranks_mean():
+def test_divides_by_global_answer_tokens_logs_mean():
     """``num_items_in_batch`` on every micro-step of both ranks is the sum, over both ranks' micro-batches of that
     step, of their answer tokens (labels other than -100 after the shift): what the Trainer's all-gather gave. The
     logged loss of each step is the Trainer's: the mean over ranks of their summed micro-step losses, each scaled by
@@ -126,7 +126,7 @@ def test_the_balanced_trainer_divides_each_step_by_its_answer_tokens_over_all_ra
             assert logged[step] == pytest.approx(sum(loss for _, _, loss in micro), rel=1e-6), (step, logged)
 
 
-def test_a_collator_that_rewrites_the_labels_stops_the_balanced_trainer_before_its_first_optimizer_step():
+def test_label_rewriting_collator_stops_first_step():
     """The planned count comes from the rows' labels; a collator that changes them makes the batches disagree, which
     the step's all-gather finds: every rank raises, naming the fix, and no parameter has moved."""
     for message, unchanged in run_distributed(_train, True, timeout=180):

@@ -7,7 +7,7 @@ from accelerate.commands.config.config_args import ClusterConfig
 
 from ddp_ft.distributed.launch import launched_alone
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "accelerate_configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "accelerate_configs").glob("*.yaml"))
 
 
 def test_the_four_launch_setups_are_shipped():
@@ -15,7 +15,7 @@ def test_the_four_launch_setups_are_shipped():
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_config_loads_in_accelerate_and_its_header_shows_the_launch_command(path):
+def test_config_loads_and_header_shows_launch_command(path):
     config = ClusterConfig.from_yaml_file(str(path))
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     assert any(f"accelerate launch --config_file accelerate_configs/{path.name}" in line for line in header)
@@ -35,5 +35,5 @@ def test_config_loads_in_accelerate_and_its_header_shows_the_launch_command(path
         ({}, False),  # python script.py
     ],
 )
-def test_the_single_process_launchers_trace_is_told_from_real_launches(environ, alone):
+def test_single_process_trace_told_from_real_launches(environ, alone):
     assert (launched_alone(environ) is not None) == alone

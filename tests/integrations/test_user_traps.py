@@ -18,8 +18,8 @@ from torch import nn
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.ddp.placement import model_device, shared_device
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 from .test_plugin_wrapping import _as_accelerate_rank
 
 # ---------------------------------------------------------------- placement
@@ -34,7 +34,7 @@ def _split_model(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_a_model_spread_over_devices_is_refused_on_every_rank_naming_the_device_map():
+def test_spread_model_refused_naming_device_map():
     for message in run_distributed(_split_model):
         assert "spread over 2 devices" in message and "meta" in message and "device_map={'': local_rank}" in message
 
@@ -48,7 +48,7 @@ class _FakeParams(nn.Module):
         return [(f"p{i}", SimpleNamespace(device=torch.device(d))) for i, d in enumerate(self._devices)]
 
 
-def test_a_model_on_another_ranks_gpu_is_refused_naming_set_device(monkeypatch):
+def test_other_ranks_gpu_refused_naming_set_device(monkeypatch):
     """Every process's model on cuda:0 while this process's device is cuda:1 (the script never chose a device)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -59,7 +59,7 @@ def test_a_model_on_another_ranks_gpu_is_refused_naming_set_device(monkeypatch):
         model_device(_FakeParams("cuda:0", "cuda:1"))  # device_map="auto" over two GPUs
 
 
-def test_two_ranks_on_one_gpu_of_one_host_are_found_and_cpu_ranks_are_not():
+def test_2_ranks_on_1_gpu_found_cpu_ranks_not():
     assert shared_device([("a", "cuda:0"), ("a", "cuda:1"), ("a", "cuda:0")]) == (0, 2, "cuda:0 of a")
     assert shared_device([("a", "cuda:0"), ("b", "cuda:0")]) is None  # two hosts
     assert shared_device([None, None]) is None  # CPU processes share the machine by design
@@ -126,7 +126,7 @@ def loops():
 
 
 @pytest.mark.distributed
-def test_the_users_accumulation_loop_is_checked_at_each_optimizer_step(loops):
+def test_accumulation_loop_checked_each_optimizer_step(loops):
     """Per optimizer step: a step after backwards that all ran under no_sync is an error before the step (the
     gradients were never averaged; parameters untouched, on every rank); a loop without no_sync warns once on rank
     0 with the all-reduces it wastes; the correct loop is silent."""
@@ -144,7 +144,7 @@ def test_the_users_accumulation_loop_is_checked_at_each_optimizer_step(loops):
 
 
 @pytest.mark.distributed
-def test_find_unused_parameters_with_every_parameter_used_warns_once_with_its_cost(loops):
+def test_needless_find_unused_warns_once_with_cost(loops):
     (warnings, error, _, same, _), (others, *_) = loops["find_unused"]
     assert error is None and same and others == []
     assert len(warnings) == 1 and "find_unused_parameters=True" in warnings[0] and "=False" in warnings[0], warnings
@@ -182,7 +182,7 @@ def _prepare_checkpointed(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_reentrant_checkpointing_that_starves_the_adapters_is_refused_at_prepare_naming_the_fix():
+def test_starving_reentrant_ckpt_refused_naming_fix():
     """Reentrant checkpointing on a frozen base with input grads disabled: the LoRA weights of every checkpointed
     layer would get no gradient. `prepare` refuses, naming enable_input_require_grads; with the input-grad hook, or
     non-reentrant, it wraps."""
@@ -238,7 +238,7 @@ def _epochs(rank, world_size, set_epoch, delay_s):
 
 
 @pytest.mark.distributed
-def test_a_sampler_whose_epoch_never_changes_and_a_loop_that_waits_for_data_are_warned_once():
+def test_stale_sampler_epoch_and_data_wait_warned_once():
     """A DistributedSampler without set_epoch repeats the first epoch's order: warned once, on rank 0, when its
     second pass starts. Rows that take 30 ms each to read make the host wait between optimizer.step() and the next
     forward for most of each step: warned once with the share and num_workers. The same loop with set_epoch and

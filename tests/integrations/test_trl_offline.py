@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_offline_runs import Case, OfflineRun, config, models, rows, train
-from .helpers.trl_runs import tiny_paths
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_offline_runs import Case, OfflineRun, config, models, rows, train
+from ..helpers.trl_runs import tiny_paths
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -51,7 +51,7 @@ STOCK = [case for case in CASES if case.name in ("dpo-adapter-ref", "kto-kl", "r
 # Logged values that time the run, not train it
 TIMING = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 # One process vs two on the same global batches: each adapter tensor within this fraction of its largest entry
-# (float32 adapters; the bfloat16 ones TRL makes for a 4-bit base differ by a bf16 rounding, as in tests/test_trl.py).
+# (float32 adapters; the bfloat16 ones TRL makes for a 4-bit base differ by a bf16 rounding, as in tests/integrations/test_trl.py).
 ONE_PROCESS_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 BF16_MODEL_TOL = 4e-2  # a bfloat16 model: forward and backward round in bf16 too, not only the adapters
 
@@ -93,7 +93,7 @@ def runs(paths):
 
 
 @pytest.mark.parametrize("case", ONE_PROCESS, ids=lambda c: c.name)
-def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
+def test_2_ranks_equal_1_on_the_global_batch(runs, case: Case):
     """Two processes (accumulation 2 each) train as one process on the same 8 rows per step (accumulation 4): the
     adapters within ONE_PROCESS_TOL on both ranks, equal across ranks, the logged loss within 1e-5 (a bfloat16
     model: one bf16 rounding). DPO's and
@@ -116,7 +116,7 @@ def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
 
 
 @pytest.mark.parametrize("name", BALANCED)
-def test_balanced_pairs_train_as_one_process_in_stock_order(runs, name: str):
+def test_balanced_pairs_train_as_1_in_stock_order(runs, name: str):
     """``balance_ranks=True`` on 2 processes regroups each step's rows by their padded width (DPO and reward: the
     wider of chosen and rejected; KTO: prompt plus completion), and trains as 1 process with the stock sampler on
     the same 8 rows per step: the plan keeps the step's rows, and the loss is a mean over equal micro-batches.
@@ -138,7 +138,7 @@ def test_balanced_pairs_train_as_one_process_in_stock_order(runs, name: str):
 
 
 @pytest.mark.parametrize("case", STOCK, ids=lambda c: c.name)
-def test_adapters_are_bitwise_those_of_stock_trl_with_torch_ddp(runs, case: Case):
+def test_adapters_bitwise_stock_trl_on_torch_ddp(runs, case: Case):
     """Same data, model, seed: the adapters after training are stock TRL's on torch DDP bit for bit, on both ranks,
     KTO's KL term included (its cross-rank mean is TRL's own gather, untouched)."""
     two, _ = runs
@@ -153,7 +153,7 @@ def test_adapters_are_bitwise_those_of_stock_trl_with_torch_ddp(runs, case: Case
             assert {key: mine.get(key) for key in logged} == pytest.approx(logged, rel=1e-6), (mine, theirs)
 
 
-def test_separate_ref_model_is_never_wrapped_and_never_communicates(runs):
+def test_ref_model_never_wrapped_never_communicates(runs):
     """DPO with a ``ref_model`` beside the LoRA policy on a 4-bit base: after training the reference is the plain
     model, none of its parameters has a gradient hook or a gradient, and each step all-reduces exactly the policy's
     buckets, once each, as the run whose reference is the disabled adapter does."""
@@ -169,7 +169,7 @@ def test_separate_ref_model_is_never_wrapped_and_never_communicates(runs):
         assert [step.count("all_reduce") for step in adapter_ref.steps] == [adapter_ref.buckets] * 2
 
 
-def test_balance_ranks_is_refused_for_kto_with_its_kl_term(paths, tmp_path):
+def test_balance_ranks_refused_for_kto_kl_term(paths, tmp_path):
     """KTO's default loss estimates its KL term from each micro-step's rows: a plan that regroups them would change
     the gradient, so ``balance_ranks=True`` is refused before training, naming the setting, the columns and why."""
     import trl

@@ -15,8 +15,8 @@ from ddp_ft.ddp import DDPSettings
 from ddp_ft.integrations.comm_hook_kwargs import AccelerateCommHook, accelerate_comm_hook
 from ddp_ft.integrations.settings import resolve_ddp_settings
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 from .test_plugin_wrapping import _as_accelerate_rank
 
 H = DDPCommunicationHookType
@@ -125,7 +125,7 @@ def _two_buckets_refused() -> str:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_each_accelerate_comm_hook_combination_gives_torch_ddps_gradients_step_by_step():
+def test_every_hook_combination_gives_torch_ddp_grads():
     """fp16/bf16 hooks, PowerSGD and batched PowerSGD with and without fp16/bf16 wrappers and with Accelerate's state
     options: each step's gradients (4 steps, PowerSGD compressing from the 3rd with error feedback and warm start)
     equal, bit for bit, torch DDP's with the hook Accelerate registers. torch refuses only bf16 hooks on gloo (by
@@ -157,7 +157,7 @@ def _kwargs(**options) -> DistributedDataParallelKwargs:
     ],
     ids=["wrapper without hook", "state option without PowerSGD", "unknown state option", "state PowerSGD refuses"],
 )
-def test_comm_hook_options_that_would_be_dropped_or_fail_later_are_refused_naming_the_python_api(options, fix):
+def test_unusable_options_refused_naming_python_api(options, fix):
     """Stock Accelerate drops a comm_wrapper or comm_state_option that has no PowerSGD hook to apply to, and fails
     at prepare on a state option PowerSGDState does not take: refused when the accelerator is built, with the fix in
     Python, never a command-line flag."""
@@ -166,7 +166,7 @@ def test_comm_hook_options_that_would_be_dropped_or_fail_later_are_refused_namin
     assert fix in str(error.value) and "--" not in str(error.value)
 
 
-def test_comm_hooks_map_one_to_one_and_clash_with_a_second_hook_by_name():
+def test_hooks_map_one_to_one_and_clash_by_name():
     """FP16/BF16 alone are DDPSettings.comm_hook by that name (ddp_ft's hooks, torch's arithmetic); PowerSGD and
     wrapped hooks are registered as Accelerate registers them; a second hook from DDPSettings, or PowerSGD with
     bucket_cap_mb='auto', is refused."""

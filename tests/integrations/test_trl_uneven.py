@@ -8,8 +8,8 @@ both micro-batches of the last step, which the Trainer draws up front), stock ``
 
 import pytest
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_runs import CASES, train
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_runs import CASES, train
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed

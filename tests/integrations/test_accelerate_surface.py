@@ -16,8 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP
 
-from .helpers.dist_harness import gather_tensors, run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import gather_tensors, run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 from .test_plugin_wrapping import _as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
@@ -67,7 +67,7 @@ def _world_of_one(rank, world_size, out):
     return errors, touched
 
 
-def test_a_launched_process_that_sees_a_world_of_one_stops_before_the_model_is_touched(tmp_path):
+def test_world_of_one_stops_before_model_is_touched(tmp_path):
     """Launched with WORLD_SIZE=2, an Accelerator without cpu=True (or TrainingArguments / SFTConfig without
     use_cpu=True) on a machine without CUDA sees one process: each rank would train alone on all the data. All three
     raise, naming the fix, before the Trainer builds the model (or TRL loads it)."""
@@ -127,7 +127,7 @@ def _local_sgd(accelerator, ours, theirs, local):
     _assert_equal(list(ours.parameters()), list(theirs.parameters()), "LocalSGD parameters")
 
 
-def test_trigger_sync_in_backward_averages_after_several_no_sync_forwards_as_torch_ddp():
+def test_trigger_sync_after_no_sync_forwards_as_torch():
     """Accelerate's `trigger_sync_in_backward` acts on torch DDP only; with BucketedDDP the synced backward after
     two `no_sync` forwards averaged nothing and the ranks kept their own gradients. Now it reduces what both
     backwards accumulated, bitwise as torch DDP, one all-reduce per bucket. Accelerate's LocalSGD (no_sync, then
@@ -185,7 +185,7 @@ def _save_load_tied(rank, world_size, out):
     return theirs, ours
 
 
-def test_save_state_and_load_state_round_trip_a_tied_weight_model_as_with_torch_ddp():
+def test_save_load_state_round_trip_tied_weights():
     """`save_state` stores a tied weight once; `load_state` (safetensors' `load_model`) expects it missing under the
     model's own key. BucketedDDP reported it as `module.head.weight` and the load failed ("Missing key(s)"); stock
     Accelerate with torch DDP round-trips. Now both restore every tensor exactly, the tie kept."""
@@ -244,7 +244,7 @@ def _training_surface(rank, world_size):
     return synced, sum(len(p) for p in predictions["ours"])
 
 
-def test_accumulate_backward_clipping_join_and_gather_for_metrics_match_torch_ddp():
+def test_accumulate_clip_join_gather_match_torch_ddp():
     """`accumulate` (no_sync on all but the last micro-step), `backward`, `clip_grad_norm_`, `clip_grad_value_`,
     `join_uneven_inputs` with even batches (on its multi-GPU path: no join, as Accelerate) and `gather_for_metrics` on an uneven eval set:
     gradients, norms, parameters and gathered predictions bitwise equal to torch DDP's under the same accelerator.

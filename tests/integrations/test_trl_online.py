@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_runs import cpu_arguments
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_runs import cpu_arguments
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -265,7 +265,7 @@ LOSS_RTOL = 1e-6  # the logged loss, ours vs stock (ours: a float64 mean of the 
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_completions_and_weights_are_bitwise_the_stock_trainers(runs, case: Case):
+def test_completions_and_weights_bitwise_stock(runs, case: Case):
     """Same model, data and seed: each rank generates the same completions as the stock trainer on torch DDP, and
     the trained weights are the same bit for bit, on both ranks. (The averaged gradients are torch DDP's bit for bit,
     so nothing differs to tolerate; ``balance_ranks=True``, turned off, changes nothing.)"""
@@ -297,7 +297,7 @@ def test_logged_metrics_are_the_stock_trainers(runs, case: Case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_generation_starts_no_collective_and_steps_one_per_bucket(runs, case: Case):
+def test_generation_no_collective_steps_one_per_bucket(runs, case: Case):
     """Generation runs on the unwrapped model: nothing at all is communicated while it generates. Each optimizer step
     all-reduces each bucket once (accumulation included: ``no_sync`` on the other micro-steps); the rest of the
     step's collectives are TRL's gathers of rewards and metrics, as in the stock run, and our one step gather."""
@@ -322,7 +322,7 @@ def test_reward_and_reference_models_are_never_wrapped(runs):
         assert rank_runs[CASES[2].name]["ours"].others == []
 
 
-def test_balance_ranks_is_turned_off_and_logged_once_on_rank_0(runs):
+def test_balance_ranks_off_and_logged_once_on_rank_0(runs):
     """``balance_ranks=True`` on an online trainer: one warning on rank 0 naming it, none on rank 1; the run trains
     with TRL's sampler (bitwise the stock run, above)."""
     rank0, rank1 = runs[0]["warnings"], runs[1]["warnings"]
@@ -330,7 +330,7 @@ def test_balance_ranks_is_turned_off_and_logged_once_on_rank_0(runs):
     assert rank0[0].startswith("Recorded: balance_ranks=True is off"), rank0  # named by the test's subclass
 
 
-def test_grpo_rloo_and_their_subclasses_generate_online_dpo_does_not():
+def test_grpo_rloo_subclasses_generate_online_dpo_not():
     """Which made classes turn ``balance_ranks`` off: TRL's GRPO and RLOO and any subclass of theirs."""
     import trl
 

@@ -11,12 +11,12 @@ import pytest
 from ddp_ft.report.comparison import load_run
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from .helpers.dist_harness import PYTHONPATH
-from .helpers.meetings import write_mixed_length_meetings
+from ..helpers.dist_harness import PYTHONPATH
+from ..helpers.meetings import write_mixed_length_meetings
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 CONFIGS = ROOT / "accelerate_configs"
 
@@ -44,7 +44,7 @@ def _accelerate(config: str, script: Path, tmp_path: Path, *flags: str) -> subpr
     )
 
 
-def test_accelerator_wraps_in_bucketed_ddp_syncs_only_on_the_last_micro_step_and_unwraps(tmp_path):
+def test_accelerator_wraps_syncs_last_micro_unwraps(tmp_path):
     run = _accelerate("2cpu_gloo.yaml", ROOT / "tests" / "helpers" / "accelerate_script.py", tmp_path)
     assert "BUCKETED_ACCELERATOR_OK" in run.stdout
 
@@ -53,7 +53,7 @@ def _train_records(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["type"] == "train"]
 
 
-def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_single_vs_ddp(tmp_path):
+def test_recipe_matches_torchrun_loop_and_compares(tmp_path):
     recipe = ROOT / "recipes" / "qwen_ami.py"
     # padded micro-batches with uneven answers; LoRA dropout off, since the two paths draw their masks differently
     data = [
@@ -148,7 +148,7 @@ def test_recipe_trains_with_bucketed_ddp_matches_the_torchrun_loop_and_compares_
     assert report
 
 
-def test_the_recipe_s_progress_bar_shows_the_loss_and_tokens_per_s_and_prints_no_log_dicts():
+def test_progress_bar_shows_loss_tokens_no_log_dicts():
     from transformers import TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_callback import ProgressCallback
 
@@ -191,7 +191,7 @@ def test_the_recipe_s_progress_bar_shows_the_loss_and_tokens_per_s_and_prints_no
 
 
 @pytest.mark.faults
-def test_trainer_recipe_survives_a_kill_mid_save_an_elastic_restart_and_a_sigterm_to_accelerate_launch(tmp_path):
+def test_recipe_survives_kill_mid_save_and_sigterm(tmp_path):
     """The recipe under ``accelerate launch --max_restarts 1``, 8 steps, a checkpoint every 2. Attempt 0: rank 0 is
     SIGKILLed after writing checkpoint 4 into the staging folder, before it is renamed into place; torchelastic
     restarts both ranks. Attempt 1 removes the staging leftover, resumes from checkpoint-2 with no flag (the newest

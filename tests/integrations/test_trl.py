@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from .helpers.dist_harness import run_distributed
-from .helpers.trl_runs import CASES, Case, Run, sft_config, tiny_paths, train
+from ..helpers.dist_harness import run_distributed
+from ..helpers.trl_runs import CASES, Case, Run, sft_config, tiny_paths, train
 
 pytest.importorskip("trl")
 pytestmark = pytest.mark.distributed
@@ -66,7 +66,7 @@ def runs(paths):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_adapters_are_bitwise_those_of_stock_sft_trainer_with_torch_ddp(runs, case: Case):
+def test_adapters_bitwise_stock_sft_on_torch_ddp(runs, case: Case):
     """Same data, model, seed: BucketedDDP's averaged gradients are torch DDP's bit for bit, so are the adapters after
     training, on both ranks (float32 adapters, and the bfloat16 ones TRL makes for a 4-bit base)."""
     two, _ = runs
@@ -95,7 +95,7 @@ def test_logged_trl_metrics_are_stock_sft_trainers(runs, case: Case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_collectives_per_step_are_the_buckets_and_one_small_all_gather(runs, case: Case):
+def test_step_collectives_buckets_and_one_all_gather(runs, case: Case):
     """Per optimizer step (accumulation 2 on each rank): nothing on the ``no_sync`` micro-step; on the synced one the
     bucket all-reduces, then one all-gather carrying TRL's metrics with the Trainer's counts. Without
     ``balance_ranks`` the Trainer's own all-gather of the step's answer-token count comes first (the loss divides by
@@ -126,7 +126,7 @@ def _assert_agree(two: Run, one: Run, what: str) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
+def test_2_ranks_equal_1_on_the_global_batch(runs, case: Case):
     """Two processes (accumulation 2 each) train as one process on the same 8 rows per step (accumulation 4): the
     adapters within ONE_PROCESS_TOL (float32: 1e-8; the bfloat16 adapters of a 4-bit base: one bf16 rounding),
     the loss and grad norm within ONE_PROCESS_LOSS_RTOL, the same token count. (TRL's entropy and token accuracy are
@@ -136,7 +136,7 @@ def test_two_processes_agree_with_one_on_the_global_batch(runs, case: Case):
 
 
 @pytest.mark.parametrize("case", BALANCED, ids=lambda c: c.name)
-def test_balanced_ranks_train_as_one_process_on_the_same_plan(runs, case: Case):
+def test_balanced_ranks_train_as_1_on_the_same_plan(runs, case: Case):
     """With ``balance_ranks`` (the default) each step's rows are split over ranks and micro-batches by the plain
     loop's plan, the same steps on any world size, padded or packed: two processes agree with one as the stock-order
     runs do, both ranks' adapters are equal, and the loss's divisor, summed from each row as TRL's collator makes its
@@ -148,7 +148,7 @@ def test_balanced_ranks_train_as_one_process_on_the_same_plan(runs, case: Case):
         assert_close(weight, two[1][case.name]["balanced"].adapters[name], rtol=0, atol=0, msg=name)
 
 
-def test_the_recipe_refuses_an_unknown_trainer_naming_the_choices(tmp_path):
+def test_recipe_refuses_unknown_trainer_naming_choices(tmp_path):
     """``build_trainer(trainer=...)`` (the recipe's ``--trainer``): anything but hf or trl is an error before the
     data or the model load."""
     from ddp_ft.distributed import DistInfo
@@ -160,7 +160,7 @@ def test_the_recipe_refuses_an_unknown_trainer_naming_the_choices(tmp_path):
         build_trainer(settings, DistInfo(), "sft")
 
 
-def test_balance_ranks_with_an_iterable_dataset_is_refused_and_unset_trains_in_its_own_order(tmp_path):
+def test_iterable_dataset_balance_refused_unset_trains(tmp_path):
     """An iterable dataset has no plan: an explicit balance_ranks=True is refused before the model loads, naming the
     setting (it was dropped with an info log); left unset, the trainer takes the stock order."""
     from datasets import Dataset

@@ -20,7 +20,7 @@ from ddp_ft.training.perf_traps import (
     watch_idle_device,
 )
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank
 from .test_user_traps import _Records
 
@@ -58,12 +58,12 @@ def _ours(messages: list[str]) -> dict[str, list[str]]:
 # ---------------------------------------------------------------- the rules, in process
 
 
-def test_the_busy_time_of_a_step_is_the_union_of_its_kernels_intervals():
+def test_busy_time_is_union_of_kernel_intervals():
     assert busy_ns([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
     assert busy_ns([]) == 0
 
 
-def test_a_larger_micro_batch_is_advised_only_for_an_idle_device_with_memory_for_it_keeping_the_effective_batch():
+def test_micro_batch_advised_only_idle_with_memory():
     idle = StepUsage(0.2, 2 * GB, 3 * GB, 80 * GB)  # 0.5 GB per sample at micro-batch 2
     advice = larger_micro_batch(idle, micro_batch=2, accumulation=8)
     assert (advice.micro_batch, advice.accumulation, advice.keeps_effective_batch) == (16, 1, True)
@@ -94,7 +94,7 @@ class _FourBitLM(nn.Module):
         return self.embed
 
 
-def test_the_4bit_compute_dtype_rule_warns_for_float32_compute_in_a_half_run_or_on_a_bf16_gpu_only():
+def test_4bit_dtype_warns_fp32_in_half_run_or_bf16_gpu():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     f32, bf16 = torch.float32, torch.bfloat16
 
@@ -112,7 +112,7 @@ def test_the_4bit_compute_dtype_rule_warns_for_float32_compute_in_a_half_run_or_
     assert "torch.float16" in check(_FourBitLM(f32), "fp16")
 
 
-def test_the_dtype_warning_names_adapters_cast_by_trl_and_speaks_to_the_command_line():
+def test_dtype_warning_names_trl_cast_and_cli_flag():
     """TRL's SFTTrainer casts a 4-bit model's adapters to bfloat16 in a float32 run: the warning says so, and to a
     ddp-ft user it names --compute-dtype, not a BitsAndBytesConfig they never wrote."""
     model = _FourBitLM(torch.float32)
@@ -123,11 +123,11 @@ def test_the_dtype_warning_names_adapters_cast_by_trl_and_speaks_to_the_command_
     assert "Pass --compute-dtype bfloat16" in command and "BitsAndBytesConfig" not in command
 
 
-def test_on_a_cpu_nothing_is_measured_without_a_fake_device():
+def test_cpu_measures_nothing_without_fake_device():
     assert watch_idle_device(nn.Linear(2, 2), torch.device("cpu"), True, str) is None
 
 
-def test_only_a_whole_training_step_is_measured_and_no_profiler_runs_between_steps(monkeypatch):
+def test_only_whole_steps_measured_no_profiler_between(monkeypatch):
     """The measurement starts at the first training forward after step 3 (an evaluation between steps starts nothing),
     an evaluation inside the step drops it, the next step is measured; then the hooks go."""
     fake = _FakeProfiler(0.2)
@@ -257,7 +257,7 @@ def scripts(tmp_path_factory):
 
 
 @pytest.mark.distributed
-def test_a_4bit_model_at_the_default_float32_compute_dtype_in_a_bf16_run_is_warned_once_on_rank_0(scripts):
+def test_4bit_fp32_compute_in_bf16_run_warned_once(scripts):
     """BitsAndBytesConfig(load_in_4bit=True) with Accelerator(mixed_precision="bf16") or TrainingArguments(bf16=True):
     one warning on rank 0 at prepare (the model prepared twice), naming the compute dtype to load with; none on rank
     1. A bf16 compute dtype in a bf16 run, and float32 throughout on the CPU, are silent."""
@@ -271,7 +271,7 @@ def test_a_4bit_model_at_the_default_float32_compute_dtype_in_a_bf16_run_is_warn
 
 
 @pytest.mark.distributed
-def test_an_idle_device_with_memory_for_a_larger_micro_batch_is_warned_once_on_rank_0_with_its_setting(scripts):
+def test_idle_device_warned_once_naming_its_setting(scripts):
     """A step measured 20% busy at micro-batch 2 x 2, 0.5 GB per sample, 80 GB device: micro-batch 4 x 1 fits, up to
     2x; said once on rank 0 in the entry point's own terms (the DataLoader's batch_size, per_device_train_batch_size).
     A busy device, and a CPU run with no fake device, are silent."""
@@ -288,7 +288,7 @@ def test_an_idle_device_with_memory_for_a_larger_micro_batch_is_warned_once_on_r
     assert [ranks["idle"] for ranks in scripts["trainer, bf16 dtype, bf16, busy"]] == [[], []]
 
 
-def test_the_plain_loop_warns_of_an_idle_device_naming_micro_batch_auto(tmp_path, monkeypatch):
+def test_plain_loop_warns_idle_naming_micro_batch_auto(tmp_path, monkeypatch):
     """ddp_ft's own loop (tiny preset: micro-batch 2 x accumulation 4) on a fake idle device, one process."""
     from ddp_ft.distributed import DistInfo
     from ddp_ft.training.config import settings_from_preset

@@ -57,7 +57,7 @@ def test_row_widths_are_the_collators_batch_widths(name):
         assert collator([rows[i] for i in batch])["input_ids"].shape[1] == max(widths[i] for i in batch), batch
 
 
-def test_rows_of_another_collator_or_with_kl_completions_are_not_costed():
+def test_other_collator_or_kl_rows_are_not_costed():
     """A subclass of TRL's collator may read other columns, and KTO rows with KL completions have a KL term that
     regrouping would change: neither is costed, and the refusal names why."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference

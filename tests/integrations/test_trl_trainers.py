@@ -8,7 +8,7 @@ import pytest
 from ddp_ft.integrations import TRL_TRAINERS, BucketedTrainer, bucketed
 
 
-def test_named_classes_need_no_trl_until_used_and_are_bucketed_trl_classes():
+def test_named_classes_lazy_and_bucketed_trl_classes():
     code = "import sys, ddp_ft.integrations; assert 'trl' not in sys.modules, 'trl imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
     import trl
@@ -21,7 +21,7 @@ def test_named_classes_need_no_trl_until_used_and_are_bucketed_trl_classes():
         assert made.__mro__[1] is BucketedTrainer and issubclass(made, getattr(trl, trl_name))
 
 
-def test_bucketed_takes_any_trainer_subclass_once_and_refuses_the_rest():
+def test_bucketed_takes_subclass_once_refuses_rest():
     from transformers import Trainer
 
     class MyTrainer(Trainer):
@@ -38,7 +38,7 @@ ASYNC = [("async_grpo", "AsyncGRPOTrainer"), ("async_distillation", "AsyncDistil
 
 
 @pytest.mark.parametrize("module, name", ASYNC)
-def test_trainers_that_dispatch_batches_beside_a_rollout_worker_are_refused_by_name(module, name):
+def test_rollout_worker_trainers_refused_by_name(module, name):
     import importlib
 
     trainer = getattr(importlib.import_module(f"trl.experimental.{module}"), name)

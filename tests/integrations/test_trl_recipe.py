@@ -8,7 +8,7 @@ import pytest
 
 from ddp_ft.report.metrics import read_jsonl
 
-from .test_integrations import ROOT, _accelerate, _run, _train_records
+from .test_accelerate_launch import ROOT, _accelerate, _run, _train_records
 
 pytest.importorskip("trl")
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 FLAGS = ["--trainer", "trl", "--max-steps", "3", "--warmup-ratio", "0", "--lora-dropout", "0", "--report-to", "none"]
 
 
-def test_recipe_trains_sft_trainer_with_bucketed_ddp_as_one_process_and_writes_the_same_records(tmp_path):
+def test_sft_recipe_trains_as_1_process_same_records(tmp_path):
     """``--trainer trl``: BucketedSFTTrainer wraps the model in BucketedDDP, trains on the recipe's rows (the balanced
     plan: the same rows per step on 1 and 2 processes), and writes the Trainer recipe's ``metrics.jsonl`` plus TRL's
     metrics. Against one process on the same global batches: the same tokens per step, the loss within 1e-5 (TRL

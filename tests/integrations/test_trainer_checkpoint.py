@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers.dist_harness import run_distributed
+from ..helpers.dist_harness import run_distributed
 from .test_plugin_wrapping import _as_accelerate_rank, _dataset, _gloo_trainer_args, _Regressor
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
@@ -50,7 +50,7 @@ def _checkpointing_run(rank, world_size, out):
     from ddp_ft.integrations import BucketedTrainer
     from ddp_ft.training.hooks import install_run_hooks
 
-    from .helpers.faults import Fault, FaultInjector
+    from ..helpers.faults import Fault, FaultInjector
 
     events: list[tuple] = []
     _record_publishing(events)
@@ -76,7 +76,7 @@ def _checkpointing_run(rank, world_size, out):
     return events, trainer.state.total_flos
 
 
-def test_trainer_checkpoints_are_published_whole_and_durable_and_total_flos_counts_every_rank(tmp_path):
+def test_published_whole_durable_flos_count_all_ranks(tmp_path):
     """Checkpoints at steps 2 and 4, rank 1 slow to write its files of the first: rank 0 renames each staging folder
     into place only once it holds every rank's RNG state and every file and folder in it was fsynced, then fsyncs the
     run folder (the rename itself). ``total_flos`` is the ranks' sum (each rank counts at its own rate), on both

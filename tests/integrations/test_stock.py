@@ -9,8 +9,8 @@ from ddp_ft.integrations.stock import check_stock_settings, stock_ddp_arguments
 from ddp_ft.report.metrics import read_jsonl
 from ddp_ft.training.config import settings_from_preset
 
-from .helpers.faults import injected
-from .test_integrations import ROOT, _accelerate, _train_records
+from ..helpers.faults import injected
+from .test_accelerate_launch import ROOT, _accelerate, _train_records
 
 RECIPE = ROOT / "recipes" / "qwen_ami.py"
 STRIDED = {"balance_ranks": False}
@@ -28,13 +28,13 @@ STRIDED = {"balance_ranks": False}
         ({}, "trl", "true", "--stock-find-unused true"),
     ],
 )
-def test_a_setting_the_chosen_trainer_cannot_honour_is_refused_naming_it(overrides, trainer, find_unused, named):
+def test_unhonoured_setting_is_refused_naming_it(overrides, trainer, find_unused, named):
     settings = settings_from_preset("tiny", **overrides)
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
         check_stock_settings(settings, trainer, find_unused)
 
 
-def test_fault_injection_is_refused_for_a_stock_trainer_on_every_rank():
+def test_fault_injection_refused_on_every_rank():
     with injected("data@2,rank=1", rank=0):  # meant for rank 1: rank 0 refuses too
         with pytest.raises(ValueError, match="run hooks are installed"):
             check_stock_settings(settings_from_preset("tiny", **STRIDED), "stock-hf", "trainer")
@@ -42,7 +42,7 @@ def test_fault_injection_is_refused_for_a_stock_trainer_on_every_rank():
     check_stock_settings(settings_from_preset("tiny", **STRIDED), "stock-hf", "trainer")  # none installed: no refusal
 
 
-def test_the_runs_ddp_settings_reach_torch_ddp_through_the_trainers_ddp_arguments():
+def test_ddp_settings_reach_torch_ddp_via_trainer_args():
     settings = settings_from_preset("tiny", bucket_cap_mb=50.0, broadcast_buffers=False, **STRIDED)
     check_stock_settings(settings, "stock-hf", "false")  # passed on, so not refused
     assert stock_ddp_arguments(settings, "false") == dict(
@@ -52,7 +52,7 @@ def test_the_runs_ddp_settings_reach_torch_ddp_through_the_trainers_ddp_argument
     assert stock_ddp_arguments(settings, "true")["ddp_find_unused_parameters"] is True
 
 
-def test_ddp_ft_recipe_refuses_a_stock_run_with_the_balanced_plan_before_launching(tmp_path):
+def test_recipe_refuses_balanced_plan_before_launch(tmp_path):
     import subprocess
     import sys
 
@@ -80,7 +80,7 @@ def test_ddp_ft_recipe_refuses_a_stock_run_with_the_balanced_plan_before_launchi
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_stock_trainer_and_bucketed_trainer_in_the_stock_order_are_the_same_training_on_two_processes(tmp_path):
+def test_stock_and_bucketed_in_stock_order_train_same(tmp_path):
     """2 CPU processes, the recipe on mixed lengths: ``--trainer stock-hf`` (torch DDP, find_unused_parameters as
     the Trainer chooses it: True for a PeftModel) and ``--trainer hf --no-balance-ranks`` (BucketedDDP, the stock
     sampling). Same rows in the same order, BucketedDDP equal to torch DDP: the same losses and the same adapters to
@@ -116,7 +116,7 @@ def test_stock_trainer_and_bucketed_trainer_in_the_stock_order_are_the_same_trai
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_stock_sft_trainer_runs_the_recipe_on_torch_ddp_and_writes_the_same_records(tmp_path):
+def test_stock_sft_runs_recipe_with_the_same_records(tmp_path):
     pytest.importorskip("trl")
     flags = ["--trainer", "stock-trl", "--no-balance-ranks", "--stock-find-unused", "false", "--max-steps", "2"]
     run = _accelerate(
