@@ -12,10 +12,10 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_ft.ddp import BucketedDDP, bf16_compress_hook
-from tests.integrations.test_plugin_wrapping import _as_accelerate_rank
 
 from ..helpers.dist_harness import gather_tensors, run_distributed
 from ..helpers.models import Net
+from ..helpers.trainers import as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -171,7 +171,7 @@ def test_uneven_join_weights_as_torch_and_one_process():
 
 
 def _accelerate_join(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from accelerate import DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -233,24 +233,25 @@ def test_accelerator_joins_uneven_inputs_as_torch_ddp():
 
 
 def _trainer_even_batches_off(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
-    from tests.integrations.test_plugin_wrapping import _dataset, _gloo_trainer_args, _Regressor
+
+    from ..helpers.trainers import Regressor, gloo_trainer_args, regression_rows
 
     outcomes = {}
     for samples in (20, 16):  # 5 batches of 4: rank 0 three, rank 1 two; 4 batches: two each
         torch.manual_seed(0)
-        model = _Regressor()
+        model = Regressor()
         before = [p.detach().clone() for p in model.parameters()]
         with tempfile.TemporaryDirectory() as out:
-            args = _gloo_trainer_args(
+            args = gloo_trainer_args(
                 out,
                 per_device_train_batch_size=4,
                 num_train_epochs=1,
                 dataloader_drop_last=False,
                 accelerator_config={"even_batches": False},
             )
-            trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(samples))
+            trainer = BucketedTrainer(model=model, args=args, train_dataset=regression_rows(samples))
             try:
                 trainer.train()
                 outcomes[samples] = trainer.state.global_step

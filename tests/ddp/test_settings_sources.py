@@ -7,9 +7,9 @@ from transformers import TrainingArguments
 
 from ddp_ft.ddp import DDPSettings
 from ddp_ft.integrations.settings import describe_sources, resolve_ddp_settings
-from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _dataset, _Regressor
 
 from ..helpers.dist_harness import run_distributed
+from ..helpers.trainers import Regressor, as_accelerate_rank, regression_rows
 
 
 def _args(tmp_path, **kwargs):
@@ -73,7 +73,7 @@ def test_settings_without_meaning_refused_by_name(tmp_path, source):
 def _trainer_with_ddp_arguments(rank, world_size, arguments):
     import tempfile
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
 
     with tempfile.TemporaryDirectory() as out:
@@ -91,7 +91,7 @@ def _trainer_with_ddp_arguments(rank, world_size, arguments):
         )
         torch.manual_seed(0)  # the same frozen weights on both ranks
         try:
-            trainer = BucketedTrainer(model=_Regressor(), args=args, train_dataset=_dataset())
+            trainer = BucketedTrainer(model=Regressor(), args=args, train_dataset=regression_rows())
         except ValueError as error:
             return str(error)
         trainer.train()

@@ -115,7 +115,7 @@ class OfflineRun(Run):
 
 def train(trainer_cls, paths: tuple[str, str], case: Case, world_size: int, log: list[str]) -> OfflineRun:
     """Train ``case`` with ``trainer_cls`` (TRL's or its bucketed class) and return its :class:`OfflineRun`, with
-    the run's collectives per step (``log``: filled by ``tests.integrations.test_plugin_wrapping._record_collectives``)."""
+    the run's collectives per step (``log``: filled by ``tests.helpers.trainers.record_collectives``)."""
     from transformers import AutoTokenizer, TrainerCallback
 
     tokenizer_path, model_path = paths

@@ -171,7 +171,7 @@ def train(
 ):
     """Train ``case`` with ``trainer_cls`` (SFTTrainer or BucketedSFTTrainer) on ``n_rows`` rows and return its
     :class:`Run`; ``config`` overrides :func:`sft_config`'s settings. With ``log`` (filled by
-    ``tests.integrations.test_plugin_wrapping._record_collectives``), the run's collectives per step."""
+    ``tests.helpers.trainers.record_collectives``), the run's collectives per step."""
     from transformers import AutoTokenizer, TrainerCallback
 
     tokenizer_path, model_path = paths

@@ -17,7 +17,7 @@ from ddp_ft.integrations.settings import resolve_ddp_settings
 
 from ..helpers.dist_harness import run_distributed
 from ..helpers.models import Net, local_slice, make_batch
-from .test_plugin_wrapping import _as_accelerate_rank
+from ..helpers.trainers import as_accelerate_rank
 
 H = DDPCommunicationHookType
 COMPRESSING = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}  # PowerSGD from the 3rd step on
@@ -84,7 +84,7 @@ def _backward(model, x, y) -> str | None:
 
 
 def _each_combination_against_torch_ddp(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedAccelerator
 
     torch_refused, failed = [], {}

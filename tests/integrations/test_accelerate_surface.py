@@ -18,7 +18,7 @@ from ddp_ft.ddp import BucketedDDP
 
 from ..helpers.dist_harness import gather_tensors, run_distributed
 from ..helpers.models import Net, local_slice, make_batch
-from .test_plugin_wrapping import _as_accelerate_rank
+from ..helpers.trainers import as_accelerate_rank
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +36,7 @@ def _assert_equal(ours: list[torch.Tensor], theirs: list[torch.Tensor], what: st
 
 
 def _world_of_one(rank, world_size, out):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from transformers import TrainingArguments
 
     from ddp_ft.integrations import BucketedAccelerator, BucketedTrainer
@@ -83,7 +83,7 @@ def test_world_of_one_stops_before_model_is_touched(tmp_path):
 
 
 def _trigger_sync(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedAccelerator
 
     accelerator = BucketedAccelerator(cpu=True)
@@ -175,7 +175,7 @@ def _round_trip(accelerator, rank, world_size, out):
 
 
 def _save_load_tied(rank, world_size, out):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from accelerate import Accelerator
 
     from ddp_ft.integrations import BucketedAccelerator
@@ -200,7 +200,7 @@ def test_save_load_state_round_trip_tied_weights():
 
 
 def _training_surface(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from torch.utils.data import DataLoader
 
     from ddp_ft.integrations import BucketedAccelerator

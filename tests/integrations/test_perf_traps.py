@@ -21,7 +21,7 @@ from ddp_ft.training.perf_traps import (
 )
 
 from ..helpers.dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank
+from ..helpers.trainers import as_accelerate_rank
 from .test_user_traps import _Records
 
 GB = 10**9
@@ -238,7 +238,7 @@ def _trainer_script(model_path, compute_dtype, bf16, busy, out):
 def _scripts(rank, world_size, out):
     from ddp_ft.embedded import tiny_qwen3_and_meetings
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     model_path = tiny_qwen3_and_meetings(n_meetings=1).model_path
     return {
         "accelerate, default dtype, bf16, idle": _accelerate_script(model_path, None, "bf16", 0.2),

@@ -1,7 +1,6 @@
 """The plugin never trains a multi-process run unwrapped: re-preparation, evaluation first, the Trainer's automatic
 batch-size retry, and a guard for whatever else. 2 real gloo processes, Accelerate and the HF Trainer in-process."""
 
-import os
 import tempfile
 
 import pytest
@@ -12,19 +11,18 @@ from ddp_ft.ddp import BucketedDDP
 
 from ..helpers.dist_harness import gather_tensors, run_distributed
 from ..helpers.models import Net, local_slice, make_batch
+from ..helpers.trainers import (
+    COLLECTIVES,
+    Regressor,
+    TokenRegressor,
+    as_accelerate_rank,
+    gloo_trainer_args,
+    padded_rows,
+    record_collectives,
+    regression_rows,
+)
 
 pytestmark = pytest.mark.distributed
-
-
-def _as_accelerate_rank(rank: int, world_size: int) -> None:
-    """What `accelerate launch` sets, so Accelerate sees MULTI_CPU and joins the harness's group."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
 
 
 def _same_on_all_ranks(module: nn.Module) -> bool:
@@ -43,7 +41,7 @@ def _train_steps(accelerator, model, optimizer, rank, world_size, steps=3):
 
 
 def _reprepare(rank, world_size, how):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedAccelerator
 
     accelerator = BucketedAccelerator(cpu=True)
@@ -74,35 +72,15 @@ def test_preparing_again_returns_its_bucketed_wrapper(how):
     run_distributed(_reprepare, how, timeout=120)
 
 
-class _Regressor(nn.Module):
-    """The test Net as the Trainer wants it: keyword inputs, a dict with the loss."""
-
-    def __init__(self, out_of_memory_once: bool = False):
-        super().__init__()
-        self.net = Net()
-        self.out_of_memory_once = out_of_memory_once
-
-    def forward(self, x, y):
-        if self.out_of_memory_once:
-            self.out_of_memory_once = False
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 TB.")
-        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
-
-
-def _dataset(n=64):
-    g = torch.Generator().manual_seed(0)
-    return [{"x": torch.randn(16, generator=g), "y": torch.randn(4, generator=g)} for _ in range(n)]
-
-
 def _trainer_run(rank, world_size, scenario):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
 
     from ddp_ft.integrations import BucketedTrainer
 
     torch.manual_seed(0)
-    model = _Regressor(out_of_memory_once=scenario == "auto_batch_size_after_oom")
+    model = Regressor(out_of_memory_once=scenario == "auto_batch_size_after_oom")
     with tempfile.TemporaryDirectory() as out:
-        args = _gloo_trainer_args(
+        args = gloo_trainer_args(
             out,
             max_steps=3,
             per_device_train_batch_size=4,
@@ -113,7 +91,9 @@ def _trainer_run(rank, world_size, scenario):
             torch_compile=scenario.endswith("compile"),
             torch_compile_backend="aot_eager" if "compile" in scenario else None,
         )
-        trainer = BucketedTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(16))
+        trainer = BucketedTrainer(
+            model=model, args=args, train_dataset=regression_rows(), eval_dataset=regression_rows(16)
+        )
         if scenario.startswith("evaluate_first"):
             trainer.evaluate()
         if scenario == "unwrapped":  # whatever path skips the wrap: the training step refuses, on every rank
@@ -150,77 +130,14 @@ def test_multi_process_step_unwrapped_is_an_error():
         assert "not wrapped in BucketedDDP" in message and "world size 2" in message
 
 
-def _gloo_trainer_args(out: str, **arguments):
-    """TrainingArguments of the 2-process Trainer tests: CPU, gloo, a log every step, no saves, whole batches;
-    ``arguments`` add to or override these."""
-    from transformers import TrainingArguments
-
-    defaults = {
-        "use_cpu": True,
-        "report_to": [],
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "dataloader_drop_last": True,
-        "remove_unused_columns": False,
-        "ddp_backend": "gloo",
-    }
-    return TrainingArguments(output_dir=out, **{**defaults, **arguments})
-
-
-class _Tokens(nn.Module):
-    """Token-shaped inputs (the Trainer counts tokens from ``input_ids`` / ``attention_mask``) around the test Net."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = Net()
-
-    def forward(self, input_ids, attention_mask, x, y):
-        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
-
-
-def _padded_rows(n=32, length=12):
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for i in range(n):
-        mask = torch.zeros(length, dtype=torch.long)
-        mask[: 1 + i % length] = 1  # 1 to 12 real tokens, the rest padding
-        rows.append(
-            {
-                "input_ids": torch.randint(0, 100, (length,), generator=g),
-                "attention_mask": mask,
-                "x": torch.randn(16, generator=g),
-                "y": torch.randn(4, generator=g),
-            }
-        )
-    return rows
-
-
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_gather_object", "barrier")
-
-
-def _record_collectives(log: list[str]) -> None:
-    """Append the name of every ``torch.distributed`` collective this process calls to ``log``."""
-    import torch.distributed as dist
-
-    for name in _COLLECTIVES:
-        original = getattr(dist, name)
-
-        def recorded(*args, _name=name, _original=original, **kwargs):
-            log.append(_name)
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, recorded)
-
-
 def _collectives_per_step(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from transformers import TrainerCallback
 
     from ddp_ft.integrations import BucketedTrainer
 
     log: list[str] = []
-    _record_collectives(log)
+    record_collectives(log)
     for name in ("item", "tolist"):  # host reads: each waits for the device
         original = getattr(torch.Tensor, name)
 
@@ -241,12 +158,12 @@ def _collectives_per_step(rank, world_size):
             log.append("step_end")
 
     torch.manual_seed(0)
-    rows = _padded_rows()
+    rows = padded_rows()
     with tempfile.TemporaryDirectory() as out:
-        args = _gloo_trainer_args(
+        args = gloo_trainer_args(
             out, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4, learning_rate=0.1
         )
-        trainer = BucketedTrainer(model=_Tokens(), args=args, train_dataset=rows, callbacks=[Marker()])
+        trainer = BucketedTrainer(model=TokenRegressor(), args=args, train_dataset=rows, callbacks=[Marker()])
         trainer.train()
         buckets = len(trainer.model_wrapped.bucket_sizes)
     steps, current = [], None
@@ -271,7 +188,7 @@ def test_no_collective_per_micro_step_tokens_once():
     for steps, buckets, seen, total in run_distributed(_collectives_per_step, timeout=180):
         assert len(steps) == 2
         for calls in steps:
-            assert sum(calls.count(name) for name in _COLLECTIVES) == buckets + 1, calls
+            assert sum(calls.count(name) for name in COLLECTIVES) == buckets + 1, calls
             assert calls.count("broadcast") == 0, calls  # the model's buffers never change: no re-broadcast
             # The no_sync micro-steps (all but the last of 4): no collective and no host read (.item/.tolist).
             micro = " ".join(calls).split("substep_end")
@@ -281,7 +198,7 @@ def test_no_collective_per_micro_step_tokens_once():
 
 
 def _compiled(rank, world_size, backend):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     import copy
 
     from torch.nn.parallel import DistributedDataParallel as TorchDDP

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ..helpers.dist_harness import run_distributed
-from .test_plugin_wrapping import _as_accelerate_rank, _dataset, _gloo_trainer_args, _Regressor
+from ..helpers.trainers import Regressor, as_accelerate_rank, gloo_trainer_args, regression_rows
 
 pytestmark = [pytest.mark.distributed, pytest.mark.faults]
 
@@ -46,7 +46,7 @@ def _record_publishing(events: list[tuple]) -> None:
 
 
 def _checkpointing_run(rank, world_size, out):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedTrainer
     from ddp_ft.training.hooks import install_run_hooks
 
@@ -55,7 +55,7 @@ def _checkpointing_run(rank, world_size, out):
     events: list[tuple] = []
     _record_publishing(events)
     torch.manual_seed(0)
-    args = _gloo_trainer_args(
+    args = gloo_trainer_args(
         out,
         max_steps=STEPS,
         per_device_train_batch_size=MICRO,
@@ -71,7 +71,7 @@ def _checkpointing_run(rank, world_size, out):
         def floating_point_ops(self, inputs) -> float:  # the Trainer's documented override; a rate per rank
             return _flos_per_sample(rank) * inputs["x"].shape[0]
 
-    trainer = CountingTrainer(model=_Regressor(), args=args, train_dataset=_dataset())
+    trainer = CountingTrainer(model=Regressor(), args=args, train_dataset=regression_rows())
     trainer.train()
     return events, trainer.state.total_flos
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..helpers.dist_harness import run_distributed
 from ..helpers.models import Net
-from .test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _record_collectives
+from ..helpers.trainers import as_accelerate_rank, gloo_trainer_args, padded_rows, record_collectives
 
 pytestmark = pytest.mark.distributed
 
@@ -39,7 +39,7 @@ class _CausalTokens(nn.Module):
 
 def _labelled_rows():
     """The padded rows with causal-LM labels: the first 2 tokens a prompt (-100), padding -100."""
-    rows = _padded_rows()
+    rows = padded_rows()
     for row in rows:
         labels = row["input_ids"].clone()
         labels[:2] = -100
@@ -49,13 +49,13 @@ def _labelled_rows():
 
 
 def _train(rank, world_size, rewrite_labels):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from transformers import TrainerCallback, default_data_collator
 
     from ddp_ft.integrations import BucketedTrainer
 
     log: list[str] = []
-    _record_collectives(log)
+    record_collectives(log)
 
     class Marker(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -71,7 +71,7 @@ def _train(rank, world_size, rewrite_labels):
     model = _CausalTokens()
     before = [p.detach().clone() for p in model.parameters()]
     with tempfile.TemporaryDirectory() as out:
-        args = _gloo_trainer_args(
+        args = gloo_trainer_args(
             out,
             max_steps=STEPS,
             per_device_train_batch_size=2,

@@ -37,15 +37,15 @@ def paths(tmp_path_factory):
 
 
 def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str, dict[str, Run]]:
-    from .test_plugin_wrapping import _as_accelerate_rank, _record_collectives
+    from ..helpers.trainers import as_accelerate_rank, record_collectives
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from trl import SFTTrainer
 
     from ddp_ft.integrations import BucketedSFTTrainer
 
     log: list[str] = []
-    _record_collectives(log)
+    record_collectives(log)
     results = {}
     for case in CASES:
         runs = {"ours": train(BucketedSFTTrainer, paths, case, world_size, log, balance_ranks=False)}

@@ -66,15 +66,15 @@ def paths(tmp_path_factory):
 
 
 def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict[str, dict[str, OfflineRun]]:
-    from .test_plugin_wrapping import _as_accelerate_rank, _record_collectives
+    from ..helpers.trainers import as_accelerate_rank, record_collectives
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     import trl
 
     from ddp_ft.integrations import bucketed
 
     log: list[str] = []
-    _record_collectives(log)
+    record_collectives(log)
     results = {}
     for case in CASES if world_size > 1 else [*ONE_PROCESS, KTO_RANDOM]:
         stock = getattr(trl, f"{case.trainer}Trainer")

@@ -144,13 +144,13 @@ def record_collectives(log: list[str], current: list) -> None:
     all-reduce of a bucket of the BucketedDDP that the trainer in ``current`` trains, otherwise its name."""
     import torch.distributed as dist
 
-    from .test_plugin_wrapping import _COLLECTIVES
+    from ..helpers.trainers import COLLECTIVES
 
     def is_bucket(tensor) -> bool:
         buffers = getattr(current[0].model_wrapped, "bucket_buffers", []) if current else []
         return isinstance(tensor, torch.Tensor) and any(tensor.data_ptr() == b.data_ptr() for b in buffers)
 
-    for name in _COLLECTIVES:
+    for name in COLLECTIVES:
         original = getattr(dist, name)
 
         def call(*args, _name=name, _original=original, **kwargs):
@@ -228,9 +228,9 @@ class _Warnings(logging.Handler):
 
 
 def _train_cases(rank: int, world_size: int, paths: tuple[str, str]) -> dict:
-    from .test_plugin_wrapping import _as_accelerate_rank
+    from ..helpers.trainers import as_accelerate_rank
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     import trl
 
     from ddp_ft.integrations import bucketed

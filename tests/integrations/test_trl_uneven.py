@@ -21,9 +21,9 @@ STEPS = 4
 
 
 def _train_uneven(rank: int, world_size: int, paths: tuple[str, str]) -> dict:
-    from .test_plugin_wrapping import _as_accelerate_rank
+    from ..helpers.trainers import as_accelerate_rank
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from trl import SFTTrainer
 
     from ddp_ft.integrations import BucketedSFTTrainer

@@ -20,7 +20,7 @@ from ddp_ft.ddp.placement import model_device, shared_device
 
 from ..helpers.dist_harness import gather_tensors, run_distributed
 from ..helpers.models import Net, local_slice, make_batch
-from .test_plugin_wrapping import _as_accelerate_rank
+from ..helpers.trainers import as_accelerate_rank
 
 # ---------------------------------------------------------------- placement
 
@@ -171,7 +171,7 @@ def _lora_qwen3(reentrant: bool, input_grads: bool):
 
 
 def _prepare_checkpointed(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.integrations import BucketedAccelerator
 
     accelerator = BucketedAccelerator(cpu=True)

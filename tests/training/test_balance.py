@@ -237,9 +237,10 @@ def _trainer_batches(rank, world_size):
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from ddp_ft.integrations import BucketedTrainer
-    from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _Regressor
 
-    _as_accelerate_rank(rank, world_size)
+    from ..helpers.trainers import Regressor, as_accelerate_rank
+
+    as_accelerate_rank(rank, world_size)
     lengths = [random.Random(i).randint(10, 500) for i in range(45)]
     data = [{"input_ids": [i] * n} for i, n in enumerate(lengths)]
     with tempfile.TemporaryDirectory() as out:
@@ -256,7 +257,7 @@ def _trainer_batches(rank, world_size):
             disable_tqdm=True,
         )
         trainer = BucketedTrainer(
-            model=_Regressor(),
+            model=Regressor(),
             args=args,
             train_dataset=data,
             data_collator=lambda batch: {"index": torch.tensor([s["input_ids"][0] for s in batch])},

@@ -19,9 +19,9 @@ from torch.testing import assert_close
 from ddp_ft.ddp import BucketedDDP, DDPSettings
 from ddp_ft.ddp.comm_hooks import allreduce_hook
 from ddp_ft.training.model.compilation import is_regionally_compiled, repeated_blocks
-from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args
 
 from ..helpers.dist_harness import run_distributed
+from ..helpers.trainers import as_accelerate_rank, gloo_trainer_args
 
 SMALL_BUCKETS = DDPSettings(bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)  # about a layer's LoRA per bucket
 
@@ -123,7 +123,7 @@ class _ProbeCallback:
 
 
 def _trainer_run(rank, world_size, compile: bool):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from transformers import TrainerCallback
 
     from ddp_ft.distributed import DistInfo
@@ -135,7 +135,7 @@ def _trainer_run(rank, world_size, compile: bool):
     model = _user_qlora_model(model_dir)
     probe = OverlapProbe()
     with tempfile.TemporaryDirectory() as out:
-        args = _gloo_trainer_args(
+        args = gloo_trainer_args(
             out,
             max_steps=3,
             per_device_train_batch_size=2,
@@ -261,7 +261,7 @@ def test_sft_trainer_compiles_layers_not_whole_model(tmp_path):
 def _sft_compiled(rank, world_size, out):
     from pathlib import Path
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from ddp_ft.distributed import DistInfo
     from ddp_ft.integrations import BucketedSFTTrainer
     from ddp_ft.training.model.qlora import EMBEDDED_MODEL

@@ -171,8 +171,9 @@ def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
 
     from transformers import default_data_collator
 
-    from tests.integrations.test_plugin_wrapping import _gloo_trainer_args
     from tests.integrations.test_trainer_step_sync import _CausalTokens, _labelled_rows
+
+    from ..helpers.trainers import gloo_trainer_args
 
     rows = _labelled_rows()[:ROWS]
     for index, row in enumerate(rows):
@@ -185,7 +186,7 @@ def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
     model = _CausalTokens()
     with tempfile.TemporaryDirectory() as out:
         schedule = {**SCHEDULE, "gradient_accumulation_steps": 3} if drop_last else SCHEDULE
-        args = _gloo_trainer_args(out, dataloader_drop_last=drop_last, **schedule)
+        args = gloo_trainer_args(out, dataloader_drop_last=drop_last, **schedule)
         trainer = trainer_cls(
             model=model, args=args, train_dataset=rows, data_collator=seen, callbacks=[seen.callback], **kw
         )
@@ -220,9 +221,9 @@ def _sft_run(trainer_cls, paths: tuple[str, str], drop_last: bool) -> dict:
 
 
 def _stock_and_balanced(rank, world_size, paths):
-    from tests.integrations.test_plugin_wrapping import _as_accelerate_rank
+    from ..helpers.trainers import as_accelerate_rank
 
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from transformers import Trainer
     from trl import SFTTrainer
 
@@ -302,7 +303,8 @@ def test_replaced_sampling_strategy_is_refused(tmp_path):
     from transformers import TrainingArguments
 
     from ddp_ft.integrations import BucketedTrainer
-    from tests.integrations.test_plugin_wrapping import _dataset, _Regressor
+
+    from ..helpers.trainers import Regressor, regression_rows
 
     for strategy in ("sequential", "group_by_length"):
         args = TrainingArguments(
@@ -312,7 +314,7 @@ def test_replaced_sampling_strategy_is_refused(tmp_path):
             remove_unused_columns=False,
             train_sampling_strategy=strategy,
         )
-        trainer = BucketedTrainer(model=_Regressor(), args=args, train_dataset=_dataset(8), balance_ranks=True)
+        trainer = BucketedTrainer(model=Regressor(), args=args, train_dataset=regression_rows(8), balance_ranks=True)
         with pytest.raises(ValueError, match=rf"balance_ranks=True cannot honour train_sampling_strategy='{strategy}'"):
             trainer.get_train_dataloader()
 

@@ -55,7 +55,8 @@ def _one_and_two_processes(rank, world_size, cache, source):
     from ddp_ft.training.model.qlora import ModelSettings, load_qlora_model
     from ddp_ft.training.setup import resolve_model_and_tokenizer
     from ddp_ft.training.steps import evaluate
-    from tests.integrations.test_plugin_wrapping import _as_accelerate_rank
+
+    from ..helpers.trainers import as_accelerate_rank
 
     os.environ["DDP_FT_CACHE"] = cache
     settings = settings_from_preset("tiny", source=source, eval_fraction=0.0)
@@ -79,7 +80,7 @@ def _one_and_two_processes(rank, world_size, cache, source):
         results["single", "trainer", name] = _trainer_eval_loss(model, data, collate, tokenizer, 1)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     for name, data in sets.items():
         results["ddp", "loop", name] = evaluate(model, data, collate, 2, DistInfo(rank, rank, world_size))
         results["ddp", "trainer", name] = _trainer_eval_loss(model, data, collate, tokenizer, world_size)

@@ -11,9 +11,9 @@ import torch
 
 from ddp_ft.distributed import DistInfo
 from ddp_ft.training.steps import rank_balance
-from tests.integrations.test_plugin_wrapping import _as_accelerate_rank, _gloo_trainer_args, _padded_rows, _Tokens
 
 from ..helpers.dist_harness import run_distributed
+from ..helpers.trainers import TokenRegressor, as_accelerate_rank, gloo_trainer_args, padded_rows
 
 DELAY_S = 0.3
 BALANCE = ("compute_max_ms", "compute_min_ms", "imbalance", "wait_for_slowest_ms")
@@ -76,7 +76,7 @@ def test_slow_rank_shows_as_imbalance_and_fast_wait():
     assert fast[2] == slow[2]
 
 
-class _TokensSlowOnRank1(_Tokens):
+class _TokensSlowOnRank1(TokenRegressor):
     """A model the Trainer counts tokens for; rank 1 sleeps in every forward."""
 
     def __init__(self, rank):
@@ -90,7 +90,7 @@ class _TokensSlowOnRank1(_Tokens):
 
 
 def _slow_rank_trainer(rank, world_size):
-    _as_accelerate_rank(rank, world_size)
+    as_accelerate_rank(rank, world_size)
     from transformers import TrainerCallback
 
     from ddp_ft.integrations import BucketedTrainer
@@ -105,9 +105,9 @@ def _slow_rank_trainer(rank, world_size):
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as out:
-        args = _gloo_trainer_args(out, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+        args = gloo_trainer_args(out, max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2)
         trainer = BucketedTrainer(
-            model=_TokensSlowOnRank1(rank), args=args, train_dataset=_padded_rows(), callbacks=[Logs()]
+            model=_TokensSlowOnRank1(rank), args=args, train_dataset=padded_rows(), callbacks=[Logs()]
         )
         trainer.train()
         records = [r for r in read_jsonl(Path(out) / "metrics.jsonl") if r["type"] == "train"] if rank == 0 else []

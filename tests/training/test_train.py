@@ -10,10 +10,10 @@ from ddp_ft.distributed import DistInfo
 from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.data import IGNORE_INDEX
 from ddp_ft.training.loop import train
-from tests.integrations.test_plugin_wrapping import _record_collectives
 
 from ..helpers.dist_harness import run_distributed
 from ..helpers.meetings import write_mixed_length_meetings
+from ..helpers.trainers import record_collectives
 
 MICRO = 2
 
@@ -63,7 +63,7 @@ def _effective_batch(rank, world_size, cache, source, k):
     assert plan != strided_plan(step, world_size, MICRO, k), "the premise: balancing moved samples between ranks"
     group = list(islice(balanced.epoch(0), k))
     calls: list[str] = []  # every torch.distributed collective this rank calls, and each micro-step's forward
-    _record_collectives(calls)
+    record_collectives(calls)
     model.register_forward_pre_hook(lambda *_: calls.append("forward"))
     ddp_loss, ddp_counts = forward_backward(ddp, group, DistInfo(rank, rank, world_size))
     comm = ddp.pop_comm_stats()
