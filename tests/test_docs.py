@@ -40,7 +40,7 @@ def test_every_relative_link_names_an_existing_file_and_heading():
     assert not broken, broken
 
 
-def test_the_accelerate_api_table_links_to_the_settings_table_where_it_is():
+def test_the_accelerate_api_page_links_to_the_settings_table_where_it_is():
     """It pointed at "the README's settings table", which moved to docs/integrations.md, the page the API table is
     on now."""
     api = _section(ROOT / "docs" / "integrations.md", "every-api-that-special-cases-torch-ddp")
