@@ -41,11 +41,12 @@ def test_every_relative_link_names_an_existing_file_and_heading():
 
 
 def test_the_accelerate_api_page_links_to_the_settings_table_where_it_is():
-    """It pointed at "the README's settings table", which moved to docs/integrations.md."""
-    page = (ROOT / "docs" / "accelerate_api.md").read_text()
-    assert "README's settings table" not in page
-    links = {link for link in LINK.findall(page) if link.startswith("integrations.md")}
-    assert links == {"integrations.md#how-the-plugin-wraps"}, links
+    """It pointed at "the README's settings table", which moved to docs/integrations.md, the page the API table is
+    on now."""
+    api = _section(ROOT / "docs" / "integrations.md", "every-api-that-special-cases-torch-ddp")
+    assert api is not None and "README's settings table" not in api
+    links = {link for link in LINK.findall(api) if "how-the-plugin-wraps" in link}
+    assert links == {"#how-the-plugin-wraps"}, links
     table = _section(ROOT / "docs" / "integrations.md", "how-the-plugin-wraps")
     assert "| source | honoured | refused (error before training, naming it) |" in table
 
@@ -73,14 +74,15 @@ def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_th
 
 def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
     """Your own data was undocumented (columns, instruction, eval split, truncation): the README's first screen
-    says each, and every flag it or docs/own_data.md names is one `ddp-ft train --help` lists."""
+    says each, and every flag it or docs/own_data.md's data and model sections name is one `ddp-ft train --help`
+    lists."""
     from ddp_ft.commands.cli import SUBCOMMANDS, launch_parser
     from ddp_ft.training.config import build_parser
 
     section = _section(ROOT / "README.md", "your-own-model-and-data")
     for said in ("`dialogue`", "`summary`", "--instruction", "5% of the rows", "--max-seq-len", "--chat-template"):
         assert said in section, said
-    own_data = (ROOT / "docs" / "own_data.md").read_text()
+    own_data = (ROOT / "docs" / "own_data.md").read_text().partition("\n## The two entry points")[0]  # the data, model
     parser = build_parser([launch_parser(SUBCOMMANDS["train"])])
     known = {option for action in parser._actions for option in action.option_strings}
     unknown = (_flags(section) | _flags(own_data)) - known

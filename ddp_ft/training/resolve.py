@@ -9,8 +9,8 @@ the plain loop's counterpart of torchtitan's derived fields. Three steps, each r
 3. :func:`probe_run_micro_batch`, once the model is built, with ``--micro-batch auto`` on CUDA only.
 
 At micro-batch 1 with eager layers the host (Python, autograd, thousands of kernel launches per step) sets the pace
-and the GPU idles; a full micro-batch and compiled decoder layers train many times faster (``docs/gpu.md``). So on
-CUDA ``micro_batch: auto`` fills the GPU (:func:`resolve_micro_batch`, then the probe; the effective batch is kept,
+and the GPU idles; a full micro-batch and compiled decoder layers train many times faster (``docs/performance.md``). So
+on CUDA ``micro_batch: auto`` fills the GPU (:func:`resolve_micro_batch`, then the probe; the effective batch is kept,
 accumulation shrinks) and ``compile: auto`` compiles each decoder layer (``ddp_ft.training.model.compilation``). On
 the CPU ``auto`` keeps micro-batch 1 and eager layers: a CPU has no separate memory to fill, compiling costs each
 process its start-up time, and whether it pays on a CPU is not measured.
@@ -46,7 +46,9 @@ from .model.qlora import EMBEDDED_MODEL, check_device_map, set_checkpointing
 
 logger = logging.getLogger(__name__)
 
-COMPILE_WHY = "regional compilation of the decoder layers, much faster at a full micro-batch on a GPU (docs/gpu.md)"
+COMPILE_WHY = (
+    "regional compilation of the decoder layers, much faster at a full micro-batch on a GPU (docs/performance.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,8 @@ def resolve_micro_batch(
     fits this rank's GPU by arithmetic, logged on rank 0.
 
     The entry points then probe the built model (:func:`probe_run_micro_batch`), which decides: the arithmetic
-    knows Qwen3 shapes in eager mode only (compiled layers hold more than it expects: ``docs/gpu.md``). It remains the
-    guess the data and the resume position are checked with.
+    knows Qwen3 shapes in eager mode only (compiled layers hold more than it expects: ``docs/performance.md``). It
+    remains the guess the data and the resume position are checked with.
 
     The arithmetic of ``ddp_ft.training.model.memory.auto_micro_batch`` at ``max_seq_len``, with the run's dtype, layout
     and LoRA rank, against the device's total memory (``torch.cuda.mem_get_info``; under a process group the smallest of

@@ -1,7 +1,7 @@
 """The links a forecast sends buckets over: published presets, or this machine's, fitted from ``ddp-ft doctor``'s probe.
 
 A ring all-reduce of ``B`` bytes over ``N`` ranks takes ``2(N-1)`` steps; in each, every rank sends ``B/N`` bytes to
-its neighbour while receiving as much (docs/ring.md). Every step waits for the ring's slowest hop, so it costs
+its neighbour while receiving as much (docs/performance.md). Every step waits for the ring's slowest hop, so it costs
 ``B/N / bandwidth + latency`` on that hop, and one link everywhere gives
 ``2(N-1)/N x B / bandwidth + 2(N-1) x latency``.
 """

@@ -1,6 +1,6 @@
 """The steps of ``make gpu-report``, most valuable first, for this host: what each runs, and what it can skip.
 
-On CUDA (each step's expected seconds from the H100 runs in ``docs/gpu.md``):
+On CUDA (each step's expected seconds from the H100 runs in ``docs/performance.md``):
 
 1. ``random_model``: a random-weight Qwen3-4B with Qwen's tokenizer (``scripts/random_model.py``; no download).
 2. ``loop_defaults``, ``recipe_defaults``: what a user runs (``ddp_ft.tools.gpu_report.e2e``): ``scripts/train.py`` and
@@ -25,7 +25,7 @@ On CUDA (each step's expected seconds from the H100 runs in ``docs/gpu.md``):
 
 The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The reference shape's two
 modes (BucketedDDP against no wrapper at micro-batch 1) and Liger at micro-batch 1 are not steps: an H100 run settled
-them (``docs/gpu.md``). On the CPU (``--device cpu``, the smoke test) the loop's
+them (``docs/performance.md``). On the CPU (``--device cpu``, the smoke test) the loop's
 defaults on the tiny preset, one decomposition cell (eager, checkpointing off) at tiny shapes, ``gpu_check`` and the
 ladder run; what needs CUDA is skipped with the reason.
 """

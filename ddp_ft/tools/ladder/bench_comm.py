@@ -4,8 +4,8 @@ Bandwidths are reported as nccl-tests defines them, in GB/s (1e9 bytes per secon
 reduced in ``t`` seconds over N ranks:
 
 - algorithm bandwidth ``algbw = S / t``: how fast the tensor is all-reduced, the number to divide a size by;
-- bus bandwidth ``busbw = algbw * 2(N-1)/N``: the ring's traffic per rank (``2(N-1)/N * S``, docs/ring.md) over the
-  time, comparable with a link's peak whatever N is.
+- bus bandwidth ``busbw = algbw * 2(N-1)/N``: the ring's traffic per rank (``2(N-1)/N * S``, docs/performance.md)
+  over the time, comparable with a link's peak whatever N is.
 
 Small all-reduces are bound by latency, large ones by bandwidth; the size where busbw levels off is the smallest
 bucket that uses the link well (:func:`favoured_size`). :func:`measure_all_reduce` is the measurement (also a short

@@ -6,10 +6,10 @@
 
 Per size and method: the median time with its min..max, algorithm bandwidth (bytes / time) and bus bandwidth
 (algbw x 2(N-1)/N), in GB/s as nccl-tests reports them; and per method the smallest size reaching 80% of its peak
-busbw, a floor for ``bucket_cap_mb`` (docs/ring.md). The two methods alternate within every repeat; large sizes get
-fewer repeats (at most ``--byte-budget`` bytes per method and size, at least 3). ``--device auto`` is each rank's GPU
-with NCCL on a CUDA host (timings bracketed by device synchronisations), ``--device cpu`` gloo with one thread per
-rank. Writes the table to stdout, the JSON to ``--out`` and the busbw plot next to it (``.png``).
+busbw, a floor for ``bucket_cap_mb`` (docs/performance.md). The two methods alternate within every repeat; large sizes
+get fewer repeats (at most ``--byte-budget`` bytes per method and size, at least 3). ``--device auto`` is each rank's
+GPU with NCCL on a CUDA host (timings bracketed by device synchronisations), ``--device cpu`` gloo with one thread
+per rank. Writes the table to stdout, the JSON to ``--out`` and the busbw plot next to it (``.png``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ every rung for ``--steps`` optimizer steps, the order rotating every round. Per 
 write-up's columns (compute %, non-compute %, idle %, overlap %, all-reduce calls and ms per optimizer step) with
 bytes, exposed communication and tokens/s (median and min..max of the repeats), as a markdown table, and writes JSON,
 the table (``.md``) and a PNG beside ``--out``. How each column is measured on CPU/gloo and on CUDA/NCCL:
-``ddp_ft/tools/ladder/timeline.py`` and ``docs/ladder.md``. On a CUDA host with 2+ GPUs it runs with NCCL unchanged.
+``ddp_ft/tools/ladder/timeline.py`` and ``docs/performance.md``. On a CUDA host with 2+ GPUs it runs with NCCL
+unchanged.
 """
 
 from __future__ import annotations

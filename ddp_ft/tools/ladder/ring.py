@@ -10,7 +10,7 @@ empty when the tensor has fewer than N elements). Ranks form a ring, each sendin
    the one it receives. Afterwards every rank holds every reduced chunk.
 
 Each rank sends every chunk but one in each phase: 2(N-1)/N of the tensor, however many ranks there are, which is
-what makes the ring bandwidth-optimal (docs/ring.md). Every index is taken modulo N.
+what makes the ring bandwidth-optimal (docs/performance.md). Every index is taken modulo N.
 
 :func:`ring_all_reduce` is the algorithm, in place, with the sum; :class:`RingAllreduce` and
 :func:`ring_allreduce_hook` make it a comm hook (averaging) for BucketedDDP and torch DDP alike.

@@ -39,8 +39,8 @@ COMPILED_FLAG = "_ddp_ft_compiled"  # set on each block this module compiled, so
 MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer; in a checkpointed layer that is eager
 RECOMPILES_WARNED = 4  # after warm-up; half of Dynamo's default recompile limit (8)
 DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # peft#3020 / pytorch#121966: compiled dropout in a checkpoint crashed before
-# On CUDA it still crashes in the partitioner on torch 2.11 (docs/gpu.md); no later CUDA torch has run here, so the
-# blocker holds on CUDA at every version.
+# On CUDA it still crashes in the partitioner on torch 2.11 (docs/performance.md); no later CUDA torch has run here, so
+# the blocker holds on CUDA at every version.
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

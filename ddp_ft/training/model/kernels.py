@@ -4,7 +4,7 @@
 ``ddp_ft.training.model.compilation``) where it cannot work, from the settings and the device alone, so both entry
 points stop before anything loads (``ddp_ft.training.resolve.resolve_run``). The plain loop applies Liger itself,
 ``apply_liger_to_qwen3`` before the model is built; the recipe hands it to the Trainer (``use_liger_kernel``). Not a
-default: on one H100 at micro-batch 1 it trained slower than without it (``docs/gpu.md``).
+default: on one H100 at micro-batch 1 it trained slower than without it (``docs/performance.md``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 largest micro-batch under the device's memory less a margin, one choice for every rank.
 
 The arithmetic of ``ddp_ft.training.model.memory`` knows one model family (Qwen3) in one mode (eager, checkpointed): with
-``--compile`` an H100 measured far more than it expected (``docs/entry_points.md``). The probe measures instead, on the
+``--compile`` an H100 measured far more than it expected (``docs/own_data.md``). The probe measures instead, on the
 model as the run trains it (4-bit, LoRA, checkpointing, Liger, the compiled layers), for any causal LM:
 
 1. One warm-up step at the smallest probe micro-batch (not measured: compilation, cuBLAS workspaces, lazily built
@@ -49,7 +49,7 @@ from .precision import Precision
 logger = logging.getLogger(__name__)
 
 # Why 15%: the probe measures max_memory_allocated of the run's own steps, so the margin covers what it does not see.
-# What must fit is what the caching allocator reserves, about 10% above allocated on an H100 (docs/entry_points.md),
+# What must fit is what the caching allocator reserves, about 10% above allocated on an H100 (docs/own_data.md),
 # plus the CUDA context, which counts in the device's total, and kernels' workspaces at sizes not probed.
 PROBE_MARGIN = 0.15
 PROBE_POINTS = (1, 2, 4)  # small enough to fit where any training fits; three points show whether the line holds
