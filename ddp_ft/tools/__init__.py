@@ -13,5 +13,5 @@
 * ``measure_stop``: how long a preempted run takes to stop (``scripts/measure_stop.py``).
 
 The rule: the library never imports this package. Only the CLI (``ddp_ft.commands.cli``, ``ddp_ft.commands``),
-``scripts/`` and the tools themselves do (``tests/test_layering.py``).
+``scripts/`` and the tools themselves do (``tests/repo/test_layering.py``).
 """

@@ -80,7 +80,7 @@ def test_bnb_notice_once_on_rank_0_log_level_checked(monkeypatch, caplog, capsys
 
 def test_upstream_notices_held_back_above_rank_0(monkeypatch, caplog):
     """The exact messages of ddp_ft.distributed's table, on RANK > 0 only: rank 0 and a single process keep them, and
-    any other warning passes (tests/test_examples.py counts them on real 2-rank runs)."""
+    any other warning passes (tests/e2e/test_examples.py counts them on real 2-rank runs)."""
     import logging
 
     from ddp_ft import distributed
