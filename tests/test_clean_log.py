@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from tests.commands.test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
 
 
 @pytest.mark.usefixtures("run_env")
@@ -82,7 +82,7 @@ def test_bitsandbytes_cpu_hub_kernel_notice_is_said_once_on_rank_zero_and_the_lo
 
 def test_upstream_notices_every_rank_prints_are_held_back_on_ranks_above_zero_only(monkeypatch, caplog):
     """The exact messages of ddp_ft.distributed's table, on RANK > 0 only: rank 0 and a single process keep them, and
-    any other warning passes (tests/test_examples.py counts them on real 2-rank runs)."""
+    any other warning passes (tests/e2e/test_examples.py counts them on real 2-rank runs)."""
     import logging
 
     from ddp_ft import distributed

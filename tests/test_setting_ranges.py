@@ -1,6 +1,6 @@
 """Every numeric setting is checked for its own range first (ddp_ft.training.ranges), naming the setting and a valid
 value, and the values it allows are ones the plain loop's optimizer and schedule and the Trainer's arguments take. Pure:
-no model, no process group (the ``ddp-ft --nproc 2`` parent's refusal is a row of tests/test_cli.py)."""
+no model, no process group (the ``ddp-ft --nproc 2`` parent's refusal is a row of tests/commands/test_cli.py)."""
 
 import math
 import typing

@@ -9,5 +9,5 @@
 * ``gpu_report``: every GPU measurement in one command (``make gpu-report``).
 
 The rule: the library never imports this package. Only the CLI (``ddp_ft.commands.cli``, ``ddp_ft.commands``),
-``scripts/`` and the tools themselves do (``tests/test_layering.py``).
+``scripts/`` and the tools themselves do (``tests/repo/test_layering.py``).
 """

@@ -17,7 +17,7 @@ Every rung has the same surface, so one loop drives them all::
 5. :class:`HookOrderBuckets`: gradients packed into buckets in the order their hooks fire, each full bucket
    launched asynchronously. Fewer, larger messages, but the packing is each rank's own: when backward produces
    gradients in a different order on two ranks, their buckets pair different parameters and the average is wrong,
-   silently (``tests/test_ladder.py`` shows it). Rungs 3 and 4 pair by firing order too.
+   silently (``tests/tools/test_ladder.py`` shows it). Rungs 3 and 4 pair by firing order too.
 6. :class:`TorchDDP`: ``torch.nn.parallel.DistributedDataParallel``.
 7. :class:`Bucketed`: :class:`ddp_ft.ddp.BucketedDDP`: buckets fixed in reverse registration order and checked
    across ranks, launched in index order from the gradient hooks, overlapping backward.

@@ -21,7 +21,7 @@ from ddp_ft.tools.ladder.rungs import RUNGS, accumulate, build_rung
 from ddp_ft.tools.ladder.timeline import Timeline
 from tests.helpers.dist_harness import PYTHONPATH, run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 HOOK_ORDER_RUNGS = {"hooks_blocking", "hooks_async", "hook_order_buckets"}
 CAPS = {"bucket_cap_mb": 1100 / 2**20, "first_bucket_cap_mb": 1100 / 2**20}  # about one 16x16 weight per bucket

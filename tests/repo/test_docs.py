@@ -4,7 +4,7 @@ heading there when it names one; the settings table the Accelerate API page poin
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 UPSTREAM_TESTS = {"test_ddp_comm_hook.py", "test_distributed_data_loop.py", "test_sft.py"}  # the peers' suites

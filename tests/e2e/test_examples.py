@@ -14,9 +14,9 @@ import torch.distributed.run
 
 from ddp_ft.training.config import parse_settings
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 # Not anchored: the ranks share the launcher's stdout, so one rank's line can land in the middle of the other's.

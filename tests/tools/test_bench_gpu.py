@@ -15,9 +15,9 @@ import torch
 from ddp_ft.tools.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
 from ddp_ft.training.model.memory import QWEN3_4B, Qwen3Shape
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = BENCH_SHAPES["tiny"]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from ddp_ft.tools.bench_e2e import cli, runs, summary, table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 bench_e2e = SimpleNamespace(
     _command=runs.command,
     run_config=runs.run_config,

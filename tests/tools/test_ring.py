@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.tools.ladder.ring import RingAllreduce, ring_all_reduce, ring_allreduce_hook
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 

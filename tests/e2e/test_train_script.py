@@ -11,13 +11,13 @@ import torch
 
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from .helpers.dist_harness import PYTHONPATH
-from .helpers.meetings import write_chat_meetings, write_mixed_length_meetings
-from .test_checkpoint import _trainer_checkpoint
+from ..helpers.dist_harness import PYTHONPATH
+from ..helpers.meetings import write_chat_meetings, write_mixed_length_meetings
+from ..test_checkpoint import _trainer_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 

@@ -16,11 +16,11 @@ import pytest
 
 from ddp_ft.report.metrics import read_jsonl
 
-from .helpers.dist_harness import PYTHONPATH, processes_running_with
+from ..helpers.dist_harness import PYTHONPATH, processes_running_with
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -83,9 +83,9 @@ def test_a_rank_raising_in_forward_fails_every_restart_and_torchrun_names_it_as_
         and "InjectedFault: injected fault: forward failed at step 2 on rank 1" in cause
     )
     # the first attempt failed the same way before torchrun restarted it: restarts ran out on the original error
-    assert run.stderr.count("[rank1]: tests.helpers.faults.InjectedFault: injected fault: forward failed") == 2, run.stderr[
-        -6000:
-    ]
+    assert run.stderr.count("[rank1]: tests.helpers.faults.InjectedFault: injected fault: forward failed") == 2, (
+        run.stderr[-6000:]
+    )
 
 
 def test_a_rank_raising_in_backward_stops_both_ranks_and_torchrun_names_it(tmp_path):

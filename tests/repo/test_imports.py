@@ -13,9 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}
 RUN_MODULES = {
     "ddp_ft.training.data",

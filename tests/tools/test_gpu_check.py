@@ -20,9 +20,9 @@ from ddp_ft.tools.gpu_check import (
 )
 from ddp_ft.training.model.precision import Precision, choose_precision
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 SMALLEST = ["--seq-len", "16", "--micro-batch", "1", "--grad-accum", "2", "--warmup-steps", "0", "--steps", "1"]
 CHECKS = ["dtype", "grads_equal_torch_ddp", "no_sync", "qlora_run"]

@@ -19,9 +19,9 @@ from ddp_ft.report.comparison import (
 )
 from ddp_ft.report.metrics import resolve_wandb_mode
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(run_name, world_size, effective_batch=8):

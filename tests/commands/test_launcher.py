@@ -20,7 +20,7 @@ import pytest
 from ddp_ft.report.metrics import read_jsonl, timeline
 from ddp_ft.training.checkpoint import resolve_checkpoint
 
-from .helpers.dist_harness import PYTHONPATH, processes_running_with, run_distributed
+from ..helpers.dist_harness import PYTHONPATH, processes_running_with, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 

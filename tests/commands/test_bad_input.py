@@ -24,10 +24,10 @@ from ddp_ft.training.checkpoint import FORMAT_VERSION, TrainState, save_checkpoi
 from ddp_ft.training.config import parse_settings
 from ddp_ft.training.data import DataLayout, load_raw_splits
 
-from .helpers.dist_harness import PYTHONPATH
-from .test_checkpoint import _parts, _trainer_checkpoint
+from ..helpers.dist_harness import PYTHONPATH
+from ..test_checkpoint import _parts, _trainer_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--preset", "tiny", "--num-synthetic", "24", "--report-to", "none"]  # 23 training samples, 1 eval
 SAVED = {"effective_batch": 4, "seed": 42, "micro_batch": 2}  # the layout of the checkpoint in --output-dir
 

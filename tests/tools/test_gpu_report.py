@@ -14,9 +14,9 @@ import pytest
 from ddp_ft.tools.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
 from ddp_ft.tools.gpu_report.plan import plan_steps
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
 E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "pieces", "packed_2048_short", "loop_old_defaults"]

@@ -9,7 +9,7 @@ import wandb
 from ddp_ft.report.comparison import RunSummary, load_run
 from ddp_ft.report.records import RunIdentity, of_type, run_identity
 
-from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from ..commands.test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
 
 
 def test_run_identity_names_group_and_job_type():

@@ -6,7 +6,7 @@ each module imports only from the layers below its own. The library never import
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ddp_ft"
+PACKAGE = Path(__file__).resolve().parents[2] / "ddp_ft"
 
 # The rooms, lowest first: what docs/design.md draws. A module may import from its own room and any room below it.
 ROOMS = ["ddp", "distributed", "report", "training", "integrations", "embedded", "tools", "commands", "__main__"]

@@ -10,9 +10,9 @@ import pytest
 
 from ddp_ft.tools.ladder.bench_comm import CommRow, default_sizes, favoured_size, format_size, parse_size, repeats_at
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sizes_parse_step_and_print_in_binary_units():
