@@ -27,7 +27,7 @@ def _section(page: Path, anchor: str) -> str | None:
     return "\n".join(lines[found:]) if found is not None else None
 
 
-def test_every_relative_link_names_an_existing_file_and_heading():
+def test_every_relative_link_finds_file_and_heading():
     broken = []
     for page in PAGES:
         for link in LINK.findall(page.read_text()):
@@ -40,7 +40,7 @@ def test_every_relative_link_names_an_existing_file_and_heading():
     assert not broken, broken
 
 
-def test_the_accelerate_api_page_links_to_the_settings_table_where_it_is():
+def test_accelerate_api_links_to_the_settings_table():
     """It pointed at "the README's settings table", which moved to docs/integrations.md."""
     page = (ROOT / "docs" / "accelerate_api.md").read_text()
     assert "README's settings table" not in page
@@ -54,7 +54,7 @@ def _flags(text: str) -> set[str]:
     return set(re.findall(r"(--[a-z][a-z0-9-]+)", text))
 
 
-def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_that_exist():
+def test_readme_installs_from_clone_with_real_extras():
     """`pip install "ddp_ft[trl]"` (the old README) fails: ddp_ft is not on the registry. The README's install section,
     before the Quickstart, installs from a clone, and every extra it or a docs page names is one pyproject defines."""
     import tomllib
@@ -71,7 +71,7 @@ def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_th
             assert set(named.split(",")) <= extras, (page.name, named)
 
 
-def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
+def test_readme_describes_own_data_with_real_flags():
     """Your own data was undocumented (columns, instruction, eval split, truncation): the README's first screen
     says each, and every flag it or docs/own_data.md names is one `ddp-ft train --help` lists."""
     from ddp_ft.commands.cli import SUBCOMMANDS, launch_parser
@@ -103,7 +103,7 @@ def test_every_test_the_docs_cite_exists():
     assert not missing, missing
 
 
-def test_the_docs_map_reaches_every_page_and_starts_from_the_tasks():
+def test_docs_map_reaches_every_page_from_the_tasks():
     """docs/README.md is the map a newcomer opens first: every page of docs/ is linked from it, and it starts from the
     tasks (own data, own model, own script, several GPUs and nodes, a GPU report, a failed run, the guarantees)."""
     map_page = ROOT / "docs" / "README.md"

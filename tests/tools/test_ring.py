@@ -133,7 +133,7 @@ def _ring_everything(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_equals_the_backend_counts_its_bytes_and_reduces_ddp_buckets_like_torch_ddp(world_size):
+def test_ring_matches_backend_and_torch_ddp_buckets(world_size):
     for result in run_distributed(_ring_everything, world_size=world_size):
         assert result["buckets"] >= 3
         assert result["calls"] == 2 * result["buckets"]  # one ring per bucket per synced backward, none in no_sync
