@@ -89,14 +89,20 @@ def test_readme_describes_own_data_with_real_flags():
 
 def test_every_test_the_docs_cite_exists():
     """The docs back their claims with tests by name (`test_x.py`, `test_x.py::test_name`, a name cut short with
-    `...`): each named file exists and holds the named test, so a claim cannot outlive its test."""
+    `...`, or the file with its folder under tests/: `ddp/test_x.py`): a file named by its basename is found in any
+    folder of tests/, and each named file holds the named test, so a claim cannot outlive its test."""
     missing = []
     for page in PAGES:
-        for file, name, cut in re.findall(r"(test_\w+\.py)(?:::(test_\w+)(\.\.\.|…)?)?", page.read_text()):
-            path = ROOT / "tests" / file
-            if file in UPSTREAM_TESTS:
+        cited = re.findall(r"((?:[\w.]+/)*test_\w+\.py)(?:::(test_\w+)(\.\.\.|…)?)?", page.read_text())
+        for file, name, cut in cited:
+            if file.rpartition("/")[2] in UPSTREAM_TESTS:
                 continue
-            if not path.is_file():
+            cited_path = file.rpartition("tests/")[2]  # `tests/test_x.py` cites the basename, as `test_x.py` does
+            if "/" in cited_path:
+                path = ROOT / "tests" / cited_path
+            else:
+                path = next(ROOT.joinpath("tests").rglob(cited_path), None)
+            if path is None or not path.is_file():
                 missing.append(f"{page.name}: {file}")
             elif name and not re.search(f"def {name}" + ("" if cut else r"\b"), path.read_text()):
                 missing.append(f"{page.name}: {file}::{name}")
