@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from ..test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from ..commands.test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
 
 
 @pytest.mark.usefixtures("run_env")

@@ -32,7 +32,7 @@ class _FakeApi:
         return self.runs[path]
 
 
-def test_wandb_history_becomes_records_that_compare_like_local_runs():
+def test_history_becomes_records_like_local_runs():
     api = _FakeApi(
         {
             "me/ddp_ft/single": _FakeRun("single-1", 1, [3.0, 2.5, 2.0, 1.5], 1000.0),

@@ -6,7 +6,7 @@ each module imports only from the layers below its own. The library never import
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ddp_ft"
+PACKAGE = Path(__file__).resolve().parents[2] / "ddp_ft"
 
 # The rooms, lowest first: what docs/design.md draws. A module may import from its own room and any room below it.
 ROOMS = ["ddp", "distributed", "report", "training", "integrations", "embedded", "tools", "commands", "__main__"]
@@ -139,7 +139,7 @@ def _room(module: str) -> str:
     return module.split(".")[1]
 
 
-def test_every_room_imports_only_from_itself_and_the_rooms_below():
+def test_rooms_import_only_themselves_and_rooms_below():
     graph = _graph()
     top = {m.split(".")[1] for m in graph if m != "ddp_ft"}
     assert top == set(ROOMS), f"top-level names not in ROOMS (and docs/design.md), or gone: {top ^ set(ROOMS)}"
@@ -160,7 +160,7 @@ def test_a_rooms_index_imports_nothing():
     assert not loaded, f"a room's index imports its modules, so one piece of the room loads them all: {loaded}"
 
 
-def test_every_module_imports_only_from_layers_below_its_own():
+def test_modules_import_only_from_own_or_lower_layers():
     graph = _graph()
     unplaced = [m for m in graph if m != "ddp_ft" and m not in INDEXES and _unit(m) is None]
     assert not unplaced, f"modules missing from LAYERS (and the layout table of docs/design.md): {unplaced}"
@@ -174,7 +174,7 @@ def test_every_module_imports_only_from_layers_below_its_own():
     assert not upward, upward
 
 
-def test_the_library_never_imports_the_measurement_tools():
+def test_library_never_imports_the_measurement_tools():
     """Imports inside functions count too: a tool imported lazily is still imported."""
     graph = _graph()
     assert any(_within(m, (TOOLS,)) for m in graph), f"{TOOLS} not found: the test would pass on nothing"

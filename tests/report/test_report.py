@@ -19,9 +19,9 @@ from ddp_ft.report.comparison import (
 )
 from ddp_ft.report.metrics import resolve_wandb_mode
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(run_name, world_size, effective_batch=8):
@@ -89,7 +89,7 @@ def compare(base_records, other_records):
     return compare_runs(summarize_run(base_records), base_records, summarize_run(other_records), other_records)
 
 
-def test_summary_skips_the_warmup_step_and_takes_peak_memory_over_all_steps():
+def test_summary_skips_warmup_peak_memory_all_steps():
     s = summarize_run(single_run())
     assert (s.run_name, s.world_size, s.effective_batch, s.steps) == ("single-1", 1, 8, 4)
     assert (s.timed_steps, s.warmup_steps_skipped) == (3, 1)
@@ -127,7 +127,7 @@ def test_summary_of_short_gpu_and_resumed_runs():
         summarize_run(single_run(), skip_first=-1)
 
 
-def test_speedup_efficiency_step_time_and_loss_gap_from_known_numbers():
+def test_speedup_efficiency_and_loss_gap_by_hand():
     c = compare(single_run(), ddp_run())
     assert c.speedup == 1900.0 / 1100.0
     assert c.scaling_efficiency == (1900.0 / 1100.0) / 2
@@ -138,7 +138,7 @@ def test_speedup_efficiency_step_time_and_loss_gap_from_known_numbers():
     assert c.notes == []
 
 
-def test_loss_gap_over_shared_points_when_lengths_or_batches_differ():
+def test_loss_gap_over_shared_points_when_runs_differ():
     longer = ddp_run(losses=(7.0, 6.25, 6.5, 5.5), samples=(8, 16, 24, 32))
     longer.insert(-1, train(5, 40, 5.0, 2000.0, 1.2, 0.8, 2, exposed_comm_ms=1.0, overlap=0.9))
     c = compare(single_run(), longer)
@@ -150,7 +150,7 @@ def test_loss_gap_over_shared_points_when_lengths_or_batches_differ():
     assert any("effective batch differs (8 vs 16)" in n for n in c.notes)
 
 
-def test_disjoint_samples_seen_are_reported_as_not_comparable():
+def test_disjoint_samples_reported_not_comparable():
     c = compare(single_run(), ddp_run(samples=(4, 12, 20, 28)))
     assert (c.loss_gap_max, c.loss_gap_mean, c.matched_points) == (None, None, 0)
     assert any("not comparable" in n for n in c.notes)
@@ -159,7 +159,7 @@ def test_disjoint_samples_seen_are_reported_as_not_comparable():
     assert c.speedup == 1900.0 / 1100.0  # throughput is still compared
 
 
-def test_markdown_table_has_one_column_per_run_and_the_numbers():
+def test_markdown_table_has_one_column_per_run():
     table = markdown_table(compare(single_run(), ddp_run()))
     for row in [
         "| metric | single-1 | ddp-2 |",
@@ -185,7 +185,7 @@ def test_markdown_table_has_one_column_per_run_and_the_numbers():
     assert "| peak memory per device (GB) | 3.50 | 3.50 |" in gpu_table and "exposed comm" not in gpu_table
 
 
-def test_write_report_writes_markdown_png_and_json_that_round_trip(tmp_path):
+def test_write_report_md_png_json_round_trip(tmp_path):
     base = write_run(tmp_path / "single", single_run())
     other = write_run(tmp_path / "ddp", ddp_run())
     report = write_report(base, other, tmp_path / "out")
@@ -200,7 +200,7 @@ def test_write_report_writes_markdown_png_and_json_that_round_trip(tmp_path):
         write_report(tmp_path / "missing", other, out)
 
 
-def test_compare_script_prints_the_table_and_writes_the_files(tmp_path):
+def test_compare_script_prints_table_writes_files(tmp_path):
     base = write_run(tmp_path / "single", single_run())
     other = write_run(tmp_path / "ddp", ddp_run(samples=(4, 12, 20, 28)))
     command = [
@@ -238,11 +238,11 @@ def test_compare_script_prints_the_table_and_writes_the_files(tmp_path):
         ({"WANDB_MODE": "dryrun"}, "offline"),
     ],
 )
-def test_wandb_mode_is_offline_without_an_api_key_and_respects_wandb_mode(env, mode):
+def test_wandb_offline_without_key_honours_wandb_mode(env, mode):
     assert resolve_wandb_mode(env) == mode
 
 
-def test_log_report_to_wandb_writes_an_offline_run_and_says_once_how_to_sync_it(tmp_path, monkeypatch, capfd, caplog):
+def test_wandb_log_is_offline_says_once_how_to_sync(tmp_path, monkeypatch, capfd, caplog):
     """wandb's own banner, run summary and sync hint are silenced; one log line names the run and the sync command."""
     report = write_report(write_run(tmp_path / "a", single_run()), write_run(tmp_path / "b", ddp_run()), tmp_path)
     for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
@@ -263,14 +263,14 @@ def test_log_report_to_wandb_writes_an_offline_run_and_says_once_how_to_sync_it(
     ]
 
 
-def test_log_report_to_wandb_warns_and_returns_without_wandb(tmp_path, monkeypatch, caplog):
+def test_wandb_log_warns_and_returns_without_wandb(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with caplog.at_level(logging.WARNING, logger="ddp_ft.report.comparison"):
         log_report_to_wandb({}, tmp_path / "x.png", project="p", group="g")
     assert "wandb is not installed" in caplog.text
 
 
-def test_rank_imbalance_and_wait_get_a_row_for_runs_that_logged_them():
+def test_rank_imbalance_and_wait_rows_when_logged():
     records = ddp_run()
     for record, (imbalance, wait) in zip(
         records[1:5], [(3.0, 90.0), (1.2, 10.0), (1.5, 30.0), (1.1, 5.0)], strict=True
@@ -283,7 +283,7 @@ def test_rank_imbalance_and_wait_get_a_row_for_runs_that_logged_them():
     assert "rank imbalance" not in markdown_table(compare(single_run(), ddp_run()))  # older runs: no row
 
 
-def test_ddp_is_measured_against_independent_single_runs_side_by_side(tmp_path):
+def test_ddp_measured_against_side_by_side_singles(tmp_path):
     """The limit is the summed median tokens/s of one single-device run per DDP device, run at the same time; the
     DDP run's share of it appears in the summary, the JSON, the plot and through compare.py --independent."""
     base = write_run(tmp_path / "single", single_run())
@@ -320,7 +320,7 @@ def test_ddp_is_measured_against_independent_single_runs_side_by_side(tmp_path):
     assert json.loads((tmp_path / "o" / "comparison.json").read_text())["limit_tokens_per_s"] == 2200.0
 
 
-def test_ddp_over_the_limit_is_reported_with_its_caveat_the_host_was_busy(tmp_path):
+def test_ddp_over_limit_reported_with_busy_caveat(tmp_path):
     """Two-rank DDP does the independent runs' work plus communication: above 100% of their summed tokens/s, they
     were slowed by something else on the host (the demo on a busy machine), and the report says so next to the ratio
     and in a note, instead of printing the ratio as a result."""
@@ -350,7 +350,7 @@ def _limit_bars(figure):
     return container.get_label(), list(container)
 
 
-def test_ddp_over_the_limit_is_marked_on_the_figure_itself_not_a_result(tmp_path):
+def test_ddp_over_limit_marked_on_figure_not_result(tmp_path):
     """The figure goes to wandb and into slides without the text: over 100% of the limit, the limit's bars are grey
     and hatched, their legend says they are not a result, and a line under the figure says why; at 86% nothing
     of it appears and the limit's bars are plain."""
@@ -376,7 +376,7 @@ def test_ddp_over_the_limit_is_marked_on_the_figure_itself_not_a_result(tmp_path
     assert "not a result" not in _texts(quiet) and "Throughput (speedup 1.73x, 86.4% of the limit)" in _texts(quiet)
 
 
-def test_a_run_without_a_name_is_labelled_by_its_folder_in_the_table_text_and_figure(tmp_path):
+def test_unnamed_run_labelled_by_its_folder_everywhere(tmp_path):
     """A user's BucketedTrainer run writes run_name None (TrainingArguments.run_name unset): the comparison used to
     label both runs "None"; an empty name or none at all takes the folder's too."""
     from ddp_ft.report.comparison import load_run

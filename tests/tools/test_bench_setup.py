@@ -28,7 +28,7 @@ def test_device_and_backend_go_together(requested, cuda_available, expected):
     ("requested", "match"),
     [("cuda", "--device cuda but torch.cuda.is_available"), ("gpu", "--device 'gpu': choose one of auto, cuda, cpu")],
 )
-def test_an_impossible_device_is_an_error_naming_the_flag(requested, match):
+def test_impossible_device_is_an_error_naming_the_flag(requested, match):
     with pytest.raises(ValueError, match=match):
         device_and_backend(requested, cuda_available=False)
 
@@ -53,9 +53,7 @@ def _mock_cuda(monkeypatch, capability, set_device=None):
 
 
 @pytest.mark.parametrize(("capability", "dtype"), [((8, 0), torch.bfloat16), ((7, 5), torch.float16)])
-def test_on_a_cuda_host_the_model_goes_to_this_rank_s_gpu_with_nccl_and_a_dtype_the_card_has(
-    rank_1_of_2, monkeypatch, capability, dtype
-):
+def test_cuda_host_uses_rank_gpu_nccl_and_card_dtype(rank_1_of_2, monkeypatch, capability, dtype):
     _mock_cuda(monkeypatch, capability)
     setup = compute_setup("auto", "auto")
     (call,) = rank_1_of_2
@@ -64,7 +62,7 @@ def test_on_a_cuda_host_the_model_goes_to_this_rank_s_gpu_with_nccl_and_a_dtype_
     assert setup.precision.dtype == dtype and setup.precision.autocast
 
 
-def test_device_cpu_on_a_cuda_host_is_gloo_float32_and_never_touches_cuda(rank_1_of_2, monkeypatch):
+def test_device_cpu_on_cuda_host_is_gloo_float32(rank_1_of_2, monkeypatch):
     touched = []
     _mock_cuda(monkeypatch, (9, 0), set_device=touched.append)
     setup = compute_setup("cpu", "auto")
@@ -82,7 +80,7 @@ def test_without_cuda_auto_is_the_cpu_with_gloo(rank_1_of_2, monkeypatch):
     assert setup.precision.dtype == torch.float32
 
 
-def test_bfloat16_asked_on_an_older_gpu_is_refused_naming_the_fix(rank_1_of_2, monkeypatch):
+def test_bfloat16_on_older_gpu_refused_naming_fix(rank_1_of_2, monkeypatch):
     _mock_cuda(monkeypatch, (7, 5))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
     with pytest.raises(ValueError, match="compute capability 7.5.*--compute-dtype float16"):

@@ -14,9 +14,9 @@ import torch.distributed.run
 
 from ddp_ft.training.config import parse_settings
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 # Not anchored: the ranks share the launcher's stdout, so one rank's line can land in the middle of the other's.
@@ -84,7 +84,7 @@ for name in sys.argv[1:]:
 
 
 @pytest.mark.slow
-def test_examples_give_the_same_adapter_on_every_run_and_say_so_when_accelerate_launched_them_alone(tmp_path):
+def test_same_adapter_each_run_and_lone_launch_warned(tmp_path):
     """Each unseeded example's main() twice in one process: the second starts from the RNG state the first left, so
     only a seed set before the adapters are drawn gives the same checksum (hf_trainer.py gave another on every run).
     The process is started as a user might, `accelerate launch --cpu --num_processes 2`, which starts one: the
@@ -105,7 +105,7 @@ def test_examples_give_the_same_adapter_on_every_run_and_say_so_when_accelerate_
     assert "accelerate launch --multi_gpu --num_processes N script.py" in run.stderr
 
 
-def test_every_example_is_short_and_says_how_to_launch_it():
+def test_every_example_is_short_and_says_how_to_launch():
     for path in sorted((ROOT / "examples").glob("*.py")):
         text = path.read_text()
         assert len(text.splitlines()) <= 65, f"{path.name}: {len(text.splitlines())} lines"
@@ -119,7 +119,7 @@ def _directives() -> dict[str, str]:
     return {name: value for name, _, value in (line.partition("=") for line in lines)}
 
 
-def test_sbatch_directives_ask_for_one_launcher_per_node_a_warning_signal_and_requeue():
+def test_sbatch_directives_per_node_signal_requeue():
     directives = _directives()
     assert directives["--ntasks-per-node"] == "1"
     assert directives["--signal"] == "USR1@90"  # no "B:": the step's processes get it, not only the batch shell
@@ -165,7 +165,7 @@ def _run_sbatch(tmp_path: Path, stop: bool, rc: int, checkpoint: bool = False) -
     return run.returncode, srun_args, log.read_text() if log.exists() else ""
 
 
-def test_sbatch_launches_torchrun_per_node_with_a_rendezvous_on_the_first_node_and_valid_arguments(tmp_path):
+def test_sbatch_torchrun_per_node_rendezvous_on_first(tmp_path):
     rc, srun_args, _ = _run_sbatch(tmp_path, stop=False, rc=0)
     assert rc == 0
     launcher = srun_args.index("torchrun")
@@ -180,7 +180,7 @@ def test_sbatch_launches_torchrun_per_node_with_a_rendezvous_on_the_first_node_a
     assert settings.model.model_name_or_path == "Qwen/Qwen3-4B"
 
 
-def test_sbatch_resumes_from_the_latest_checkpoint_when_output_dir_has_one(tmp_path):
+def test_sbatch_resumes_from_the_latest_checkpoint(tmp_path):
     _, srun_args, _ = _run_sbatch(tmp_path, stop=False, rc=0, checkpoint=True)
     script_args = srun_args[srun_args.index("scripts/train.py") + 1 :]
     assert parse_settings(script_args).train.resume == "latest", shlex.join(script_args)
@@ -206,7 +206,7 @@ def test_sbatch_requeues_after_a_stop_only(tmp_path, stop, rc, requeued, exit_co
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_chat_example_trains_on_messages_at_two_ranks(tmp_path):
+def test_chat_example_trains_on_messages_at_two_ranks(tmp_path):
     """examples/chat_messages.sh as its header says: the messages format found from the columns, 2 ranks, a
     checkpoint with the adapter, and the format found recorded beside the final adapter."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": PYTHONPATH}

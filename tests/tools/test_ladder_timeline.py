@@ -23,7 +23,7 @@ def test_interval_arithmetic():
     assert subtract([(0, 1)], [(0, 1)]) == []
 
 
-def test_host_split_of_a_step_that_hides_part_of_its_communication():
+def test_host_split_of_step_hiding_part_of_its_comm():
     # a 10 s step; communication from 4 to 9; the training thread blocks from 8 to 9.5 (0.5 s after the last
     # completion before it notices): 1 s exposed, 0.5 s idle, 4 s of the 5 s communication hidden
     step = StepBreakdown.from_host((0, 10), comm=[(4, 9)], blocked=[(8, 9.5)], calls=3, nbytes=12)
@@ -45,7 +45,7 @@ def test_device_split_follows_hta():
     assert step.overlap == pytest.approx(0.5)
 
 
-def test_summary_shares_come_from_totals_and_add_up_to_100():
+def test_summary_shares_from_totals_add_up_to_100():
     steps = [
         StepBreakdown.from_host((0, 10), comm=[(4, 9)], blocked=[(8, 9.5)], calls=3, nbytes=12),
         StepBreakdown.from_host((0, 2), comm=[(0, 1)], blocked=[(0, 1)], calls=1, nbytes=4),
@@ -61,7 +61,7 @@ def _event(name, start_us, end_us, device="CUDA"):
     return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), time_range=span)
 
 
-def test_profiled_intervals_split_nccl_kernels_from_compute_and_drop_copies_and_host_events():
+def test_profile_splits_nccl_from_compute_drops_copies():
     events = [
         _event("ampere_sgemm_128x64", 0, 5),
         _event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 3, 9),

@@ -42,7 +42,7 @@ def per_byte(ms_per_byte: float):
     return lambda nbytes: nbytes * ms_per_byte
 
 
-def test_the_ring_costs_2_n_minus_1_over_n_of_the_bytes_plus_2_n_minus_1_latencies():
+def test_ring_costs_2_n_minus_1_bytes_and_latencies():
     # 2 ranks: 1 x 1e6 B / 1e9 B/s = 1 ms, plus 2 x 10 us; 4 ranks: 1.5 ms plus 6 x 10 us
     assert ring_allreduce_ms(1_000_000, 2, [ONE_GBPS_10US]) == pytest.approx(1.02)
     assert ring_allreduce_ms(1_000_000, 4, [ONE_GBPS_10US]) == pytest.approx(1.56)
@@ -51,14 +51,14 @@ def test_the_ring_costs_2_n_minus_1_over_n_of_the_bytes_plus_2_n_minus_1_latenci
     assert ring_allreduce_ms(1_000_000, 2, [ONE_GBPS_10US, slow_hop]) == pytest.approx(2.02)
 
 
-def test_one_bucket_hides_behind_backward_until_it_runs_past_its_end():
+def test_a_bucket_hides_until_it_runs_past_backward():
     hidden = schedule_buckets([30], [40.0], 100.0, per_byte(1.0))  # 40 -> 70, backward ends at 100
     assert (hidden.launch_ms, hidden.done_ms, hidden.exposed_ms) == ((40.0,), (70.0,), 0.0)
     at_the_end = schedule_buckets([30], [100.0], 100.0, per_byte(1.0))  # 100 -> 130: all of it waited for
     assert (at_the_end.done_ms, at_the_end.exposed_ms, at_the_end.comm_ms) == ((130.0,), 30.0, 30.0)
 
 
-def test_buckets_in_a_row_launch_in_index_order_when_the_link_is_free():
+def test_buckets_launch_in_index_order_on_a_free_link():
     # bucket 1 is ready (5) before bucket 0 (10): it waits for bucket 0's launch, then for the link (free at 30)
     schedule = schedule_buckets([20, 10, 5], [10.0, 5.0, 30.0], 40.0, per_byte(1.0))
     assert schedule.launch_ms == (10.0, 30.0, 40.0)
@@ -66,7 +66,7 @@ def test_buckets_in_a_row_launch_in_index_order_when_the_link_is_free():
     assert schedule.exposed_ms == 5.0  # 45 - 40
 
 
-def test_a_link_slower_than_backward_exposes_the_backlog():
+def test_link_slower_than_backward_exposes_backlog():
     # 100 ms of communication from 10 ms on; backward ends at 20: 10 ms of it overlapped, 90 exposed
     schedule = schedule_buckets([50, 50], [10.0, 20.0], 20.0, per_byte(1.0))
     assert schedule.done_ms == (60.0, 110.0) and schedule.exposed_ms == 90.0
@@ -87,7 +87,7 @@ def test_only_the_synced_micro_step_communicates():
     assert (alone.step_ms, alone.exposed_ms) == (1000.0, 0.0)
 
 
-def test_a_step_waits_for_its_slowest_rank_as_many_normal_draws_predict():
+def test_step_waits_for_slowest_rank_as_draws_predict():
     """E[max of N standard normals]: 0 for 1, 1/sqrt(pi) for 2, 1.0294 for 4; a rank's step sums its micro-steps,
     so 2 ranks of 2 micro-steps of spread s wait s x sqrt(2) / sqrt(pi), once per step, on the synced backward;
     the spread is robust, so one step that stalled the host adds none."""
@@ -105,7 +105,7 @@ def test_a_step_waits_for_its_slowest_rank_as_many_normal_draws_predict():
     assert (waited.step_ms - alone.step_ms, waited.exposed_ms - alone.exposed_ms) == pytest.approx((wait, wait))
 
 
-def test_a_split_that_keeps_the_effective_batch_or_says_why_it_cannot():
+def test_split_keeps_effective_batch_or_says_why_not():
     assert split_batch(8, 2, 2) == (2, None)
     accumulation, note = split_batch(8, 2, 8)
     assert accumulation == 1 and "effective batch 8 does not split into micro-batch 2 x 8" in note
@@ -120,7 +120,7 @@ def _ring_rows(bandwidth_gbps, latency_us, world=2, sizes=(64 * 2**10, 2**20, 16
     ]
 
 
-def test_the_measured_link_is_fitted_back_from_ring_times():
+def test_measured_link_is_fitted_from_ring_times():
     link = fit_link(_ring_rows(1.6, 60.0))
     assert link.bandwidth_gbps == pytest.approx(1.6) and link.latency_us == pytest.approx(60.0)
     four = fit_link(_ring_rows(1.6, 60.0, world=4))
@@ -129,7 +129,7 @@ def test_the_measured_link_is_fitted_back_from_ring_times():
         fit_link(_ring_rows(1.6, 60.0, sizes=(2**20,)))
 
 
-def test_the_doctor_writes_the_probe_that_measured_reads(tmp_path):
+def test_doctor_writes_the_probe_that_measured_reads(tmp_path):
     link = Link("x", "x", 1.6, 60.0, "")
     rows = [CommRow("backend", n, 2, [ring_allreduce_ms(n, 2, [link]) / 1e3] * 3) for n in (2**16, 2**20, 2**24)]
     rows += [CommRow("ring", n, 2, [1.0] * 3) for n in (2**16, 2**20, 2**24)]  # the hand-written ring: not the link
@@ -152,7 +152,7 @@ def _one_process_run(steps=4, ready=(90.0, 100.0), bucket_bytes=(2**20, 2**18)):
     return records
 
 
-def test_the_table_has_2_4_8_and_nproc_processes_then_2_nodes_paced_by_their_slower_link():
+def test_table_rows_2_4_8_nproc_then_2_nodes_slow_link():
     forecast = forecast_run(_one_process_run(), nproc=3, link=PRESETS["nvlink"], node_link=PRESETS["infiniband"])
     setups = [(r.setup, r.ranks, r.accumulation) for r in forecast.rows]
     assert setups == [
@@ -176,7 +176,7 @@ def test_the_table_has_2_4_8_and_nproc_processes_then_2_nodes_paced_by_their_slo
     assert Forecast.from_dict(json.loads(json.dumps(forecast.to_dict()))) == forecast
 
 
-def test_a_micro_step_costs_its_timed_forward_and_backward_else_the_steps_compute_over_its_micro_steps():
+def test_micro_step_cost_timed_else_step_over_micros():
     links = (PRESETS["pcie4"], PRESETS["infiniband"])
     timed = forecast_run(_one_process_run(), 2, *links)
     untimed = [{k: v for k, v in r.items() if k != "forward_ms"} for r in _one_process_run()]  # an older record
@@ -186,7 +186,7 @@ def test_a_micro_step_costs_its_timed_forward_and_backward_else_the_steps_comput
     assert two.step_time_s == pytest.approx((400.0 + 2 * 150.0 + timed.row(2).exposed_comm_ms) / 1e3)
 
 
-def test_a_run_the_forecast_cannot_read_is_refused_with_what_to_run():
+def test_unreadable_run_refused_saying_what_to_run():
     ddp = _one_process_run()
     ddp[0] = {**ddp[0], "world_size": 2}
     with pytest.raises(ValueError, match="ran on 2 processes: ddp-ft forecast reads a one-process run"):
@@ -207,7 +207,7 @@ def tiny_run(tmp_path_factory):
     return root / "single"
 
 
-def test_a_one_process_run_records_each_steps_buckets_and_leaves_its_other_records_as_they_were(tiny_run):
+def test_one_process_run_records_buckets_per_step(tiny_run):
     records = read_jsonl(tiny_run / "metrics.jsonl")
     trains = [r for r in records if r["type"] == "train"]
     backward = [r for r in records if r["type"] == "backward"]
@@ -220,7 +220,7 @@ def test_a_one_process_run_records_each_steps_buckets_and_leaves_its_other_recor
     assert next(r for r in records if r["type"] == "config")["buckets"] == 0
 
 
-def test_forecast_command_prints_the_table_with_its_sources_and_writes_its_json(tiny_run, tmp_path, capsys):
+def test_command_prints_table_sources_writes_json(tiny_run, tmp_path, capsys):
     assert cli.main(["forecast", str(tiny_run), "--nproc", "2", "--link", "nvlink", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "| **2 processes** | 2 | NVLink 4 (H100 SXM) | 2 |" in printed and "| 2 nodes x 2 | 4 |" in printed
@@ -233,7 +233,7 @@ def test_forecast_command_prints_the_table_with_its_sources_and_writes_its_json(
         cli.main(["forecast", str(tiny_run), "--nproc", "2", "--link", "measured"])
 
 
-def test_compare_shows_the_forecast_beside_the_measured_ddp_run(tiny_run, tmp_path):
+def test_compare_shows_forecast_beside_measured_ddp(tiny_run, tmp_path):
     assert cli.main(["forecast", str(tiny_run), "--nproc", "2", "--link", "nvlink", "--out", str(tiny_run)]) == 0
     two = load_forecast(tiny_run).row(2)
     ddp = write_run(tmp_path / "ddp", ddp_run())  # step time 1.200 s, exposed 2.00 ms (medians after warm-up)

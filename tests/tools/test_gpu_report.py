@@ -14,9 +14,9 @@ import pytest
 from ddp_ft.tools.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
 from ddp_ft.tools.gpu_report.plan import plan_steps
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
 E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "pieces", "packed_2048_short", "packed_2048_short_sdpa"]
@@ -38,7 +38,7 @@ def quiet(lines: list[str]):
     return lines.append
 
 
-def test_steps_run_in_order_a_failure_is_recorded_and_the_next_steps_still_run(tmp_path):
+def test_steps_run_in_order_past_a_recorded_failure(tmp_path):
     out = tmp_path / "report.json"
     steps = [
         Step(
@@ -69,7 +69,7 @@ def test_steps_run_in_order_a_failure_is_recorded_and_the_next_steps_still_run(t
     assert not report_failed({"steps": [first, no_cuda, last]})
 
 
-def test_a_step_that_would_not_fit_the_budget_is_skipped_and_shorter_ones_still_run(tmp_path):
+def test_step_over_budget_skipped_shorter_ones_run(tmp_path):
     now = [0.0]
 
     def slow(result, done):  # the first step "took" 95 s of the 100 s budget
@@ -92,7 +92,7 @@ def test_a_step_that_would_not_fit_the_budget_is_skipped_and_shorter_ones_still_
     assert report["elapsed_s"] == 95 and not report_failed(report)
 
 
-def test_a_step_past_its_limit_is_killed_and_recorded_as_timed_out(tmp_path):
+def test_step_past_its_limit_is_killed_as_timed_out(tmp_path):
     steps = [
         Step(
             "hangs",
@@ -111,7 +111,7 @@ def test_a_step_past_its_limit_is_killed_and_recorded_as_timed_out(tmp_path):
     assert "started" in hangs["error_tail"] and after["status"] == "passed" and report_failed(report)
 
 
-def test_the_report_is_on_disk_after_every_step_and_says_which_step_is_running(tmp_path):
+def test_report_on_disk_after_each_step_names_running(tmp_path):
     out = tmp_path / "r.json"
     seen = tmp_path / "seen.json"
     peek = (
@@ -144,7 +144,7 @@ def test_the_report_is_on_disk_after_every_step_and_says_which_step_is_running(t
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".r.json")) == []  # no temporary left
 
 
-def test_a_rewrite_that_fails_midway_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+def test_failed_rewrite_leaves_previous_report_whole(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
     write_report({"steps": ["kept"]}, out)
 
@@ -170,7 +170,7 @@ def _bench_result(losses: list[float], tokens: float, peak: float | None, dtype:
     }
 
 
-def test_a_variant_passes_within_the_dtype_tolerance_of_its_baseline_and_fails_beyond_it():
+def test_variant_passes_within_dtype_tolerance_only():
     baseline = {"status": "passed", "result": _bench_result([12.0, 11.9, 11.8], 600.0, 8.0)}
     close = _bench_result([12.01, 11.91, 11.79], 900.0, 6.0)  # bf16: within 2e-2 relative
     summary, problems = summaries.variant(close, {"variant_baseline": baseline})
@@ -189,7 +189,7 @@ def test_a_variant_passes_within_the_dtype_tolerance_of_its_baseline_and_fails_b
     assert problems == [] and "no baseline to compare with (its step: failed)" in summary["headline"]
 
 
-def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
+def test_plan_skips_what_host_cannot_run_with_reason(tmp_path):
     cpu = plan_steps("cpu", 0, tmp_path, ROOT / "scripts", "python")  # the CPU's smoke test needs no data
     assert [s.name for s in cpu] == CPU_STEPS
     assert {s.name for s in cpu if not s.skip} == CPU_RUN
@@ -211,7 +211,7 @@ def test_the_plan_skips_what_this_host_cannot_run_with_the_reason(tmp_path):
     assert sum(s.expected_s for s in first if s.name in valuable) <= 600
 
 
-def test_an_end_to_end_step_reads_the_runs_metrics_and_holds_the_expected_peak_to_ten_percent(tmp_path):
+def test_e2e_step_reads_metrics_peak_within_10_percent(tmp_path):
     from ddp_ft.tools.gpu_report.e2e import e2e_summary, read_run
 
     rows = [{"type": "config", "micro_batch": 16, "accumulation": 1}]
@@ -236,7 +236,7 @@ def test_an_end_to_end_step_reads_the_runs_metrics_and_holds_the_expected_peak_t
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_gpu_report_runs_end_to_end_on_the_cpu_and_records_every_step(tmp_path):
+def test_runs_end_to_end_on_cpu_recording_every_step(tmp_path):
     out = tmp_path / "gpu_report.json"
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -15,9 +15,9 @@ import torch
 from ddp_ft.tools.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
 from ddp_ft.training.model.memory import QWEN3_4B, Qwen3Shape
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = BENCH_SHAPES["tiny"]
 
 
@@ -67,7 +67,7 @@ def test_random_qwen3_has_the_shape_and_is_built_once(tmp_path):
     assert random_qwen3_name(TINY, torch.bfloat16) != random_qwen3_name(QWEN3_4B, torch.bfloat16)
 
 
-def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_json(tmp_path):
+def test_runs_on_cpu_tiny_shape_writes_table_and_json(tmp_path):
     out = tmp_path / "bench_gpu.json"
     command = [
         sys.executable,
@@ -119,7 +119,7 @@ def test_bench_gpu_runs_on_the_cpu_with_a_tiny_shape_and_writes_its_table_and_js
     assert any((tmp_path / "cache").glob("random-qwen3-h64-*"))  # built into DDP_FT_CACHE
 
 
-def test_bench_gpu_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
+def test_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
     bench_gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_gpu)
@@ -144,7 +144,7 @@ def test_bench_gpu_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
     assert bench_gpu.parse_args().micro_batch == "auto"
 
 
-def test_bench_gpu_micro_batch_auto_is_the_run_settings_choice(tmp_path):
+def test_micro_batch_auto_is_the_run_settings_choice(tmp_path):
     """``--micro-batch auto`` goes through ``ddp_ft.training.resolve.resolve_micro_batch``: the choice and expected peak
     of ``ddp_ft.training.model.memory.auto_micro_batch`` for the benchmark's shape, sequence length and dtype; refused
     on the CPU without ``--device-memory-gb``, as the run settings refuse it."""

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_ft.ddp import BucketedDDP
 from ddp_ft.tools.ladder.ring import RingAllreduce, ring_all_reduce, ring_allreduce_hook
 
-from .helpers.dist_harness import run_distributed
-from .helpers.models import Net, local_slice, make_batch
+from ..helpers.dist_harness import run_distributed
+from ..helpers.models import Net, local_slice, make_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -133,7 +133,7 @@ def _ring_everything(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_equals_the_backend_counts_its_bytes_and_reduces_ddp_buckets_like_torch_ddp(world_size):
+def test_ring_matches_backend_and_torch_ddp_buckets(world_size):
     for result in run_distributed(_ring_everything, world_size=world_size):
         assert result["buckets"] >= 3
         assert result["calls"] == 2 * result["buckets"]  # one ring per bucket per synced backward, none in no_sync

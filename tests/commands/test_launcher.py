@@ -20,7 +20,7 @@ import pytest
 from ddp_ft.report.metrics import read_jsonl, timeline
 from ddp_ft.training.checkpoint import resolve_checkpoint
 
-from .helpers.dist_harness import PYTHONPATH, processes_running_with, run_distributed
+from ..helpers.dist_harness import PYTHONPATH, processes_running_with, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
@@ -114,7 +114,7 @@ def _uninterrupted(rank: int, world_size: int, output_dir: str) -> None:
     train(settings, DistInfo(rank, rank, world_size, world_size))
 
 
-def test_ctrl_c_to_ddp_ft_train_stops_both_ranks_with_one_checkpoint_and_the_resume_continues_exactly(tmp_path):
+def test_ctrl_c_train_checkpoints_and_resumes_exactly(tmp_path):
     """A terminal's Ctrl-C reaches ddp-ft only (the workers run in sessions of their own); ddp-ft sends each worker
     one SIGTERM, they stop after the same step and rank 0 saves. Against an uninterrupted run: every step's loss and
     samples bit for bit (LoRA dropout on)."""
@@ -139,7 +139,7 @@ def test_ctrl_c_to_ddp_ft_train_stops_both_ranks_with_one_checkpoint_and_the_res
     assert [(r["step"], r["samples_seen"], r["loss"]) for r in records if r["type"] == "train"] == expected
 
 
-def test_ctrl_c_under_a_dead_pipe_saves_and_logs_the_stop(tmp_path):
+def test_ctrl_c_with_dead_pipe_saves_and_logs_stop(tmp_path):
     """``ddp-ft train ... | tee run.log`` and Ctrl-C, which ends ``tee`` too: every write to the console then fails
     (BrokenPipeError). The ranks still stop after the step in flight, rank 0 saves the checkpoint ``--resume latest``
     finds, and the lines the console missed are in ``<output_dir>/logs/console.log``."""
@@ -154,7 +154,7 @@ def test_ctrl_c_under_a_dead_pipe_saves_and_logs_the_stop(tmp_path):
     assert "Traceback" not in log and not list(out.glob("logs/rank*-traceback.txt")), log[-6000:]
 
 
-def test_sigterm_to_ddp_ft_recipe_stops_the_trainer_on_both_ranks_with_one_checkpoint_and_no_process_left(tmp_path):
+def test_sigterm_stops_recipe_with_one_checkpoint(tmp_path):
     out = tmp_path / "run"
     command = [*DDP_FT, "recipe", *FLAGS, "--max-steps", "6", "--output-dir", str(out)]
     status, output = _signalled(command, out, signal.SIGTERM, whole_group=False)
@@ -165,7 +165,7 @@ def test_sigterm_to_ddp_ft_recipe_stops_the_trainer_on_both_ranks_with_one_check
     assert not (out / "final").exists()  # stopped: no final evaluation and save
 
 
-def test_data_without_its_columns_ends_the_launch_with_one_line_naming_the_rank_the_error_and_the_traceback_file(
+def test_missing_columns_end_launch_naming_rank_error(
     tmp_path,
 ):
     """Each rank fails as it loads the data (a file without the dialogue column: only a worker reads it); ddp-ft

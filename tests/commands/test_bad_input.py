@@ -24,10 +24,10 @@ from ddp_ft.training.checkpoint import FORMAT_VERSION, TrainState, save_checkpoi
 from ddp_ft.training.config import parse_settings
 from ddp_ft.training.data import DataLayout, load_raw_splits
 
-from .helpers.dist_harness import PYTHONPATH
-from .training.test_checkpoint import _parts, _trainer_checkpoint
+from ..helpers.dist_harness import PYTHONPATH
+from ..training.test_checkpoint import _parts, _trainer_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--preset", "tiny", "--num-synthetic", "24", "--report-to", "none"]  # 23 training samples, 1 eval
 SAVED = {"effective_batch": 4, "seed": 42, "micro_batch": 2}  # the layout of the checkpoint in --output-dir
 
@@ -328,9 +328,7 @@ def run_dir(tmp_path, tiny_cache, monkeypatch):
 
 
 @pytest.mark.parametrize("row", list(ROWS))
-def test_bad_input_is_refused_naming_the_setting_before_the_model_loads_leaving_the_checkpoint_intact(
-    row, run_dir, tmp_path, monkeypatch, capsys
-):
+def test_named_refusal_before_load_keeps_checkpoint(row, run_dir, tmp_path, monkeypatch, capsys):
     entry, flags, error, fragment = ROWS[row]
     before = _snapshot(run_dir)
     assert len(before) >= 6, "premise: a complete checkpoint and latest"
@@ -359,7 +357,7 @@ def test_bad_input_is_refused_naming_the_setting_before_the_model_loads_leaving_
     assert _snapshot(run_dir) == before, "the checkpoint in --output-dir changed"
 
 
-def test_the_shipped_accelerate_configs_pass_the_checks():
+def test_shipped_accelerate_configs_pass_the_checks():
     configs = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
     assert len(configs) == 4
     for path in configs:
@@ -367,9 +365,7 @@ def test_the_shipped_accelerate_configs_pass_the_checks():
 
 
 @pytest.mark.distributed
-def test_torchrun_two_ranks_on_one_training_sample_exit_non_zero_naming_world_size_and_the_checkpoint_stays(
-    tmp_path, tiny_cache, run_dir
-):
+def test_one_sample_two_ranks_fails_naming_world_size(tmp_path, tiny_cache, run_dir):
     """World size larger than the dataset, as users meet it: every rank refuses before the model loads, torchrun
     exits non-zero, and the message is on stderr."""
     before = _snapshot(run_dir)

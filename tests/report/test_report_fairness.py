@@ -12,7 +12,7 @@ def _with(records, **host):
     return [first, *records[1:]]
 
 
-def test_other_threads_per_process_withhold_every_speed_ratio():
+def test_other_threads_per_process_withhold_ratios():
     c = compare(_with(single_run(), threads_per_process=16), ddp_run())
     assert (c.speedup, c.scaling_efficiency, c.step_time_ratio) == (None, None, None)
     (reason,) = c.not_comparable
@@ -34,7 +34,7 @@ def test_other_threads_per_process_withhold_every_speed_ratio():
     assert "speedup not comparable" in figure.axes[1].get_title()
 
 
-def test_another_device_type_or_an_unfair_limit_is_named_too():
+def test_other_device_type_or_unfair_limit_is_named():
     c = compare(single_run(), _with(ddp_run(), device_type="cuda"))
     assert c.speedup is None and "device type (single-1: cpu, ddp-2: cuda)" in c.not_comparable[0]
     alone = summarize_run(_with(single_run(), threads_per_process=2))
@@ -45,7 +45,7 @@ def test_another_device_type_or_an_unfair_limit_is_named_too():
     assert "of it (not comparable, see below)" in markdown_table(limited)
 
 
-def test_runs_without_the_record_are_compared_with_a_note():
+def test_runs_without_record_compared_with_a_note():
     unknown = {"threads_per_process": None, "device_type": None, "local_world_size": None, "usable_cpus": None}
     c = compare(_with(single_run(), **unknown), ddp_run())
     assert c.speedup == 1900.0 / 1100.0 and c.not_comparable == []

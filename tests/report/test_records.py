@@ -9,7 +9,7 @@ import wandb
 from ddp_ft.report.comparison import RunSummary, load_run
 from ddp_ft.report.records import RunIdentity, of_type, run_identity
 
-from .test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from ..commands.test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
 
 
 def test_run_identity_names_group_and_job_type():
@@ -39,7 +39,7 @@ def _identity_seen_by_wandb(monkeypatch) -> list[tuple]:
 
 
 @pytest.mark.usefixtures("run_env")
-def test_the_loop_and_the_trainer_name_a_run_alike_and_write_records_the_report_reads(tmp_path, monkeypatch):
+def test_loop_and_trainer_write_alike_readable_records(tmp_path, monkeypatch):
     """The same single-process experiment through both entry points: wandb sees the same project, group, job type
     and run name, ``metrics.jsonl`` records that name, and the report summarises both runs with the same fields."""
     seen = _identity_seen_by_wandb(monkeypatch)

@@ -127,9 +127,7 @@ def _assert_one_warning_naming(caplog, failure: str) -> None:
         ("trainer", "wandb.log", "WandbCallback.on_log"),
     ],
 )
-def test_wandb_failing_at_init_or_mid_run_never_stops_training_warns_once_and_metrics_jsonl_has_every_step(
-    entry, failure, named, tmp_path, run_env, monkeypatch, caplog
-):
+def test_wandb_failing_warns_once_and_training_goes_on(entry, failure, named, tmp_path, run_env, monkeypatch, caplog):
     """``wandb.init`` raising (bad key, no network, service down), or the Trainer's second ``wandb.log`` (the
     network gone mid-run); the loop's ``run.log`` failing is covered below, on its logger alone."""
     _disabled_wandb_runs(monkeypatch)
@@ -146,9 +144,7 @@ def test_wandb_failing_at_init_or_mid_run_never_stops_training_warns_once_and_me
 
 
 @pytest.mark.parametrize("failure", ["log", "finish"])
-def test_the_loop_wandb_logger_never_raises_when_its_run_fails_mid_run_and_warns_once(
-    failure, tmp_path, run_env, monkeypatch, caplog
-):
+def test_loop_wandb_logger_survives_failing_run(failure, tmp_path, run_env, monkeypatch, caplog):
     """The plain loop's wandb sink: ``run.log`` failing from its second call (the network gone), or ``run.finish``
     at the end. A failed run is not finished: its service may be what is gone."""
     _disabled_wandb_runs(monkeypatch)
@@ -163,9 +159,7 @@ def test_the_loop_wandb_logger_never_raises_when_its_run_fails_mid_run_and_warns
     assert raised == ([False, True] if failure == "log" else [True])  # nothing tried after the failure
 
 
-def test_the_trainer_throughput_callback_failing_to_set_up_wandb_turns_it_off_for_the_wandb_callback_too(
-    tmp_path, run_env, monkeypatch, caplog
-):
+def test_trainer_wandb_setup_failure_turns_wandb_off(tmp_path, run_env, monkeypatch, caplog):
     """ThroughputCallback's own wandb calls (define_metric, config.update at the first log) share the Trainer's
     WandbSwitch: their failure warns once, raises nothing, and the WandbCallback logs nothing after it."""
     _disabled_wandb_runs(monkeypatch)
@@ -184,7 +178,7 @@ def test_the_trainer_throughput_callback_failing_to_set_up_wandb_turns_it_off_fo
     assert raised.count(True) == 1 and not switch.on and not logged
 
 
-def test_the_wandb_failure_warning_never_quotes_a_secret_from_the_error(tmp_path, run_env, monkeypatch, caplog):
+def test_wandb_failure_warning_never_quotes_a_secret(tmp_path, run_env, monkeypatch, caplog):
     """wandb errors may echo what they were given; the warning names the variable instead of its value."""
     monkeypatch.setenv("WANDB_API_KEY", SECRETS["WANDB_API_KEY"])
 
@@ -198,7 +192,7 @@ def test_the_wandb_failure_warning_never_quotes_a_secret_from_the_error(tmp_path
     assert "API key <WANDB_API_KEY> was rejected" in caplog.text
 
 
-def test_ranks_other_than_0_never_start_wandb_in_either_entry_point(tmp_path, run_env, monkeypatch):
+def test_only_rank_0_starts_wandb_in_both_entry_points(tmp_path, run_env, monkeypatch):
     """The loop's metric sink and the Trainer's ``report_to`` are decided per rank: rank 1 gets a NullLogger and
     ``[]`` (no WandbCallback, no WANDB_* variables set), rank 0 metrics.jsonl plus wandb."""
     inits = _raise_when(monkeypatch, wandb, "init", lambda n, *a, **k: True)
@@ -217,9 +211,7 @@ def test_ranks_other_than_0_never_start_wandb_in_either_entry_point(tmp_path, ru
 
 
 @pytest.mark.parametrize("entry", ["loop", "trainer"])
-def test_no_secret_reaches_logs_metrics_checkpoints_or_the_offline_wandb_run(
-    entry, tmp_path, run_env, monkeypatch, caplog, capfd
-):
+def test_no_secret_reaches_logs_metrics_or_checkpoints(entry, tmp_path, run_env, monkeypatch, caplog, capfd):
     """Secret-named variables set (fake values), wandb offline: two steps with a checkpoint each, then every byte
     written under ``tmp_path`` (output dir, WANDB_DIR, wandb's config/cache/data dirs) and every captured log and
     console line is searched for the values."""
@@ -248,7 +240,7 @@ def test_no_secret_reaches_logs_metrics_checkpoints_or_the_offline_wandb_run(
         assert args_files and all(b"hub_token" in data for data in args_files)
 
 
-def test_a_hub_token_given_to_the_trainer_stays_out_of_the_training_args_it_pickles_into_checkpoints(tmp_path, run_env):
+def test_hub_token_stays_out_of_pickled_training_args(tmp_path, run_env):
     token = "hf_" + "fakehubtoken" * 3
     trainer = build_trainer(_settings(tmp_path / "run", save_every=1, report_to="none"), DistInfo())
     trainer.args.hub_token = token
@@ -261,7 +253,7 @@ def test_a_hub_token_given_to_the_trainer_stays_out_of_the_training_args_it_pick
 
 
 @pytest.mark.parametrize("entry", ["loop", "trainer"])
-def test_predict_writes_predictions_and_logs_them_to_wandb(entry, tmp_path, run_env, monkeypatch):
+def test_predict_writes_and_logs_predictions_to_wandb(entry, tmp_path, run_env, monkeypatch):
     """``--predict 2`` on both entry points: predictions.jsonl, a predict record, and in wandb the rows as a table
     and their ROUGE-L."""
     _disabled_wandb_runs(monkeypatch)

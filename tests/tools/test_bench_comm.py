@@ -10,9 +10,9 @@ import pytest
 
 from ddp_ft.tools.ladder.bench_comm import CommRow, default_sizes, favoured_size, format_size, parse_size, repeats_at
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sizes_parse_step_and_print_in_binary_units():
@@ -32,7 +32,7 @@ def test_sizes_parse_step_and_print_in_binary_units():
     assert repeats_at(2**28, 20, 2**30) == 4 and repeats_at(4096, 20, 2**30) == 20 and repeats_at(2**30, 20, 2**20) == 3
 
 
-def test_busbw_is_algbw_times_2_n_minus_1_over_n_and_the_favoured_size_is_the_first_near_the_peak():
+def test_busbw_formula_and_favoured_size_near_peak():
     row = CommRow("ring", 4 * 10**9, 4, [2.0, 1.0, 3.0])
     assert row.algbw_gbps == 2.0 and row.busbw_gbps == 3.0  # median 2 s; 2 GB/s x 2(4-1)/4
     rows = [CommRow("ring", n, 2, [n / 1e9 / bw]) for n, bw in ((1, 0.1), (4, 0.85), (16, 1.0), (64, 0.9))]
@@ -41,7 +41,7 @@ def test_busbw_is_algbw_times_2_n_minus_1_over_n_and_the_favoured_size_is_the_fi
 
 
 @pytest.mark.distributed
-def test_bench_comm_runs_under_torchrun_and_writes_its_table_json_and_png(tmp_path):
+def test_runs_under_torchrun_writes_table_json_png(tmp_path):
     out = tmp_path / "bench_comm.json"
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", "--nproc_per_node=2", str(ROOT / "scripts" / "bench_comm.py")]

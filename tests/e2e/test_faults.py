@@ -16,11 +16,11 @@ import pytest
 
 from ddp_ft.report.metrics import read_jsonl
 
-from .helpers.dist_harness import PYTHONPATH, processes_running_with
+from ..helpers.dist_harness import PYTHONPATH, processes_running_with
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.faults]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
@@ -74,7 +74,7 @@ def _root_cause(log: str) -> str:
     return log.split("Root Cause (first observed failure)")[1]
 
 
-def test_a_rank_raising_in_forward_fails_every_restart_and_torchrun_names_it_as_the_root_cause(tmp_path):
+def test_forward_raise_fails_restarts_named_root_cause(tmp_path):
     run, _ = _launch(tmp_path, "forward@2,rank=1,attempt=*", "--max-steps", "3", launcher=("--max-restarts=1",))
     assert run.returncode != 0
     cause = _root_cause(run.stderr)
@@ -88,14 +88,14 @@ def test_a_rank_raising_in_forward_fails_every_restart_and_torchrun_names_it_as_
     )
 
 
-def test_a_rank_raising_in_backward_stops_both_ranks_and_torchrun_names_it(tmp_path):
+def test_backward_raise_stops_both_ranks_and_is_named(tmp_path):
     run, _ = _launch(tmp_path, "backward@2,rank=0", "--max-steps", "3")
     assert run.returncode != 0
     cause = _root_cause(run.stderr)
     assert "rank      : 0 (local_rank: 0)" in cause and "injected fault: backward failed at step 2 on rank 0" in cause
 
 
-def test_a_rank_failing_to_load_data_stops_the_trainer_recipe_and_accelerate_launch_names_it(tmp_path):
+def test_data_load_failure_stops_recipe_and_is_named(tmp_path):
     run, _ = _launch(tmp_path, "data@2,rank=1", "--max-steps", "3", recipe=True)
     assert run.returncode != 0
     cause = _root_cause(run.stderr)
@@ -104,7 +104,7 @@ def test_a_rank_failing_to_load_data_stops_the_trainer_recipe_and_accelerate_lau
     )
 
 
-def test_a_stuck_rank_brings_the_job_down_after_ddp_timeout_and_the_waiting_rank_names_the_setting(tmp_path):
+def test_stuck_rank_ends_job_after_ddp_timeout_named(tmp_path):
     """Rank 1 stops making progress in step 2; rank 0 waits in the step's all-reduce until --ddp-timeout (3 s) and fails
     naming the bucket and the setting; torchrun then stops the stuck rank. (The injected hang dies of that SIGTERM; a
     rank stuck inside a collective or a kernel never runs its stop handler and is SIGKILLed 30 s later: torchrun's
@@ -117,7 +117,7 @@ def test_a_stuck_rank_brings_the_job_down_after_ddp_timeout_and_the_waiting_rank
     assert elapsed < 90, elapsed  # startup (15-30 s here) + 1 step + 3 s timeout, with margin for load
 
 
-def test_sigusr1_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint_and_exit_0(tmp_path):
+def test_sigusr1_to_one_rank_stops_both_at_one_step(tmp_path):
     """Rank 1 alone gets SIGUSR1 in step 2 (torchrun is not signalled). A rank that acted on its own flag would leave
     the other waiting in a collective: --ddp-timeout 10 makes that fail in seconds, not at the test's timeout."""
     run, _ = _launch(tmp_path, "sigusr1-self@2,rank=1", "--max-steps", "6", "--ddp-timeout", "10")
@@ -129,7 +129,7 @@ def test_sigusr1_to_one_rank_stops_both_at_the_same_step_with_one_checkpoint_and
     assert not [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["type"] == "eval"]
 
 
-def test_sigusr1_to_one_rank_stops_the_trainer_recipe_on_both_at_the_same_step_with_one_checkpoint_and_exit_0(
+def test_sigusr1_to_one_rank_stops_recipe_at_one_step(
     tmp_path,
 ):
     """The Trainer's agreement: rank 1 alone gets SIGUSR1 in step 2 (the launcher is not signalled, so rank 0 learns

@@ -4,7 +4,7 @@ heading there when it names one; the settings table the Accelerate API page poin
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 UPSTREAM_TESTS = {"test_ddp_comm_hook.py", "test_distributed_data_loop.py", "test_sft.py"}  # the peers' suites
@@ -27,7 +27,7 @@ def _section(page: Path, anchor: str) -> str | None:
     return "\n".join(lines[found:]) if found is not None else None
 
 
-def test_every_relative_link_names_an_existing_file_and_heading():
+def test_every_relative_link_finds_file_and_heading():
     broken = []
     for page in PAGES:
         for link in LINK.findall(page.read_text()):
@@ -40,7 +40,7 @@ def test_every_relative_link_names_an_existing_file_and_heading():
     assert not broken, broken
 
 
-def test_the_accelerate_api_page_links_to_the_settings_table_where_it_is():
+def test_accelerate_api_links_to_the_settings_table():
     """It pointed at "the README's settings table", which moved to docs/integrations.md, the page the API table is
     on now."""
     api = _section(ROOT / "docs" / "integrations.md", "every-api-that-special-cases-torch-ddp")
@@ -55,7 +55,7 @@ def _flags(text: str) -> set[str]:
     return set(re.findall(r"(--[a-z][a-z0-9-]+)", text))
 
 
-def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_that_exist():
+def test_readme_installs_from_clone_with_real_extras():
     """`pip install "ddp_ft[trl]"` (the old README) fails: ddp_ft is not on the registry. The README's install section,
     before the Quickstart, installs from a clone, and every extra it or a docs page names is one pyproject defines."""
     import tomllib
@@ -72,7 +72,7 @@ def test_the_readme_first_screen_says_how_to_install_from_a_clone_with_extras_th
             assert set(named.split(",")) <= extras, (page.name, named)
 
 
-def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
+def test_readme_describes_own_data_with_real_flags():
     """Your own data was undocumented (columns, instruction, eval split, truncation): the README's first screen
     says each, and every flag it or docs/own_data.md's data and model sections name is one `ddp-ft train --help`
     lists."""
@@ -91,21 +91,27 @@ def test_the_readme_says_what_your_own_data_looks_like_with_flags_that_exist():
 
 def test_every_test_the_docs_cite_exists():
     """The docs back their claims with tests by name (`test_x.py`, `test_x.py::test_name`, a name cut short with
-    `...`): each named file exists and holds the named test, so a claim cannot outlive its test."""
+    `...`, or the file with its folder under tests/: `ddp/test_x.py`): a file named by its basename is found in any
+    folder of tests/, and each named file holds the named test, so a claim cannot outlive its test."""
     missing = []
     for page in PAGES:
-        for file, name, cut in re.findall(r"(test_\w+\.py)(?:::(test_\w+)(\.\.\.|…)?)?", page.read_text()):
-            path = ROOT / "tests" / file
-            if file in UPSTREAM_TESTS:
+        cited = re.findall(r"((?:[\w.]+/)*test_\w+\.py)(?:::(test_\w+)(\.\.\.|…)?)?", page.read_text())
+        for file, name, cut in cited:
+            if file.rpartition("/")[2] in UPSTREAM_TESTS:
                 continue
-            if not path.is_file():
+            cited_path = file.rpartition("tests/")[2]  # `tests/test_x.py` cites the basename, as `test_x.py` does
+            if "/" in cited_path:
+                path = ROOT / "tests" / cited_path
+            else:
+                path = next(ROOT.joinpath("tests").rglob(cited_path), None)
+            if path is None or not path.is_file():
                 missing.append(f"{page.name}: {file}")
             elif name and not re.search(f"def {name}" + ("" if cut else r"\b"), path.read_text()):
                 missing.append(f"{page.name}: {file}::{name}")
     assert not missing, missing
 
 
-def test_the_docs_map_reaches_every_page_and_starts_from_the_tasks():
+def test_docs_map_reaches_every_page_from_the_tasks():
     """docs/README.md is the map a newcomer opens first: every page of docs/ is linked from it, and it starts from the
     tasks (own data, own model, own script, several GPUs and nodes, a GPU report, a failed run, the guarantees)."""
     map_page = ROOT / "docs" / "README.md"

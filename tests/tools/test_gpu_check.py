@@ -20,9 +20,9 @@ from ddp_ft.tools.gpu_check import (
 )
 from ddp_ft.training.model.precision import Precision, choose_precision
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 SMALLEST = ["--seq-len", "16", "--micro-batch", "1", "--grad-accum", "2", "--warmup-steps", "0", "--steps", "1"]
 CHECKS = ["dtype", "grads_equal_torch_ddp", "no_sync", "qlora_run"]
@@ -36,7 +36,7 @@ def _run(args: list[str], env: dict | None = None, timeout: float = 300) -> subp
 
 
 @pytest.mark.distributed
-def test_gpu_check_passes_on_two_cpu_processes_and_reports_every_check(tmp_path):
+def test_passes_on_two_cpu_processes_reporting_all(tmp_path):
     out = tmp_path / "gpu_check.json"
     run = _run(["--device", "cpu", "--world-sizes", "2", *SMALLEST, "--out", str(out)])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -60,7 +60,7 @@ def test_gpu_check_passes_on_two_cpu_processes_and_reports_every_check(tmp_path)
 
 
 @pytest.mark.distributed
-def test_a_gradient_differing_from_torch_ddp_fails_the_check_and_the_exit_status(tmp_path):
+def test_gradient_unlike_torch_ddp_fails_check_exit(tmp_path):
     """The comparison bites: a BucketedDDP gradient off by its largest value (injected after the reduction, test-only
     variable) is a FAIL row and exit status 1, on the one-process path (its own group of one)."""
     out = tmp_path / "gpu_check.json"
@@ -83,7 +83,7 @@ def test_one_process_then_two_where_two_devices_exist():
         plan_world_sizes("cuda", 1, [2])
 
 
-def test_processes_share_one_gpu_only_over_gloo_and_only_when_one_is_visible():
+def test_one_visible_gpu_is_shared_only_over_gloo():
     assert plan_world_sizes("cuda", 1, [2], backend="gloo") == [2]  # both ranks on cuda:0
     with pytest.raises(ValueError, match="--backend gloo with one GPU visible"):
         plan_world_sizes("cuda", 1, [2], backend="auto")  # NCCL refuses two ranks on one GPU
@@ -95,19 +95,19 @@ def test_processes_share_one_gpu_only_over_gloo_and_only_when_one_is_visible():
 
 
 @pytest.mark.parametrize(("capability", "reported", "name"), [((7, 5), True, "float16"), ((8, 0), True, "bfloat16")])
-def test_the_dtype_check_passes_the_choice_the_card_supports(capability, reported, name):
+def test_dtype_check_passes_the_cards_supported_choice(capability, reported, name):
     check = check_dtype(choose_precision("auto", "cuda", capability), "auto", capability, reported)
     assert check.passed and check.values["dtype"] == name
     assert ("emulated: not used" in check.detail) == (capability < (8, 0))
 
 
-def test_the_dtype_check_fails_bfloat16_below_compute_capability_8():
+def test_dtype_check_fails_bfloat16_below_sm80():
     forged = Precision(torch.bfloat16, "cuda", "forged")
     assert not check_dtype(forged, "auto", (7, 0), True).passed
     assert not check_dtype(forged, "bfloat16", (7, 5), True).passed
 
 
-def test_a_check_failing_on_one_rank_fails_the_row_and_a_crashed_phase_fails_the_verdict():
+def test_rank_failure_fails_row_crash_fails_verdict():
     row = {"name": "no_sync", "passed": True, "detail": "fine", "values": {}}
     merged = merge_ranks([[row], [{**row, "passed": False, "detail": "2 all-reduces"}]])
     assert merged == [{**row, "passed": False, "detail": "rank 1: 2 all-reduces"}]

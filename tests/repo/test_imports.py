@@ -13,9 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HF_LIBRARIES = {"transformers", "peft", "datasets", "accelerate", "bitsandbytes", "wandb"}
 RUN_MODULES = {
     "ddp_ft.training.data",
@@ -49,7 +49,7 @@ def test_import_ddp_needs_only_torch():
     assert not _tools(modules), f"ddp_ft.ddp imported {_tools(modules)}"
 
 
-def test_import_integrations_leaves_out_the_model_data_and_settings_modules():
+def test_import_integrations_skips_run_modules():
     modules = _imported_by("import ddp_ft.integrations")
     assert {"ddp_ft.integrations.trainer", "ddp_ft.integrations.accelerate", "transformers", "accelerate"} <= modules
     assert not modules & RUN_MODULES, f"ddp_ft.integrations imported {sorted(modules & RUN_MODULES)}"
@@ -75,7 +75,7 @@ assert not any(added), f"warning filters, bitsandbytes' logger filters, root han
 """
 
 
-def test_importing_ddp_ft_leaves_warning_filters_and_logging_untouched():
+def test_import_leaves_warnings_and_logging_untouched():
     """On a launched rank above 0 too, where the entry points' explicit call would hold notices back."""
     env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RANK": "1"}
     run = subprocess.run(

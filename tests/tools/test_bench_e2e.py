@@ -10,7 +10,7 @@ import pytest
 
 from ddp_ft.tools.bench_e2e import cli, runs, summary, table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 bench_e2e = SimpleNamespace(
     _command=runs.command,
     run_config=runs.run_config,
@@ -23,7 +23,7 @@ bench_e2e = SimpleNamespace(
 )
 
 
-def test_a_pair_is_two_single_processes_and_ddp_one_two_rank_launch_on_the_same_settings(tmp_path):
+def test_pair_is_two_singles_ddp_one_two_rank_launch(tmp_path):
     pair = bench_e2e._command("pair-loop", tmp_path, "m.jsonl", 16)
     ddp = bench_e2e._command("ddp-loop", tmp_path, "m.jsonl", 16)
     assert len(pair) == 2 and len(ddp) == 1
@@ -40,7 +40,7 @@ def test_a_pair_is_two_single_processes_and_ddp_one_two_rank_launch_on_the_same_
     assert "--source" not in recipe_ddp
 
 
-def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_data_set():
+def test_table_gives_ddp_over_pair_and_no_wait_ratio():
     t = {"median": 100.0, "min": 90.0, "max": 110.0, "all": []}
     result = {
         "command": "python scripts/bench_e2e.py",
@@ -72,7 +72,7 @@ def test_the_table_gives_ddp_over_the_pair_and_the_ratio_had_no_rank_waited_per_
     assert table.endswith("(what the code and the machine cost): mixed ddp-loop 0.999 (0.978..1.020)")
 
 
-def test_a_baseline_run_launches_the_other_checkouts_scripts_and_the_table_pairs_it_with_this_ones(tmp_path):
+def test_baseline_runs_other_checkout_and_pairs_it(tmp_path):
     base = tmp_path / "base"
     (recipe,) = bench_e2e._command("ddp-recipe@base", tmp_path, None, 8, root=base)
     assert recipe[3] == str(base / "accelerate_configs/2cpu_gloo.yaml") and recipe[4] == str(
@@ -108,9 +108,7 @@ def test_a_baseline_run_launches_the_other_checkouts_scripts_and_the_table_pairs
     )
 
 
-def test_a_baseline_that_is_not_another_checkout_or_would_go_unused_is_refused_before_any_run(
-    tmp_path, monkeypatch, capsys
-):
+def test_bad_or_unused_baseline_refused_before_runs(tmp_path, monkeypatch, capsys):
     for baseline in (tmp_path, ROOT):
         monkeypatch.setattr("sys.argv", ["bench_e2e.py", "--baseline", str(baseline)])
         with pytest.raises(SystemExit):
@@ -145,7 +143,7 @@ def _records(world_size: int, steps: list[tuple[float, float, float]], tokens: i
     return rows
 
 
-def test_step_parts_splits_two_ranks_steps_into_compute_and_the_mean_wait_for_the_slower_rank():
+def test_step_parts_split_compute_and_mean_wait():
     # first step (warm-up) left out; then the slower rank computes 120 ms, the faster 80: they wait 20 ms on average
     parts = bench_e2e.step_parts(_records(2, [(900.0, 100.0, 1.0), (120.0, 80.0, 0.13), (120.0, 80.0, 0.13)]))
     assert parts["compute_ms_per_1k_tokens"] == pytest.approx(100.0)  # mean 100 ms for each rank's 1,000 tokens
@@ -159,7 +157,7 @@ def test_step_parts_splits_two_ranks_steps_into_compute_and_the_mean_wait_for_th
         bench_e2e.step_parts(_records(4, [(1.0, 1.0, 1.0)]))
 
 
-def test_the_plan_ceiling_is_one_when_every_sample_fills_the_sequence_and_below_one_for_mixed_lengths(tmp_path):
+def test_plan_ceiling_1_if_full_below_1_mixed_lengths(tmp_path):
     from ddp_ft.training.data.synthetic import write_mixed_length_meetings
 
     assert bench_e2e.plan_ceiling(None, 16, tmp_path / "tiny") == 1.0  # the tiny preset: every sample 256 tokens
@@ -177,7 +175,7 @@ def _run_json(max_steps: int, ratios: dict[str, dict[str, list[float]]], ceiling
     return {"settings": {"max_steps": max_steps}, "summary": summary}
 
 
-def test_pooled_runs_give_every_repeat_per_data_set_and_entry_and_how_many_reach_the_target():
+def test_pool_gives_every_repeat_and_count_at_target():
     first = _run_json(16, {"mixed": {"loop": [0.90, 0.96], "recipe": [0.97]}}, {"mixed": 0.97})
     second = _run_json(16, {"mixed": {"loop": [0.99]}, "tiny": {"loop": [0.94]}}, {})  # an older run: no ceiling
     pooled = bench_e2e.pool([first, second])
@@ -197,7 +195,7 @@ def test_runs_of_different_lengths_are_not_pooled():
 
 
 @pytest.mark.parametrize("extra", [["--plan-ceiling"], ["--baseline", str(ROOT)]])
-def test_pool_with_a_setting_it_would_not_use_is_refused(tmp_path, extra, monkeypatch, capsys):
+def test_pool_refuses_a_setting_it_would_not_use(tmp_path, extra, monkeypatch, capsys):
     run = tmp_path / "run.json"
     run.write_text(json.dumps(_run_json(16, {"tiny": {"loop": [1.0]}}, {})))
     monkeypatch.setattr(sys, "argv", ["bench_e2e.py", "--pool", str(run), *extra])
@@ -223,7 +221,7 @@ def test_pool_reads_runs_from_the_command_line(tmp_path, monkeypatch, capsys):
         (["--plan-ceiling"], ["--configs", "ddp-loop", "--out", "x.json"], "--configs, --out"),
     ],
 )
-def test_a_mode_that_runs_nothing_refuses_the_flags_it_would_not_use(tmp_path, mode, extra, named, monkeypatch, capsys):
+def test_a_mode_running_nothing_refuses_unused_flags(tmp_path, mode, extra, named, monkeypatch, capsys):
     """--pool and --plan-ceiling run no benchmark: a --repeats, --configs or --out given with them is refused by name
     (before, they were silently ignored), and nothing is written."""
     run = tmp_path / "run.json"
@@ -236,7 +234,7 @@ def test_a_mode_that_runs_nothing_refuses_the_flags_it_would_not_use(tmp_path, m
     assert f"would not use {named}" in err, err
 
 
-def test_the_stock_peers_launch_the_same_recipe_with_the_stock_trainer_and_only_their_own_flags_differ(tmp_path):
+def test_stock_peers_launch_same_recipe_own_flags_only(tmp_path):
     (ours,) = runs.command("ddp-recipe", tmp_path, "m.jsonl", 16)
     (stock,) = runs.command("stock-recipe", tmp_path, "m.jsonl", 16)
     (off,) = runs.command("stock-recipe-unused-off", tmp_path, "m.jsonl", 16)
@@ -256,7 +254,7 @@ def test_the_stock_peers_launch_the_same_recipe_with_the_stock_trainer_and_only_
     assert runs.CONFIGS["stock-trl"].stock and not runs.CONFIGS["ddp-trl"].stock
 
 
-def test_the_dpo_runs_launch_one_module_on_two_processes_and_only_the_trainer_and_order_differ(tmp_path):
+def test_dpo_runs_differ_only_in_trainer_and_order(tmp_path):
     from ddp_ft.tools.bench_e2e import dpo
 
     (ours,) = runs.command("ddp-dpo", tmp_path, "m.jsonl", 16)
@@ -291,7 +289,7 @@ def _result(tokens_per_s: float, wall: float | None, losses: list[float], eval_l
     }
 
 
-def test_ddp_ft_over_stock_is_paired_within_each_repeat_and_the_chain_multiplies_to_it():
+def test_over_stock_paired_per_repeat_chain_multiplies():
     curve = [2.0, 1.8, 1.7, 1.65, 1.6, 1.62, 1.58, 1.6]
     noisy = [2.0, 1.81, 1.69, 1.66, 1.61, 1.6, 1.59, 1.61]
     # two repeats on a host whose speed halves between them: the paired ratios stay put
@@ -324,7 +322,7 @@ def test_ddp_ft_over_stock_is_paired_within_each_repeat_and_the_chain_multiplies
     )
 
 
-def test_the_loss_check_tells_other_training_from_the_same_training():
+def test_loss_check_tells_other_training_from_same():
     curve = [2.0, 1.8, 1.7, 1.65, 1.6, 1.62, 1.58, 1.6]
     off_by_a_bit = [x * 1.001 for x in curve]
     assert not summary.loss_check(_result(1, 1, off_by_a_bit), _result(1, 1, curve), exact=True)["same"]
@@ -335,7 +333,7 @@ def test_the_loss_check_tells_other_training_from_the_same_training():
     assert not summary.loss_check(_result(1, 1, curve[:4]), _result(1, 1, curve), exact=False)["same"]
 
 
-def test_wall_tokens_per_s_counts_every_second_between_the_first_steps_end_and_the_last_and_stock_has_no_split():
+def test_wall_tokens_per_s_spans_first_to_last_step():
     records = [{"type": "config", "world_size": 2}]
     for step, elapsed in enumerate([5.0, 6.0, 7.5, 8.0], 1):
         records.append({"type": "train", "step": step, "tokens": 1000, "step_time_s": 0.4, "elapsed_s": elapsed})
@@ -349,7 +347,7 @@ def test_wall_tokens_per_s_counts_every_second_between_the_first_steps_end_and_t
     assert runs.wall_tokens_per_s([{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]) is None
 
 
-def test_the_picture_labels_a_ddp_bar_with_ddp_over_pair_and_a_stock_bar_with_ddp_ft_over_it(tmp_path):
+def test_picture_labels_ddp_and_stock_bars_by_ratio(tmp_path):
     curve = [2.0, 1.8, 1.7, 1.6]
     by_config = {
         "pair-recipe": [_result(200, 190, curve)],

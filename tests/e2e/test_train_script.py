@@ -11,13 +11,13 @@ import torch
 
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from .helpers.dist_harness import PYTHONPATH
-from .helpers.meetings import write_chat_meetings, write_mixed_length_meetings
-from .training.test_checkpoint import _trainer_checkpoint
+from ..helpers.dist_harness import PYTHONPATH
+from ..helpers.meetings import write_chat_meetings, write_mixed_length_meetings
+from ..training.test_checkpoint import _trainer_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
@@ -50,7 +50,7 @@ def reference_run(tmp_path_factory) -> Path:
     return tmp_path / "run"
 
 
-def test_torchrun_two_processes_trains_loss_goes_down_and_saved_adapter_reproduces_eval_loss(reference_run, tmp_path):
+def test_two_ranks_learn_and_saved_adapter_reproduces(reference_run, tmp_path):
     out = reference_run
     config = _records(out, "config")
     assert len(config) == 1 and config[0]["world_size"] == 2 and config[0]["accumulation"] == 2
@@ -117,7 +117,7 @@ def _adapter(checkpoint: Path) -> dict:
 
 
 @pytest.mark.faults
-def test_a_kill_mid_save_an_elastic_restart_and_a_sigterm_lose_no_step_and_repeat_none(reference_run, tmp_path):
+def test_kill_restart_sigterm_lose_and_repeat_no_step(reference_run, tmp_path):
     """torchrun --max-restarts=1, 8 steps, a checkpoint every 2, LoRA dropout on. Attempt 0: rank 0 is SIGKILLed
     half-way through writing checkpoint 4; rank 1 fails in the save's barrier; torchrun restarts both. Attempt 1
     removes the partial folder, resumes from checkpoint 2 with no flag, and at step 5 rank 0 sends SIGTERM to torchrun,
@@ -175,7 +175,7 @@ def _checkpoint(output_dir: Path, step: int) -> Path:
     return path
 
 
-def test_one_and_two_processes_follow_the_same_loss_curve_and_resume_on_each_others_checkpoints(tmp_path):
+def test_one_and_two_ranks_share_curve_and_checkpoints(tmp_path):
     """The effective-batch guarantee end to end, on variable-length data (61 training samples, 7 steps of 8 per
     epoch, 9 steps: the run crosses into epoch 1). 1 process (accumulation 4) and 2 processes (accumulation 2) see
     the same non-padding tokens each step and follow the same loss curve to summation-order rounding (measured:
@@ -216,7 +216,7 @@ def test_one_and_two_processes_follow_the_same_loss_curve_and_resume_on_each_oth
                 assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (run, full, a["step"])
 
 
-def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_the_batch_leaves_a_remainder(
+def test_uneven_epoch_same_steps_on_one_and_two_ranks(
     tmp_path,
 ):
     """7 training samples, effective batch 2: floor(7 / 2) = 3 steps per epoch on 1 and on 2 processes, the trailing
@@ -261,7 +261,7 @@ def test_an_epoch_has_the_same_steps_and_samples_on_one_and_two_processes_when_t
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
 
 
-def test_two_process_runs_leave_a_trainer_checkpoint_alone(reference_run, tmp_path):
+def test_two_rank_runs_leave_trainer_checkpoint_alone(reference_run, tmp_path):
     """The loop and the HF Trainer share the default output folder: under torchrun the loop prunes only its own
     checkpoints (--save-total-limit 2 kept 6 and 8 of 2, 4, 6, 8) and leaves the Trainer's checkpoint-1 as it was;
     ``--resume`` pointed at one is refused before training, naming it (``test_bad_input``)."""
@@ -281,7 +281,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_loopback_keep_global_and_local_rank_apart(tmp_path):
+def test_two_nodes_keep_global_and_local_rank_apart(tmp_path):
     out = tmp_path / "run"
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [
@@ -326,7 +326,7 @@ def test_two_nodes_on_loopback_keep_global_and_local_rank_apart(tmp_path):
     assert len(list(out.glob("ddp_ft-checkpoint-*"))) == 1
 
 
-def test_chat_data_packed_trains_alike_on_one_and_two_processes(tmp_path):
+def test_packed_chat_trains_alike_on_one_and_two_ranks(tmp_path):
     """Multi-turn chats (``messages``), packed and balanced: 2 processes and 1 see the same tokens each step and
     follow the same loss curve, and 1 process resumes on the 2-process checkpoint with the uninterrupted run's
     losses. The data path after formatting is the pair format's, so every guarantee it has holds for chats."""

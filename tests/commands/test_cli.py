@@ -16,9 +16,9 @@ from ddp_ft.report.metrics import read_jsonl
 from ddp_ft.training.checkpoint import DATA_FILE, FINAL_DIR
 from ddp_ft.training.config import RUN_CONFIG, parse_settings
 
-from .helpers.dist_harness import PYTHONPATH
+from ..helpers.dist_harness import PYTHONPATH
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
@@ -36,7 +36,7 @@ def _run(command: list[str], cwd: Path, timeout: int = 300) -> subprocess.Comple
     return subprocess.run(command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-def test_ddp_ft_help_lists_every_subcommand_with_its_line(tmp_path):
+def test_help_lists_every_subcommand_with_its_line(tmp_path):
     run = _run([sys.executable, "-m", "ddp_ft", "--help"], tmp_path, timeout=60)  # ddp_ft/__main__.py
     assert run.returncode == 0, run.stderr
     for name in cli.SUBCOMMANDS:
@@ -97,7 +97,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["forecast", "run", "--nproc", "2", "--probe", "p"], "--probe is read by --link measured"),
     ],
 )
-def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(argv, needle, capsys, monkeypatch):
+def test_wrong_input_names_setting_before_workers(argv, needle, capsys, monkeypatch):
     monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail(f"launched {a}"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as error:
@@ -106,7 +106,7 @@ def test_wrong_input_is_an_error_naming_the_setting_before_any_worker_starts(arg
     assert needle in capsys.readouterr().err
 
 
-def test_a_model_folder_without_tokenizer_or_an_unwritable_output_dir_fails_first(tmp_path, capsys, monkeypatch):
+def test_no_tokenizer_or_unwritable_output_fails_first(tmp_path, capsys, monkeypatch):
     """Refused by ddp-ft itself, naming the folder and the fix, where the ranks failed after their start-up."""
     monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail(f"launched {a}"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -141,7 +141,7 @@ def _refusal(model_folder: Path) -> ValueError:
     return error.value
 
 
-def test_a_model_folder_without_tokenizer_ends_ddp_ft_in_seconds_with_no_worker(tmp_path):
+def test_no_tokenizer_ends_in_seconds_with_no_worker(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     command = [sys.executable, "-m", "ddp_ft.commands.cli", "train", "--model-name-or-path", "model", "--nproc", "2"]
@@ -157,7 +157,7 @@ def test_a_model_folder_without_tokenizer_ends_ddp_ft_in_seconds_with_no_worker(
         ("lora_dropout: 3\n", "lora_dropout=3.0: must be in [0, 1); e.g. lora_dropout=0.05"),  # the range check
     ],
 )
-def test_a_config_error_is_one_line_and_a_pointer_to_help_not_the_usage(config, needle, tmp_path, capsys):
+def test_config_error_is_one_line_pointing_to_help(config, needle, tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text(config)
     with pytest.raises(SystemExit) as error:
         cli.main(["train", "--config", str(tmp_path / "bad.yaml"), "--nproc", "2"])
@@ -174,7 +174,7 @@ def test_nproc_help_says_its_default_once(capsys):
     assert "WORLD_SIZE. Default: 1" in text and "(default: None)" not in text
 
 
-def test_nproc_is_taken_off_the_workers_command_line_and_the_agent_forwards_sigusr1_too():
+def test_nproc_off_worker_argv_and_sigusr1_forwarded():
     assert cli.strip_option(["--a", "1", "--nproc", "2", "--b", "--nproc=3"], "--nproc") == ["--a", "1", "--b"]
     args = launcher.torchrun_args("ddp_ft.commands.train", 2, ["--preset", "tiny"])
     assert args == [
@@ -190,7 +190,7 @@ def test_nproc_is_taken_off_the_workers_command_line_and_the_agent_forwards_sigu
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_that_reruns_it(tmp_path):
+def test_train_from_config_writes_a_rerunnable_config(tmp_path):
     flags = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--max-steps", "2", "--save-every", "0"]
     flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4"]
     run = _run([sys.executable, "-m", "ddp_ft.commands.cli", "train", "--nproc", "2", *flags], tmp_path)
@@ -210,7 +210,7 @@ def test_train_from_a_config_file_on_two_ranks_writes_metrics_and_a_run_config_t
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_recipe_with_nproc_two_trains_two_ranks_with_bucketed_ddp_not_two_copies(tmp_path):
+def test_recipe_nproc_2_is_bucketed_ddp_not_two_copies(tmp_path):
     flags = ["--preset", "tiny", "--max-steps", "1", "--save-every", "0", "--report-to", "none"]
     run = _run(
         [sys.executable, "-m", "ddp_ft.commands.cli", "recipe", "--nproc", "2", *flags, "--output-dir", "out"], tmp_path
@@ -224,7 +224,7 @@ def test_recipe_with_nproc_two_trains_two_ranks_with_bucketed_ddp_not_two_copies
 
 
 @pytest.mark.distributed
-def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_path):
+def test_doctor_on_two_cpu_ranks_prints_one_table(tmp_path):
     command = [
         TORCHRUN,
         "--standalone",
@@ -250,7 +250,7 @@ def test_doctor_under_torchrun_on_two_cpu_ranks_passes_and_prints_one_table(tmp_
 
 
 @pytest.mark.distributed
-def test_doctor_started_as_one_process_when_two_are_expected_prints_the_fix_and_exits_1(tmp_path):
+def test_doctor_one_of_two_processes_prints_fix_exit_1(tmp_path):
     """The common slip: ``python ...`` where ``torchrun`` was meant (one process, no launcher variables)."""
     command = [sys.executable, "-m", "ddp_ft.commands.cli", "doctor", "--nproc", "1", "--expect-world-size", "2"]
     run = _run([*command, "--sizes", "4K"], tmp_path, timeout=120)
@@ -260,7 +260,7 @@ def test_doctor_started_as_one_process_when_two_are_expected_prints_the_fix_and_
     assert "1 check(s) failed." in run.stdout
 
 
-def test_doctor_checks_name_the_fix_for_accelerate_seeing_one_process_and_two_ranks_on_one_gpu():
+def test_doctor_names_fix_for_lone_process_shared_gpu():
     seen_one = doctor.check_accelerate(2, 1, environ={"WORLD_SIZE": "2", "RANK": "1"})
     assert not seen_one.ok and "rank 1 of WORLD_SIZE=2" in seen_one.fix and "cpu=True" in seen_one.fix
     other = doctor.check_accelerate(4, 2, environ={"WORLD_SIZE": "4"})
@@ -277,7 +277,7 @@ def test_doctor_checks_name_the_fix_for_accelerate_seeing_one_process_and_two_ra
 
 
 @pytest.mark.distributed
-def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_its_results(tmp_path):
+def test_bench_comm_runs_its_module_under_torchrun(tmp_path):
     out = tmp_path / "comm.json"
     flags = ["--sizes", "4K", "--repeats", "1", "--warmup", "0", "--device", "cpu", "--out", str(out)]
     run = _run([sys.executable, "-m", "ddp_ft.commands.cli", "bench-comm", *flags], tmp_path, timeout=120)  # --nproc: 2
@@ -285,7 +285,7 @@ def test_bench_comm_subcommand_starts_torchrun_on_its_package_module_and_writes_
     assert "| 4 KiB |" in run.stdout and out.exists() and out.with_suffix(".png").exists()
 
 
-def test_a_rank_killed_or_exiting_without_a_traceback_is_named_by_its_signal_or_exit_status(tmp_path):
+def test_silent_rank_death_named_by_signal_or_status(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     killed = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file=str(tmp_path / "none.json"))
@@ -299,7 +299,7 @@ def test_a_rank_killed_or_exiting_without_a_traceback_is_named_by_its_signal_or_
     assert line == "ddp-ft doctor: rank 0 failed: exit status 1 (no traceback recorded: see the output above)"
 
 
-def test_nproc_1_gets_the_threads_torchrun_gives_each_of_nproc_2(tmp_path, monkeypatch):
+def test_nproc_1_gets_the_threads_of_each_nproc_2_rank(tmp_path, monkeypatch):
     """torchrun sets OMP_NUM_THREADS=1 for N > 1 workers when it is unset, and nothing for one; ddp-ft gives one
     process the same, so the two runs of compare's --help compare. A user's OMP_NUM_THREADS is kept."""
     from torch.distributed.run import config_from_args

@@ -21,7 +21,7 @@ from ddp_ft.tools.ladder.rungs import RUNGS, accumulate, build_rung
 from ddp_ft.tools.ladder.timeline import Timeline
 from tests.helpers.dist_harness import PYTHONPATH, run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 HOOK_ORDER_RUNGS = {"hooks_blocking", "hooks_async", "hook_order_buckets"}
 CAPS = {"bucket_cap_mb": 1100 / 2**20, "first_bucket_cap_mb": 1100 / 2**20}  # about one 16x16 weight per bucket
@@ -92,7 +92,7 @@ def _both_cases(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     }
 
 
-def test_rungs_match_the_global_batch_unless_they_pair_gradients_by_hook_firing_order():
+def test_rungs_match_global_batch_unless_hook_paired():
     results = run_distributed(_both_cases, world_size=2)
     for rank, result in enumerate(results):
         same, routed = result["same_order"], result["rank_dependent_order"]
@@ -122,7 +122,7 @@ def _run_script(tmp_path: Path, script: str, *args: str) -> subprocess.Completed
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_each_sends(tmp_path):
+def test_script_measures_every_rung_and_bytes_sent(tmp_path):
     out = tmp_path / "ladder.json"
     run = _run_script(tmp_path, "ladder.py", "--repeats", "2", "--steps", "1", "--out", str(out))
     assert "| BucketedDDP (ddp_ft) |" in run.stdout and "| torch DDP |" in run.stdout
@@ -154,7 +154,7 @@ def test_ladder_script_measures_every_rung_on_both_workloads_and_counts_what_eac
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_bucket_sweep_measures_one_setting_per_distinct_layout_and_auto_after_its_trial(tmp_path):
+def test_bucket_sweep_one_per_layout_then_auto(tmp_path):
     out = tmp_path / "sweep.json"
     args = ("--workloads", "full", "--repeats", "1", "--steps", "1", "--warmup", "1", "--out", str(out))
     _run_script(tmp_path, "bucket_sweep.py", *args, "--caps", "0.01", "1", "1000", "--firsts", "1000")
