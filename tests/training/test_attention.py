@@ -25,23 +25,23 @@ def test_auto_picks_flex_for_rows_of_short_samples():
         ("cuda", True, [100] * 50, lambda name: None, "needs Triton"),
     ],
 )
-def test_auto_keeps_the_default_where_flex_gains_nothing(device, packing, lengths, spec, said):
+def test_auto_keeps_sdpa_where_flex_gains_nothing(device, packing, lengths, spec, said):
     impl, why = resolve_attention("auto", device, packing, lengths, 512, find_spec=spec)
     assert impl is None and said in why
 
 
-def test_a_named_kernel_is_honoured_and_flex_on_cpu_refused():
+def test_named_kernel_kept_flex_on_cpu_refused():
     assert resolve_attention("eager", "cpu", True, [10], 512) == ("eager", "--attention eager")
     with pytest.raises(ValueError, match="--attention flex_attention: torch has no flex attention backward"):
         resolve_attention(FLEX, "cpu", True, [10], 512)
 
 
-def test_samples_per_row_counts_cut_samples_as_full_rows():
+def test_samples_per_row_counts_cut_ones_as_full():
     assert sequences_per_row([4096, 4096], 2048) == 1.0 and sequences_per_row([], 2048) == 1.0
     assert sequences_per_row([256, 768], 2048) == 4.0
 
 
-def test_the_loop_refuses_flex_on_cpu_before_the_model_loads(tmp_path, monkeypatch):
+def test_loop_refuses_flex_on_cpu_before_loading(tmp_path, monkeypatch):
     import ddp_ft.training.setup as setup
     from ddp_ft.training.config import settings_from_preset
     from ddp_ft.training.loop import train
@@ -82,7 +82,7 @@ def _forward(model, packed: bool):
     return model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
 
 
-def test_packed_rows_through_flex_equal_padded_rows_through_sdpa():
+def test_packed_flex_equals_padded_sdpa_forward():
     """On the CPU torch runs flex attention forward only: the logits and the loss of each sequence match."""
     with torch.no_grad():
         padded, packed = _forward(_model("sdpa"), False), _forward(_model(FLEX), True)
@@ -92,7 +92,7 @@ def test_packed_rows_through_flex_equal_padded_rows_through_sdpa():
 
 
 @pytest.mark.cuda
-def test_packed_flex_gradients_equal_padded_sdpa_on_cuda(gpu_environment):
+def test_packed_flex_grads_equal_padded_on_cuda(gpu_environment):
     """The backward half, which torch runs on CUDA only, in a process that sees the GPU."""
     import subprocess
     import sys
