@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-from ddp_ft.tools.bench_gpu.cli import main, parse_args  # noqa: F401  (parse_args: tests)
-from ddp_ft.tools.bench_gpu.models import choose_micro_batch  # noqa: F401  (tests)
-from ddp_ft.tools.bench_gpu.result import micro_batch_auto  # noqa: F401  (tests)
+from ddp_ft.tools.bench_gpu.cli import main
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,6 @@
 model, and the script itself on the CPU with a tiny shape (one process, seconds; no speed asserted)."""
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,9 @@ import pytest
 import torch
 
 from ddp_ft.tools.bench import BENCH_SHAPES, build_random_qwen3, peak_tflops, qlora_training_flops, random_qwen3_name
+from ddp_ft.tools.bench_gpu.cli import parse_args
+from ddp_ft.tools.bench_gpu.models import choose_micro_batch
+from ddp_ft.tools.bench_gpu.result import micro_batch_auto
 from ddp_ft.training.model.memory import QWEN3_4B, Qwen3Shape
 
 from ..helpers.dist_harness import PYTHONPATH
@@ -120,16 +122,13 @@ def test_runs_on_cpu_tiny_shape_writes_table_and_json(tmp_path):
 
 
 def test_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
     for flag, value in [("--micro-batch", "0"), ("--seq-len", "0"), ("--profile-steps", "-1"), ("--repeats", "0")]:
         monkeypatch.setattr(sys, "argv", ["bench_gpu.py", flag, value])
         with pytest.raises(SystemExit):
-            bench_gpu.parse_args()
+            parse_args()
         assert f"argument {flag}: must be >=" in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--micro-batch", "4", "--profile-steps", "0"])
-    args = bench_gpu.parse_args()
+    args = parse_args()
     assert args.micro_batch == 4 and args.profile_steps == 0 and args.warmup == 3
     for argv, error in [
         (["--micro-batch", "2", "--effective-batch", "8"], "--effective-batch and --device-memory-gb go with"),
@@ -138,10 +137,10 @@ def test_refuses_sizes_below_one_naming_the_flag(monkeypatch, capsys):
     ]:
         monkeypatch.setattr(sys, "argv", ["bench_gpu.py", *argv])
         with pytest.raises(SystemExit):
-            bench_gpu.parse_args()
+            parse_args()
         assert error in capsys.readouterr().err
     monkeypatch.setattr(sys, "argv", ["bench_gpu.py", "--micro-batch", "auto", "--effective-batch", "8"])
-    assert bench_gpu.parse_args().micro_batch == "auto"
+    assert parse_args().micro_batch == "auto"
 
 
 def test_micro_batch_auto_is_the_run_settings_choice(tmp_path):
@@ -151,18 +150,15 @@ def test_micro_batch_auto_is_the_run_settings_choice(tmp_path):
     from ddp_ft.distributed import DistInfo
     from ddp_ft.training.model.memory import auto_micro_batch
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "scripts" / "bench_gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
     args = argparse.Namespace(
         compute_dtype="bfloat16", lora_dropout=0.05, seq_len=512, effective_batch=16, device_memory_gb=16.0
     )
-    choice = bench_gpu.choose_micro_batch(args, DistInfo(), QWEN3_4B, tmp_path)
+    choice = choose_micro_batch(args, DistInfo(), QWEN3_4B, tmp_path)
     assert choice == auto_micro_batch(QWEN3_4B, 512, 16, 1, 16_000_000_000, compute_dtype="bfloat16")
     assert 1 < choice.micro_batch < 16 and choice.micro_batch * choice.accumulation == 16
-    summary = bench_gpu.micro_batch_auto(choice, {"bucketed_ddp": {"peak_allocated_gb": choice.expected_peak / 1e9}})
+    summary = micro_batch_auto(choice, {"bucketed_ddp": {"peak_allocated_gb": choice.expected_peak / 1e9}})
     assert summary["measured_over_expected"] == pytest.approx(1.0) and summary["budget_gb"] < 16
-    assert bench_gpu.micro_batch_auto(choice, {"a": {}, "b": {}})["measured_peak_allocated_gb"] is None
+    assert micro_batch_auto(choice, {"a": {}, "b": {}})["measured_peak_allocated_gb"] is None
     args.device_memory_gb = None
     with pytest.raises(ValueError, match="--micro-batch auto fills a GPU's memory"):
-        bench_gpu.choose_micro_batch(args, DistInfo(), QWEN3_4B, tmp_path)
+        choose_micro_batch(args, DistInfo(), QWEN3_4B, tmp_path)
