@@ -1,4 +1,4 @@
-"""Every refused setting and input, one row each (docs/bad_input.md).
+"""Every refused setting and input, one row each (docs/failures.md).
 
 Each row goes through the real entry in process: the command line (``parse_settings``) and then the plain loop
 (``ddp_ft.training.loop.train``), the Trainer recipe's ``build_trainer``, or Accelerate's config checks. Each asserts

@@ -47,7 +47,7 @@ def test_reference_preset_is_the_reference_run():
     assert (s.train.effective_batch, s.train.micro_batch, s.train.epochs) == (16, "auto", 3)  # on the CPU: 1
     assert s.model.compile == "auto" and s.data.packing == "auto"
     assert (s.train.learning_rate, s.train.min_learning_rate, s.data.max_seq_len) == (2e-4, 2e-5, 512)
-    # dropout 0, not the write-up's 0.05: compiled dropout in checkpointed layers crashes Inductor on CUDA (docs/gpu.md)
+    # dropout 0, not the write-up's 0.05: compiled dropout in checkpointed layers crashes Inductor on CUDA (docs/performance.md)
     assert (s.lora.lora_r, s.lora.lora_alpha, s.lora.lora_dropout, s.lora.lora_target_modules) == (
         16,
         32,

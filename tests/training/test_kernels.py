@@ -222,7 +222,7 @@ def test_blockers_old_bnb_checkpointed_lora_dropout():
 
 
 def test_checkpointed_lora_dropout_blocked_cuda_2_11():
-    """Compiled LoRA dropout in checkpointed layers crashed Inductor's partitioner on CUDA torch 2.11 (docs/gpu.md)."""
+    """Compiled LoRA dropout in checkpointed layers crashed Inductor's partitioner on CUDA torch 2.11 (docs/performance.md)."""
     fixed_on_cpu = {"bitsandbytes": (0, 50), "torch": (2, 11)}
     found = compile_blockers(
         CUDA, lora_dropout=0.05, checkpointing=True, find_spec=_installed("triton"), version=fixed_on_cpu.get
