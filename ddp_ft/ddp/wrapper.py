@@ -27,98 +27,45 @@ logger = logging.getLogger(__name__)
 
 
 class BucketedDDP(nn.Module, JoinableDDP):
-    """Data parallelism with fixed gradient buckets whose all-reduces overlap the rest of backward.
+    """Data parallelism with fixed gradient buckets whose all-reduces overlap backward.
 
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` where the knobs mean the same thing,
-    written for parameter-efficient fine-tuning: only trainable parameters are bucketed, broadcast and
-    reduced; a frozen (e.g. 4-bit) base is left alone and only checksummed.
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel``, written for parameter-efficient fine-tuning.
+    Only trainable parameters are bucketed, broadcast and reduced. A frozen base is only checksummed.
 
     Guarantees:
-        * Layout. Trainable parameters are split into buckets in reverse registration order (the order
-          backward produces gradients), by dtype and device: a pure function of the parameter list
-          (:func:`compute_bucket_assignment`), fixed for the life of the wrapper (with ``bucket_cap_mb="auto"``, once
-          the trial has switched every rank to the same choice at the same synced backward). At construction every
-          rank compares names, shapes, dtypes, order and bucket boundaries with rank 0, and SHA-256 digests
-          of the frozen parameters in order, with the quant state of bitsandbytes 4-bit weights
-          (:func:`~ddp_ft.ddp.checksum.frozen_digest`; about 3 s per rank for Qwen3-4B NF4); any difference
-          raises on every rank naming the first differing parameter, instead of a hang or a silent
-          mis-reduction (:mod:`~ddp_ft.ddp.verify`).
-        * Start state. Trainable parameters and buffers are broadcast from rank 0. Afterwards a buffer is
-          re-broadcast only if it changed since the last broadcast (see ``broadcast_buffers``), so a constant
-          buffer such as a rotary ``inv_freq`` costs no meeting point per step.
-        * Memory. Each bucket is one flat buffer. With ``gradient_as_bucket_view`` every ``param.grad``
-          is a view into it, so there is no copy in or out; after ``zero_grad(set_to_none=True)`` the
-          next forward re-attaches zeroed views (:mod:`~ddp_ft.ddp.grad_buffers`).
-        * Equality. When ``loss.backward()`` returns, every gradient is the average over ranks, as with
-          torch DDP: no ``finish()`` call is needed, so HF Trainer and Accelerate work unchanged.
-        * Lifecycle. The gradient hooks hold the wrapper's reducer only weakly: a dropped wrapper is freed with its
-          reducer and its hooks removed, so the module can train alone or be wrapped again; :meth:`remove_hooks`
-          does it at once.
+        * Layout. Buckets follow reverse registration order, fixed for the wrapper's life.
+          Every rank checks its layout and frozen weights against rank 0 (:mod:`~ddp_ft.ddp.verify`).
+        * Start state. Trainable parameters and buffers are broadcast from rank 0.
+        * Memory. With ``gradient_as_bucket_view`` each ``param.grad`` views its bucket's flat buffer.
+        * Equality. When ``loss.backward()`` returns, gradients are averaged over ranks, as in torch DDP.
+        * Lifecycle. Hooks hold the reducer weakly, so a dropped wrapper removes them.
 
-    One synced backward, in phases (phases 2 to 4 are the :class:`~ddp_ft.ddp.reducer.Reducer`'s):
-        1. ``forward`` arms the iteration and puts a gradient hook on its outputs (leaving them untouched,
-           so callers may still modify them in place, as the HF Trainer does with the loss).
-        2. Backward reaches an output: the finalizer is queued on the autograd engine, in the outermost
-           backward pass, so it runs when the whole backward is done, also when reentrant checkpointing
-           runs nested backward passes whose own end would be too early.
-        3. Each trainable parameter's post-accumulate-grad hook marks it ready. When a bucket's last
-           parameter is ready, it and every ready bucket after it are launched, strictly in index order
-           on every rank, as async all-reduces through the comm hook, while backward keeps computing.
-        4. The engine runs the finalizer after the last node: it launches what the unused-parameter
-           policy allows, waits for all futures (this wait is the exposed communication), and copies
-           results back where the hook returned a new tensor or grads are not bucket views.
+    One synced backward:
+        1. ``forward`` arms the iteration and hooks its outputs without changing them.
+        2. Backward reaching an output queues the finalizer on the outermost backward pass.
+        3. A bucket launches when its last parameter is ready, strictly in index order.
+        4. The finalizer waits for all buckets and copies results back where needed.
 
-    A backward pass that accumulates into no parameter, such as ``torch.autograd.grad(loss, inputs,
-    create_graph=True)`` for a gradient penalty, does not end the iteration: the backward that follows
-    (``(loss + penalty).backward()``) reduces, as in torch DDP, whose hooks run only on AccumulateGrad.
-
-    Inside :meth:`no_sync` nothing is communicated: gradients accumulate locally (into the bucket
-    buffers when they are views) and the next synced backward reduces everything accumulated. As in
-    torch DDP, whether a backward syncs is decided by the forward that produced its graph.
-
-    Uneven inputs: inside :meth:`join` (torch's ``Join`` protocol; Accelerate's ``join_uneven_inputs``) a rank out of
-    batches shadows the others' bucket all-reduces with zeros, and the ranks end with the same model, as with torch
-    DDP (:mod:`~ddp_ft.ddp.join`).
+    A backward that accumulates into no parameter, such as ``torch.autograd.grad``, does not end the iteration.
+    As in torch DDP, the forward that built a graph decides whether its backward syncs.
+    Inside :meth:`join`, a rank out of batches shadows the others' all-reduces with zeros.
 
     Args:
-        module (nn.Module): the model; its trainable parameters are the ones with ``requires_grad``.
-        bucket_cap_mb (float | str): bucket size cap in MiB, or ``"auto"``: time a few layouts over the first synced
-            backward passes and keep the fastest, the same on every rank (:mod:`~ddp_ft.ddp.autotune`,
-            :attr:`bucket_choice`). Default: 25.
-        first_bucket_cap_mb (float): cap of the first bucket, kept small so communication starts early in
-            backward. Default: 1.
+        module (nn.Module): the model; parameters with ``requires_grad`` are trained.
+        bucket_cap_mb (float | str): bucket cap in MiB, or ``"auto"`` to time layouts and keep the fastest. Default: 25.
+        first_bucket_cap_mb (float): cap of the first bucket, small so communication starts early. Default: 1.
         gradient_as_bucket_view (bool): make ``param.grad`` a view into the bucket buffer. Default: True.
-        find_unused_parameters (bool): if False, a trainable parameter without a gradient in a synced
-            backward is an error naming it. If True, as in torch DDP: the ranks all-reduce which parameters
-            got a gradient since the last synced backward (one small extra all-reduce per synced backward,
-            not counted in the stats); a parameter used on some rank is averaged (this rank contributing what
-            it accumulated under ``no_sync``, or zero); one used on no rank keeps ``grad=None`` (so the
-            optimizer skips it) or, if it had a gradient before, that gradient. Default: False.
-        broadcast_buffers (bool): broadcast the module's buffers from rank 0 at the first forward after a
-            synced one (and the first forward), i.e. once per optimizer step at its first micro-step, where the
-            ranks have just met in the all-reduce: torch DDP's schedule. A no-grad forward never communicates
-            (torch DDP's may), so evaluation on uneven shards cannot hang. Only the buffers whose version
-            counter (``tensor._version``, bumped by every in-place write) moved since the last broadcast are
-            sent, with the other buffers of their submodule, and none at all if none moved: the values are
-            torch DDP's, without its per-step meeting point for buffers that never change. The submodule rule
-            is there because some kernels write buffers without bumping their version (``batch_norm``
-            updates ``running_mean``/``running_var`` in place unseen; ``num_batches_tracked``, bumped by
-            ``add_``, reveals it). The decision is local, so it assumes what it needs to be
-            the same on every rank: the same code mutates the same buffers on every rank (BatchNorm running
-            stats updated by the same forward, a counter bumped by the same step); a buffer written on one
-            rank only would make the ranks call different collectives. As a guard, each broadcast is preceded
-            by a broadcast of the number of buffers it sends, and a rank whose count differs from rank 0's
-            raises naming the buffers instead of mis-reducing (a rank that sends none while another sends
-            some still waits until the process group's timeout). Writes through ``.data`` or ``set_()`` are not seen, as
-            they do not bump the version. Default: True.
+        find_unused_parameters (bool): allow parameters without a gradient, as in torch DDP. Default: False.
+        broadcast_buffers (bool): broadcast buffers that changed from rank 0, once per optimizer step. Default: True.
         process_group (ProcessGroup | None): group to reduce over. Default: the default group.
 
     Raises:
-        RuntimeError: if no process group is initialised; the parameters are on several devices or not on this
-            process's GPU (``device_map="auto"``), or two ranks share a GPU under NCCL
-            (:mod:`~ddp_ft.ddp.placement`); the layout or frozen weights differ across ranks.
-        ValueError: if the module has no trainable parameters, a cap is not positive, or ``bucket_cap_mb`` is a
-            string other than ``"auto"``.
+        RuntimeError: without a process group, for misplaced parameters, or if ranks differ.
+        ValueError: if nothing is trainable, a cap is not positive, or ``bucket_cap_mb`` is another string.
+
+    Example:
+        >>> model = BucketedDDP(model, bucket_cap_mb="auto")
+        >>> model(**batch).loss.backward()
     """
 
     def __init__(
@@ -132,7 +79,7 @@ class BucketedDDP(nn.Module, JoinableDDP):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self._init_join()  # torch's Join protocol: model.join(), Join([model]) (ddp_ft.ddp.join)
+        self._init_join()  # torch's Join protocol (join.py)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "BucketedDDP needs an initialised process group: call ddp_ft.distributed.init_distributed() "
@@ -157,31 +104,29 @@ class BucketedDDP(nn.Module, JoinableDDP):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: give a number of MiB or {AUTO!r}.")
         self._autotuner = BucketAutotuner(specs, first_bucket_cap_mb, process_group) if bucket_cap_mb == AUTO else None
         if self._autotuner is not None:
-            layout = self._autotuner.initial_layout  # every candidate is a pure function of the verified specs
+            layout = self._autotuner.initial_layout  # candidates are pure functions of the verified specs
         else:
             layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
-        device = model_device(module)  # one whole replica on this rank's device, or an error naming the fix
+        device = model_device(module)  # one whole replica on this rank's device
         verify_across_ranks(module, specs, layout, self.world_size, process_group, device_identity(device))
         # Fixed at construction, as torch DDP's modules_buffers.
         self._module_buffers = list(module.named_buffers())
         self._broadcast_from([*self._params, *(b for _, b in self._module_buffers)])
         self._buffer_versions = [b._version for _, b in self._module_buffers]
 
-        # The per-backward half (readiness, ordered launch, finalizer, abort, unused parameters): see reducer.py.
+        # Per-backward work: see reducer.py.
         self._reducer = Reducer(
             self._names, self._params, layout, process_group, gradient_as_bucket_view, find_unused_parameters
         )
         if self._autotuner is not None:
             self._autotuner.attach(self._reducer)
         self._hook_registered = False
-        # The user's loop, checked at each optimizer step over these parameters (no_sync misuse, wasted syncs).
+        # Checks the user's loop at each optimizer step.
         self._watch = StepWatch(self)
-        # Buffers are broadcast by the first forward after a synced one (see broadcast_buffers). Broadcasting
-        # before the synced micro-step instead adds a second meeting point per step, after the ranks have
-        # drifted apart over the no_sync micro-steps.
+        # Broadcast at the first forward after a synced one, where the ranks have just met.
         self._buffers_need_sync = True
         self._register_state_dict_hook(strip_module_prefix)
-        self._load_prefix = ""  # the prefix of the load in progress (add_module_prefix), for its key report
+        self._load_prefix = ""  # the prefix of the load in progress, for its key report
         self.register_load_state_dict_pre_hook(add_module_prefix)
         self.register_load_state_dict_post_hook(report_keys_unprefixed)
         if self.rank == 0:
@@ -205,7 +150,7 @@ class BucketedDDP(nn.Module, JoinableDDP):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self._watch.on_forward(inputs, kwargs)
-            joining = self._join_config.enable  # in a torch Join over uneven inputs: its round first (join.py)
+            joining = self._join_config.enable  # under torch Join, its round comes first (join.py)
             divisor = self._join_forward(self._buffers_need_sync) if joining else None
             self._reducer.prepare_for_backward(sync=self.require_backward_grad_sync, divisor=divisor)
             if self._buffers_need_sync and self.broadcast_buffers and not joining:
@@ -220,7 +165,9 @@ class BucketedDDP(nn.Module, JoinableDDP):
     def no_sync(self) -> Iterator[None]:
         """Skip gradient communication for backward passes of forwards run inside this context.
 
-        Gradients accumulate locally; the first synced backward after it averages everything accumulated.
+        Example:
+            >>> with model.no_sync():
+            ...     model(**batch).loss.backward()
         """
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
@@ -231,17 +178,13 @@ class BucketedDDP(nn.Module, JoinableDDP):
 
     @contextmanager
     def trigger_sync_in_backward(self) -> Iterator[None]:
-        """Make the backward run in this context sync, also when its forward ran inside :meth:`no_sync`.
+        """Make the next backward sync, even if its forward ran inside :meth:`no_sync`.
 
-        For several forwards under ``no_sync`` whose backwards run afterwards (Accelerate's
-        ``trigger_sync_in_backward``; torch DDP's reducer is re-armed the same way): the iteration is armed as a
-        synced one, so the next backward averages everything accumulated since the last synced backward, and a
-        forward inside the context syncs too. Buffers are broadcast again at the next forward, as after any
-        synced backward.
+        Accelerate's ``trigger_sync_in_backward``; torch DDP re-arms its reducer the same way.
         """
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = True
-        # Under join the joined ranks learn of this synced backward as of a forward's (a round without buffers).
+        # Joined ranks see this as a forward without buffers.
         divisor = self._join_forward(buffers_due=False) if self._join_config.enable else None
         self._reducer.prepare_for_backward(sync=True, divisor=divisor)
         self._buffers_need_sync = True
@@ -251,33 +194,34 @@ class BucketedDDP(nn.Module, JoinableDDP):
             self.require_backward_grad_sync = previous
 
     def remove_hooks(self) -> None:
-        """Detach the wrapper from the module: remove its gradient hooks, so the module trains alone again or
-        can be wrapped anew. Idempotent. Dropping the wrapper does the same when it is garbage-collected; call
-        this to be sure it happens now. Communication already launched is finished first. The wrapper cannot
-        run forward afterwards.
+        """Remove the gradient hooks, so the module trains alone or can be wrapped again.
+
+        Idempotent, and done on garbage collection too. Launched communication finishes first.
         """
         self._reducer.remove_hooks()
         self._watch.remove()
 
     @property
     def hooks_removed(self) -> bool:
-        """True once :meth:`remove_hooks` ran (the wrapper can no longer train)."""
+        """True once :meth:`remove_hooks` ran."""
         return not self._reducer.hooks_alive
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the default averaging all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
 
-        The future's value must be the averaged flat gradient of ``bucket.buffer()`` (the same tensor,
-        or another of its size, which is then copied back). Register once, before the first backward.
+        The future must hold the averaged ``bucket.buffer()``, or a tensor of its size to copy back.
 
         Args:
-            state (object): passed to the hook; for the built-in and torch's hooks, the process group or None.
-            hook (Callable): see :mod:`ddp_ft.ddp.comm_hooks` for ``allreduce_hook``, ``bf16_compress_hook``
-                and ``fp16_compress_hook``; torch's ``default_hooks`` work too.
+            state (object): passed to the hook; for built-in and torch hooks, the process group or None.
+            hook (Callable): a hook from :mod:`ddp_ft.ddp.comm_hooks` or torch's ``default_hooks``.
 
         Raises:
+            TypeError: if ``hook`` is not callable.
             RuntimeError: if a hook is already registered or a backward already ran.
-            ValueError: for PowerSGD with ``bucket_cap_mb="auto"`` (its state is kept per bucket index).
+            ValueError: for PowerSGD with ``bucket_cap_mb="auto"``.
+
+        Example:
+            >>> model.register_comm_hook(None, bf16_compress_hook)
         """
         if not callable(hook):
             raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
@@ -292,30 +236,27 @@ class BucketedDDP(nn.Module, JoinableDDP):
 
     @property
     def bucket_choice(self) -> BucketChoice | None:
-        """With ``bucket_cap_mb="auto"``, the candidates, their timings and the kept caps once decided; else None."""
+        """The autotuner's candidates, timings and choice with ``bucket_cap_mb="auto"``; else None."""
         return None if self._autotuner is None else self._autotuner.choice
 
     @property
     def bucket_sizes(self) -> list[int]:
-        """Elements per bucket, in launch order (the layout in use, which ``bucket_cap_mb="auto"`` changes)."""
+        """Elements per bucket, in launch order."""
         return [b.numel for b in self._reducer.layout]
 
     @property
     def bucket_param_names(self) -> list[list[str]]:
-        """Names of the parameters in each bucket, in launch order and buffer order: which bucket (and so which
-        all-reduce) a parameter's gradient travels in, e.g. to log or check the launch order against backward."""
+        """Names of the parameters in each bucket, in launch order."""
         return [[self._names[i] for i in b.param_indices] for b in self._reducer.layout]
 
     @property
     def bucket_nbytes(self) -> list[int]:
-        """Bytes of each bucket's flat buffer, in launch order (what the default hook sends per bucket)."""
+        """Bytes of each bucket's flat buffer, in launch order."""
         return [b.buffer.nbytes for b in self._reducer.buckets]
 
     @property
     def bucket_buffers(self) -> list[torch.Tensor]:
-        """Each bucket's flat gradient buffer, in launch order, for inspection: with ``gradient_as_bucket_view``
-        every trainable ``param.grad`` is a view into one of them. Writing to them writes the gradients. With
-        ``bucket_cap_mb="auto"`` they are new tensors after each change of layout (see :attr:`bucket_choice`)."""
+        """Each bucket's flat gradient buffer, in launch order; ``"auto"`` replaces them on a layout change."""
         return [b.buffer for b in self._reducer.buckets]
 
     def last_comm_stats(self) -> CommStats:
@@ -324,27 +265,26 @@ class BucketedDDP(nn.Module, JoinableDDP):
 
     @property
     def last_gradient_ready_at(self) -> float | None:
-        """``time.perf_counter()`` when the latest synced backward had its last gradient ready, before the final
-        wait (host time: on CUDA, when the host queued the last gradient's kernels), or None before the first.
+        """Host time when the latest synced backward's last gradient was ready, or None before the first.
 
-        Forward and backward up to here is this rank's compute; the rest of the step is communication and
-        waiting for the slower rank (``ddp_ft.training.loop`` gathers it per step).
+        Before it is this rank's compute; after it, communication and waiting for slower ranks.
         """
         return getattr(self._reducer, "last_ready_at", None)
 
     def last_backward_timeline(self) -> BackwardTimeline | None:
-        """When each bucket was ready in the latest synced backward, from its start (``ddp-ft forecast`` reads
-        it), or None before the first. On CUDA, events read now: call it after the step's own wait."""
+        """When each bucket was ready in the latest synced backward, or None before the first.
+
+        On CUDA it reads events, so call it after the step's own wait.
+        """
         return self._reducer.clock.read()
 
     def pop_comm_stats(self) -> CommStats:
-        """Communication since the previous call (e.g. one optimizer step, accumulation included); resets."""
+        """Communication since the previous call, e.g. one optimizer step; resets."""
         return self._reducer.stats.pop()
 
     @property
     def pending_comm_waits(self) -> int:
-        """End-of-backward wait measurements held for the next :meth:`pop_comm_stats`, bounded by
-        :data:`~ddp_ft.ddp.stats.MAX_PENDING_WAITS` however long nobody pops (older ones are folded)."""
+        """End-of-backward waits held for the next :meth:`pop_comm_stats`, bounded by ``MAX_PENDING_WAITS``."""
         return self._reducer.stats.held_waits
 
     # ------------------------------------------------------------------ construction helpers
@@ -366,7 +306,7 @@ class BucketedDDP(nn.Module, JoinableDDP):
                     t.copy_(synced)
 
     def _broadcast_buffers(self) -> None:
-        """Broadcast from rank 0 the buffers written since the last broadcast (none: no collective)."""
+        """Broadcast from rank 0 the buffers whose ``_version`` moved since the last broadcast."""
         moved = {
             _owner(name)
             for (name, b), seen in zip(self._module_buffers, self._buffer_versions, strict=True)
@@ -375,6 +315,7 @@ class BucketedDDP(nn.Module, JoinableDDP):
         changed = [(name, b) for name, b in self._module_buffers if _owner(name) in moved]
         if not changed or self.world_size == 1:
             return
+        # Every rank must write the same buffers; a count mismatch raises instead of mis-reducing.
         count = torch.tensor([len(changed)], dtype=torch.int64, device=changed[0][1].device)
         self._broadcast_from([count])
         if int(count) != len(changed):
@@ -388,5 +329,5 @@ class BucketedDDP(nn.Module, JoinableDDP):
 
 
 def _owner(buffer_name: str) -> str:
-    """The submodule a buffer belongs to: its buffers are sent together when any of them was written."""
+    """The submodule owning a buffer; ``batch_norm`` writes running stats without bumping their version."""
     return buffer_name.rpartition(".")[0]
