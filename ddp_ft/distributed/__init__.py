@@ -1,4 +1,4 @@
-"""Process-group lifecycle and rank facts, paired: ``init_distributed() -> DistInfo`` / ``destroy_distributed()``."""
+"""Process-group lifecycle and rank facts: ``init_distributed()`` and ``destroy_distributed()``."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ class DistInfo:
     """Where this process stands in the job.
 
     Args:
-        rank (int): global rank, 0..world_size-1; decides rank-0 duties and data shards.
+        rank (int): global rank; decides rank-0 duties and data shards.
         local_rank (int): rank on this node; decides the device.
         world_size (int): number of processes in the job.
         local_world_size (int): number of processes on this node.
-        device (torch.device): this process' device (``cuda:<local_rank>`` or ``cpu``).
+        device (torch.device): this process's device.
         backend (str | None): process-group backend, None for a single process.
     """
 
@@ -55,20 +55,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 def restart_count() -> int:
-    """How many times torchrun has restarted this job's ranks (``TORCHELASTIC_RESTART_COUNT``; 0: the first attempt)."""
+    """How many times torchrun restarted this job's ranks; 0 on the first attempt."""
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
     """This process's CUDA device among the ``visible`` ones.
 
-    One visible device is ``cuda:0``: the launcher gave each process its own GPU (SLURM ``--gpus-per-task=1``, a
-    Kubernetes device plugin, ``CUDA_VISIBLE_DEVICES`` per process). With at least as many devices as processes on
-    the node, each takes ``cuda:<local_rank>`` (torchrun on a multi-GPU host).
+    One visible device means the launcher gave each process its own GPU; otherwise ``cuda:<local_rank>``.
 
     Raises:
-        RuntimeError: fewer devices than processes on the node, and more than one, so neither rule applies: naming
-            LOCAL_RANK, LOCAL_WORLD_SIZE, the visible count and the fixes.
+        RuntimeError: if several devices are visible but fewer than the processes on the node.
     """
     if visible == 1:
         return 0
@@ -87,8 +84,7 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     """The device type and process-group backend for ``--device requested``, chosen together.
 
-    ``auto`` is CUDA when it is available, the CPU otherwise; ``cpu`` ignores any GPU. CUDA always goes with NCCL and
-    the CPU with gloo: an NCCL group cannot reduce CPU tensors, and gloo on CUDA tensors copies through the host.
+    CUDA goes with NCCL, the CPU with gloo: NCCL cannot reduce CPU tensors, gloo copies CUDA ones through the host.
 
     Args:
         requested (str): ``auto``, ``cuda`` or ``cpu``.
@@ -98,7 +94,7 @@ def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
         tuple[str, str]: (``cuda`` or ``cpu``, ``nccl`` or ``gloo``).
 
     Raises:
-        ValueError: an unknown device, or ``cuda`` where CUDA is not available, naming ``--device`` and the fix.
+        ValueError: for an unknown device, or ``cuda`` without CUDA.
     """
     if requested not in DEVICE_CHOICES:
         raise ValueError(f"--device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}.")
@@ -112,22 +108,22 @@ def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0, device_type: str | None = None) -> DistInfo:
-    """Join the process group that torchrun / accelerate launch describe in the environment.
+    """Join the process group that torchrun or accelerate launch describe in the environment.
 
-    A single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) gets no process group. With CUDA each
-    process takes its device by ``cuda_device_index`` and NCCL, and the group is bound to that device
-    (``device_id``): NCCL's communicator is created at once rather than at the first collective, and barriers
-    use this device without being told (no "using the device under current context" warning, no device index
-    that one-GPU-per-process launches do not have). Without CUDA, the CPU and gloo.
+    A single process gets no process group. NCCL groups are bound to this rank's device (``device_id``),
+    so the communicator is created at once and barriers know their device.
 
     Args:
-        backend (str | None): override the backend ("nccl" or "gloo"). Default: chosen by device.
+        backend (str | None): "nccl" or "gloo". Default: chosen by device.
         timeout_s (float): collective timeout; a dead rank fails the others after this long. Default: 600.
-        device_type (str | None): ``cpu`` keeps this process off CUDA even when a GPU is visible (no CUDA context
-            is created); ``cuda`` requires one. Default: CUDA when available (``device_and_backend``).
+        device_type (str | None): ``cpu``, ``cuda`` or None for CUDA when available. Default: None.
 
     Returns:
-        DistInfo: this process' rank facts.
+        DistInfo: this process's rank facts.
+
+    Example:
+        >>> info = init_distributed()
+        >>> model = BucketedDDP(model.to(info.device))
     """
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -155,16 +151,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, devic
 
 
 def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.Store | None:
-    """The process group's store under ``torchrun --max-restarts``, or None for the default (``env://``).
+    """The process group's store under ``torchrun --max-restarts``, or None for ``env://``.
 
-    torchrun shares its rendezvous TCPStore with the ranks and keeps it across restarts, so a restarted rank can read
-    the failed attempt's addresses (gloo's connectFullMesh: "Connection refused"; NCCL's unique id; pytorch#135712).
-    On one node every rank carries the same ``TORCHELASTIC_RESTART_COUNT``, so each attempt gets its own key space.
-    Across nodes the counts can differ (a node restarting for a peer's failure does not count it), so there the
-    shared store is refused before anything starts.
+    torchrun keeps its TCPStore across restarts, so a restarted rank could read stale addresses.
+    Each attempt therefore gets its own key space, keyed by ``TORCHELASTIC_RESTART_COUNT``.
+    Across nodes the counts can differ, so there the shared store is refused.
 
     Raises:
-        RuntimeError: restarts allowed across several nodes with the shared store, naming the variable that fixes it.
+        RuntimeError: if restarts are allowed across nodes with the shared store.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or _env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
         return None
@@ -184,31 +178,25 @@ def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.St
     return dist.PrefixStore(f"ddp_ft/attempt_{restart_count()}", store)
 
 
-# Messages of a collective that failed because another rank went away: a consequence, not the cause.
+# Errors of a collective whose peer went away: a consequence, not the cause.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 PEER_ERROR_DELAY_S = 2.0
-# Set by ddp-ft --nproc (ddp_ft.commands.launcher) for its workers: the folder where a failing rank writes its
-# traceback.
+# Set by ddp-ft --nproc: the folder where a failing rank writes its traceback.
 FAILURE_DIR_ENV = "DDP_FT_FAILURE_DIR"
 
 
 def traceback_file(folder: str | os.PathLike, rank: int) -> Path:
-    """Where rank ``rank`` writes its traceback under ``ddp-ft --nproc`` (``failure_recorded``)."""
+    """Where rank ``rank`` writes its traceback under ``ddp-ft --nproc``."""
     return Path(folder) / f"rank{rank}-traceback.txt"
 
 
 @contextmanager
 def failure_recorded() -> Iterator[None]:
-    """Write this rank's error file for the launcher (torchrun's ``record``) as an exception leaves the block.
+    """Write this rank's error file for the launcher as an exception leaves the block.
 
-    torchrun's summary names as root cause the failed rank whose error file is oldest, at one-second resolution; when
-    rank 1 raises, rank 0's collective fails a moment later with "Connection closed by peer" and often ties, and the
-    tie goes to rank 0. A rank that only lost a peer therefore waits ``PEER_ERROR_DELAY_S`` before writing its file,
-    so the rank that failed first is the one named (the launcher usually stops the waiting rank before it writes).
-
-    Under ``ddp-ft --nproc`` (``DDP_FT_FAILURE_DIR`` set) the traceback goes to ``traceback_file`` instead of the
-    console and the rank exits with status 1: ddp-ft prints one line naming the first rank that failed, its error and
-    that file, instead of a traceback per rank.
+    torchrun names the rank with the oldest error file as root cause, at one-second resolution.
+    A rank that only lost a peer waits ``PEER_ERROR_DELAY_S``, so the rank that failed first is named.
+    Under ``ddp-ft --nproc`` the traceback goes to ``traceback_file`` and the rank exits with status 1.
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -228,28 +216,29 @@ def failure_recorded() -> Iterator[None]:
             path = traceback_file(quiet, _env_int("RANK", 0))
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(traceback.format_exception(error)))
-        except OSError:  # the launcher names torch's error file instead, which holds the traceback too
+        except OSError:  # torch's error file holds the traceback too
             pass
         raise SystemExit(1) from None
 
 
 def destroy_distributed() -> None:
-    """Tear the process group down if there is one; safe to call from ``finally`` on every rank."""
+    """Tear down the process group if there is one; safe in ``finally`` on every rank."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-LOG_LEVEL_ENV = "DDP_FT_LOG_LEVEL"  # rank 0's level for every logger (other ranks: warnings), e.g. WARNING
+LOG_LEVEL_ENV = "DDP_FT_LOG_LEVEL"  # rank 0's level name, e.g. WARNING
 
 
 def setup_logging(info: DistInfo, level: int | None = None) -> None:
     """Log at ``level`` on rank 0 and only warnings elsewhere, each line tagged with the rank.
 
-    ``level`` defaults to ``DDP_FT_LOG_LEVEL`` (a name: DEBUG, INFO, WARNING, ERROR), else INFO; ``make demo`` sets
-    WARNING, so a run prints its progress bar and its warnings only.
+    Args:
+        info (DistInfo): this process's rank facts.
+        level (int | None): rank 0's level. Default: ``DDP_FT_LOG_LEVEL``, else INFO.
 
     Raises:
-        ValueError: ``DDP_FT_LOG_LEVEL`` is not a level name, naming the choices.
+        ValueError: if ``DDP_FT_LOG_LEVEL`` is not a level name.
     """
     if level is None:
         name = os.environ.get(LOG_LEVEL_ENV, "INFO").upper()
@@ -275,8 +264,7 @@ def setup_logging(info: DistInfo, level: int | None = None) -> None:
             pass
 
 
-# bitsandbytes (a CPU with AVX512-BF16) warns on every process, at import, that it could not fetch an optional faster
-# CPU 4-bit matmul from the Hub through the `kernels` package; it then uses its own CPU path.
+# bitsandbytes warns at import, on every process, that an optional CPU kernel is missing from the Hub.
 _HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
 _held_notices: list[str] = []
 
@@ -291,17 +279,13 @@ class _HubKernelNotice(logging.Filter):
 
 
 def hold_library_notices() -> None:
-    """Hold bitsandbytes' CPU hub-kernel notice back; :func:`setup_logging` says it once, at INFO on rank 0. The
-    ``ddp_ft`` commands call this before anything imports bitsandbytes."""
+    """Hold bitsandbytes' CPU hub-kernel notice; :func:`setup_logging` logs it once on rank 0."""
     notices = logging.getLogger("bitsandbytes.backends.cpu.ops")
     if not any(isinstance(f, _HubKernelNotice) for f in notices.filters):
         notices.addFilter(_HubKernelNotice())
 
 
-# Upstream notices every process prints alike, kept to rank 0 (exact messages; rank 0 still shows each once): peft
-# reads the deprecated `is_gradient_checkpointing` in every get_peft_model and calls the deprecated
-# `gradient_checkpointing_enable` from prepare_model_for_kbit_training; TRL's configs default to the deprecated
-# `gradient_checkpointing`; torch asks for `use_reentrant` where a caller's checkpointing leaves it out.
+# Deprecation notices from peft, TRL and torch checkpointing, matched exactly; rank 0 still shows them.
 _RANK_ZERO_WARNINGS = (
     (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
     (FutureWarning, "`gradient_checkpointing_enable` is deprecated"),
@@ -316,14 +300,12 @@ class _OtherRankNotice(logging.Filter):
 
 
 def keep_upstream_notices_to_rank_zero(environ: Mapping[str, str] | None = None) -> None:
-    """On a launched process of rank > 0, hold back the upstream notices every rank would print alike.
+    """On a launched rank above 0, hold back upstream notices every rank prints alike.
 
-    These are bitsandbytes' hub-kernel notice and ``_RANK_ZERO_WARNINGS``, only those exact messages. Rank 0 and a
-    single process keep them. ``import ddp_ft`` does not call this: the entry points do, first thing. bitsandbytes
-    prints its notice when imported (``import peft`` imports it), so only a call before that holds it back.
+    Call it before anything imports bitsandbytes, which prints its notice at import.
 
     Args:
-        environ (Mapping[str, str] | None): the launcher's environment (``RANK``). Default: ``os.environ``
+        environ (Mapping[str, str] | None): the launcher's environment (``RANK``). Default: ``os.environ``.
     """
     environ = os.environ if environ is None else environ
     if environ.get("RANK", "0") in ("", "0"):
