@@ -1,21 +1,11 @@
-"""What ``accelerate launch`` was asked for, checked against what the recipe can honour, before the model loads.
+"""Check what ``accelerate launch`` was asked for against what the recipe honours, before the model loads.
 
-The recipe trains data-parallel with BucketedDDP and picks its own precision (``--compute-dtype``, resolved by
-``ddp_ft.training.model.precision``: bf16 autocast on GPUs of compute capability >= 8.0, loss-scaled fp16 on older ones,
-float32 on the CPU). Accelerate does not refuse the rest; it drops it:
+Accelerate silently drops settings the recipe does not use:
 
-- ``distributed_type: FSDP`` / ``DEEPSPEED`` / ``MEGATRON_LM`` launch the processes and export
-  ``ACCELERATE_USE_<TYPE>=true``; the Trainer would then prepare the model with that engine, not BucketedDDP.
-- ``mixed_precision`` is exported as ``ACCELERATE_MIXED_PRECISION``; the recipe's own ``bf16``/``fp16`` flags
-  override it, and on the CPU Accelerate skips fp16 autocast, both silently. So only 'no' or the precision the run
-  chose is accepted. ``fp8`` needs engines the recipe does not set up.
-- ``use_cpu: true`` with CUDA visible makes the Trainer run on the CPU while ddp_ft puts the model on the GPU.
-- ``num_processes`` is not exported at all: ``distributed_type: 'NO'`` or ``use_cpu: true`` start one process
-  whatever it says, and ``num_processes`` not divisible by ``num_machines`` starts ``num_processes // num_machines``
-  per machine. The running script cannot see these; ``check_accelerate_config`` finds them in the file.
-
-``check_accelerate_launch`` reads the environment (what a running script can see); ``check_accelerate_config``
-checks a config file. Both raise ``ValueError`` naming the config key, its value and the fix.
+- ``distributed_type`` FSDP, DEEPSPEED or MEGATRON_LM would make the Trainer bypass BucketedDDP.
+- ``mixed_precision`` is overridden by the recipe's own precision (``--compute-dtype``).
+- ``use_cpu: true`` with CUDA puts the Trainer on the CPU and the model on the GPU.
+- ``num_processes`` is not exported, so only the config file shows a mismatch.
 """
 
 from __future__ import annotations
@@ -30,7 +20,7 @@ _ENGINES = {
     "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM",
 }
 _DATA_PARALLEL = ("NO", "MULTI_GPU", "MULTI_CPU")
-# What makes the HF Trainer (and TRL's trainers, whose configs extend TrainingArguments) see CPU processes.
+# Makes the HF Trainer, and TRL's trainers, see CPU processes.
 TRAINER_CPU_FIX = "TrainingArguments(use_cpu=True) (SFTConfig(use_cpu=True) for TRL)"
 _EXAMPLES = "accelerate_configs/2gpu.yaml (GPUs) or accelerate_configs/2cpu_gloo.yaml (CPU processes)"
 
@@ -44,8 +34,7 @@ def allowed_mixed_precision(cuda: bool, chosen: str | None = None) -> tuple[str,
 
     Args:
         cuda (bool): CUDA is available.
-        chosen (str | None): the run's own autocast ('bf16', 'fp16' or 'no', ``Precision.mixed_precision``).
-            Default: unknown (a config file checked before launch): on CUDA 'bf16' or 'fp16', as the card decides.
+        chosen (str | None): the run's own autocast. Default: unknown, so 'bf16' or 'fp16' on CUDA.
     """
     if chosen is not None:
         return ("no",) if chosen == "no" else ("no", chosen)
@@ -67,16 +56,15 @@ def _check_mixed_precision(value: str, cuda: bool, where: str, chosen: str | Non
 def check_accelerate_launch(
     environ: Mapping[str, str] | None = None, cuda: bool | None = None, chosen: str | None = None
 ) -> None:
-    """Refuse a launch whose exported Accelerate settings the recipe cannot honour; call before the model loads.
+    """Refuse a launch whose exported Accelerate settings the recipe cannot honour.
 
     Args:
-        environ (Mapping[str, str] | None): the environment ``accelerate launch`` exported. Default: ``os.environ``
-        cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``
-        chosen (str | None): the run's autocast, ``Precision.mixed_precision``. Default: unknown
+        environ (Mapping[str, str] | None): the exported environment. Default: ``os.environ``.
+        cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``.
+        chosen (str | None): the run's autocast, ``Precision.mixed_precision``. Default: unknown.
 
     Raises:
-        ValueError: a non data-parallel ``distributed_type`` (FSDP, DEEPSPEED, MEGATRON_LM), a ``mixed_precision``
-            other than 'no' or the run's own, ``use_cpu: true`` with CUDA visible; each naming the key and the fix.
+        ValueError: for FSDP, DeepSpeed or Megatron, another ``mixed_precision``, or ``use_cpu`` with CUDA.
     """
     environ = os.environ if environ is None else environ
     if cuda is None:
@@ -101,16 +89,17 @@ def check_accelerate_launch(
 
 
 def check_accelerate_config(path: str | Path, cuda: bool = False) -> None:
-    """Refuse an Accelerate config file that would launch another run than it says; parsed by Accelerate itself.
+    """Refuse an Accelerate config file that would launch another run than it says.
 
     Args:
-        path (str | Path): the YAML or JSON file given to ``accelerate launch --config_file``.
-        cuda (bool): check ``mixed_precision`` as for a CUDA machine. Default: False
+        path (str | Path): the file given to ``accelerate launch --config_file``.
+        cuda (bool): check ``mixed_precision`` as for a CUDA machine. Default: False.
 
     Raises:
-        ValueError: a ``distributed_type`` other than 'NO', MULTI_GPU, MULTI_CPU; a ``mixed_precision`` the recipe
-            does not honour; ``num_processes`` that Accelerate would not launch (above 1 with 'NO' or use_cpu, below
-            2 with MULTI_GPU/MULTI_CPU, not divisible by ``num_machines``). Each names the key and the fix.
+        ValueError: for another engine, an unhonoured ``mixed_precision``, or a ``num_processes`` it would not launch.
+
+    Example:
+        >>> check_accelerate_config("accelerate_configs/2gpu.yaml", cuda=True)
     """
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -144,32 +133,29 @@ def check_accelerate_config(path: str | Path, cuda: bool = False) -> None:
         )
 
 
-if __name__ == "__main__":  # python -m ddp_ft.distributed.launch CONFIG.yaml [--cuda]: check a config before launching
+if __name__ == "__main__":  # python -m ddp_ft.distributed.launch CONFIG.yaml [--cuda]
     import sys
 
     check_accelerate_config(sys.argv[1], cuda="--cuda" in sys.argv[2:])
     print(f"{sys.argv[1]}: ddp_ft can honour this accelerate config")
 
 
-# What a process launched by torchrun, Accelerate's multi-process launcher or mpirun finds: the size of its world.
+# World-size variables of torchrun, Accelerate and mpirun.
 _WORLD_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 def launched_alone(environ: Mapping[str, str] | None = None) -> str | None:
-    """Why this process is the only one ``accelerate launch`` started though it was asked for several, or None.
+    """Why ``accelerate launch`` started only this process though asked for several, or None.
 
-    ``accelerate launch --cpu --num_processes 2`` (also ``use_cpu: true`` or ``distributed_type: 'NO'`` with
-    ``num_processes: 2``) runs its single-process launcher: one process, no word said (Accelerate 1.15 has no
-    multi-CPU launch flag; ``--cpu`` only forces the CPU). That launcher leaves a trace: it exports
-    ``ACCELERATE_USE_CPU`` always, and ``MASTER_ADDR``/``MASTER_PORT`` only when asked for more than one process,
-    while no launcher of several processes is involved (no world size in the environment). The same trace comes from
-    a ``MASTER_PORT`` exported by the user around a one-process launch, so this is a warning, not an error.
+    ``--cpu``, ``use_cpu: true`` and ``distributed_type: 'NO'`` start one process whatever ``num_processes`` says.
+    That launcher exports ``MASTER_PORT`` only when asked for several processes, with no world size.
+    A user's own ``MASTER_PORT`` leaves the same trace, so this is a warning.
 
     Args:
-        environ (Mapping[str, str] | None): the launched process's environment. Default: ``os.environ``
+        environ (Mapping[str, str] | None): the launched process's environment. Default: ``os.environ``.
 
     Returns:
-        str | None: the warning, naming the launch commands that start several CPU processes; None without the trace.
+        str | None: the warning, or None without the trace.
     """
     environ = os.environ if environ is None else environ
     alone = "ACCELERATE_USE_CPU" in environ and "MASTER_PORT" in environ
@@ -186,28 +172,23 @@ def launched_alone(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def check_world_seen(seen: int, fix: str, environ: Mapping[str, str] | None = None) -> None:
-    """Refuse a launched process that sees a world of one: it would train alone, silently, on the whole data.
+    """Refuse a launched process that sees a world of one, which would train alone on all the data.
 
-    ``torchrun`` and ``accelerate launch`` export ``WORLD_SIZE``; Accelerate (and so the Trainer) still builds a
-    single-process state when it finds no device to spread over, e.g. on a machine without CUDA unless told
-    ``cpu=True``. Each launched process then reports rank 0 of 1 and nothing is wrapped: N copies of a
-    single-process run that look like a DDP run. Call before the model is touched.
+    Accelerate builds a single-process state when it finds no device, e.g. without CUDA unless told ``cpu=True``.
 
     Args:
-        seen (int): the number of processes the Accelerator or ``TrainingArguments`` see (``num_processes`` /
-            ``world_size``).
-        fix (str): the setting that makes them see the launch, named in the error (``cpu=True``,
-            ``use_cpu=True``).
-        environ (Mapping[str, str] | None): the launcher's environment. Default: ``os.environ``
+        seen (int): processes the Accelerator or ``TrainingArguments`` see.
+        fix (str): the setting named in the error, e.g. ``cpu=True``.
+        environ (Mapping[str, str] | None): the launcher's environment. Default: ``os.environ``.
 
     Raises:
-        RuntimeError: ``WORLD_SIZE`` > 1 and ``seen`` is 1, naming both and the fix.
+        RuntimeError: if ``WORLD_SIZE`` > 1 and ``seen`` is 1.
     """
     environ = os.environ if environ is None else environ
     try:
         launched = int(environ.get("WORLD_SIZE", "1") or 1)
     except ValueError:
-        return  # not a launcher's value; init_distributed refuses it where it is used
+        return  # init_distributed refuses a non-integer where it is used
     if launched > 1 and seen == 1:
         rank = environ.get("RANK", "?")
         raise RuntimeError(
