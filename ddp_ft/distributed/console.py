@@ -1,11 +1,8 @@
-"""stdout and stderr that outlive their console, paired: ``console_or_log(log_dir)`` around a run.
+"""stdout and stderr that outlive their console: ``console_or_log(log_dir)`` around a run.
 
-``ddp-ft train ... | tee run.log`` and a Ctrl-C end ``tee`` too. Python ignores SIGPIPE, so every later write to the
-pipe raises ``BrokenPipeError`` (a hung-up terminal: ``EIO``) wherever it happens: a progress bar's update, a log
-line, a signal handler's message. Inside ``console_or_log`` no such write raises. The first one that fails points the
-dead descriptor at ``<log_dir>/console.log`` (``/dev/null`` without a folder) and writes its text there; later writes,
-this process's and those of any process it starts, go there too. A stopped run still saves its checkpoint, and its stop
-line is in that file.
+When ``tee`` or the terminal dies, Python's ignored SIGPIPE makes every later write raise.
+Inside ``console_or_log`` the first failed write points the dead descriptor at ``<log_dir>/console.log``.
+Later writes, also by child processes, go there, so a stopped run still saves and logs.
 """
 
 from __future__ import annotations
@@ -25,10 +22,7 @@ _diverted: set[int] = set()  # descriptors already pointed at it
 
 
 def write_console(fd: int, data: bytes) -> None:
-    """Write ``data`` whole to ``fd`` without raising: a dead console's share goes to the log file, else is dropped.
-
-    No lock and no buffer, so a signal handler may call it.
-    """
+    """Write ``data`` whole to ``fd`` without raising; lock-free, so signal handlers may call it."""
     view = memoryview(data)
     while view:
         try:
@@ -39,7 +33,7 @@ def write_console(fd: int, data: bytes) -> None:
 
 
 def _divert(fd: int, error: OSError) -> bool:
-    """Point ``fd`` at the log file (``/dev/null`` without one), once; False when it already was, or cannot be."""
+    """Point ``fd`` at the log file or ``/dev/null``, once; False if already done."""
     if fd in _diverted:
         return False
     _diverted.add(fd)
@@ -48,7 +42,7 @@ def _divert(fd: int, error: OSError) -> bool:
         try:
             _log_file.parent.mkdir(parents=True, exist_ok=True)
             new = os.open(_log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError:  # a folder that cannot be written: dropped, as without one
+        except OSError:  # an unwritable folder: dropped, as without one
             pass
     logged = new is not None
     new = new if logged else os.open(os.devnull, os.O_WRONLY)
@@ -82,10 +76,10 @@ class _ConsoleRaw(io.RawIOBase):
 
 
 def _guarded(stream):
-    """``stream`` as a text stream over ``_ConsoleRaw``, line-buffered; one without a descriptor stays as it is."""
+    """``stream`` as a line-buffered text stream over ``_ConsoleRaw``; one without a descriptor is returned as is."""
     try:
         fd = stream.fileno()
-    except (AttributeError, ValueError, io.UnsupportedOperation):  # None, closed, or in memory (a test's capture)
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # None, closed, or in memory
         return stream
     try:
         stream.flush()
@@ -101,13 +95,16 @@ def _guarded(stream):
 
 @contextmanager
 def console_or_log(log_dir: str | os.PathLike | None) -> Iterator[None]:
-    """Inside the block, ``sys.stdout``, ``sys.stderr`` and the logging handlers that write to them never raise for
-    a dead console: they write to ``<log_dir>/console.log`` instead. Enter it before a progress bar takes
-    ``sys.stderr``.
+    """Make ``sys.stdout``, ``sys.stderr`` and their logging handlers write to ``<log_dir>/console.log`` once dead.
+
+    Enter it before a progress bar takes ``sys.stderr``.
 
     Args:
-        log_dir (str | os.PathLike | None): the run's log folder, created on the first failed write. None: a dead
-            console's output is dropped.
+        log_dir (str | os.PathLike | None): the run's log folder; None drops a dead console's output.
+
+    Example:
+        >>> with console_or_log("runs/demo"):
+        ...     train()
     """
     global _log_file, _diverted
     previous = sys.stdout, sys.stderr, _log_file, _diverted
@@ -126,11 +123,7 @@ def console_or_log(log_dir: str | os.PathLike | None) -> Iterator[None]:
 
 
 def _repoint_handlers(replacements: dict[int, object]) -> list[tuple[logging.StreamHandler, object]]:
-    """Point the logging handlers that hold a replaced stream (torch's, made at import) at its replacement.
-
-    Returns:
-        list[tuple[logging.StreamHandler, object]]: each handler changed and its stream before.
-    """
+    """Point logging handlers holding a replaced stream, such as torch's, at its replacement; return the old pairs."""
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     handlers = {h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}
     changed = []
