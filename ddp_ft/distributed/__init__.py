@@ -25,12 +25,12 @@ class DistInfo:
     """Where this process stands in the job.
 
     Args:
-        rank (int): global rank; decides rank-0 duties and data shards.
-        local_rank (int): rank on this node; decides the device.
-        world_size (int): number of processes in the job.
-        local_world_size (int): number of processes on this node.
+        rank (int): global rank.
+        local_rank (int): rank on this node.
+        world_size (int): processes in the job.
+        local_world_size (int): processes on this node.
         device (torch.device): this process's device.
-        backend (str | None): process-group backend, None for a single process.
+        backend (str | None): process-group backend; None for one process.
     """
 
     rank: int = 0
@@ -62,7 +62,7 @@ def restart_count() -> int:
 def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
     """This process's CUDA device among the ``visible`` ones.
 
-    One visible device means the launcher gave each process its own GPU; otherwise ``cuda:<local_rank>``.
+    One visible device is this process's own; otherwise ``cuda:<local_rank>``.
 
     Raises:
         RuntimeError: if several devices are visible but fewer than the processes on the node.
@@ -84,7 +84,7 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
     """The device type and process-group backend for ``--device requested``, chosen together.
 
-    CUDA goes with NCCL, the CPU with gloo: NCCL cannot reduce CPU tensors, gloo copies CUDA ones through the host.
+    NCCL cannot reduce CPU tensors, so CUDA goes with NCCL and the CPU with gloo.
 
     Args:
         requested (str): ``auto``, ``cuda`` or ``cpu``.
@@ -110,13 +110,12 @@ def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0, device_type: str | None = None) -> DistInfo:
     """Join the process group that torchrun or accelerate launch describe in the environment.
 
-    A single process gets no process group. NCCL groups are bound to this rank's device (``device_id``),
-    so the communicator is created at once and barriers know their device.
+    A single process gets no group. NCCL binds to this rank's device, so barriers know it.
 
     Args:
         backend (str | None): "nccl" or "gloo". Default: chosen by device.
-        timeout_s (float): collective timeout; a dead rank fails the others after this long. Default: 600.
-        device_type (str | None): ``cpu``, ``cuda`` or None for CUDA when available. Default: None.
+        timeout_s (float): collective timeout, after which a dead rank fails the others. Default: 600.
+        device_type (str | None): ``cpu``, ``cuda``, or None for CUDA when available. Default: None.
 
     Returns:
         DistInfo: this process's rank facts.
@@ -153,12 +152,8 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, devic
 def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.Store | None:
     """The process group's store under ``torchrun --max-restarts``, or None for ``env://``.
 
-    torchrun keeps its TCPStore across restarts, so a restarted rank could read stale addresses.
-    Each attempt therefore gets its own key space, keyed by ``TORCHELASTIC_RESTART_COUNT``.
-    Across nodes the counts can differ, so there the shared store is refused.
-
-    Raises:
-        RuntimeError: if restarts are allowed across nodes with the shared store.
+    torchrun's store outlives restarts, so each attempt gets its own key prefix.
+    Restart counts can differ across nodes, so there it raises.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or _env_int("TORCHELASTIC_MAX_RESTARTS", 0) == 0:
         return None
@@ -178,10 +173,10 @@ def _restart_safe_store(rank: int, world_size: int, timeout_s: float) -> dist.St
     return dist.PrefixStore(f"ddp_ft/attempt_{restart_count()}", store)
 
 
-# Errors of a collective whose peer went away: a consequence, not the cause.
+# Errors of a collective whose peer went away.
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 PEER_ERROR_DELAY_S = 2.0
-# Set by ddp-ft --nproc: the folder where a failing rank writes its traceback.
+# Set by ddp-ft --nproc: where a failing rank writes its traceback.
 FAILURE_DIR_ENV = "DDP_FT_FAILURE_DIR"
 
 
@@ -194,9 +189,8 @@ def traceback_file(folder: str | os.PathLike, rank: int) -> Path:
 def failure_recorded() -> Iterator[None]:
     """Write this rank's error file for the launcher as an exception leaves the block.
 
-    torchrun names the rank with the oldest error file as root cause, at one-second resolution.
-    A rank that only lost a peer waits ``PEER_ERROR_DELAY_S``, so the rank that failed first is named.
-    Under ``ddp-ft --nproc`` the traceback goes to ``traceback_file`` and the rank exits with status 1.
+    torchrun blames the oldest error file, so a rank that only lost a peer waits first.
+    Under ``ddp-ft --nproc`` the traceback goes to ``traceback_file`` instead of the console.
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -222,7 +216,7 @@ def failure_recorded() -> Iterator[None]:
 
 
 def destroy_distributed() -> None:
-    """Tear down the process group if there is one; safe in ``finally`` on every rank."""
+    """Tear down the process group, if any; safe in ``finally``."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -234,7 +228,7 @@ def setup_logging(info: DistInfo, level: int | None = None) -> None:
     """Log at ``level`` on rank 0 and only warnings elsewhere, each line tagged with the rank.
 
     Args:
-        info (DistInfo): this process's rank facts.
+        info (DistInfo): rank facts.
         level (int | None): rank 0's level. Default: ``DDP_FT_LOG_LEVEL``, else INFO.
 
     Raises:
@@ -264,7 +258,7 @@ def setup_logging(info: DistInfo, level: int | None = None) -> None:
             pass
 
 
-# bitsandbytes warns at import, on every process, that an optional CPU kernel is missing from the Hub.
+# bitsandbytes warns at import, on every rank, that a Hub CPU kernel is missing.
 _HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
 _held_notices: list[str] = []
 
@@ -285,7 +279,7 @@ def hold_library_notices() -> None:
         notices.addFilter(_HubKernelNotice())
 
 
-# Deprecation notices from peft, TRL and torch checkpointing, matched exactly; rank 0 still shows them.
+# Deprecation notices from peft, TRL and torch, matched exactly.
 _RANK_ZERO_WARNINGS = (
     (FutureWarning, "`is_gradient_checkpointing` is deprecated"),
     (FutureWarning, "`gradient_checkpointing_enable` is deprecated"),
@@ -300,9 +294,7 @@ class _OtherRankNotice(logging.Filter):
 
 
 def keep_upstream_notices_to_rank_zero(environ: Mapping[str, str] | None = None) -> None:
-    """On a launched rank above 0, hold back upstream notices every rank prints alike.
-
-    Call it before anything imports bitsandbytes, which prints its notice at import.
+    """On ranks above 0, hold back upstream notices; call before bitsandbytes is imported.
 
     Args:
         environ (Mapping[str, str] | None): the launcher's environment (``RANK``). Default: ``os.environ``.

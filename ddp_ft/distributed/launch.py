@@ -1,11 +1,6 @@
-"""Check what ``accelerate launch`` was asked for against what the recipe honours, before the model loads.
+"""Refuse ``accelerate launch`` settings the recipe would silently override, before the model loads.
 
-Accelerate silently drops settings the recipe does not use:
-
-- ``distributed_type`` FSDP, DEEPSPEED or MEGATRON_LM would make the Trainer bypass BucketedDDP.
-- ``mixed_precision`` is overridden by the recipe's own precision (``--compute-dtype``).
-- ``use_cpu: true`` with CUDA puts the Trainer on the CPU and the model on the GPU.
-- ``num_processes`` is not exported, so only the config file shows a mismatch.
+``num_processes`` is not exported, so only the config file shows its mismatch.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ _ENGINES = {
     "ACCELERATE_USE_MEGATRON_LM": "MEGATRON_LM",
 }
 _DATA_PARALLEL = ("NO", "MULTI_GPU", "MULTI_CPU")
-# Makes the HF Trainer, and TRL's trainers, see CPU processes.
+# Makes HF and TRL trainers see CPU processes.
 TRAINER_CPU_FIX = "TrainingArguments(use_cpu=True) (SFTConfig(use_cpu=True) for TRL)"
 _EXAMPLES = "accelerate_configs/2gpu.yaml (GPUs) or accelerate_configs/2cpu_gloo.yaml (CPU processes)"
 
@@ -34,7 +29,7 @@ def allowed_mixed_precision(cuda: bool, chosen: str | None = None) -> tuple[str,
 
     Args:
         cuda (bool): CUDA is available.
-        chosen (str | None): the run's own autocast. Default: unknown, so 'bf16' or 'fp16' on CUDA.
+        chosen (str | None): the run's own autocast. Default: unknown.
     """
     if chosen is not None:
         return ("no",) if chosen == "no" else ("no", chosen)
@@ -56,15 +51,15 @@ def _check_mixed_precision(value: str, cuda: bool, where: str, chosen: str | Non
 def check_accelerate_launch(
     environ: Mapping[str, str] | None = None, cuda: bool | None = None, chosen: str | None = None
 ) -> None:
-    """Refuse a launch whose exported Accelerate settings the recipe cannot honour.
+    """Refuse exported Accelerate settings the recipe cannot honour.
 
     Args:
-        environ (Mapping[str, str] | None): the exported environment. Default: ``os.environ``.
+        environ (Mapping[str, str] | None): the environment. Default: ``os.environ``.
         cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``.
         chosen (str | None): the run's autocast, ``Precision.mixed_precision``. Default: unknown.
 
     Raises:
-        ValueError: for FSDP, DeepSpeed or Megatron, another ``mixed_precision``, or ``use_cpu`` with CUDA.
+        ValueError: for another engine, ``mixed_precision`` or ``use_cpu`` with CUDA.
     """
     environ = os.environ if environ is None else environ
     if cuda is None:
@@ -96,7 +91,7 @@ def check_accelerate_config(path: str | Path, cuda: bool = False) -> None:
         cuda (bool): check ``mixed_precision`` as for a CUDA machine. Default: False.
 
     Raises:
-        ValueError: for another engine, an unhonoured ``mixed_precision``, or a ``num_processes`` it would not launch.
+        ValueError: for another engine, ``mixed_precision`` or a ``num_processes`` it would not launch.
 
     Example:
         >>> check_accelerate_config("accelerate_configs/2gpu.yaml", cuda=True)
@@ -145,14 +140,13 @@ _WORLD_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_
 
 
 def launched_alone(environ: Mapping[str, str] | None = None) -> str | None:
-    """Why ``accelerate launch`` started only this process though asked for several, or None.
+    """Why ``accelerate launch`` started this process alone though asked for several, or None.
 
-    ``--cpu``, ``use_cpu: true`` and ``distributed_type: 'NO'`` start one process whatever ``num_processes`` says.
-    That launcher exports ``MASTER_PORT`` only when asked for several processes, with no world size.
-    A user's own ``MASTER_PORT`` leaves the same trace, so this is a warning.
+    Its single-process launcher sets ``MASTER_PORT`` but no world size only when asked for several.
+    A user's own ``MASTER_PORT`` leaves the same trace, so this warns.
 
     Args:
-        environ (Mapping[str, str] | None): the launched process's environment. Default: ``os.environ``.
+        environ (Mapping[str, str] | None): the environment. Default: ``os.environ``.
 
     Returns:
         str | None: the warning, or None without the trace.
@@ -172,14 +166,14 @@ def launched_alone(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def check_world_seen(seen: int, fix: str, environ: Mapping[str, str] | None = None) -> None:
-    """Refuse a launched process that sees a world of one, which would train alone on all the data.
+    """Refuse a launched process that sees a world of one and would train alone.
 
-    Accelerate builds a single-process state when it finds no device, e.g. without CUDA unless told ``cpu=True``.
+    Without CUDA, Accelerate builds a single-process state unless told ``cpu=True``.
 
     Args:
         seen (int): processes the Accelerator or ``TrainingArguments`` see.
         fix (str): the setting named in the error, e.g. ``cpu=True``.
-        environ (Mapping[str, str] | None): the launcher's environment. Default: ``os.environ``.
+        environ (Mapping[str, str] | None): the environment. Default: ``os.environ``.
 
     Raises:
         RuntimeError: if ``WORLD_SIZE`` > 1 and ``seen`` is 1.
@@ -188,7 +182,7 @@ def check_world_seen(seen: int, fix: str, environ: Mapping[str, str] | None = No
     try:
         launched = int(environ.get("WORLD_SIZE", "1") or 1)
     except ValueError:
-        return  # init_distributed refuses a non-integer where it is used
+        return  # init_distributed refuses it
     if launched > 1 and seen == 1:
         rank = environ.get("RANK", "?")
         raise RuntimeError(
