@@ -1,29 +1,15 @@
-"""Uneven inputs for BucketedDDP: torch's Join protocol (``torch.distributed.algorithms.join``), as torch DDP has it.
+"""Uneven inputs for BucketedDDP through torch's Join protocol, as torch DDP has it.
 
-Inside ``with model.join():`` (or ``Join([model, ...])``, or Accelerate's ``join_uneven_inputs``) a rank that has run
-out of batches leaves its loop and waits in the context's exit, where torch's :class:`Join` runs this module's
-:class:`JoinHook` once per training forward of the ranks still training, until every rank has left. What each side
-does per iteration, in the same order on every rank:
+Inside ``model.join()`` a rank out of batches waits in the context's exit.
+There :class:`BucketedJoinHook` shadows each training forward of the others, in the same order on every rank:
 
-1. ``Join.notify_join_context`` (by the context's first joinable): the ranks still training say so; the joined ones'
-   ``Join`` answers with zeros and calls the hook.
-2. One small all-reduce of flags: which ranks still train (so how many, and the highest of them), whether their
-   backward syncs, whether their buffers are due a broadcast, whether ``bucket_cap_mb="auto"`` is still timing
-   layouts. The ranks still training wait for it in forward (one small meeting point per training forward, only
-   while joining); torch DDP's forward adds about as many (its sync flag and the buffers' source rank).
-3. If buffers are due (see ``broadcast_buffers``): every buffer is broadcast from the highest rank still training, as
-   torch DDP does under join (rank 0 may have joined with stale buffers).
-4. If the backward syncs: the joined ranks launch every bucket's collective through the same comm hook, in the same
-   bucket order, on zero buffers of the same sizes, then, with ``find_unused_parameters``, the used-parameter
-   all-reduce with no parameter used. The ranks training divide by the initial world size (torch's default) or, with
-   ``divide_by_initial_world_size=False``, by the number of ranks still training.
+1. ``Join.notify_join_context``: training ranks say so; joined ranks answer with zeros.
+2. One small all-reduce of flags (:class:`JoinRound`).
+3. If buffers are due, all are broadcast from the highest training rank, as rank 0 may be stale.
+4. If the backward syncs, joined ranks reduce zero buckets through the same hook, in bucket order.
 
-When every rank has joined, the post-hook broadcasts the trainable parameters (and the buffers, with
-``broadcast_buffers``) from the highest rank that joined last, so the ranks end with the same model, as torch DDP's.
-
-What stays the user's, as with torch DDP: a joined rank's optimizer does not step, so its state (momentum, Adam
-moments) is its last step's, and collectives outside the model (a metric all-reduce, Accelerate's ``LocalSGD``
-parameter averaging, SyncBatchNorm) are not shadowed: they need ``throw_on_early_termination=True``.
+When all have joined, the highest last joiner broadcasts the model, so the ranks end equal.
+A joined rank's optimizer does not step, and collectives outside the model are not shadowed.
 """
 
 from __future__ import annotations
@@ -39,14 +25,14 @@ from .comm_hooks import GradBucket, allreduce_hook
 
 @dataclass(frozen=True)
 class JoinRound:
-    """What the ranks agreed on for one iteration of a join (step 2 of the module docstring).
+    """What the ranks agreed on for one join iteration.
 
     Attributes:
         training (int): ranks still training.
-        source (int): the highest of them (group rank): the source of buffer broadcasts.
-        syncs (int): ranks whose backward syncs (0 or ``training``; anything else is refused).
-        buffers (bool): the buffers are broadcast this iteration.
-        trial (bool): ``bucket_cap_mb="auto"`` is still timing layouts on some rank training.
+        source (int): the highest of them, source of buffer broadcasts.
+        syncs (int): ranks whose backward syncs.
+        buffers (bool): buffers are broadcast this iteration.
+        trial (bool): ``bucket_cap_mb="auto"`` is still timing layouts.
     """
 
     training: int
@@ -57,7 +43,7 @@ class JoinRound:
 
 
 class BucketedJoinHook(JoinHook):
-    """The joined rank's side of :mod:`ddp_ft.ddp.join` for one BucketedDDP.
+    """The joined rank's side of the join for one BucketedDDP.
 
     Args:
         ddp (JoinableDDP): the wrapper.
@@ -71,12 +57,12 @@ class BucketedJoinHook(JoinHook):
         self.ddp._join_round(joined=True)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Every rank has joined: take the model of the highest last joiner, and leave join mode."""
+        """Take the model of the highest last joiner and leave join mode."""
         self.ddp._join_sync_final_model(is_last_joiner)
 
 
 class JoinableDDP(Joinable):
-    """The Join half of BucketedDDP (a mixin: it reads the wrapper's reducer, buffers and settings)."""
+    """The Join half of BucketedDDP, a mixin over the wrapper's state."""
 
     def _init_join(self) -> None:
         Joinable.__init__(self)
@@ -87,22 +73,22 @@ class JoinableDDP(Joinable):
     ) -> Join:
         """Context manager for training with uneven inputs across ranks, as torch DDP's ``join``.
 
-        Wrap the training loop: a rank that runs out of batches leaves it and shadows the collectives of the
-        others (module docstring) until every rank has; then the ranks take the same model.
-
         Args:
-            divide_by_initial_world_size (bool): divide the summed gradients by the world size the wrapper started
-                with, so every sample weighs the same (True), or by the ranks still training (False; only with the
-                default comm hook). Default: True.
-            enable (bool): False for inputs known to be even: no join communication at all. Default: True.
-            throw_on_early_termination (bool): raise on every rank as soon as one runs out (for loops with
-                collectives of their own). Default: False.
+            divide_by_initial_world_size (bool): average over the starting world size, else the ranks still
+                training. Default: True.
+            enable (bool): False for even inputs, with no join communication. Default: True.
+            throw_on_early_termination (bool): raise on every rank once one runs out. Default: False.
 
         Returns:
             Join: torch's join context over this model.
 
         Raises:
-            ValueError: ``divide_by_initial_world_size=False`` with a comm hook registered.
+            ValueError: if ``divide_by_initial_world_size=False`` with a comm hook registered.
+
+        Example:
+            >>> with model.join():
+            ...     for batch in loader:
+            ...         model(**batch).loss.backward()
         """
         return Join(
             [self],
@@ -112,14 +98,13 @@ class JoinableDDP(Joinable):
         )
 
     def join_hook(self, **kwargs) -> JoinHook:
-        """The :class:`JoinHook` torch's ``Join`` runs on this rank once it has joined.
+        """The :class:`JoinHook` torch's ``Join`` runs on this rank once it joined.
 
         Args:
-            **kwargs: ``divide_by_initial_world_size`` (bool, default True) as in :meth:`join`; the others belong
-                to the context's other joinables.
+            **kwargs: ``divide_by_initial_world_size`` as in :meth:`join`; others belong to other joinables.
 
         Raises:
-            ValueError: ``divide_by_initial_world_size=False`` with a comm hook registered.
+            ValueError: as :meth:`join`.
         """
         self._join_divide_initial = bool(kwargs.get("divide_by_initial_world_size", True))
         self._check_join_divisor()
@@ -136,24 +121,15 @@ class JoinableDDP(Joinable):
     # ------------------------------------------------------------------ one iteration, both sides
 
     def _join_forward(self, buffers_due: bool) -> int | None:
-        """A rank still training, at a training forward (or :meth:`trigger_sync_in_backward`) in join mode.
-
-        Returns:
-            int | None: the divisor of this iteration's averaging (None: the comm hook's own).
-        """
+        """A training rank's side of one join iteration; returns the divisor, or None for the hook's own."""
         work = Join.notify_join_context(self)
         divisor = self._join_round(joined=False, buffers_due=buffers_due)
         if work is not None:
-            work.wait()  # done by now (it came before the round's all-reduce); not left dangling
+            work.wait()  # done by now; not left dangling
         return divisor
 
     def _join_round(self, joined: bool, buffers_due: bool = False) -> int | None:
-        """Steps 2 to 4 of the module docstring, on either side. Returns the divisor (None: the hook's own).
-
-        Raises:
-            RuntimeError: on every rank alike: the ranks still training disagree whether this backward syncs, or
-                ``bucket_cap_mb="auto"`` is still timing layouts.
-        """
+        """Steps 2 to 4 on either side; returns the divisor, or None for the hook's own."""
         agreed = self._join_exchange(joined, buffers_due)
         _check_round(agreed)
         if agreed.buffers:
@@ -197,7 +173,7 @@ class JoinableDDP(Joinable):
             views = [zeros[o : o + p.numel()].view_as(p) for p, o in zip(bucket.params, spec.offsets, strict=True)]
             last = spec.index == len(reducer.buckets) - 1
             futures.append(hook(state, GradBucket(spec.index, zeros, bucket.params, views, last)))
-        if self.find_unused_parameters:  # after every bucket, as the finalizer of the ranks training: nothing used
+        if self.find_unused_parameters:  # after the buckets, as the training ranks' finalizer: nothing used
             used = torch.zeros(len(self._params), dtype=torch.int32, device=self.join_device)
             futures.append(dist.all_reduce(used, group=self.process_group, async_op=True).get_future())
         for future in futures:
@@ -213,7 +189,7 @@ class JoinableDDP(Joinable):
         buffers = [b for _, b in self._module_buffers] if self.broadcast_buffers else []
         self._broadcast_from([*self._params, *buffers], src)
         self._buffer_versions = [b._version for _, b in self._module_buffers]
-        # torch's Join leaves its config set after the context: a forward after it would keep notifying.
+        # torch's Join leaves its config set, so a later forward would keep notifying.
         self._join_config = _JoinConfig.construct_disabled_join_config()
 
     def _check_join_divisor(self) -> None:
