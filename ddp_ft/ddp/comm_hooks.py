@@ -1,16 +1,7 @@
 """Communication hooks for BucketedDDP, with torch DDP's shape: ``hook(state, bucket) -> Future[Tensor]``.
 
-``state`` is the process group (or None for the default group), ``bucket`` a :class:`GradBucket`
-offering the methods torch's ``dist.GradBucket`` offers (``buffer()``, ``index()``, ``is_last()``,
-``gradients()``, ``parameters()``, ``set_buffer()``), so hooks written for torch DDP, such as
-``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook``, work unchanged. The
-future's value is the averaged flat gradient; BucketedDDP copies it into the bucket if it is another
-tensor.
-
-The hooks carry torch's own annotations (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``) as
-objects, not strings (no ``from __future__ import annotations`` here): torch DDP's ``register_comm_hook`` compares
-them and refuses anything else, so each of ours registers on torch DDP too. BucketedDDP hands them its own
-:class:`GradBucket`, which has the same methods.
+:class:`GradBucket` has torch's ``dist.GradBucket`` methods, so torch DDP's hooks work unchanged.
+Annotations are objects, not strings, because torch DDP's ``register_comm_hook`` compares them.
 """
 
 import math
@@ -24,14 +15,14 @@ CommHook = Callable[[object, "GradBucket"], torch.futures.Future]
 
 
 class GradBucket:
-    """One bucket as a comm hook sees it: a flat gradient buffer and the parameters it holds.
+    """One bucket as a comm hook sees it: a flat gradient buffer and its parameters.
 
     Args:
         index (int): launch-order index.
         buffer (torch.Tensor): the flat gradient buffer.
-        parameters (list[torch.Tensor]): the parameters laid out in the buffer, in buffer order.
+        parameters (list[torch.Tensor]): the parameters, in buffer order.
         views (list[torch.Tensor]): each parameter's gradient as a view into ``buffer``.
-        is_last (bool): whether this is the last bucket launched in a backward.
+        is_last (bool): whether this bucket launches last.
     """
 
     def __init__(
@@ -55,9 +46,7 @@ class GradBucket:
         return self._buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Each parameter's gradient as a view into :meth:`buffer`: after :meth:`set_buffer`, into the new tensor,
-        as torch's ``GradBucket`` slices its current buffer (PowerSGD inside torch's compress wrappers compresses
-        these 16-bit views)."""
+        """Each parameter's gradient as a view into the current :meth:`buffer`, as in torch's ``GradBucket``."""
         if self._buffer is self._flat:
             return self._views
         base = self._flat.storage_offset()
@@ -73,13 +62,11 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the tensor :meth:`buffer` returns, as torch's reducer does (torch's compress wrappers hand it a
-        16-bit copy and reduce that). The bucket's own flat buffer is untouched; the hook's result is copied into
-        it after the wait, converting the dtype."""
+        """Replace the tensor :meth:`buffer` returns; the result is copied back into the flat buffer."""
         self._buffer = tensor
 
     def reset_buffer(self) -> None:
-        """Point :meth:`buffer` back at the bucket's flat gradient buffer (before each launch)."""
+        """Point :meth:`buffer` back at the flat gradient buffer."""
         self._buffer = self._flat
 
 
@@ -88,10 +75,7 @@ def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 
 def _result(bucket: dist.GradBucket, future: torch.futures.Future) -> torch.futures.Future[torch.Tensor]:
-    """The hook's future for whoever called it. BucketedDDP takes the collective's own future (its value is
-    ``[tensor]``) and unpacks and decompresses it after the wait, so no Python runs on the communication thread;
-    torch's reducer wants a future of the bucket's tensor, so there a callback unpacks it into ``bucket.buffer()``,
-    as torch's own hooks do."""
+    """The hook's future: raw for BucketedDDP, which unpacks after the wait; else unpacked by a callback."""
     if isinstance(bucket, GradBucket):
         return future
     buffer = bucket.buffer()
@@ -106,11 +90,12 @@ def _result(bucket: dist.GradBucket, future: torch.futures.Future) -> torch.futu
 def allreduce_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket across ranks (the default).
+    """Average the bucket across ranks; the default.
 
-    NCCL averages natively (``ReduceOp.AVG``). gloo has no AVG: the buffer is divided by the world size, then
-    summed, as torch DDP's reducer does; dividing first keeps 16-bit sums from overflowing. Under BucketedDDP no
-    Python runs on the communication thread: the future is the collective's own (its value is ``[buffer]``).
+    gloo has no AVG, so it divides first, as torch's reducer does, keeping 16-bit sums from overflowing.
+
+    Example:
+        >>> model.register_comm_hook(None, allreduce_hook)
     """
     group = _group(process_group)
     buffer = bucket.buffer()
@@ -123,9 +108,9 @@ def allreduce_hook(
 def allreduce_divided_hook(
     state: tuple[dist.ProcessGroup | None, int], bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Divide the bucket by ``state[1]``, then sum it over ``state[0]``: the default averaging of a join whose
-    ``divide_by_initial_world_size`` is False, over the ranks still training (the joined ones send zeros), as torch
-    DDP's reducer divides by that count before its sum. A sum on NCCL too (its AVG would divide by the group's size).
+    """Divide the bucket by ``state[1]``, then sum it over ``state[0]``.
+
+    Join's average over the ranks still training; NCCL's AVG would divide by the group's size.
     """
     process_group, divisor = state
     buffer = bucket.buffer()
@@ -136,25 +121,21 @@ def allreduce_divided_hook(
 def bf16_compress_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average in bfloat16: half the bytes on the wire, bf16 precision (8 bits of mantissa)."""
+    """Average in bfloat16: half the bytes on the wire, 8 bits of mantissa."""
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
 def fp16_compress_hook(
     process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average in float16: half the bytes on the wire; divides before the sum against overflow."""
+    """Average in float16, dividing before the sum against overflow."""
     return _compress_hook(torch.float16, process_group, bucket)
 
 
 def _compress_hook(
     dtype: torch.dtype, process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Sum ``bucket``'s buffer, cast to ``dtype`` and divided by the world size, across ranks.
-
-    Under BucketedDDP the future's value is ``[compressed]``, copied back into the buffer (decompressing) after the
-    wait, so no Python runs on the communication thread; under torch DDP a callback does that copy.
-    """
+    """Sum ``bucket``'s buffer across ranks, cast to ``dtype`` and divided by the world size first."""
     group = _group(process_group)
     compressed = bucket.buffer().to(dtype).div_(dist.get_world_size(group))
     return _result(bucket, dist.all_reduce(compressed, group=group, async_op=True).get_future())
@@ -168,7 +149,7 @@ COMM_HOOKS: dict[str, CommHook] = {
 """Built-in hooks by the name settings use (``comm_hook: bf16``)."""
 
 
-# The dtype each known hook sends (ours and torch's compress hooks); any other hook sends the buffer's dtype.
+# The dtype each known compress hook sends; others send the buffer's dtype.
 _WIRE_DTYPES: tuple[tuple[CommHook, torch.dtype], ...] = (
     (bf16_compress_hook, torch.bfloat16),
     (fp16_compress_hook, torch.float16),
@@ -178,32 +159,29 @@ _WIRE_DTYPES: tuple[tuple[CommHook, torch.dtype], ...] = (
 
 
 def wire_dtype(hook: CommHook, buffer_dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``hook`` sends, for byte counting: bf16 or fp16 for the compress hooks (ours and torch's
-    ``default_hooks``), else the buffer's dtype. Matched by identity, so any callable is accepted."""
+    """The dtype ``hook`` sends, for byte counting; hooks are matched by identity."""
     return next((dtype for known, dtype in _WIRE_DTYPES if known is hook), buffer_dtype)
 
 
 def check_powersgd_buckets(
     bucket_sizes: list[int], process_group: dist.ProcessGroup | None, setting: str, one_bucket: str
 ) -> None:
-    """Refuse torch's PowerSGD where its all-reduces can go out of order across ranks: several buckets off NCCL.
+    """Refuse torch's PowerSGD with several buckets off NCCL, where its all-reduces can go out of order.
 
-    PowerSGD launches its later all-reduces (P, then Q) from future callbacks, which gloo runs on its own thread, so
-    with several buckets one rank can launch bucket 1's first all-reduce before bucket 0's second while another does
-    the opposite. Seen: a 2-bucket tiny run hung at its 4th step; 1 bucket trained to the end.
+    PowerSGD launches later all-reduces from future callbacks, which gloo runs on its own thread.
 
     Args:
-        bucket_sizes (list[int]): elements per bucket (``BucketedDDP.bucket_sizes``).
+        bucket_sizes (list[int]): elements per bucket.
         process_group (ProcessGroup | None): the wrapper's group.
         setting (str): how the user asked for PowerSGD, named in the error.
-        one_bucket (str): the settings that give one bucket, with ``{mb}`` for the cap that holds every gradient.
+        one_bucket (str): the settings that give one bucket, with ``{mb}`` for the cap.
 
     Raises:
-        ValueError: several buckets on a backend other than NCCL.
+        ValueError: for several buckets on a backend other than NCCL.
     """
     backend = dist.get_backend(_group(process_group))
     if len(bucket_sizes) > 1 and backend != "nccl":
-        mb = f"{math.ceil(sum(bucket_sizes) * 4 / 2**20 * 100) / 100:.2f}"  # rounded up: a cap that holds them all
+        mb = f"{math.ceil(sum(bucket_sizes) * 4 / 2**20 * 100) / 100:.2f}"  # rounded up to hold them all
         raise ValueError(
             f"{setting} on {backend} with {len(bucket_sizes)} buckets: PowerSGD launches its later all-reduces from "
             "callbacks, which gloo runs on its own thread, so with several buckets their order can differ across "
