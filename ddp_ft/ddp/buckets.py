@@ -1,9 +1,4 @@
-"""Bucket assignment: a pure function of the trainable parameters' sizes, dtypes and devices.
-
-Kept apart from the wrapper (as torch keeps ``_compute_bucket_assignment_by_size`` apart from its
-Reducer) so the layout can be unit-tested without a process group, and so every rank can compute
-it, compare it with the others and refuse to train on a mismatch.
-"""
+"""Bucket assignment: a pure function of the parameters, so every rank computes and compares it."""
 
 from __future__ import annotations
 
@@ -19,11 +14,11 @@ class ParamSpec:
     """What bucket assignment needs to know about one trainable parameter.
 
     Args:
-        name (str): qualified name in the wrapped module, used in error messages.
+        name (str): qualified name, for error messages.
         numel (int): number of elements.
         dtype (torch.dtype): gradient dtype; buckets never mix dtypes.
-        device (str): device the gradient lives on; buckets never mix devices.
-        shape (tuple[int, ...]): parameter shape, compared across ranks.
+        device (str): gradient device; buckets never mix devices.
+        shape (tuple[int, ...]): shape, compared across ranks.
     """
 
     name: str
@@ -43,15 +38,13 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """One bucket of the layout: parameter indices (into the registration-ordered list) in the order
-    they are laid out in the bucket's flat buffer, which is the order backward is expected to produce
-    them (reverse registration order).
+    """One bucket: parameter indices in flat-buffer order, the order backward should produce them.
 
     Args:
         index (int): position in launch order.
         param_indices (tuple[int, ...]): indices into the trainable parameter list.
-        offsets (tuple[int, ...]): element offset of each parameter in the flat buffer.
-        numel (int): total elements of the flat buffer.
+        offsets (tuple[int, ...]): element offset of each parameter.
+        numel (int): elements of the flat buffer.
         dtype (torch.dtype): dtype of the flat buffer.
         device (str): device of the flat buffer.
     """
@@ -69,26 +62,22 @@ def compute_bucket_assignment(
 ) -> list[BucketSpec]:
     """Split trainable parameters into buckets, in reverse registration order, by dtype and device.
 
-    Backward produces gradients roughly in reverse registration order (the last layers first), so
-    walking the parameters backwards fills bucket 0 first, bucket 1 next, and so on: the launch order
-    of the all-reduces matches the order in which buckets become ready. Each (dtype, device) pair has
-    its own open bucket; a bucket is closed as soon as its size reaches its cap. The first bucket of
-    each (dtype, device) pair uses the smaller ``first_bucket_cap_mb`` so that communication starts
-    early in backward (torch DDP's default: 1 MB). A parameter larger than the cap gets a bucket of
-    its own.
-
-    Buckets are numbered in the order their first parameter is met in the reversed walk.
+    Backward produces gradients roughly in reverse registration order, so buckets become ready in launch order.
+    Each (dtype, device) starts with a small first bucket, so communication starts early.
 
     Args:
         params (list[ParamSpec]): trainable parameters in registration order.
-        bucket_cap_mb (float): cap of every bucket but the first of each (dtype, device). Default: 25.
+        bucket_cap_mb (float): cap of every later bucket. Default: 25.
         first_bucket_cap_mb (float): cap of the first bucket of each (dtype, device). Default: 1.
 
     Returns:
-        list[BucketSpec]: the buckets in launch order; every parameter appears in exactly one.
+        list[BucketSpec]: the buckets in launch order; each parameter is in exactly one.
 
     Raises:
         ValueError: if a cap is not positive.
+
+    Example:
+        >>> layout = compute_bucket_assignment([ParamSpec("w", 1024, torch.float32, "cpu")])
     """
     if bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -97,7 +86,7 @@ def compute_bucket_assignment(
     cap = bucket_cap_mb * MB
     first_cap = first_bucket_cap_mb * MB
 
-    # key -> [param indices, bytes so far]; `started` preserves first-seen order across keys.
+    # key -> [param indices, bytes so far]; `started` keeps first-seen order across keys.
     open_buckets: dict[tuple[torch.dtype, str], list] = {}
     closed_count: dict[tuple[torch.dtype, str], int] = {}
     started: list[list[int]] = []

@@ -1,13 +1,7 @@
-"""Digests of the frozen base, compared across ranks at construction: the base is not broadcast, so it must agree.
+"""Digests of the frozen base, compared across ranks: it is not broadcast, so it must already agree.
 
-A digest is SHA-256 over a tensor's dtype, shape and bytes in memory order, so it sees any difference, reordered
-rows included (a sum of bytes does not). A bitsandbytes 4-bit weight is a packed byte tensor whose meaning lives
-in its ``quant_state`` (``absmax``, the code book, the nested double-quant state), which is neither a parameter
-nor a buffer; it is digested with the weight. Duck-typed: nothing here imports bitsandbytes.
-
-Cost: measured 0.86 to 0.88 GB/s on one thread of this project's CPU machine (AMD EPYC VM; 256 MiB uint8 and bf16
-tensors, best of 3), plus a device-to-host copy for GPU tensors; so Qwen3-4B in NF4 (about 2.5 GB of 4-bit weights
-and quant state) costs each rank an estimated 3 s, once, at construction.
+SHA-256 over dtype, shape and bytes sees any difference, reordered rows included.
+A bitsandbytes 4-bit weight's meaning lives in its ``quant_state``, which is digested with it.
 """
 
 from __future__ import annotations
@@ -23,10 +17,10 @@ def frozen_digest(t: torch.Tensor) -> str:
     """SHA-256 of a frozen parameter and, for a bitsandbytes 4-bit weight, of its quant state.
 
     Args:
-        t (torch.Tensor): the parameter (or buffer); read, never modified.
+        t (torch.Tensor): the parameter or buffer; never modified.
 
     Returns:
-        str: a hex digest, equal across ranks exactly when dtype, shape, bytes (in order) and quant state are.
+        str: a hex digest, equal across ranks exactly when dtype, shape, bytes and quant state are.
     """
     h = hashlib.sha256()
     _update(h, t)
