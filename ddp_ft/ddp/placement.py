@@ -1,10 +1,7 @@
-"""Where the model lives, checked before BucketedDDP wraps it: one whole replica per rank, on this rank's device.
+"""Check that each rank holds one whole replica on its own device before BucketedDDP wraps it.
 
-Data parallelism needs each rank to hold the whole model on its own device. ``device_map="auto"`` (or
-``"balanced"``) loads one model across several GPUs as a pipeline, or offloads part of it to the CPU or disk (meta
-tensors); under DDP that hangs or trains garbage. A rank whose model sits on another rank's GPU (every process on
-``cuda:0`` because the launch script never chose a device) competes for one device. Both are caught here, by the
-wrapper, whatever loaded the model.
+``device_map="auto"`` splits or offloads the model, which hangs or trains garbage under DDP.
+Ranks that all default to ``cuda:0`` would compete for one GPU.
 """
 
 from __future__ import annotations
@@ -22,11 +19,11 @@ _FIX = (
 
 
 def model_device(module: nn.Module) -> torch.device:
-    """The one device holding every parameter, trainable or frozen, of ``module``.
+    """The one device holding every parameter of ``module``.
 
     Raises:
-        RuntimeError: the parameters are on more than one device (or some are offloaded: ``meta``), or
-            on a CUDA device other than this process's current one; naming the devices and the fix.
+        RuntimeError: if parameters span devices, are offloaded, or sit on another rank's GPU.
+        ValueError: if it has no parameters.
     """
     where: dict[str, str] = {}
     for name, param in module.named_parameters():
@@ -48,8 +45,7 @@ def model_device(module: nn.Module) -> torch.device:
 
 
 def device_identity(device: torch.device) -> tuple[str, str] | None:
-    """``(host, device)`` for a CUDA device, compared across ranks: two ranks must not share one GPU. None on CPU
-    (CPU processes share the machine by design)."""
+    """``(host, device)`` of a CUDA device, to compare across ranks; None on CPU, which ranks may share."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -57,7 +53,7 @@ def device_identity(device: torch.device) -> tuple[str, str] | None:
 
 
 def shared_device(identities: list[tuple[str, str] | None]) -> tuple[int, int, str] | None:
-    """The first two ranks whose model sits on the same GPU of the same host, as ``(rank, rank, device)``, or None.
+    """The first two ranks sharing a GPU of one host, as ``(rank, rank, device)``, or None.
 
     Args:
         identities (list[tuple[str, str] | None]): every rank's :func:`device_identity`, by rank.

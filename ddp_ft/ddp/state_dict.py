@@ -1,5 +1,4 @@
-"""BucketedDDP's state_dict hooks: its keys are the wrapped module's (no ``module.`` prefix), and a load takes the
-wrapped module's keys or torch DDP's prefixed ones."""
+"""BucketedDDP's state_dict hooks: saved keys are the wrapped module's, without ``module.``."""
 
 from __future__ import annotations
 
@@ -7,17 +6,16 @@ from torch import nn
 
 
 def strip_module_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """The wrapper's state_dict is the wrapped module's: no ``module.`` prefix in saved keys."""
+    """Save the wrapped module's keys, without the ``module.`` prefix."""
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def add_module_prefix(wrapper: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """Accept the wrapped module's keys, which :func:`strip_module_prefix` writes, and torch DDP's prefixed ones.
+    """Accept the wrapped module's keys and torch DDP's ``module.``-prefixed ones.
 
-    A key is taken as prefixed only if it is not one of the wrapped module's own keys, so a model whose own child
-    is called ``module`` (keys ``module.*``) loads as itself.
+    A key counts as prefixed only if it is not the module's own, so a child named ``module`` still loads.
     """
     wrapper._load_prefix = prefix
     inner = prefix + "module."
@@ -29,10 +27,9 @@ def add_module_prefix(wrapper: nn.Module, state_dict: dict, prefix: str, *args) 
 
 
 def report_keys_unprefixed(wrapper: nn.Module, incompatible_keys) -> None:
-    """Report missing and unexpected keys as :func:`strip_module_prefix` writes them (no ``module.``).
+    """Report missing and unexpected keys without ``module.``, as ``state_dict()`` names them.
 
-    Loaders that compare the report with ``state_dict()``'s keys, such as safetensors' ``load_model`` (Accelerate's
-    ``load_state``) with tied weights, which it saves once and expects missing, need the two in one namespace.
+    safetensors' ``load_model`` compares the two to skip tied weights, so they must share a namespace.
     """
     prefix = wrapper._load_prefix
     inner = prefix + "module."
