@@ -1,19 +1,9 @@
-"""``bucket_cap_mb="auto"``: try a few bucket layouts in the first synced steps and keep the fastest.
+"""``bucket_cap_mb="auto"``: time a few bucket layouts in the first synced steps and keep the fastest.
 
-Every candidate layout is a pure function of the trainable parameters (:func:`compute_bucket_assignment` with caps
-derived from their total gradient bytes), so every rank computes the same list without talking; the construction
-check (:func:`~ddp_ft.ddp.verify.verify_across_ranks`) already proved the parameters are the same everywhere.
-
-The trial is ordinary training: every step's gradients are averaged exactly as with a fixed layout. What is timed is
-each synced backward from the moment it reaches the wrapper's output (or, failing that, its first ready gradient) to
-the end of the finalizer's wait: the part of a step the layout changes (hook work and exposed communication), without
-the forward's noise. On CPU it is wall time; on CUDA a pair of events on the current stream, read once at the decision
-(no synchronisation during the trial). After one warm-up synced backward, the candidates take turns, one synced backward
-each, for :data:`TRIAL_ROUNDS` rounds (A B C A B C ...). Layouts are switched only at the end of a synced backward's
-finalizer, after its wait: no rank is mid-backward, and the optimizer step that follows reads the averaged gradients
-from the new buffers. After the last round the ranks meet twice, once: an all-reduce (max) of the timings, since a step
-waits for its slowest rank, and a broadcast of rank 0's choice (lowest median, ties to the earlier candidate; torch's
-default unless beaten by :data:`MIN_GAIN`), which every rank adopts.
+Candidates are pure functions of the verified parameters, so every rank builds the same list.
+The trial is ordinary training; only the backward from output to final wait is timed.
+After a warm-up, candidates take turns for :data:`TRIAL_ROUNDS` rounds.
+The slowest rank's times decide, and every rank adopts rank 0's choice.
 """
 
 from __future__ import annotations
@@ -55,7 +45,7 @@ class BucketCandidate:
     """One layout ``bucket_cap_mb="auto"`` tries.
 
     Args:
-        bucket_cap_mb (float): cap of every bucket but the first, in MiB.
+        bucket_cap_mb (float): cap of every later bucket, in MiB.
         first_bucket_cap_mb (float): cap of the first bucket, in MiB.
         buckets (int): number of buckets these caps give.
     """
@@ -67,12 +57,11 @@ class BucketCandidate:
 
 @dataclass(frozen=True)
 class BucketChoice:
-    """What ``bucket_cap_mb="auto"`` tried and kept (:attr:`BucketedDDP.bucket_choice`).
+    """What ``bucket_cap_mb="auto"`` tried and kept.
 
     Args:
-        candidates (tuple[BucketCandidate, ...]): the distinct layouts, torch's default caps first.
-        timings_ms (tuple[tuple[float, ...], ...]): per candidate, each timed synced backward in ms, the slowest
-            rank's; empty when there was no trial (one distinct layout, or one rank).
+        candidates (tuple[BucketCandidate, ...]): the distinct layouts, torch's default first.
+        timings_ms (tuple[tuple[float, ...], ...]): the slowest rank's times per candidate; empty without a trial.
         chosen (int): index of the kept candidate.
     """
 
@@ -82,7 +71,7 @@ class BucketChoice:
 
     @property
     def medians_ms(self) -> tuple[float | None, ...]:
-        """Median time per candidate (None without a trial)."""
+        """Median time per candidate; None without a trial."""
         return tuple(statistics.median(t) if t else None for t in self.timings_ms)
 
     @property
@@ -98,7 +87,7 @@ class BucketChoice:
         return self.candidates[self.chosen].buckets
 
     def describe(self, mark_choice: bool = True) -> str:
-        """One line per candidate: caps, buckets, median and range; the chosen one marked if ``mark_choice``."""
+        """One line per candidate: caps, buckets, median and range."""
         lines = []
         for i, (c, times) in enumerate(zip(self.candidates, self.timings_ms, strict=True)):
             timing = f"median {statistics.median(times):.2f} ms [{min(times):.2f}, {max(times):.2f}]" if times else ""
@@ -113,9 +102,7 @@ class BucketChoice:
 def bucket_candidates(
     specs: list[ParamSpec], first_bucket_cap_mb: float = 1.0
 ) -> list[tuple[BucketCandidate, list[BucketSpec]]]:
-    """The distinct layouts to try, with their caps: torch's default (25 MiB, first bucket ``first_bucket_cap_mb``)
-    first, then caps of total gradient bytes / n for n in :data:`BUCKET_COUNTS`; a cap whose layout an earlier one
-    already gives is dropped. Pure: the same list on every rank.
+    """The distinct layouts to try: torch's default first, then caps of total gradient bytes / n.
 
     Args:
         specs (list[ParamSpec]): trainable parameters in registration order.
@@ -136,19 +123,17 @@ def bucket_candidates(
 
 
 def choose(timings_ms: list[list[float]]) -> int:
-    """Index of the candidate with the lowest median time (ties go to the earlier candidate), unless it beats the
-    first one, torch's default, by less than :data:`MIN_GAIN`: then the first."""
+    """Index of the lowest median, unless it beats torch's default (index 0) by less than :data:`MIN_GAIN`."""
     medians = [statistics.median(t) for t in timings_ms]
     best = medians.index(min(medians))
     return best if medians[best] < (1 - MIN_GAIN) * medians[0] else 0
 
 
 class BucketAutotuner:
-    """Runs ``bucket_cap_mb="auto"``'s trial on one rank (see the module docstring).
+    """Runs the ``bucket_cap_mb="auto"`` trial on one rank.
 
-    Once :meth:`attach`-ed, the reducer calls :meth:`after_synced_backward` at the end of each synced backward's
-    finalizer while the trial runs, and no longer afterwards. The tuner holds no reference to the reducer (it is
-    handed one each call), so a dropped wrapper is freed at once, as without it.
+    Layouts switch only after a synced backward's wait, so no rank is mid-backward.
+    The tuner holds no reference to the reducer, so a dropped wrapper is freed at once.
 
     Args:
         specs (list[ParamSpec]): trainable parameters in registration order.
@@ -201,8 +186,7 @@ class BucketAutotuner:
             reducer.on_synced_backward = self.after_synced_backward
 
     def after_synced_backward(self, reducer: Reducer, measurement: Measurement) -> None:
-        """Record the backward that just finished under the current candidate, then switch ``reducer`` to the next
-        candidate or, after the last round, decide and detach."""
+        """Record the finished backward, then switch to the next candidate or decide and detach."""
         step = self._synced
         self._synced += 1
         if step >= 1:  # step 0 is the warm-up
@@ -219,7 +203,7 @@ class BucketAutotuner:
             self._current = index
 
     def _decide(self, reducer: Reducer) -> None:
-        """The slowest rank's time of every timed backward (all-reduce max), rank 0's choice (broadcast)."""
+        """Take the slowest rank's timings and broadcast rank 0's choice."""
         device = torch.device(self.layouts[0][0].device)
         timings = torch.tensor([[elapsed_ms(m) for m in s] for s in self._samples], dtype=torch.float64, device=device)
         dist.all_reduce(timings, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -241,10 +225,10 @@ class BucketAutotuner:
 
 
 def check_comm_hook(state: object, hook: object) -> None:
-    """Refuse a comm hook whose state is kept per bucket index, which a change of layout would scramble.
+    """Refuse a comm hook with per-bucket-index state, which a layout change would scramble.
 
     Raises:
-        ValueError: for torch's PowerSGD, naming ``bucket_cap_mb`` and the fix.
+        ValueError: for torch's PowerSGD.
     """
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
