@@ -1,9 +1,6 @@
-"""Each numeric setting's own range, and the checker a settings dataclass's ``__post_init__`` calls first.
+"""Each numeric setting's own range, checked first by a settings dataclass's ``__post_init__``.
 
-A value outside its own range is refused naming the setting, its range and a valid value (the field's default),
-before any relation between settings is checked: a negative learning rate is refused as a learning rate, not as
-"min_learning_rate is above it". Pure Python, so ``ddp_ft.ddp`` still needs torch only; ``DDPSettings``' table is
-here, the training settings' tables are in ``ddp_ft.training.ranges``.
+Ranges come before relations, so a negative learning rate is refused as such.
 """
 
 from __future__ import annotations
@@ -17,13 +14,13 @@ class Range:
     """The values one numeric setting takes.
 
     Args:
-        low (float): the lowest value; with ``low_open``, the bound the values lie above.
-        high (float | None): the highest value; with ``high_open``, the bound they lie below. Default: none
-        low_open (bool): ``low`` itself is refused. Default: False
-        high_open (bool): ``high`` itself is refused. Default: False
-        also (tuple): values outside the range that mean something (``-1``: all epochs; ``"auto"``). Default: none
-        note (str): what a value means, in the error (``"0: no clipping"``). Default: ""
-        unit (str): the unit, in the error (``"MiB"``). Default: ""
+        low (float): the lower bound.
+        high (float | None): the upper bound. Default: None.
+        low_open (bool): exclude ``low``. Default: False.
+        high_open (bool): exclude ``high``. Default: False.
+        also (tuple): values outside the range that mean something, e.g. ``"auto"``. Default: ().
+        note (str): what a value means, for the error. Default: "".
+        unit (str): the unit, for the error. Default: "".
     """
 
     low: float
@@ -35,14 +32,14 @@ class Range:
     unit: str = ""
 
     def contains(self, value: float) -> bool:
-        """``value`` lies in the range (NaN never does)."""
+        """Whether ``value`` lies in the range; NaN never does."""
         above = value > self.low if self.low_open else value >= self.low
         if self.high is None:
             return above and value != math.inf
         return above and (value < self.high if self.high_open else value <= self.high)
 
     def rule(self, whole: bool) -> str:
-        """The range in words: ``a positive number of MiB``, ``a whole number >= 1``, ``a number in [0, 1)``."""
+        """The range in words, e.g. ``a positive number of MiB``."""
         unit = f" of {self.unit}" if self.unit else ""
         if self.high is not None:
             ends = f"{_num(self.low)}, {_num(self.high)}"
@@ -57,16 +54,15 @@ def _num(bound: float) -> str:
 
 
 def check_ranges(settings: object, ranges: dict[str, Range], prefix: str = "") -> None:
-    """Refuse the first field of ``settings`` outside its range, or not a number (a whole one for an ``int`` field).
+    """Refuse the first field of ``settings`` that is not a number in its range.
 
     Args:
-        settings (object): a settings dataclass, from its ``__post_init__``.
-        ranges (dict[str, Range]): field name -> its range.
-        prefix (str): put before the field's name in the error (``"DataSettings."``). Default: ""
+        settings (object): a settings dataclass.
+        ranges (dict[str, Range]): field name to its range.
+        prefix (str): put before the field's name in the error. Default: "".
 
     Raises:
-        ValueError: ``<prefix><name>=<value>: must be <range>[ or <also>][ (<note>)]; e.g. <name>=<default>, the
-            default.``
+        ValueError: naming the field, its range and its default.
     """
     defaults = {f.name: f.default for f in fields(settings)}
     for name, allowed in ranges.items():
@@ -77,7 +73,7 @@ def check_ranges(settings: object, ranges: dict[str, Range], prefix: str = "") -
         if number and allowed.contains(value):
             continue
         rule = allowed.rule(whole)
-        if not number and not rule.startswith("a "):  # say the kind too: "a whole number >= 1"
+        if not number and not rule.startswith("a "):  # name the kind too
             rule = f"{'a whole number' if whole else 'a number'} {rule}"
         also = "".join(f" or {v!r}" for v in allowed.also)
         note = f" ({allowed.note})" if allowed.note else ""
@@ -86,8 +82,7 @@ def check_ranges(settings: object, ranges: dict[str, Range], prefix: str = "") -
 
 
 def _declared_int(cls: type, name: str) -> bool:
-    """Field ``name`` of ``cls`` is declared ``int`` (or ``int | str``): from the class annotations as written, not
-    ``Field.type``, which HfArgumentParser rewrites in place."""
+    """Whether field ``name`` is declared ``int``, read from annotations since HfArgumentParser rewrites ``Field.type``."""
     annotation = next(
         vars(c)["__annotations__"][name] for c in cls.__mro__ if name in vars(c).get("__annotations__", {})
     )
