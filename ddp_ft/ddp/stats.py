@@ -1,4 +1,4 @@
-"""Communication statistics of BucketedDDP: what one backward (or one optimizer step) cost on the wire."""
+"""Communication statistics of BucketedDDP per backward or optimizer step."""
 
 from __future__ import annotations
 
@@ -13,15 +13,12 @@ class CommStats:
     """Counters of gradient communication.
 
     Args:
-        allreduce_calls (int): comm-hook launches (one per bucket per synced backward).
-        allreduce_bytes (int): bytes handed to the collective (after compression, if any).
-        exposed_comm_ms (float): milliseconds backward spent waiting for communication after the last
-            gradient was ready: the part of communication that did not overlap with compute.
-        comm_window_ms (float): milliseconds from the first all-reduce launch to the end of the final wait
-            (the last completion whenever any communication was exposed), per synced backward, summed.
-            Measured on CPU/gloo; 0 on CUDA, where the host's wait ends before the GPU finished.
+        allreduce_calls (int): comm-hook launches.
+        allreduce_bytes (int): bytes sent, after any compression.
+        exposed_comm_ms (float): ms spent waiting after the last gradient was ready.
+        comm_window_ms (float): ms from the first launch to the end of the final wait; 0 on CUDA.
         synced_backwards (int): backward passes that communicated.
-        backwards (int): all backward passes, no_sync ones included.
+        backwards (int): all backward passes.
     """
 
     allreduce_calls: int = 0
@@ -33,7 +30,7 @@ class CommStats:
 
     @property
     def overlap(self) -> float | None:
-        """Fraction of the communication window hidden behind backward compute, or None if not measured."""
+        """Fraction of the communication window hidden behind compute, or None if not measured."""
         if self.comm_window_ms <= 0:
             return None
         return max(0.0, 1.0 - self.exposed_comm_ms / self.comm_window_ms)
@@ -48,7 +45,7 @@ class CommStats:
         return values
 
 
-Measurement = float | tuple  # milliseconds (CPU) or a pair of recorded CUDA events, read lazily
+Measurement = float | tuple  # ms on CPU, or a pair of CUDA events read lazily
 
 
 def start_timer(device: torch.device) -> object:
@@ -63,9 +60,7 @@ def start_timer(device: torch.device) -> object:
 def stop_timer(device: torch.device, token: object) -> Measurement:
     """Stop a timer from :func:`start_timer`.
 
-    On CPU this is wall time in ms. On CUDA the host does not block on a collective (``Future.wait``
-    only orders streams), so the wait is timed with CUDA events on the current stream and read by
-    :func:`elapsed_ms` later, when someone asks, to keep a device synchronisation out of the step.
+    On CUDA ``Future.wait`` only orders streams, so events time it, read later without syncing the step.
     """
     if device.type == "cuda":
         end = torch.cuda.Event(enable_timing=True)
@@ -82,17 +77,14 @@ def elapsed_ms(measurement: Measurement) -> float:
     return measurement
 
 
-# Synced backwards whose end-of-backward wait is kept as measured (a CUDA event pair each) until pop().
+# End-of-backward waits kept unread until pop(); older ones are folded into ms.
 MAX_PENDING_WAITS = 64
 
 
 class CommRecorder:
-    """The communication of the latest backward and of everything since the last :meth:`pop`, recorded in pairs.
+    """Communication of the latest backward and of everything since the last :meth:`pop`.
 
-    Every count goes to both. Exposed waits are kept as measurements (CUDA events are read only when someone asks)
-    and summed into the stats on read. If nobody pops (a plain Accelerate user), the waits since the last pop stay
-    bounded: past ``MAX_PENDING_WAITS`` the two oldest are folded into milliseconds, so the list, and the CUDA
-    events it holds, stay bounded over a whole run. Events that old are complete: reading them waits for nothing.
+    Held waits stay bounded when nobody pops; events that old are complete, so folding them never blocks.
     """
 
     def __init__(self) -> None:
@@ -100,7 +92,7 @@ class CommRecorder:
         self._pending, self._pending_waits = CommStats(), []
 
     def start_backward(self, synced: bool) -> None:
-        """A new backward begins: the latest one's record restarts, the pending one counts it."""
+        """Start the latest backward's record and count it in the pending one."""
         self._last, self._last_waits = CommStats(backwards=1, synced_backwards=int(synced)), []
         self._pending.backwards += 1
         self._pending.synced_backwards += int(synced)
@@ -133,7 +125,7 @@ class CommRecorder:
 
     @property
     def held_waits(self) -> int:
-        """Wait measurements kept until the next :meth:`pop`: at most ``MAX_PENDING_WAITS``."""
+        """Wait measurements kept until the next :meth:`pop`."""
         return len(self._pending_waits)
 
 
