@@ -1,10 +1,6 @@
 """When each bucket's gradients were ready in one backward, the input of ``ddp-ft forecast``.
 
-:class:`BackwardClock` stamps a backward's start, each bucket's last gradient and the backward's end. On CPU it reads
-the host clock; on CUDA it records events on the current stream, read only when asked (after the step's own wait), so
-backward never synchronises. The Reducer keeps one for every synced backward. At world size 1 nothing is wrapped:
-:class:`BackwardRecorder` puts the same post-accumulate-grad hooks on the buckets BucketedDDP would build, and only
-marks them ready. No copy, no communication, no process group.
+On CUDA the clock records events read only when asked, so backward never synchronises.
 """
 
 from __future__ import annotations
@@ -28,11 +24,10 @@ class BackwardTimeline:
     """One backward, bucket by bucket.
 
     Args:
-        bucket_bytes (tuple[int, ...]): bytes each bucket hands to its all-reduce, in launch order.
-        ready_ms (tuple[float, ...]): ms from the start of backward to each bucket's last gradient.
-        backward_ms (float): ms from the start of backward to its last gradient.
-        forward_ms (float | None): ms from the start of the forward that made its graph to the start of backward, or
-            None where no forward was stamped.
+        bucket_bytes (tuple[int, ...]): bytes each bucket sends, in launch order.
+        ready_ms (tuple[float, ...]): ms from backward's start to each bucket's last gradient.
+        backward_ms (float): ms from backward's start to its last gradient.
+        forward_ms (float | None): ms of the forward that built its graph, or None if not stamped.
     """
 
     bucket_bytes: tuple[int, ...]
@@ -42,12 +37,10 @@ class BackwardTimeline:
 
 
 class BackwardClock:
-    """Stamps one iteration at a time: :meth:`forward_start`, then :meth:`start` when backward begins,
-    :meth:`bucket_ready` per bucket, :meth:`end`. What :meth:`read` gives is the latest backward that reached
-    :meth:`end`; one started and never ended leaves it.
+    """Stamps one iteration's forward, backward start, bucket readiness and end.
 
     Args:
-        device (torch.device): where backward computes (CUDA: timed with events on its current stream).
+        device (torch.device): where backward computes.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -57,14 +50,14 @@ class BackwardClock:
         self._start: object = None
         self._bytes: tuple[int, ...] = ()
         self._ready: list[Measurement | None] = []
-        self._done: tuple | None = None  # bytes, ready, end, forward: the latest finished backward
+        self._done: tuple | None = None  # the latest finished backward
 
     def forward_start(self) -> None:
-        """A forward begins: the next backward counts its forward from here."""
+        """Stamp the start of a forward."""
         self._forward_start = start_timer(self._device)
 
     def start(self, bucket_bytes: tuple[int, ...] | list[int]) -> None:
-        """A backward begins, over buckets of ``bucket_bytes``."""
+        """Stamp the start of a backward over buckets of ``bucket_bytes``."""
         self._forward = None if self._forward_start is None else stop_timer(self._device, self._forward_start)
         self._forward_start = None
         self._start = start_timer(self._device)
@@ -72,19 +65,18 @@ class BackwardClock:
         self._ready = [None] * len(self._bytes)
 
     def bucket_ready(self, index: int) -> None:
-        """Bucket ``index`` holds its last gradient (the first call counts)."""
+        """Stamp bucket ``index`` ready; the first call counts."""
         if self._start is not None and self._ready[index] is None:
             self._ready[index] = stop_timer(self._device, self._start)
 
     def end(self) -> None:
-        """The backward's last gradient is ready: it becomes the one :meth:`read` gives."""
+        """Stamp the end; this backward becomes the one :meth:`read` gives."""
         if self._start is not None:
             self._done = (self._bytes, self._ready, stop_timer(self._device, self._start), self._forward)
             self._start = None
 
     def read(self) -> BackwardTimeline | None:
-        """The latest finished backward, or None before one finished. A bucket never marked ready (an unused
-        parameter) counts as ready at the end."""
+        """The latest finished backward, or None; unmarked buckets count as ready at the end."""
         if self._done is None:
             return None
         bucket_bytes, ready, end, forward = self._done
@@ -94,22 +86,21 @@ class BackwardClock:
 
 
 class BackwardRecorder:
-    """At world size 1, when each bucket BucketedDDP would build became ready in the latest backward.
-
-    A forward with grad enabled arms the next backward and starts its clock. Backward starts when it reaches the
-    module's output (or its first gradient) and ends when the autograd engine finishes. A pass that accumulates into no parameter
-    (``torch.autograd.grad``) does not count. The hooks hold the recorder weakly: they go when it is freed, or at
-    :meth:`remove_hooks`.
+    """At world size 1, when each bucket BucketedDDP would build became ready, without communicating.
 
     Args:
-        module (nn.Module): the model; its trainable parameters are the ones with ``requires_grad``.
+        module (nn.Module): the model; parameters with ``requires_grad`` are trained.
         bucket_cap_mb (float): as BucketedDDP's. Default: 25.
         first_bucket_cap_mb (float): as BucketedDDP's. Default: 1.
-        comm_hook (CommHook): the hook the buckets would be sent with, for their bytes on the wire.
-            Default: ``allreduce_hook``.
+        comm_hook (CommHook): the hook that sets bytes on the wire. Default: ``allreduce_hook``.
 
     Raises:
-        ValueError: if the module has no trainable parameters, or a cap is not positive.
+        ValueError: if nothing is trainable or a cap is not positive.
+
+    Example:
+        >>> recorder = BackwardRecorder(model)
+        >>> model(**batch).loss.backward()
+        >>> recorder.last_backward_timeline()
     """
 
     def __init__(
@@ -168,7 +159,7 @@ class BackwardRecorder:
         Variable._execution_engine.queue_callback(self._end_backward)
 
     def _on_param_ready(self, index: int) -> None:
-        if not self._armed:  # a backward that did not follow a forward through the module
+        if not self._armed:  # no forward through the module
             return
         if not self._started:
             self._start_backward()
@@ -178,7 +169,7 @@ class BackwardRecorder:
             self.clock.bucket_ready(bucket)
 
     def _end_backward(self) -> None:
-        if self._pending == self._sizes:  # accumulated into no parameter: not the iteration's backward
+        if self._pending == self._sizes:  # accumulated nothing: not the iteration's backward
             self._started = False
             return
         self.clock.end()
