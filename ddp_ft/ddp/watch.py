@@ -1,24 +1,9 @@
 """Checks of the training loop around a BucketedDDP, once per optimizer step, off the backward path.
 
-BucketedDDP sees forwards and backwards, not the optimizer. torch's global optimizer step hook
-(``torch.optim.optimizer.register_optimizer_step_pre_hook``) shows it every ``optimizer.step()`` of an optimizer that
-holds its parameters, in any loop (plain torch, Accelerate, the HF Trainer). Before each such step it reads the
-reducer's counters since the last one and catches what the user's loop got wrong:
-
-- backward passes that all ran under ``no_sync()`` and a step taken outside it: the gradients were never averaged,
-  so the ranks would step apart. An error, before the step. (A step taken inside ``no_sync()``, as Accelerate's
-  ``LocalSGD`` does on purpose, is the user's choice of local steps.)
-- more than one synced backward per step, at two steps in a row (one skipped fp16 step only adds one): an
-  accumulation loop without ``no_sync()``. Correct but slow: a warning, once, with the all-reduces and bytes wasted.
-- ``find_unused_parameters=True`` while every parameter got a gradient on every rank for the first steps: a
-  warning, once, with what it costs per step.
-- a ``DistributedSampler`` whose epoch never changes (``set_epoch`` forgotten) handing out a second pass: every epoch
-  would repeat the first one's order. The samplers are found once, at the first step (a scan of the objects the
-  garbage collector tracks, as no loader is handed to BucketedDDP); the samples are counted from each training
-  forward's batch dimension. A warning, once.
-- the host's time between ``optimizer.step()`` and the next forward (loading the next batch, logging) over 10% of the
-  step, the median of steps 3 to 8: a warning, once, with the share and the loaders' ``num_workers``. It is a lower
-  bound: a loop that loads each micro-batch right before its forward also waits between micro-steps.
+torch's global optimizer step hooks show BucketedDDP every step of an optimizer holding its parameters.
+An error for a step after backwards that all ran under ``no_sync()``; the ranks would step apart.
+A warning, once each, for several synced backwards per step, a needless ``find_unused_parameters``,
+a forgotten ``set_epoch``, and a slow data loader.
 """
 
 from __future__ import annotations
@@ -35,15 +20,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 logger = logging.getLogger(__name__)
 
-UNUSED_CHECK_STEPS = 3  # optimizer steps after which an unused parameter never seen makes the search a waste
-DATA_WAIT_STEPS = range(3, 9)  # the optimizer steps whose host gap is measured (past the first steps' warm-up)
-DATA_WAIT_SHARE = 0.10  # the share of a step past which waiting for data is worth a warning
-DATA_WAIT_FLOOR_MS = 1.0  # and the wait itself: below a millisecond a toy model's step is all there is to see
+UNUSED_CHECK_STEPS = 3  # steps without an unused parameter before warning
+DATA_WAIT_STEPS = range(3, 9)  # steps whose host gap is measured, past warm-up
+DATA_WAIT_SHARE = 0.10  # share of a step spent waiting for data that warns
+DATA_WAIT_FLOOR_MS = 1.0  # and the least wait that counts
 
 
 class OptimizerMatch:
-    """Whether an optimizer steps any of these parameters: decided once per optimizer, kept weakly (torch's global
-    optimizer step hooks see every optimizer of the process, and only ours concern a check)."""
+    """Whether an optimizer steps any of these parameters, decided once per optimizer and kept weakly."""
 
     def __init__(self, params) -> None:
         self._ids = {id(p) for p in params}
@@ -58,12 +42,10 @@ class OptimizerMatch:
 
 
 class StepWatch:
-    """Watches the optimizer steps over one BucketedDDP's parameters (see the module docstring).
-
-    Holds the wrapper weakly; the global hook goes when the watch does (with its wrapper) or at :meth:`remove`.
+    """Watches the optimizer steps over one BucketedDDP's parameters, holding it weakly.
 
     Args:
-        wrapper (nn.Module): the BucketedDDP whose reducer's counters are read (not imported: it owns this watch).
+        wrapper (nn.Module): the BucketedDDP whose reducer's counters are read.
     """
 
     def __init__(self, wrapper: torch.nn.Module) -> None:
@@ -73,10 +55,10 @@ class StepWatch:
         self._previous_synced = 0  # synced backwards before the last step
         self._steps = 0
         self._warned: set[str] = set()
-        self._samplers: list[tuple[weakref.ref, int, int]] | None = None  # (sampler, epoch, samples since) per one
+        self._samplers: list[tuple[weakref.ref, int, int]] | None = None  # (sampler, epoch, samples since)
         self._loaders: list[weakref.ref] = []
         self._interval_start: float | None = None  # perf_counter() at the last watched step's end
-        self._gap_ms: float | None = None  # from there to the next training forward (None until that forward)
+        self._gap_ms: float | None = None  # from there to the next training forward
         self._shares: list[float] = []
         owner = weakref.ref(self)
         handles = (
@@ -89,7 +71,7 @@ class StepWatch:
         self._release()
 
     def on_forward(self, inputs: tuple, kwargs: dict) -> None:
-        """A training forward (grad enabled) starts: close the host gap after the last step, count its samples."""
+        """At a training forward, close the host gap after the last step and count samples."""
         if self._gap_ms is None and self._interval_start is not None:
             self._gap_ms = (time.perf_counter() - self._interval_start) * 1e3
         if self._samplers:
@@ -98,13 +80,13 @@ class StepWatch:
                 self._samplers = [(ref, epoch, seen + batch.shape[0]) for ref, epoch, seen in self._samplers]
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """A watched step returned: its share of waiting for data, the samplers' epochs."""
+        """After a watched step, measure waiting for data and check the samplers' epochs."""
         if self._wrapper() is None or not self._watches(optimizer):
             return
         now = time.perf_counter()
-        try:  # advisory checks: whatever goes wrong in them must not stop a training run
+        try:  # advisory checks must never stop a run
             if self._gap_ms is not None and self._steps in DATA_WAIT_STEPS and now > self._interval_start:
-                share = self._gap_ms / ((now - self._interval_start) * 1e3)  # the gap is part of the step's interval
+                share = self._gap_ms / ((now - self._interval_start) * 1e3)
                 self._shares.append(share if self._gap_ms >= DATA_WAIT_FLOOR_MS else 0.0)
             if self._steps == DATA_WAIT_STEPS[-1] and self._shares:
                 self._check_data_wait(statistics.median(self._shares))
@@ -117,8 +99,8 @@ class StepWatch:
         self._interval_start, self._gap_ms = now, None
 
     def _find_loaders(self) -> None:
-        """Once: the shuffling DistributedSamplers and the DataLoaders alive in this process (held weakly)."""
-        # By type(), never isinstance(): the heap holds weak proxies, whose dead referents raise on any attribute.
+        """Find the live shuffling DistributedSamplers and DataLoaders once, held weakly."""
+        # type(), not isinstance(): the heap holds weak proxies whose dead referents raise on access.
         objects = gc.get_objects()
         samplers = [o for o in objects if issubclass(type(o), DistributedSampler) and o.shuffle]
         self._samplers = [(weakref.ref(s), s.epoch, 0) for s in samplers] if len(samplers) == 1 else []
@@ -155,10 +137,10 @@ class StepWatch:
         )
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Read what happened since the last step of a watched optimizer; raise or warn (module docstring).
+        """Check the loop since the last step of a watched optimizer.
 
         Raises:
-            RuntimeError: the step follows backward passes that all ran under ``no_sync()``, outside it.
+            RuntimeError: if every backward since the last step ran under ``no_sync()``.
         """
         wrapper = self._wrapper()
         if wrapper is None or not self._watches(optimizer):
