@@ -1,9 +1,4 @@
-"""One bucket at run time: its flat gradient buffer, each parameter's gradient as a view into it, and readiness.
-
-The memory half of BucketedDDP (its ``Memory`` guarantee): one flat buffer per bucket, ``param.grad`` a view into it
-with ``gradient_as_bucket_view`` (re-attached and zeroed in one op per bucket after ``zero_grad(set_to_none=True)``),
-and the reduced result put back where the hook returned another tensor or the gradients are not views.
-"""
+"""One bucket at run time: its flat gradient buffer, the gradient views into it, and readiness."""
 
 from __future__ import annotations
 
@@ -14,15 +9,15 @@ from .comm_hooks import GradBucket
 
 
 class BucketBuffer:
-    """Runtime state of one bucket: its flat buffer, the gradient views into it, and readiness.
+    """Runtime state of one bucket.
 
     Args:
         index (int): launch-order index.
-        buffer (torch.Tensor): the flat buffer, zeroed.
-        indices (list[int]): the bucket's parameters' indices in the trainable list, in buffer order.
+        buffer (torch.Tensor): the zeroed flat buffer.
+        indices (list[int]): trainable indices of its parameters, in buffer order.
         params (list[nn.Parameter]): those parameters.
-        offsets (list[int]): each parameter's element offset in ``buffer``.
-        last (bool): whether this bucket is launched last.
+        offsets (list[int]): each parameter's element offset.
+        last (bool): whether it launches last.
     """
 
     def __init__(
@@ -45,8 +40,7 @@ class BucketBuffer:
         self.future: torch.futures.Future | None = None
 
     def attach_grad_views(self, replaced_none: list[bool] | None) -> None:
-        """Make every ``param.grad`` its view, zeroed where the gradient was None (marked in ``replaced_none``,
-        by trainable index, if given); the whole buffer is zeroed in one op when every gradient was None."""
+        """Make every ``param.grad`` its view, zeroing and marking in ``replaced_none`` those that were None."""
         with torch.no_grad():
             grads = [p.grad for p in self.params]
             if all(g is None for g in grads):
@@ -68,8 +62,7 @@ class BucketBuffer:
                     p.grad = view
 
     def wait_reduced(self, rank: int) -> None:
-        """Wait for this bucket's launched reduction and put its result in the buffer, if the hook returned another
-        tensor (a compressed copy is decompressed by the copy)."""
+        """Wait for the reduction and copy a returned tensor, e.g. a compressed one, into the buffer."""
         try:
             result = self.future.wait()
         except RuntimeError as error:
@@ -78,14 +71,13 @@ class BucketBuffer:
                 f"killed, or is stuck (a stuck rank is given up on after the process group's timeout, "
                 f"--ddp-timeout). {error}"
             ) from error
-        if isinstance(result, list | tuple):  # a collective's own future holds its output tensors
+        if isinstance(result, list | tuple):  # a collective's own future holds a list
             result = result[0]
         if isinstance(result, torch.Tensor) and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result.view_as(self.buffer))
 
     def copy_to_grads(self, unused_everywhere: set[int]) -> None:
-        """Without gradient views: write the averaged gradients into ``param.grad``. A parameter no rank used
-        (by trainable index, in ``unused_everywhere``) that had no gradient keeps grad None."""
+        """Write averaged gradients into ``param.grad``; a None unused on every rank stays None."""
         with torch.no_grad():
             for i, p, view in zip(self.indices, self.params, self.views, strict=True):
                 if p.grad is None:

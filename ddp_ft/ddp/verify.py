@@ -1,10 +1,6 @@
-"""The check at construction that every rank reduces the same parameters in the same buckets and holds the same
-frozen base (which is not broadcast).
+"""Check at construction that every rank has the same buckets and the same frozen base.
 
-Each rank describes itself (:func:`describe_rank`: its layout and the digests of its frozen parameters); the
-descriptions are gathered, and :func:`cross_rank_mismatch`, a pure function of them, names the first difference
-from rank 0's. Every rank gathers every description, so every rank raises the same error: none is left waiting in
-a collective the others never reach.
+Every rank gathers every description, so all raise the same error and none hangs in a collective.
 """
 
 from __future__ import annotations
@@ -32,13 +28,15 @@ def verify_across_ranks(
     """Gather every rank's :func:`describe_rank` and raise on every rank if any differs from rank 0's.
 
     Args:
-        device (tuple[str, str] | None): this rank's ``(host, GPU)`` (:func:`~ddp_ft.ddp.placement.device_identity`),
-            None on CPU. Two ranks on one GPU are an error under NCCL and a warning under gloo (two processes
-            sharing one GPU is a way to test CUDA code paths with real asynchronous communication).
+        module (nn.Module): the wrapped model.
+        params (list[ParamSpec]): trainable parameters in registration order.
+        buckets (list[BucketSpec]): the layout.
+        world_size (int): ranks in the group.
+        process_group (ProcessGroup | None): the group. Default: the default group.
+        device (tuple[str, str] | None): this rank's ``(host, GPU)``; shared GPUs only warn under gloo, for tests.
 
     Raises:
-        RuntimeError: naming the first differing trainable parameter, bucket or frozen parameter, or two ranks
-            whose models share one GPU (NCCL).
+        RuntimeError: naming the first difference, or two ranks sharing one GPU under NCCL.
     """
     gathered: list[dict | None] = [None] * world_size
     mine = describe_rank(module, params, buckets) | {"device": device}
@@ -61,8 +59,7 @@ def verify_across_ranks(
 
 
 def describe_rank(module: nn.Module, params: list[ParamSpec], buckets: list[BucketSpec]) -> dict:
-    """This rank's side of the check: its layout (:func:`describe_layout`) and, under ``frozen``, one
-    ``(name, SHA-256)`` per frozen parameter not on the meta device, in registration order."""
+    """This rank's layout and ``(name, SHA-256)`` of each frozen parameter, in order."""
     frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and p.device.type != "meta"]
     return {
         "layout": describe_layout(params, buckets),
@@ -71,15 +68,7 @@ def describe_rank(module: nn.Module, params: list[ParamSpec], buckets: list[Buck
 
 
 def cross_rank_mismatch(gathered: list[dict]) -> str | None:
-    """The error for the first rank whose :func:`describe_rank` differs from rank 0's, or None if all agree.
-
-    Args:
-        gathered (list[dict]): every rank's description, by rank.
-
-    Returns:
-        str | None: the message, naming the first differing trainable parameter or bucket (layout first), else
-        the first differing frozen parameter.
-    """
+    """The error for the first rank whose :func:`describe_rank` differs from rank 0's, or None."""
     reference = gathered[0]
     for rank, other in enumerate(gathered[1:], start=1):
         diff = first_layout_difference(reference["layout"], other["layout"], other_rank=rank)
@@ -106,12 +95,7 @@ def cross_rank_mismatch(gathered: list[dict]) -> str | None:
 
 
 def describe_layout(params: list[ParamSpec], buckets: list[BucketSpec]) -> dict[str, list[tuple]]:
-    """A plain, picklable description of the parameters and the bucket layout, compared across ranks.
-
-    Returns:
-        dict[str, list[tuple]]: ``params``: one ``(name, shape, dtype)`` per parameter in registration
-        order; ``buckets``: one ``param_indices`` tuple per bucket in launch order.
-    """
+    """A picklable description of the parameters and the bucket layout."""
     return {
         "params": [(p.name, tuple(p.shape), str(p.dtype)) for p in params],
         "buckets": [b.param_indices for b in buckets],
@@ -121,10 +105,7 @@ def describe_layout(params: list[ParamSpec], buckets: list[BucketSpec]) -> dict[
 def first_layout_difference(
     reference: dict[str, list[tuple]], other: dict[str, list[tuple]], other_rank: int
 ) -> str | None:
-    """Describe the first difference between rank 0's layout (``reference``) and ``other_rank``'s, or None.
-
-    Parameters are compared first (name, shape, dtype, in order), then bucket boundaries.
-    """
+    """The first difference from rank 0's layout, parameters before buckets, or None."""
     ref_params, params = reference["params"], other["params"]
     for i, (a, b) in enumerate(zip(ref_params, params, strict=False)):
         if a != b:
