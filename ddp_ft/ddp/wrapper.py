@@ -40,6 +40,8 @@ class BucketedDDP(nn.Module, JoinableDDP):
         * Equality. When ``loss.backward()`` returns, gradients are averaged over ranks, as in torch DDP.
         * Lifecycle. Hooks hold the reducer weakly, so a dropped wrapper removes them.
 
+    The tests behind each guarantee: docs/guarantees.md.
+
     One synced backward:
         1. ``forward`` arms the iteration and hooks its outputs without changing them.
         2. Backward reaching an output queues the finalizer on the outermost backward pass.
@@ -306,7 +308,10 @@ class BucketedDDP(nn.Module, JoinableDDP):
                     t.copy_(synced)
 
     def _broadcast_buffers(self) -> None:
-        """Broadcast from rank 0 the buffers whose ``_version`` moved since the last broadcast."""
+        """Broadcast from rank 0 the buffers whose ``_version`` moved since the last broadcast.
+
+        Writes through ``.data`` or ``set_()`` do not bump it and are missed.
+        """
         moved = {
             _owner(name)
             for (name, b), seen in zip(self._module_buffers, self._buffer_versions, strict=True)

@@ -1,4 +1,4 @@
-"""Process-group lifecycle and rank facts: ``init_distributed()`` and ``destroy_distributed()``."""
+"""Process-group lifecycle and rank facts."""
 
 from __future__ import annotations
 
@@ -221,11 +221,11 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-LOG_LEVEL_ENV = "DDP_FT_LOG_LEVEL"  # rank 0's level name, e.g. WARNING
+LOG_LEVEL_ENV = "DDP_FT_LOG_LEVEL"  # rank 0's level name
 
 
 def setup_logging(info: DistInfo, level: int | None = None) -> None:
-    """Log at ``level`` on rank 0 and only warnings elsewhere, each line tagged with the rank.
+    """Log at ``level`` on rank 0 and only warnings elsewhere.
 
     Args:
         info (DistInfo): rank facts.

@@ -2,7 +2,7 @@
 
 When ``tee`` or the terminal dies, Python's ignored SIGPIPE makes every later write raise.
 Inside ``console_or_log`` the first failed write points the dead descriptor at ``<log_dir>/console.log``.
-Later writes, also by child processes, go there, so a stopped run still saves and logs.
+Later writes, children's too, go there.
 """
 
 from __future__ import annotations
