@@ -82,7 +82,7 @@ def check_ranges(settings: object, ranges: dict[str, Range], prefix: str = "") -
 
 
 def _declared_int(cls: type, name: str) -> bool:
-    """Whether field ``name`` is declared ``int``; read from annotations, as HfArgumentParser rewrites ``Field.type``."""
+    """Whether field ``name`` is declared ``int``, per annotations; HfArgumentParser rewrites ``Field.type``."""
     annotation = next(
         vars(c)["__annotations__"][name] for c in cls.__mro__ if name in vars(c).get("__annotations__", {})
     )
