@@ -1,18 +1,25 @@
-"""Batch arithmetic: the accumulation that keeps the effective batch on every world size.
-
-:func:`gradient_accumulation_steps` is the one divisibility check of the effective batch: the run's settings, the data
-layout and ``--micro-batch auto`` (at micro-batch 1: the samples per rank) all go through it.
-"""
+"""Batch arithmetic: the accumulation that keeps the effective batch on every world size."""
 
 from __future__ import annotations
 
 
 def gradient_accumulation_steps(effective_batch: int, micro_batch: int, world_size: int) -> int:
-    """Micro-steps per optimizer step so that every world size trains on the same effective batch.
+    """Micro-steps per optimizer step, so every world size trains the same effective batch.
+
+    Args:
+        effective_batch (int): samples per optimizer step.
+        micro_batch (int): samples per forward per rank.
+        world_size (int): ranks.
+
+    Returns:
+        int: the accumulation.
 
     Raises:
-        ValueError: a size below 1, or ``effective_batch`` not a multiple of ``micro_batch * world_size``, naming the
-            settings and the nearest workable values.
+        ValueError: a size below 1, or ``effective_batch`` not a multiple of ``micro_batch * world_size``.
+
+    Example:
+        >>> gradient_accumulation_steps(32, 4, 2)
+        4
     """
     for name, value in (("effective_batch", effective_batch), ("micro_batch", micro_batch), ("world_size", world_size)):
         if value < 1:

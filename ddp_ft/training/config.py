@@ -1,14 +1,9 @@
 """Typed settings, named presets, config files and the command line that fills them.
 
-Settings become dataclasses once, at the edge (``parse_settings``); library code takes the dataclasses.
-A preset is a config file shipped in ``ddp_ft/training/configs/`` (``configs/`` in the repository); ``--preset NAME``
-reads ``NAME.yaml``. Precedence, lowest first: the dataclass defaults, the preset (``--preset``, else a ``preset:`` key
-in the ``--config`` file), the ``--config`` file, the command-line flags.
-
-A config file is YAML: the fields of ``SECTIONS`` either flat (``micro_batch: 2``) or under their section
-(``train: {micro_batch: 2}``), both forms mixable; plus an optional ``preset:``. An unknown key or a value of the wrong
-type is refused naming the key and what it takes; a bad choice is refused by the dataclass, naming the choices. A run
-writes its resolved settings to ``<output_dir>/run_config.yaml``; ``--config`` on that file reruns them.
+Settings become dataclasses once, at the edge (``parse_settings``). A preset is a YAML file in ``configs/``.
+Precedence, lowest first: dataclass defaults, the preset, the ``--config`` file, command-line flags. A config
+file holds fields flat or under their section. Unknown keys and wrong types are refused, naming the key. A run
+writes its resolved settings to ``run_config.yaml``; ``--config`` on it reruns them.
 """
 
 from __future__ import annotations
@@ -85,7 +80,7 @@ class TrainSettings:
     )
 
     def __post_init__(self) -> None:
-        check_ranges(self, TRAIN_RANGES)  # each number's own range first, then the relations between them
+        check_ranges(self, TRAIN_RANGES)  # each number's range, then their relations
         if self.report_to not in ("wandb", "none"):
             raise ValueError(f"report_to={self.report_to!r}: choose wandb or none.")
         if self.min_learning_rate > self.learning_rate:
@@ -121,8 +116,8 @@ SECTIONS = {
 }
 
 CONFIG_DIR = Path(__file__).with_name("configs")  # the presets, shipped as package data
-RUN_CONFIG = "run_config.yaml"  # a run's resolved settings, beside its metrics.jsonl
-# Field types as written in the dataclasses (``from __future__ import annotations``: strings) -> accepted YAML types.
+RUN_CONFIG = "run_config.yaml"
+# Field types as written (strings) -> accepted YAML types.
 _TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "bool": (bool,),
@@ -133,12 +128,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "int | str": (int, str),
     "bool | str": (bool, str),
 }
-_OR_AUTO = {"int | str": "a int", "bool | str": "true, false"}  # what a field that also takes "auto" takes
+_OR_AUTO = {"int | str": "a int", "bool | str": "true, false"}  # fields that also take "auto"
 
 
 def _kind(annotation: object) -> str:
-    """A field's type as written (``"float | str"``); a module without ``from __future__ import annotations`` gives
-    the type itself."""
+    """A field's type as written, e.g. ``"float | str"``."""
     if isinstance(annotation, str):
         return annotation
     if annotation is type(None):
@@ -148,8 +142,10 @@ def _kind(annotation: object) -> str:
 
 
 def _fields() -> dict[str, tuple[str, str]]:
-    """Every settings field: name -> (section, type as written). From the class annotations, not ``Field.type``:
-    HfArgumentParser rewrites that in place (``float | str`` becomes ``float``)."""
+    """Every settings field: name -> (section, type as written).
+
+    Read from the annotations, since HfArgumentParser rewrites ``Field.type`` in place.
+    """
     found = {}
     for section, cls in SECTIONS.items():
         annotations = {
@@ -163,11 +159,11 @@ def _checked(key: str, kind: str, value: object, where: str) -> object:
     """A YAML value of field ``key`` in its field's type, or ValueError naming the key and the type it takes."""
     if isinstance(value, str) and kind in ("float", "float | str"):
         try:
-            return float(value)  # YAML 1.1 (PyYAML) reads 2e-4, without a dot, as a string
+            return float(value)  # PyYAML reads 2e-4 as a string
         except ValueError:
             if kind == "float | str":
-                return value  # bucket_cap_mb: auto; the dataclass checks the word
-    if kind in _OR_AUTO and isinstance(value, str) and value != AUTO:  # micro_batch, compile, packing: or auto
+                return value  # bucket_cap_mb: auto
+    if kind in _OR_AUTO and isinstance(value, str) and value != AUTO:
         raise ValueError(f"{where}: {key}: {value!r} is a str; {key} takes {_OR_AUTO[kind]} or {AUTO!r}.")
     ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind not in ("bool", "bool | str"))
     if not ok:
@@ -179,13 +175,11 @@ def config_values(data: object, where: str) -> dict[str, object]:
     """A parsed config file -> checked field values, flat; ``preset`` kept if given.
 
     Args:
-        data (object): what ``yaml.safe_load`` returned: a mapping of field names, section names
-            (``model``, ``lora``, ``data``, ``ddp``, ``train``) holding mappings of their fields, and ``preset``.
+        data (object): what ``yaml.safe_load`` returned.
         where (str): the file, named in errors.
 
     Raises:
-        ValueError: not a mapping, an unknown key (or a field under the wrong section), a value of the wrong type, a
-            key given twice; naming the key and the allowed keys or type.
+        ValueError: not a mapping, an unknown or repeated key, or a wrong type.
     """
     if data is None:
         return {}
@@ -228,7 +222,7 @@ def load_config(path: str | Path) -> dict[str, object]:
     try:
         text = Path(path).read_text()
     except OSError as error:
-        name = Path(path).stem  # configs/tiny.yaml is a clone's link to the presets: elsewhere, --preset tiny
+        name = Path(path).stem  # configs/ exists in a clone only: elsewhere, hint --preset
         shipped = not Path(path).exists() and (CONFIG_DIR / f"{name}.yaml").is_file()
         hint = f" {name} is a preset ddp_ft ships: use --preset {name}." if shipped else ""
         raise ValueError(f"--config {path}: cannot read it ({error.strerror or error}).{hint}") from None
@@ -247,18 +241,17 @@ def _presets() -> dict[str, dict[str, object]]:
     return found
 
 
-PRESETS: dict[str, dict[str, object]] = _presets()  # name -> field overrides, from ddp_ft/training/configs/NAME.yaml
+PRESETS: dict[str, dict[str, object]] = _presets()  # name -> field overrides
 
 
 def settings_as_config(
     settings: RunSettings, resolved: Mapping[str, Mapping[str, object]] | None = None
 ) -> dict[str, object]:
-    """RunSettings as a config mapping, by section, that :func:`load_config` reads back to the same settings.
+    """RunSettings as a config mapping that :func:`load_config` reads back to the same settings.
 
     Args:
         settings (RunSettings): the settings as parsed.
-        resolved (Mapping | None): values by section written over them: what the run resolved
-            (``ddp_ft.training.resolve.Resolved.as_config``). Default: None
+        resolved (Mapping | None): resolved values by section, written over them. Default: None
     """
     data: dict[str, object] = {"preset": settings.preset} if settings.preset else {}
     resolved = resolved or {}
@@ -268,9 +261,7 @@ def settings_as_config(
 def write_run_config(
     settings: RunSettings, info: DistInfo, resolved: Mapping[str, Mapping[str, object]] | None = None
 ) -> Path:
-    """Write what the run trained with to ``<output_dir>/run_config.yaml`` on rank 0, atomically (a temporary file
-    renamed over it), so ``--config`` on that file reruns it: the settings, with ``resolved``
-    (``Resolved.as_config()``) over them. Other ranks only return the path."""
+    """Write the settings and ``resolved`` to ``run_config.yaml`` on rank 0, atomically; return its path."""
     path = Path(settings.train.output_dir) / RUN_CONFIG
     if info.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,14 +274,13 @@ def write_run_config(
 
 
 def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
-    """One flag per dataclass field (``--micro-batch``, ``--micro_batch``), documented from its help; an entry point's
-    own flags come in through ``parents`` (``add_help=False``: ``--help`` lists them); ``prog`` names the command."""
+    """One flag per dataclass field, plus an entry point's own flags from ``parents``."""
     from transformers import HfArgumentParser
 
     parser = HfArgumentParser(
         list(SECTIONS.values()), prog=prog, description="QLoRA fine-tuning with BucketedDDP.", parents=list(parents)
     )
-    parser.error = functools.partial(brief_usage_error, parser.prog)  # argparse's prints the usage: 45 lines first
+    parser.error = functools.partial(brief_usage_error, parser.prog)  # argparse's own prints the whole usage first
     parser.add_argument(
         "--preset",
         default="",
@@ -305,7 +295,7 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
         "train:, and optionally preset:. A run's <output_dir>/run_config.yaml reruns it.",
     )
     switch = {"type": _switch_arg, "metavar": "{true,false,auto}"}
-    or_auto = {  # HfArgumentParser types `float | str` as float, `int | str` as int, `bool | str` as bool: take "auto"
+    or_auto = {  # HfArgumentParser drops the str of `float | str`: take "auto"
         "bucket_cap_mb": {"type": _number_or_auto(float, "a number of MiB")},
         "micro_batch": {"type": _number_or_auto(int, "a whole number of samples")},
         "compile": switch,  # bare --compile: true
@@ -357,19 +347,20 @@ def parse_settings(
     default_preset: str = "",
     prog: str | None = None,
 ) -> RunSettings:
-    """Command line -> RunSettings: defaults, then the preset, then the ``--config`` file, then explicit flags.
+    """Command line -> RunSettings: defaults, then the preset, then ``--config``, then explicit flags.
 
     Args:
         argv (list[str] | None): the command line. Default: ``sys.argv[1:]``
-        parents (Sequence[argparse.ArgumentParser]): an entry point's own flags (see :func:`build_parser`); their
-            values are not part of RunSettings.
-        default_preset (str): the preset when neither ``--preset`` nor the config file names one. Default: none
+        parents (Sequence[argparse.ArgumentParser]): an entry point's own flags.
+        default_preset (str): the preset when none is named. Default: none
         prog (str | None): the command named in usage and errors. Default: the script's name
 
     Raises:
-        SystemExit: (argparse) for an unknown preset or flag, with the known choices; for a config file with an
-            unknown key or a wrong type, naming the key.
-        ValueError: a value the settings dataclasses refuse (e.g. a choice), naming the field and the choices.
+        SystemExit: an unknown preset or flag, or a bad config file.
+        ValueError: a value the settings dataclasses refuse.
+
+    Example:
+        >>> settings = parse_settings(["--preset", "tiny", "--micro-batch", "2"])
     """
     parser = build_parser(parents, prog)
     pre, _ = parser.parse_known_args(argv)

@@ -1,8 +1,6 @@
 """A hook point in every run, inert unless a harness installs one.
 
-Both training paths call the installed ``RunHooks`` at fixed points: when training starts or resumes, around the data
-collator, on the model, and while a checkpoint is written. The fault tests install hooks that break a real run there
-(``tests/helpers/faults.py``); the library itself never installs any, and importing it installs nothing.
+The fault tests install hooks that break a real run at fixed points. The library never installs any.
 """
 
 from __future__ import annotations
@@ -13,33 +11,30 @@ import torch
 
 
 class RunHooks:
-    """The points a run calls; each does nothing here.
-
-    A harness subclasses it and passes an instance to :func:`install_run_hooks` in every process that trains.
-    """
+    """The points a run calls; each does nothing here."""
 
     def start(self, global_step: int, accumulation: int) -> None:
-        """Training starts after ``global_step`` optimizer steps of ``accumulation`` micro-batches each."""
+        """Training starts after ``global_step`` optimizer steps."""
 
     def wrap_collate(self, collate: Callable) -> Callable:
-        """The collator the run's data loader uses instead of ``collate``."""
+        """The collator to use instead of ``collate``."""
         return collate
 
     def attach(self, model: torch.nn.Module) -> None:
         """Called once on the built model, before it is wrapped."""
 
     def checkpoint_writing(self, step: int) -> None:
-        """Called by ``BucketedTrainer`` on every rank after the ranks meet to save, before this rank writes."""
+        """Called on every rank before this rank writes a checkpoint."""
 
     def checkpoint_partly_written(self, step: int) -> None:
-        """Called by the savers between writing a checkpoint's files and publishing them."""
+        """Called between writing a checkpoint's files and publishing them."""
 
 
 _installed: RunHooks | None = None
 
 
 def install_run_hooks(hooks: RunHooks | None) -> None:
-    """Make ``hooks`` the ones every later run in this process calls; ``None`` removes them.
+    """Make ``hooks`` the ones later runs in this process call; None removes them.
 
     Args:
         hooks (RunHooks | None): the harness's hooks.
@@ -54,5 +49,5 @@ def run_hooks() -> RunHooks:
 
 
 def run_hooks_installed() -> bool:
-    """Whether a harness installed hooks in this process."""
+    """Whether a harness installed hooks."""
     return _installed is not None

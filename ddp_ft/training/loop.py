@@ -1,10 +1,7 @@
 """The plain PyTorch training loop, every mechanism in sight.
 
-One optimizer step = ``accumulation`` micro-batches per rank. All but the last run under ``no_sync()``
-(no communication); the last one's backward averages everything over the ranks while it runs. The loss
-of a step is normalised by the number of answer tokens in the whole effective batch (all micro-batches,
-all ranks), so one process with accumulation 2k and two with k compute the same gradient, whatever the
-padding or the answer lengths.
+One optimizer step is ``accumulation`` micro-batches per rank; only the last one communicates. The loss is
+normalised over the whole effective batch, so any world size computes the same gradient.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What a finished run reports (on every rank; paths are rank 0's)."""
+    """What a finished run reports; paths are rank 0's."""
 
     steps: int
     first_loss: float | None
@@ -40,39 +37,43 @@ class TrainResult:
     eval_loss: float | None
     output_dir: str
     checkpoint: str | None
-    stopped_by: str | None = None  # the signal that stopped the run early (a checkpoint was saved), else None
+    stopped_by: str | None = None  # the signal that stopped the run early
 
 
 def train(settings: RunSettings, info: DistInfo) -> TrainResult:
-    """Run the fine-tune described by ``settings`` on this rank; every check fails before training starts.
+    """Run the fine-tune ``settings`` describe on this rank; every check fails before training.
 
-    SIGTERM or SIGUSR1 to any rank (or to the launcher, which forwards it) stops every rank at the same step
-    boundary with one checkpoint (``ddp_ft.training.preemption``); the result's ``stopped_by`` names the signal.
+    A stop signal to any rank stops all ranks at one step with one checkpoint; ``stopped_by`` names it.
+
+    Args:
+        settings (RunSettings): the run's settings.
+        info (DistInfo): this rank.
+
+    Returns:
+        TrainResult: steps, losses and the last checkpoint.
+
+    Example:
+        >>> result = train(settings_from_preset("tiny"), init_distributed())
     """
     with StopSignal() as stop:
         return _Loop(build_run(settings, info), stop).train()
 
 
 class _Loop:
-    """Training one built :class:`~ddp_ft.training.run.Run` on this rank: epochs of optimizer steps (``_step``:
-    forward/backward over the micro-batches, unscale, clip, step; each recorded by the ``RunLog``), a periodic
-    evaluation and checkpoint between steps, and the end (``_finish``: final eval and checkpoint, or ``_stop``: the
-    preemption checkpoint). The run was checked and built before (``ddp_ft.training.run.build_run``); nothing here
-    refuses a setting.
-    """
+    """Trains one built run on this rank: steps, periodic evaluation and checkpoints, then the end."""
 
     def __init__(self, run: Run, stop: StopSignal) -> None:
         self.run, self.stop, self.t, self.state = run, stop, run.settings.train, run.state
-        self.log = RunLog(run)  # the config record, the progress bar
+        self.log = RunLog(run)
         self.token_counts = StepTokenCounts(run.parts.train_set)
         self.eval_loss: float | None = None
         self.stopped_by: str | None = None
-        self.saved_step = run.state.global_step  # a checkpoint already holds this step (the one resumed, or 0)
-        self.has_eval = len(run.parts.eval_set) > 0  # --eval-fraction 0: no eval loss at all (an empty sum is not 0)
+        self.saved_step = run.state.global_step  # a checkpoint already holds this step
+        self.has_eval = len(run.parts.eval_set) > 0  # an empty sum is not 0
         run.parts.hooks.start(run.state.global_step, run.resolved.accumulation)
 
     def train(self) -> TrainResult:
-        """Train to ``total_steps`` (or to a stop signal), then evaluate and save; closes the progress bar and sink."""
+        """Train to ``total_steps`` or a stop signal, then evaluate and save."""
         state, run = self.state, self.run
         run.model.train()
         try:
@@ -92,56 +93,54 @@ class _Loop:
         )
 
     def _epoch(self) -> None:
-        """Optimizer steps from the saved position to the end of this epoch, ``total_steps`` or a stop signal."""
+        """Optimizer steps to the end of this epoch, ``total_steps`` or a stop signal."""
         state, t, run = self.state, self.t, self.run
         batches = run.loader.epoch(state.epoch, start_sample=state.sample_in_epoch)
         order = global_order(len(run.parts.train_set), t.seed, state.epoch)  # every rank sees every step's samples
         while state.global_step < run.total_steps:
             accumulation = run.resolved.accumulation
             group = list(islice(batches, accumulation))
-            if len(group) < accumulation:  # epoch done (EpochLoader yields whole steps; the remainder is dropped)
+            if len(group) < accumulation:  # epoch done
                 state.epoch, state.sample_in_epoch = state.epoch + 1, 0
                 return
             self.log.meter.start()
-            # The step's global token counts, from its samples in the global order: no collective.
+            # The step's global token counts, from the global order: no collective.
             step_samples = order[state.sample_in_epoch : state.sample_in_epoch + t.effective_batch]
             result = self._step(group, step_samples)
             self.log.step(result)
             if any(result.stop_flags) and state.global_step < run.total_steps:
-                # Some rank received SIGTERM/SIGUSR1 by this step's gather: every rank read the same flags, so all
-                # stop here, after this step, with one checkpoint.
+                # Every rank read the same flags, so all stop after this step.
                 self.stopped_by = self.stop.received or "a stop signal on another rank"
                 return
             self._between_steps()
 
     def _step(self, group: list, step_samples) -> StepResult:
-        """One optimizer step on the micro-batches ``group``; advances the schedule and the data position."""
+        """One optimizer step; advances the schedule and the data position."""
         run, t = self.run, self.t
         info, precision, scaler, optimizer = run.info, run.resolved.precision, run.scaler, run.optimizer
         counts = torch.tensor(self.token_counts.totals(step_samples), dtype=torch.float64, device=info.device)
-        stop = lambda: self.stop.local_flag  # noqa: E731 - read after the step's last backward: the step in flight
+        stop = lambda: self.stop.local_flag  # noqa: E731 - read after the last backward
         outcome = forward_backward_timed(run.wrapped, group, info, counts, precision, scaler, stop)
         loss, counts = outcome.loss, outcome.counts
-        # The gradients are already averaged over the ranks, so every rank unscales the same numbers, and finds the
-        # same inf/nan: the scaler skips the same steps everywhere with no extra collective.
+        # Gradients are averaged already, so every rank finds the same inf/nan and skips the same steps.
         scaler.unscale_(optimizer)
         if t.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(run.trainable, t.max_grad_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.trainable if p.grad is not None])
         lr = run.scheduler.get_last_lr()[0]
-        scaler.step(optimizer)  # optimizer.step(), unless float16 gradients overflowed
+        scaler.step(optimizer)  # unless float16 gradients overflowed
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        # Every logged scalar in one device-to-host transfer (the step's one wait for the device).
+        # Every logged scalar in one device-to-host transfer.
         logged = [loss.double(), grad_norm.double(), counts[1].double(), *outcome.compute_ms]
         logged += list(outcome.stop_flags)
         if precision.loss_scaling:
-            logged.append(scaler._get_scale_async().double())  # the tensor behind get_scale(), unread
+            logged.append(scaler._get_scale_async().double())  # get_scale() without a sync
         loss, grad_norm, input_tokens, *rest = torch.stack(logged).tolist()
         world = info.world_size
         scale = rest[2 * world :]
-        skipped = precision.loss_scaling and not math.isfinite(grad_norm)  # inf/nan: the scaler skipped
+        skipped = precision.loss_scaling and not math.isfinite(grad_norm)
         if not skipped:
             run.scheduler.step()
         self.state.global_step += 1
@@ -159,7 +158,7 @@ class _Loop:
         )
 
     def _between_steps(self) -> None:
-        """The periodic evaluation and checkpoint (never after the last step: ``_finish`` does both there)."""
+        """The periodic evaluation and checkpoint, never after the last step."""
         step, t = self.state.global_step, self.t
         if step >= self.run.total_steps:
             return
@@ -196,19 +195,19 @@ class _Loop:
         )
 
     def _stop(self) -> Path | None:
-        """Preempted: one checkpoint of the last finished step (unless one holds it already), no final eval."""
+        """Preempted: save the last finished step unless saved already; no final eval."""
         state = self.state
         new_work = state.global_step > self.saved_step
         checkpoint = self._save() if new_work else None
         self.log.stop(self.stopped_by, str(checkpoint) if checkpoint else None)
         where = f"checkpoint {checkpoint}" if checkpoint else "the latest checkpoint holds this step"
         done = f"{where}; continue with the same command and --resume latest" if self.run.info.is_main_process else ""
-        step = f"{state.global_step} of {self.run.total_steps}"  # the one line saying where and how to go on: rank 0's
+        step = f"{state.global_step} of {self.run.total_steps}"  # rank 0 says where and how to go on
         logger.warning("stopped by %s after step %s: %s", self.stopped_by, step, done or "rank 0 saved the checkpoint")
         return checkpoint
 
     def _predict(self) -> None:
-        """``--predict``: rank 0 generates for the first eval samples, on the unwrapped model (no collective)."""
+        """``--predict``: rank 0 generates for the first eval samples."""
         run = self.run
         if not run.info.is_main_process:
             return
@@ -221,7 +220,7 @@ class _Loop:
         logger.info("predicted %d eval samples (%s): %s", len(predictions), shown, path)
 
     def _finish(self) -> Path | None:
-        """The final evaluation and checkpoint, and ``output_dir/final``: the adapter with its tokenizer."""
+        """The final evaluation and checkpoint, and ``output_dir/final``."""
         if self.has_eval:
             self._evaluate()
         if self.t.predict:

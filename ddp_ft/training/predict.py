@@ -1,7 +1,6 @@
-"""Predictions: what the trained model writes for prompts formatted as training formatted them.
+"""Predictions: what the trained model writes for prompts formatted as in training.
 
-Generation is greedy and runs on one process, on the unwrapped model, so it starts no collective. ROUGE-L against
-the rows' own answers comes from Google's ``rouge-score``.
+Generation is greedy, on one process and the unwrapped model, so it starts no collective.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ PREDICTIONS_FILE = "predictions.jsonl"
 
 @dataclass(frozen=True)
 class Prediction:
-    """One prompt, what the model wrote after it, and the row's own answer (None: it had none)."""
+    """One prompt, the model's output, and the row's own answer."""
 
     prompt: str
     prediction: str
@@ -35,15 +34,18 @@ class Prediction:
 
 
 def generate(model, tokenizer, prompts: Sequence[Prompt], max_new_tokens: int) -> list[Prediction]:
-    """Greedy generation, one prompt at a time, until the tokenizer's eos or ``max_new_tokens``.
+    """Greedy generation, one prompt at a time, until eos or ``max_new_tokens``.
 
-    The model is put in eval mode; its key-value cache is used whatever its config says (training turns it off).
+    The key-value cache is used whatever the config says; training turns it off.
 
     Args:
-        model (torch.nn.Module): the unwrapped causal LM (a peft model for an adapter).
-        tokenizer (PreTrainedTokenizerBase): the run's, with its chat template.
+        model (torch.nn.Module): the unwrapped causal LM.
+        tokenizer (PreTrainedTokenizerBase): the run's.
         prompts (Sequence[Prompt]): from :func:`ddp_ft.training.data.prompts.prompt_of`.
         max_new_tokens (int): the most tokens written per prompt.
+
+    Returns:
+        list[Prediction]: one per prompt.
     """
     model.eval()
     device = next(model.parameters()).device
@@ -66,7 +68,7 @@ def generate(model, tokenizer, prompts: Sequence[Prompt], max_new_tokens: int) -
 
 
 def rouge_l(predictions: Sequence[Prediction]) -> float | None:
-    """Mean ROUGE-L F1 of the predictions against their references; None when no row has one."""
+    """Mean ROUGE-L F1 against the references; None when no row has one."""
     from rouge_score import rouge_scorer
 
     pairs = [(p.reference, p.prediction) for p in predictions if p.reference]
@@ -77,7 +79,7 @@ def rouge_l(predictions: Sequence[Prediction]) -> float | None:
 
 
 def write_predictions(path: str | Path, predictions: Sequence[Prediction]) -> Path:
-    """One JSON object a line: ``prompt``, ``prediction``, ``reference``; written whole, then renamed into place."""
+    """Write one JSON object a line, atomically."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -87,7 +89,7 @@ def write_predictions(path: str | Path, predictions: Sequence[Prediction]) -> Pa
 
 
 def predict_rows(model, tokenizer, rows, data_settings, n: int, max_new_tokens: int) -> list[Prediction]:
-    """Predictions for the first ``n`` standard rows (an eval split from ``load_source``)."""
+    """Predictions for the first ``n`` standard rows."""
     prompts = [prompt_of(rows[i], tokenizer, data_settings) for i in range(min(n, len(rows)))]
     return generate(model, tokenizer, prompts, max_new_tokens)
 
@@ -102,10 +104,10 @@ class Trained:
     """A trained model ready to generate, and how its training wrote prompts.
 
     Args:
-        model (torch.nn.Module): the base as training saw it with the adapter on it, or a merged model.
-        tokenizer (PreTrainedTokenizerBase): the one saved with it, chat template included.
-        data (DataSettings): the run's data settings, its format as found.
-        shape (str): the standard shape of its rows: pair, chat, completion or text.
+        model (torch.nn.Module): the adapted base, or a merged model.
+        tokenizer (PreTrainedTokenizerBase): the one saved with it.
+        data (DataSettings): the run's data settings.
+        shape (str): its rows' standard shape.
     """
 
     model: torch.nn.Module
@@ -115,13 +117,16 @@ class Trained:
 
 
 def load_trained(source: str | Path, settings: MergeSettings) -> Trained:
-    """A run, an adapter folder or a merged model (``ddp-ft merge``), loaded to generate with.
+    """A run, an adapter folder or a merged model, loaded to generate with.
 
-    An adapter goes on its base as training saw it: the NF4 weights dequantised (``load_base_to_merge``).
+    An adapter goes on its base as training saw it, dequantised.
 
     Raises:
-        FileNotFoundError: no adapter or model, or no ``ddp_ft_data.json`` beside it (the prompt format unknown).
+        FileNotFoundError: no model, or no ``ddp_ft_data.json`` beside it.
         ValueError: see ``plan_merge``.
+
+    Example:
+        >>> trained = load_trained("runs/demo/final", MergeSettings())
     """
     folder = Path(source)
     if (folder / "config.json").is_file() and (folder / DATA_FILE).is_file():  # a merged model
@@ -135,7 +140,7 @@ def load_trained(source: str | Path, settings: MergeSettings) -> Trained:
     plan = plan_merge(source, settings)
     data, shape = _data_record(plan.adapter)
     tokenizer = load_adapter_tokenizer(plan)
-    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing`: not the user's concern
+    with warnings.catch_warnings():  # peft reads a deprecated attribute
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         model = PeftModel.from_pretrained(load_base_to_merge(plan), str(plan.adapter))
     return Trained(model, tokenizer, data, shape)

@@ -1,7 +1,4 @@
-"""The training settings' numeric ranges, one table per settings dataclass (checked by ``ddp_ft.ddp.ranges``'
-``check_ranges`` from each ``__post_init__``), and the one-line command-line error the settings' parsers raise
-(``brief_usage_error``). Pure (no torch).
-"""
+"""The training settings' numeric ranges, one table per settings dataclass, and the brief CLI error. Pure."""
 
 from __future__ import annotations
 
@@ -10,7 +7,7 @@ import typing
 
 from ..ddp.ranges import Range
 
-SEED_MAX = 2**32 - 1  # numpy's seed range, which transformers' set_seed (the Trainer's) passes the seed to
+SEED_MAX = 2**32 - 1  # numpy's seed range, which transformers' set_seed needs
 
 TRAIN_RANGES = {
     "effective_batch": Range(1),

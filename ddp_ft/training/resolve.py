@@ -1,24 +1,14 @@
-"""What a run derives from its settings, computed once into a frozen :class:`Resolved` that the rest of the run reads.
+"""What a run derives from its settings, computed once into a frozen :class:`Resolved`.
 
-A user's settings are never written to after they are parsed. This module alone turns them into the numbers a run
-trains with: micro-batch, accumulation, compile, packing, precision and this rank's device map, each with why. It is
-the plain loop's counterpart of torchtitan's derived fields. Three steps, each returning a new value:
+Settings are never written to after parsing. Three steps, each returning a new value:
 
-1. :func:`resolve_run`, before anything is touched: every check that needs only the settings and the world size.
-2. :func:`resolve_run_packing`, once the model's config is at hand (``setup.prepare_run``).
-3. :func:`probe_run_micro_batch`, once the model is built, with ``--micro-batch auto`` on CUDA only.
+1. :func:`resolve_run`, before anything is touched: checks that need only settings and world size.
+2. :func:`resolve_run_packing`, once the model's config is at hand.
+3. :func:`probe_run_micro_batch`, once the model is built, for ``--micro-batch auto`` on CUDA.
 
-At micro-batch 1 with eager layers the host (Python, autograd, thousands of kernel launches per step) sets the pace
-and the GPU idles; a full micro-batch and compiled decoder layers train many times faster (``docs/performance.md``). So
-on CUDA ``micro_batch: auto`` fills the GPU (:func:`resolve_micro_batch`, then the probe; the effective batch is kept,
-accumulation shrinks) and ``compile: auto`` compiles each decoder layer (``ddp_ft.training.model.compilation``). On
-the CPU ``auto`` keeps micro-batch 1 and eager layers: a CPU has no separate memory to fill, compiling costs each
-process its start-up time, and whether it pays on a CPU is not measured.
-
-Each default is said once on rank 0, and ``run_config.yaml`` records what ran (:meth:`Resolved.as_config`). A number
-for ``--micro-batch`` or ``--no-compile`` turns either off. An explicit ``--compile`` where compilation is known to
-break is refused (``ddp_ft.training.model.compilation.compile_blockers``); the default is turned off there, with the
-reason and the fix.
+On CUDA, ``auto`` fills the GPU and compiles the decoder layers, since a small eager step leaves it idle
+(``docs/performance.md``). On the CPU, ``auto`` keeps micro-batch 1 and eager layers. ``run_config.yaml``
+records what ran.
 """
 
 from __future__ import annotations
@@ -53,26 +43,23 @@ COMPILE_WHY = (
 
 @dataclass(frozen=True)
 class Resolved:
-    """What the run trains with, derived from its settings once; the settings themselves stay as parsed.
+    """What the run trains with, derived once from its settings.
 
     Args:
         micro_batch (int): samples per forward per rank.
         accumulation (int): micro-batches per rank per optimizer step.
-        compile (bool): each decoder layer compiled in place before the wrap.
-        precision (Precision): the compute dtype, its autocast and loss scaling; ``precision.reason`` says why.
+        compile (bool): decoder layers compiled before the wrap.
+        precision (Precision): compute dtype, autocast and loss scaling.
         device_map (dict | str): this rank's ``from_pretrained`` device map.
         micro_batch_why (str): where the micro-batch came from.
         compile_why (str): why compilation is on or off.
-        probe_pending (bool): ``--micro-batch auto`` on CUDA: ``micro_batch`` is a first guess until the built model
-            is probed (:func:`probe_run_micro_batch`). Default: False
-        probe (MicroBatchProbe | None): the probe's measurement, once it decided. Default: None
-        packing (bool | None): micro-batches packed into rows without padding; None until
-            :func:`resolve_run_packing`. Default: None
+        probe_pending (bool): ``micro_batch`` is a guess until the probe runs. Default: False
+        probe (MicroBatchProbe | None): the probe's measurement. Default: None
+        packing (bool | None): rows packed without padding; None until resolved. Default: None
         packing_why (str): why packing is on or off. Default: ""
-        checkpointing (bool): activation checkpointing on; ``auto`` starts on, and the probe may turn it off
-            (:func:`probe_run_micro_batch`). Default: True
+        checkpointing (bool): activation checkpointing on. Default: True
         checkpointing_why (str): why it is on or off. Default: ""
-        attention (str | None): the layers' ``attn_implementation``; None: transformers' default. Default: None
+        attention (str | None): the layers' ``attn_implementation``. Default: None
         attention_why (str): why. Default: ""
     """
 
@@ -93,7 +80,7 @@ class Resolved:
     attention_why: str = ""
 
     def as_config(self) -> dict[str, dict[str, object]]:
-        """The resolved values by settings section, written over the settings in ``run_config.yaml``."""
+        """The resolved values by settings section, for ``run_config.yaml``."""
         data = {} if self.packing is None else {"data": {"packing": self.packing}}
         model = {
             "compile": self.compile,
@@ -104,7 +91,7 @@ class Resolved:
 
 
 class DeviceDefaults(NamedTuple):
-    """``compile`` and ``micro_batch`` after the device's defaults; ``micro_batch`` stays ``auto`` on CUDA."""
+    """``compile`` and ``micro_batch`` after the device's defaults."""
 
     compile: bool
     compile_why: str
@@ -115,21 +102,18 @@ class DeviceDefaults(NamedTuple):
 def resolve_device_defaults(
     settings: RunSettings, info: DistInfo, blockers: Callable[..., list[Blocker]] = compile_blockers
 ) -> DeviceDefaults:
-    """Resolve ``compile: auto`` (and refuse an explicit ``compile: true`` that cannot work), and ``micro_batch:
-    auto`` off CUDA; log each default once on rank 0.
+    """Resolve ``compile: auto``, and ``micro_batch: auto`` off CUDA.
 
     Args:
-        settings (RunSettings): the run's settings, only read.
-        info (DistInfo): this rank; its device.
-        blockers (Callable): :func:`~ddp_ft.training.model.compilation.compile_blockers` (injectable for tests).
+        settings (RunSettings): the run's settings.
+        info (DistInfo): this rank.
+        blockers (Callable): finds what breaks compilation; injectable for tests.
 
     Returns:
-        DeviceDefaults: compile as a bool and the micro-batch (``auto`` left on CUDA for :func:`resolve_micro_batch`),
-        each with why.
+        DeviceDefaults: compile and micro-batch, each with why.
 
     Raises:
-        ValueError: ``--compile`` (``compile: true``) where compilation cannot work or is known to break, naming each
-            reason, its fix, and ``--no-compile``.
+        ValueError: ``--compile`` where compilation is known to break.
     """
     model, lora, train = settings.model, settings.lora, settings.train
     say = logger.info if info.is_main_process else logger.debug
@@ -170,26 +154,23 @@ def resolve_device_defaults(
 
 
 def resolve_run(settings: RunSettings, info: DistInfo) -> Resolved:
-    """Every check that needs only the settings and the world size, and what they resolve; both entry points run it
-    first, before anything is touched.
+    """Every check that needs only the settings and the world size.
 
-    On a GPU ``--micro-batch auto`` becomes a first guess (:func:`resolve_micro_batch`, or 1 where the arithmetic
-    does not know the model) with ``probe_pending`` set: the entry point probes the built model
-    (:func:`probe_run_micro_batch`).
+    On a GPU ``--micro-batch auto`` becomes a first guess, and ``probe_pending`` is set.
 
     Returns:
-        Resolved: micro-batch, accumulation, compile, precision and device map; packing not yet.
+        Resolved: everything but packing.
 
     Raises:
-        ValueError: ``--micro-batch auto`` without a GPU or that cannot fit, an Accelerate launch setting no entry
-            point can honour, ``--liger`` or ``--compile`` where they cannot work (``ddp_ft.training.model.kernels``),
-            impossible batch arithmetic, a model-splitting device map under DDP, or a compute dtype this device cannot
-            run, each naming the setting to change.
+        ValueError: a setting this run cannot honour, naming the setting to change.
+
+    Example:
+        >>> resolved = resolve_run(settings, info)
     """
-    precision = settings.model.precision(info.device)  # bf16 on a card that only emulates it is refused here
-    check_accelerate_launch(chosen=precision.mixed_precision)  # what `accelerate launch` exported, if unhonourable
-    defaults = resolve_device_defaults(settings, info)  # an impossible --compile refused here
-    check_kernel_settings(settings.model.liger, False, info.device)  # --liger (--compile: just above, with LoRA's)
+    precision = settings.model.precision(info.device)  # refuses emulated bf16
+    check_accelerate_launch(chosen=precision.mixed_precision)
+    defaults = resolve_device_defaults(settings, info)
+    check_kernel_settings(settings.model.liger, False, info.device)
     micro_batch, micro_why, pending = defaults.micro_batch, defaults.micro_batch_why, False
     if micro_batch == AUTO:
         guess = resolve_micro_batch(settings, info)
@@ -214,7 +195,7 @@ def resolve_run(settings: RunSettings, info: DistInfo) -> Resolved:
 
 
 def _checkpointing(settings: RunSettings, probe_pending: bool) -> tuple[bool, str]:
-    """``gradient_checkpointing`` before the model is built: ``auto`` starts on, for the probe to decide."""
+    """``gradient_checkpointing`` before the build; ``auto`` starts on."""
     value = settings.model.gradient_checkpointing
     if value != AUTO:
         return bool(value), "gradient_checkpointing: true" if value else "--no-gradient-checkpointing"
@@ -226,31 +207,22 @@ def _checkpointing(settings: RunSettings, probe_pending: bool) -> tuple[bool, st
 def resolve_micro_batch(
     settings: RunSettings, info: DistInfo, shape: Qwen3Shape | None = None, device_bytes: int | None = None
 ) -> MicroBatchChoice | None:
-    """``--micro-batch auto``'s first guess, before the model loads: the largest micro-batch whose expected peak
-    fits this rank's GPU by arithmetic, logged on rank 0.
+    """``--micro-batch auto``'s first guess by arithmetic, before the model loads.
 
-    The entry points then probe the built model (:func:`probe_run_micro_batch`), which decides: the arithmetic
-    knows Qwen3 shapes in eager mode only (compiled layers hold more than it expects: ``docs/performance.md``). It
-    remains the guess the data and the resume position are checked with.
-
-    The arithmetic of ``ddp_ft.training.model.memory.auto_micro_batch`` at ``max_seq_len``, with the run's dtype, layout
-    and LoRA rank, against the device's total memory (``torch.cuda.mem_get_info``; under a process group the smallest of
-    the ranks', so that every rank makes the same choice). The entry points call it on CUDA only (on the CPU ``auto``
-    is 1: :func:`resolve_device_defaults`); a caller on another device must give ``device_bytes``.
+    The probe on the built model decides later; the arithmetic knows eager Qwen3 shapes only. Under a process
+    group every rank uses the smallest device, so all choose the same.
 
     Args:
         settings (RunSettings): the run's settings.
-        info (DistInfo): this rank; its device and the world size.
-        shape (Qwen3Shape | None): the model's sizes. Default: from the model's ``config.json`` (``AutoConfig``).
-        device_bytes (int | None): memory of the device. Default: ``torch.cuda.mem_get_info(info.device)``'s total.
+        info (DistInfo): this rank.
+        shape (Qwen3Shape | None): the model's sizes. Default: from its ``config.json``
+        device_bytes (int | None): device memory. Default: the CUDA device's total
 
     Returns:
-        MicroBatchChoice | None: the guess; None for the embedded tiny model (no ``config.json`` before it is built)
-        and for a model whose config is not Qwen3-shaped (the probe decides alone).
+        MicroBatchChoice | None: the guess; None when the model is not Qwen3-shaped.
 
     Raises:
-        ValueError: off CUDA without ``device_bytes``, or when micro-batch 1 does not fit by the arithmetic; naming
-            --micro-batch.
+        ValueError: off CUDA without ``device_bytes``, or micro-batch 1 does not fit.
     """
     if device_bytes is None:
         if info.device.type != "cuda":
@@ -259,7 +231,7 @@ def resolve_micro_batch(
                 "host's: give --micro-batch a number (default 1)."
             )
         device_bytes = torch.cuda.mem_get_info(info.device)[1]
-        if info.is_distributed and dist.is_initialized():  # every rank chooses for the smallest device: one choice
+        if info.is_distributed and dist.is_initialized():  # one choice for all ranks
             smallest = torch.tensor([device_bytes], dtype=torch.int64, device=info.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
             device_bytes = int(smallest.item())
@@ -271,7 +243,7 @@ def resolve_micro_batch(
 
         try:
             shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(name))
-        except AttributeError:  # not a Qwen3-shaped config: no arithmetic for it
+        except AttributeError:  # not Qwen3-shaped
             return None
     precision = settings.model.precision(info.device)
     choice = auto_micro_batch(
@@ -291,16 +263,15 @@ def resolve_micro_batch(
 
 
 def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInfo, model_path: str) -> Resolved:
-    """``--packing`` resolved for this device and model (``ddp_ft.training.data.resolve_packing``), logged on rank 0.
+    """``--packing`` resolved for this device and model.
 
-    The model's config is read (not the model) only when packing may be on, to find an architecture whose attention
-    would mix packed sequences before anything loads; ``setup.build_model`` checks the loaded model again.
+    Reads the model's config only, to refuse attention that would mix packed sequences before anything loads.
 
     Returns:
         Resolved: ``resolved`` with ``packing`` and ``packing_why``.
 
     Raises:
-        ValueError: ``--packing true`` for a model whose attention would let a sequence attend to its neighbour.
+        ValueError: ``--packing true`` for a model whose attention would mix sequences.
     """
     packing = settings.data.packing
     problem = None
@@ -308,7 +279,7 @@ def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInf
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_path)
-        config.use_cache = False  # as load_qlora_model sets it: the cache is the loaded model's check
+        config.use_cache = False  # as load_qlora_model sets it
         problem = packing_problem(config)
     chosen, reason = resolve_packing(packing, info.device.type, problem)
     if info.is_main_process:
@@ -319,24 +290,22 @@ def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInf
 def probe_run_micro_batch(
     model: torch.nn.Module, settings: RunSettings, info: DistInfo, resolved: Resolved, **overrides: object
 ) -> Resolved:
-    """``--micro-batch auto``'s decision, on the built model: ``ddp_ft.training.model.probe.probe_micro_batch`` at
-    ``max_seq_len`` with the run's autocast, in place of the first guess.
+    """``--micro-batch auto``'s decision, probed on the built model.
 
-    Call it on every rank, after the model is built as the run trains it (compiled, with Liger) and before
-    BucketedDDP wraps it; the effective batch is unchanged.
+    Call it on every rank, after compilation and before the DDP wrap.
 
     Args:
         model (torch.nn.Module): the unwrapped model.
         settings (RunSettings): the run's settings.
         info (DistInfo): this rank.
         resolved (Resolved): the run's, with ``probe_pending``.
-        **overrides: passed to ``probe_micro_batch`` (``device_bytes``, ``measure``, ``margin``: tests).
+        **overrides: passed to ``probe_micro_batch``, for tests.
 
     Returns:
-        Resolved: the probe's micro-batch and accumulation, and the probe itself.
+        Resolved: the probe's micro-batch and accumulation.
 
     Raises:
-        ValueError: micro-batch 1 does not fit on some rank, naming --micro-batch.
+        ValueError: micro-batch 1 does not fit on some rank.
     """
     probe = _probe(model, settings, info, resolved, overrides)
     if info.is_main_process and probe.micro_batch != resolved.micro_batch:
@@ -374,10 +343,7 @@ def _probe(model, settings: RunSettings, info: DistInfo, resolved: Resolved, ove
 def _checkpointing_if_needed(
     model, settings: RunSettings, info: DistInfo, resolved: Resolved, probe: MicroBatchProbe, overrides: dict
 ) -> tuple[MicroBatchProbe, bool, str]:
-    """``gradient_checkpointing: auto`` decided on the probed model: off when the whole per-rank batch fits without
-    it, measured by a second probe with it off; else on again. Checkpointing only buys memory for a larger micro-batch,
-    so it is tried off only when the first probe already chose the largest (accumulation 1). Every rank decides the
-    same: each probe's choice is the smallest over the ranks."""
+    """Turn checkpointing off when the whole per-rank batch fits without it."""
     say = logger.info if info.is_main_process else logger.debug
     if probe.accumulation != 1:
         why = f"auto: on, the micro-batch it allows ({probe.micro_batch}) is below the per-rank batch"
@@ -386,7 +352,7 @@ def _checkpointing_if_needed(
     set_checkpointing(model, False)
     try:
         bare = _probe(model, settings, info, resolved, overrides)
-    except ValueError:  # not even micro-batch 1 fits without it, on some rank
+    except ValueError:
         bare = None
     if bare is not None and bare.accumulation == 1:
         why = (

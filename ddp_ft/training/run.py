@@ -1,18 +1,12 @@
-"""The plain loop's run as it stands before the first step, built in one pass down: ``build_run``.
+"""The plain loop's run before the first step, built in one pass: ``build_run``.
 
-The settings go through each piece once, in the order that refuses before anything is touched or loaded:
+The order refuses bad settings before anything is touched or loaded:
 
-1. the checks that need only the settings and the world size, and what they resolve (``resolve.resolve_run``);
-2. the output folder every node shares, and the checkpoint to resume (``checkpoint``);
-3. tokenizer and data (``setup.prepare_run``), and a resume position this data layout can continue;
-4. the model as it trains (``setup.build_training_model``: Liger, QLoRA, compiled layers, ``--micro-batch auto``'s
-   probe), then the per-rank loader at the final micro-batch, the model wrapped in BucketedDDP when distributed, its
-   optimizer, schedule and loss scaler;
-5. the resumed state, then ``run_config.yaml`` (written only once every refusal has passed).
-
-The settings are only read; what the run trains with is the frozen ``Run.resolved``.
-
-``ddp_ft.training.loop`` trains the :class:`Run` it returns and never calls back here.
+1. checks needing only settings and world size (``resolve.resolve_run``);
+2. the shared output folder and the checkpoint to resume;
+3. tokenizer, data, and a resume position this layout can continue;
+4. the model as it trains, the loader, the DDP wrap, optimizer, schedule and scaler;
+5. the resumed state, then ``run_config.yaml``, written after every refusal.
 """
 
 from __future__ import annotations
@@ -40,68 +34,66 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Run:
-    """Everything one rank trains with: the settings, what they resolved to, the data, the model and its optimizer,
-    where it starts."""
+    """Everything one rank trains with, and where it starts."""
 
     settings: RunSettings  # as parsed, never written to
-    resolved: Resolved  # micro-batch, accumulation, compile, packing, precision: what the run trains with
+    resolved: Resolved  # what the run trains with
     info: DistInfo
-    parts: RunParts  # tokenizer, data sets, collate, truncation report, fault injection
+    parts: RunParts
     output_dir: Path
     loader: EpochLoader
     total_steps: int
-    model: torch.nn.Module  # unwrapped: what is saved, evaluated and unscaled
-    wrapped: torch.nn.Module  # BucketedDDP(model) when distributed, else the model itself
-    recorder: BackwardRecorder | None  # one process: when each bucket BucketedDDP would build is ready
+    model: torch.nn.Module  # unwrapped: what is saved and evaluated
+    wrapped: torch.nn.Module
+    recorder: BackwardRecorder | None  # one process: bucket readiness, for the forecast
     compile_watch: CompileWatch | None
     trainable: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    state: TrainState  # step, epoch and sample position: the resumed one, or zero
+    state: TrainState  # resumed, or zero
 
 
 def build_run(settings: RunSettings, info: DistInfo) -> Run:
-    """Check, then build this rank's run; every refusal happens here, before the first step and before anything is
-    written but the removal of half-written saves.
+    """Check, then build this rank's run; every refusal happens here, before anything is written.
 
     Raises:
-        ValueError: a setting, the data, the output folder or the checkpoint to resume that cannot work, naming the
-            setting to change (``resolve.resolve_run``, ``setup.prepare_run``, ``checkpoint``).
+        ValueError: a setting, the data, the output folder or the checkpoint cannot work, naming the fix.
+
+    Example:
+        >>> run = build_run(settings, info)
     """
     t = settings.train
     resolved = resolve_run(settings, info)  # before anything is touched
     output_dir = Path(t.output_dir)
-    prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
+    prepare_output_dir(output_dir, info)  # also removes partial saves
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info, resolved)  # packing resolved here
-    # The global order and the steps; the micro-batch (a first guess with --micro-batch auto) only splits a step.
+    # The micro-batch only splits a step; the layout fixes the order.
     layout = DataLayout(len(parts.train_set), t.seed, t.effective_batch, info.world_size, parts.resolved.micro_batch)
-    logger.info("%s", describe_epoch(layout))  # floor(samples / effective batch): what is left out, once
+    logger.info("%s", describe_epoch(layout))
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * layout.steps_per_epoch
-    if resume_from is not None:  # refuse a position this layout cannot continue exactly, before the model
+    if resume_from is not None:  # before the model loads
         check_resume_position(resume_from, layout)
 
     precision = parts.resolved.precision
     scaled = ", loss-scaled" if precision.loss_scaling else ""
     logger.info("compute dtype %s (%s)%s", precision.name, precision.reason, scaled)
-    compile_watch = CompileWatch() if parts.resolved.compile else None  # compiles from the first forward
-    model, resolved = build_training_model(settings, info, parts)  # Liger, compiled, probed: the final micro-batch
+    compile_watch = CompileWatch() if parts.resolved.compile else None
+    model, resolved = build_training_model(settings, info, parts)  # the final micro-batch
     loader = make_loader(settings, info, parts, resolved)
     wrapped = settings.ddp.wrap(model) if info.is_distributed else model
     recorder = None if info.is_distributed else settings.ddp.record_backward(model)  # for ddp-ft forecast
-    scaler = precision.grad_scaler()  # disabled (a pass-through) unless float16
+    scaler = precision.grad_scaler()  # a pass-through unless float16
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.learning_rate, weight_decay=t.weight_decay)
-    watch_idle_device(model, info.device, info.is_main_process, loop_fix)  # CUDA, 4th step (perf_traps)
+    watch_idle_device(model, info.device, info.is_main_process, loop_fix)  # CUDA only
     scheduler = _schedule(optimizer, settings, total_steps)
     state = TrainState()
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, info, scaler)
         _log_resume(settings, resume_from, state)
-    write_run_config(
-        settings, info, resolved.as_config()
-    )  # every refusal (settings, data, resume) has passed: nothing is written before
+    write_run_config(settings, info, resolved.as_config())  # after every refusal
     return Run(
         settings=settings,
         resolved=resolved,
@@ -123,7 +115,7 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
 
 
 def make_loader(settings: RunSettings, info: DistInfo, parts: RunParts, resolved: Resolved) -> EpochLoader:
-    """This rank's micro-batches of every step, at the resolved micro-batch (``ddp_ft.training.data.loader``)."""
+    """This rank's micro-batches of every step, at the resolved micro-batch."""
     t = settings.train
     return EpochLoader(
         parts.train_set,
@@ -135,7 +127,7 @@ def make_loader(settings: RunSettings, info: DistInfo, parts: RunParts, resolved
         effective_batch=t.effective_batch,
         pin_memory=info.device.type == "cuda",
         balance=t.balance_ranks,
-        cost=parts.batch_cost,  # packed micro-batches: the ranks balanced on packed tokens
+        cost=parts.batch_cost,  # balance ranks on packed tokens
     )
 
 

@@ -1,8 +1,4 @@
-"""What the plain loop reports while it trains: the run's identity and config record, one record per optimizer step
-(loss, throughput, rank balance, loss scale, communication, compilation), the evaluation and stop records, and rank
-0's progress bar. The records are ``ddp_ft.report.records``'; the sink writes rank 0's ``metrics.jsonl`` and wandb
-(``ddp_ft.report.metrics``).
-"""
+"""What the plain loop reports while it trains: config, per-step and eval records, and rank 0's progress bar."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class RunLog:
-    """The run's records and progress bar, opened on every rank (the collective that finds each rank's first samples
-    runs on all of them; only rank 0 writes)."""
+    """The run's records and progress bar, opened on every rank; only rank 0 writes."""
 
     def __init__(self, run: Run) -> None:
         self.run = run
@@ -47,8 +42,8 @@ class RunLog:
             run.info, run.output_dir, identity.wandb_run(config) if t.report_to == "wandb" else None
         )
         self.sink.log(config)
-        self.meter = ThroughputMeter(run.info.world_size, run.info.device)  # started by the loop at each step
-        self.progress = tqdm(  # rank 0's only
+        self.meter = ThroughputMeter(run.info.world_size, run.info.device)  # started by the loop each step
+        self.progress = tqdm(
             total=run.total_steps,
             initial=run.state.global_step,
             disable=not run.info.is_main_process,
@@ -56,7 +51,7 @@ class RunLog:
         )
         self.first_loss: float | None = None
         self.last_loss: float | None = None
-        self.choice_logged = False  # bucket_cap_mb="auto": its choice is written once
+        self.choice_logged = False  # bucket_cap_mb=auto's choice, written once
         logger.info(
             "%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s",
             identity.name,
@@ -69,7 +64,7 @@ class RunLog:
         )
 
     def step(self, result: StepResult) -> None:
-        """The step's record (throughput, rank balance, loss scale, communication) to the sink and progress bar."""
+        """The step's record to the sink and progress bar."""
         run = self.run
         state, wrapped, probe = run.state, run.wrapped, run.resolved.probe
         record = train_record(
@@ -99,7 +94,7 @@ class RunLog:
         self.progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
 
     def _backward(self, step: int) -> None:
-        """The step's ``backward`` record: when each bucket was ready in its last backward (rank 0 only)."""
+        """The step's ``backward`` record: when each bucket was ready (rank 0 only)."""
         run = self.run
         source = run.wrapped if isinstance(run.wrapped, BucketedDDP) else run.recorder
         timeline = source.last_backward_timeline() if source is not None and run.info.is_main_process else None
@@ -130,8 +125,7 @@ class RunLog:
 
 
 def _config_record(run: Run, name: str) -> dict:
-    """The run's config record: its layout and data, and which samples each rank starts on (proof in the log that
-    the shards follow the global rank; a collective, on every rank)."""
+    """The run's config record, with each rank's first samples; a collective, on every rank."""
     settings, info = run.settings, run.info
     first_indices = next(run.loader.plans(run.state.epoch))[info.rank][0]
     all_first = [first_indices] * info.world_size

@@ -1,9 +1,7 @@
-"""The pieces both entry points (the plain loop's ``run.build_run``, the Trainer recipe) build a run from: every check,
-then data, then model.
+"""The pieces both entry points build a run from: checks, then data, then model.
 
-``ddp_ft.training.resolve.resolve_run`` needs only the settings and the world size and runs before anything is
-touched; ``prepare_run`` builds tokenizer and data (every data check before the model loads); ``build_model`` loads the
-QLoRA model on this rank's device. Neither entry point builds its model any other way.
+``resolve_run`` runs before anything is touched. ``prepare_run`` builds tokenizer and data, checking all before
+the model loads. ``build_model`` loads the QLoRA model on this rank's device.
 """
 
 from __future__ import annotations
@@ -48,42 +46,41 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RunParts:
-    """What both entry points (the plain loop, the Trainer recipe) build before the model."""
+    """What both entry points build before the model."""
 
-    resolved: Resolved  # micro-batch, accumulation, compile, packing, precision, device map: what the run trains with
-    model_path: str  # a hub id or folder (the embedded default already built)
+    resolved: Resolved  # what the run trains with
+    model_path: str  # a hub id or folder
     tokenizer: PreTrainedTokenizerBase
-    train_set: Dataset  # tokenized: input_ids, labels, attention_mask
+    train_set: Dataset  # tokenized
     eval_set: Dataset
-    collate: Callable[[list[dict]], dict[str, torch.Tensor]]  # right padding, or a PackedCollator (packing on)
-    truncation: TruncationReport  # how many training samples had to be cut
-    hooks: RunHooks  # a harness's hook point (``ddp_ft.training.hooks``); inert unless one is installed
-    data_record: dict | None = None  # the data settings as resolved (format found, its shape): ``ddp_ft_data.json``
-    eval_rows: Dataset | None = None  # the eval split before tokenizing: prompts for ``--predict``
+    collate: Callable[[list[dict]], dict[str, torch.Tensor]]  # right padding, or packed
+    truncation: TruncationReport
+    hooks: RunHooks  # inert unless a harness installs one
+    data_record: dict | None = None  # for ``ddp_ft_data.json``
+    eval_rows: Dataset | None = None  # untokenized, for ``--predict``
 
     @property
     def batch_cost(self) -> Callable[[list[int]], int] | None:
-        """What a micro-batch of these lengths computes, for the balanced plan: the packed rows', else padded."""
+        """A micro-batch's cost for the balanced plan: packed rows', else padded."""
         return self.collate.cost if isinstance(self.collate, PackedCollator) else None
 
 
 def cache_dir() -> Path:
-    """Where the embedded default's tokenizer and model are built (``DDP_FT_CACHE``, else ``~/.cache/ddp_ft``)."""
+    """Where the embedded default is built: ``DDP_FT_CACHE``, else ``~/.cache/ddp_ft``."""
     return Path(os.environ.get("DDP_FT_CACHE", Path.home() / ".cache" / "ddp_ft"))
 
 
 def resolve_model_and_tokenizer(model_name_or_path: str, info: DistInfo) -> tuple[str, str]:
-    """Hub ids and folders pass through; the embedded default is built here once (local rank 0 builds,
-    the others wait), then loaded through ``from_pretrained`` like any hub model."""
+    """Pass hub ids and folders through; build the embedded default once, on local rank 0."""
     if model_name_or_path != EMBEDDED_MODEL:
-        check_model_source(model_name_or_path)  # scripts/train.py and the recipe under their own launchers too
+        check_model_source(model_name_or_path)  # also under other launchers
         return model_name_or_path, model_name_or_path
     tokenizer_dir = cache_dir() / "tiny-tokenizer"
     if info.local_rank == 0:
         build_tiny_tokenizer(tokenizer_dir)
     _barrier(info)
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    # the tokenizer's special tokens in the model's config, as a hub model has them (else the Trainer aligns and warns)
+    # Give the model's config the tokenizer's special tokens, as a hub model has.
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model_dir = cache_dir() / f"tiny-qwen3-v{len(tokenizer)}-eos{ids['eos_token_id']}-pad{ids['pad_token_id']}"
     if info.local_rank == 0:
@@ -98,17 +95,15 @@ def _barrier(info: DistInfo) -> None:
 
 
 def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None = None) -> RunParts:
-    """Check the settings against the world size, then build tokenizer and data; every check before the model.
+    """Check the settings, then build tokenizer and data; every check before the model.
 
     Args:
         settings (RunSettings): the run's settings.
         info (DistInfo): this rank.
-        resolved (Resolved | None): what ``resolve_run`` returned, where the caller ran it first (the plain loop's
-            ``build_run``). Default: it runs here. Packing is resolved here, once the model's config is at hand.
+        resolved (Resolved | None): ``resolve_run``'s result, if the caller ran it. Default: run here
 
     Raises:
-        ValueError: impossible batch arithmetic, a model-splitting device map under DDP, bad data, or fewer
-            training samples than one effective batch, each naming the setting to change.
+        ValueError: bad settings or data, or fewer samples than one effective batch, naming the fix.
     """
     t = settings.train
     resolved = resolved or resolve_run(settings, info)
@@ -117,11 +112,11 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
     raw = load_source(settings.data)
     train_set, truncation = tokenize_dataset(raw.splits["train"], tokenizer, settings.data)
     eval_set, _ = tokenize_dataset(raw.splits["eval"], tokenizer, settings.data)
-    if info.is_main_process and truncation.advice():  # the synthetic meetings are cut on purpose: a short CPU run
+    if info.is_main_process and truncation.advice():  # synthetic meetings are cut on purpose
         level = logging.INFO if settings.data.source_kind == "synthetic" else logging.WARNING
         logger.log(level, "%s", truncation.advice())
     if len(train_set) < t.effective_batch:
-        least = resolved.micro_batch * info.world_size  # the smallest effective batch this world size can train
+        least = resolved.micro_batch * info.world_size  # the smallest effective batch here
         if len(train_set) < least:
             fix = (
                 f"fewer than the {least} one micro-batch on each of world_size={info.world_size} ranks needs: run "
@@ -163,7 +158,7 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
 
 
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
-    """The QLoRA model on this rank's device, seeded by ``settings.train.seed``, checked against the tokenizer."""
+    """The QLoRA model on this rank's device, seeded and checked against the tokenizer."""
     seed_everything(settings.train.seed)
     resolved = {
         "model_name_or_path": parts.model_path,
@@ -173,20 +168,17 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
     model_settings = type(settings.model)(**{**asdict(settings.model), **resolved})
     model = load_qlora_model(model_settings, settings.lora, parts.resolved.device_map, info.world_size)
     check_vocabulary(parts.tokenizer, model.get_input_embeddings().num_embeddings)
-    if parts.resolved.packing:  # the attention implementation is known now: refuse one that would mix packed sequences
+    if parts.resolved.packing:  # refuse attention that would mix packed sequences
         check_packed_model(model)
     parts.hooks.attach(model)
     return model
 
 
 def build_training_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> tuple[torch.nn.Module, Resolved]:
-    """The plain loop's model as it will train, before any wrap: Liger's patch before the build (where refused, it was
-    in ``resolve_run``), the QLoRA model (:func:`build_model`), its decoder layers compiled in place
-    (``ddp_ft.training.model.compilation``: names, checkpoints and the overlap unchanged), and with ``--micro-batch
-    auto`` on CUDA the probe's choice measured on it (``probe_run_micro_batch``; unwrapped, so nothing is communicated).
+    """The plain loop's model as it trains, before the wrap: Liger, QLoRA, compiled layers, then the probe.
 
     Returns:
-        tuple: the model, and what the run trains with (``parts.resolved``, or the probe's choice in it).
+        tuple: the model, and the resolved settings with the probe's choice.
     """
     resolved = parts.resolved
     if settings.model.liger:
@@ -200,7 +192,7 @@ def build_training_model(settings: RunSettings, info: DistInfo, parts: RunParts)
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's generators (the LoRA initialisation draws from torch's)."""
+    """Seed Python's, NumPy's and torch's generators."""
     import numpy as np
 
     random.seed(seed)

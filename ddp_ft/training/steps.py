@@ -1,8 +1,7 @@
-"""One optimizer step of the plain loop: forward and backward over this rank's micro-batches, and evaluation.
+"""One optimizer step of the plain loop, and evaluation.
 
-``no_sync()`` wraps every micro-batch but the last, whose backward averages the gradients over the ranks while it
-runs. Each micro-batch's loss is normalised by the answer tokens of the whole effective batch (all micro-batches,
-all ranks), so one process with accumulation 2k and two with k compute the same gradient.
+Each micro-batch's loss is normalised by the answer tokens of the whole effective batch. So one process with
+accumulation 2k and two with k compute the same gradient.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from .model.precision import Precision
 
 
 def _count_tokens(group: list[dict], device: torch.device, pad_token_id: int | None = None) -> torch.Tensor:
-    """[answer tokens that carry loss, non-padding input tokens] of a list of micro-batches."""
+    """[answer tokens, non-padding input tokens] of a list of micro-batches."""
     answers = sum(answer_tokens(b) for b in group)
     inputs = sum(count_tokens(b, pad_token_id) for b in group)
     return torch.tensor([answers, inputs], dtype=torch.float64, device=device)
@@ -36,12 +35,9 @@ def _sum_over_ranks(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def step_counts(
     group: list[dict], info: DistInfo, stop_flag: float = 0.0, pad_token_id: int | None = None
 ) -> torch.Tensor:
-    """[answer tokens, input tokens, ranks asking to stop] of one optimizer step, summed over ranks.
+    """[answer tokens, input tokens, ranks asking to stop] of one step, summed over ranks.
 
-    One collective, for callers that do not know the step's global samples (``forward_backward``'s default, the
-    benchmarks). The training loop needs none: it sums the step's samples' counts from the global order
-    (``ddp_ft.training.data.step_tokens``) and sends the stop flag with the loss after backward. Packed batches (no
-    attention mask) need the pad token to leave their rows' padding out of the input tokens (``count_tokens``).
+    One collective, for callers that lack the step's global counts. Packed batches need ``pad_token_id``.
     """
     local = torch.cat(
         [
@@ -54,22 +50,20 @@ def step_counts(
 
 @dataclass
 class StepOutcome:
-    """What :func:`forward_backward_timed` leaves on the device for the caller's one transfer."""
+    """What :func:`forward_backward_timed` leaves on the device for one transfer."""
 
-    loss: torch.Tensor  # the step's global token-mean loss (0-d)
+    loss: torch.Tensor  # global token-mean loss (0-d)
     counts: torch.Tensor  # [answer tokens, input tokens] summed over ranks
-    compute_ms: torch.Tensor  # each rank's forward+backward ms up to its last gradient, in rank order
-    stop_flags: torch.Tensor  # each rank's stop flag (``ddp_ft.training.preemption``), in rank order
+    compute_ms: torch.Tensor  # each rank's ms to its last gradient
+    stop_flags: torch.Tensor  # each rank's stop flag
 
 
 def rank_balance(compute_ms: list[float], rank: int) -> dict[str, float]:
-    """How unevenly the ranks computed one step, from each rank's compute ms (forward and backward up to the
-    last gradient, before the final wait).
+    """How unevenly the ranks computed one step.
 
     Returns:
-        dict[str, float]: ``compute_max_ms``, ``compute_min_ms``; ``imbalance``, max / min (1.0: balanced; 1.5: the
-        slowest rank took 50% longer than the fastest); ``wait_for_slowest_ms``, max minus this rank's: what this
-        rank spent waiting for the slowest rank in the step's all-reduce (0 on the slowest rank).
+        dict[str, float]: ``compute_max_ms``, ``compute_min_ms``, ``imbalance`` (max / min), and
+        ``wait_for_slowest_ms``, this rank's wait at the all-reduce.
     """
     slowest, fastest = max(compute_ms), min(compute_ms)
     return {
@@ -88,22 +82,20 @@ def forward_backward(
     precision: Precision | None = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate the gradient of one optimizer step over ``group`` (this rank's micro-batches).
+    """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
-    Every micro-batch's loss is its summed token loss over the answer tokens of the *global* effective
-    batch, times the world size (DDP averages over ranks), so the accumulated gradient equals one process's
-    on the whole batch. ``no_sync()`` wraps every micro-batch but the last.
+    ``no_sync()`` wraps every micro-batch but the last. The loss is scaled by the world size, since DDP averages.
 
     Args:
-        counts (torch.Tensor | None): ``step_counts(group, info)``, if already reduced. Default: reduced here.
-        precision (Precision | None): autocast dtype of the forward. Default: none (the model's own dtypes).
-        scaler (torch.amp.GradScaler | None): scales the loss (float16); the gradients stay scaled until the
-            caller's ``scaler.unscale_``. Default: none.
+        counts (torch.Tensor | None): ``step_counts(group, info)``. Default: reduced here
+        precision (Precision | None): autocast of the forward. Default: the model's own dtypes
+        scaler (torch.amp.GradScaler | None): scales a float16 loss. Default: None
 
     Returns:
-        tuple[torch.Tensor, torch.Tensor]: the step's global token-mean loss (a 0-d tensor on the device, not read
-        here: the caller reads every logged scalar in one transfer), and [answer tokens, input tokens] summed over
-        ranks.
+        tuple[torch.Tensor, torch.Tensor]: the global token-mean loss, on the device, and the token counts.
+
+    Example:
+        >>> loss, counts = forward_backward(model, micro_batches, info)
     """
     outcome = forward_backward_timed(model, group, info, counts, precision, scaler)
     return outcome.loss, outcome.counts
@@ -118,18 +110,13 @@ def forward_backward_timed(
     scaler: torch.amp.GradScaler | None = None,
     stop_flag: Callable[[], float] | None = None,
 ) -> StepOutcome:
-    """:func:`forward_backward`, also gathering each rank's compute ms (see :func:`rank_balance`).
+    """:func:`forward_backward`, also gathering each rank's compute ms.
 
-    The loss, this rank's compute time and its stop flag travel together in the one collective after backward
-    (an all-gather of [loss, compute ms, stop flag] per rank; the loss is their sum, as the all-reduce it
-    replaces), so every rank learns at the same step boundary whether any rank received a stop signal. Compute
-    ends when the wrapper's last gradient was ready (``BucketedDDP.last_gradient_ready_at``; host time), else
-    when backward returned.
+    Loss, compute time and stop flag share one all-gather after backward. So every rank sees a stop signal at
+    the same step boundary.
 
     Args:
-        stop_flag (Callable[[], float] | None): this rank's stop flag (``StopSignal.local_flag``), read after the
-            last backward: a signal that arrives during this step stops the run after this step, not the next.
-            Default: never stop.
+        stop_flag (Callable[[], float] | None): this rank's stop flag, read after the last backward. Default: never
     """
     started = time.perf_counter()
     counts = step_counts(group, info) if counts is None else counts
@@ -162,9 +149,9 @@ def forward_backward_timed(
 def evaluate(
     model: torch.nn.Module, dataset, collate_fn, micro_batch: int, info: DistInfo, precision: Precision | None = None
 ) -> float:
-    """Token-mean loss over ``dataset``, each rank on ``rank::world_size`` (no padding duplicates).
+    """Token-mean loss over ``dataset``, each rank on ``rank::world_size``.
 
-    ``model`` is the unwrapped model: evaluation communicates only the two sums at the end.
+    ``model`` is unwrapped: only the two sums are communicated.
     """
     was_training = model.training
     model.eval()
@@ -185,7 +172,7 @@ def evaluate(
 
 @dataclass
 class StepResult:
-    """One optimizer step's scalars, read from the device in one transfer (the plain loop's ``_Loop._step``)."""
+    """One optimizer step's scalars, read from the device in one transfer."""
 
     loss: float
     grad_norm: float
@@ -194,4 +181,4 @@ class StepResult:
     compute_ms: list[float]  # every rank's forward/backward time, for rank_balance
     stop_flags: list[float]  # every rank's stop flag at this step's gather
     loss_scale: float | None  # float16 only
-    skipped: bool  # float16 gradients overflowed: the scaler skipped the optimizer step
+    skipped: bool  # float16 overflow skipped the step

@@ -1,31 +1,12 @@
 """Atomic checkpoints of the plain loop: adapter, optimizer, scheduler, data position and every rank's RNG state.
 
-A checkpoint is ``output_dir/ddp_ft-checkpoint-N`` holding ``ddp_ft_state.json`` (with a ``format_version``),
-never the Hugging Face Trainer's ``checkpoint-N``/``trainer_state.json``: both entry points can share an
-output folder, and neither resumes nor prunes the other's checkpoints (the loop refuses a Trainer checkpoint
-by name). Rank 0 writes everything into a hidden temporary folder, fsyncs every file and folder, and renames it
-into place; ``latest`` is replaced atomically and names a complete checkpoint at every instant, also while a
-same-step checkpoint is being replaced. A crash mid-save loses nothing already saved. Every rank contributes
-its RNG state (gathered to rank 0), so dropout continues exactly on resume at the same world size; the data
-position is a sample count in the epoch's global order, so the data continues exactly on any world size
-(``ddp_ft.training.data.DataLayout``).
+A checkpoint is ``output_dir/ddp_ft-checkpoint-N``, named apart from the Trainer's, so both entry points can
+share a folder. Rank 0 writes into a hidden folder, fsyncs, and renames it into place. ``latest`` always names a
+complete checkpoint, so a crash mid-save loses nothing saved. The data position is a sample count, so data
+resumes exactly on any world size. Loading runs no code: ``.pt`` files hold only tensors and plain data, read
+with ``weights_only=True``.
 
-Loading executes no code from the checkpoint: every ``.pt`` file holds tensors and plain Python data only (the RNG
-states too: Python's and numpy's Mersenne Twister keys are stored as int64 tensors, not pickled objects) and is
-read with ``torch.load(weights_only=True)``; the adapter is safetensors. ``verify_checkpoint`` reads all of it
-before the model is built and refuses a checkpoint holding anything else.
-
-One module per part, each importing only the ones before it:
-
-* ``state``: what a checkpoint holds: file names, ``FORMAT_VERSION``, ``TrainState``, ``rng_state``/``set_rng_state``;
-* ``publish``: the atomic file-system side: fsync, rename into place, the ``latest`` pointer, removal,
-  ``publish_folder`` (also BucketedTrainer's) and ``clean_partial_saves``;
-* ``final``: ``save_final``, the adapter a run ends with in ``output_dir/final``, beside its tokenizer and
-  ``ddp_ft_data.json`` (every loop checkpoint's ``adapter/`` holds both too: ``save_adapter_companions``);
-* ``save``: ``save_checkpoint`` and pruning;
-* ``load``: ``checkpoint_to_resume``, ``resolve_checkpoint``, ``verify_checkpoint``, ``saved_position``,
-  ``check_resume_position``,
-  ``load_checkpoint``.
+Modules, each importing only those before it: ``state``, ``publish``, ``final``, ``save``, ``load``.
 """
 
 from .final import save_adapter_companions, save_final

@@ -1,8 +1,6 @@
-"""The adapter a run ends with, ready to use: ``output_dir/final`` holds the adapter, the tokenizer it was trained with
-(its chat template included) and ``ddp_ft_data.json``, the data settings that format a prompt the way training did.
+"""The adapter a run ends with: ``output_dir/final`` holds it, its tokenizer and data settings.
 
-Both entry points write it with :func:`save_final`, rank 0 only, atomically: everything goes into a hidden folder,
-is fsynced, then renamed into place. ``ddp-ft merge`` reads it (``ddp_ft.training.model.merge``).
+Rank 0 writes it atomically. ``ddp-ft merge`` reads it.
 """
 
 from __future__ import annotations
@@ -29,17 +27,16 @@ logger = logging.getLogger(__name__)
 
 
 def save_adapter_companions(folder: str | Path, tokenizer: PreTrainedTokenizerBase, data: DataSettings | dict) -> None:
-    """Write the tokenizer and ``ddp_ft_data.json`` beside an adapter, so the folder formats prompts on its own.
+    """Write the tokenizer and ``ddp_ft_data.json`` beside an adapter, so it formats prompts alone.
 
     Args:
         folder (str | Path): the adapter's folder.
-        tokenizer (PreTrainedTokenizerBase): the run's tokenizer, with the chat template it trained with.
-        data (DataSettings | dict): the run's data settings, written whole; a dict as ``RawData.record`` makes it,
-            with the format found and its shape.
+        tokenizer (PreTrainedTokenizerBase): the run's tokenizer.
+        data (DataSettings | dict): the run's data settings.
     """
     tokenizer.save_pretrained(folder)
     record = data if isinstance(data, dict) else asdict(data)
-    # A value JSON cannot write (a Path) becomes its string.
+    # A Path becomes its string.
     Path(folder, DATA_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
@@ -50,20 +47,22 @@ def save_final(
     data: DataSettings | dict,
     info: DistInfo,
 ) -> Path | None:
-    """Write ``output_dir/final`` on rank 0, atomically: the adapter, its tokenizer and ``ddp_ft_data.json``.
+    """Write ``output_dir/final`` on rank 0, atomically, replacing any earlier one.
 
-    Call on every rank: the others wait until it is published. A final folder already there (a resumed run that
-    finished again) is replaced whole.
+    Call on every rank; the others wait until it is published.
 
     Args:
         output_dir (str | Path): the run's folder.
-        model (torch.nn.Module): the unwrapped peft model; its adapter is saved with ``save_pretrained``.
+        model (torch.nn.Module): the unwrapped peft model.
         tokenizer (PreTrainedTokenizerBase): the run's tokenizer.
-        data (DataSettings | dict): the run's data settings (``save_adapter_companions``).
+        data (DataSettings | dict): the run's data settings.
         info (DistInfo): this process's rank.
 
     Returns:
         Path | None: the final folder on rank 0, None elsewhere.
+
+    Example:
+        >>> save_final("runs/demo", model, tokenizer, settings.data, info)
     """
     final = Path(output_dir) / FINAL_DIR
     if info.is_main_process:

@@ -1,6 +1,6 @@
-"""Resuming: which checkpoint (:func:`checkpoint_to_resume`, :func:`resolve_checkpoint`), whether it is intact and
-holds nothing but tensors and plain data (:func:`verify_checkpoint`, before the model is built), its position
-(:func:`saved_position`), and restoring it (:func:`load_checkpoint`), all without executing code from the files.
+"""Resuming: which checkpoint, whether it is intact and safe, its position, and restoring it.
+
+Nothing here executes code from the checkpoint's files.
 """
 
 from __future__ import annotations
@@ -34,11 +34,17 @@ logger = logging.getLogger(__name__)
 
 
 def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int = 0) -> Path | None:
-    """What this run resumes: ``--resume`` (a folder or 'latest'), except after an elastic restart.
+    """What this run resumes: ``--resume``, or the newest checkpoint after an elastic restart.
 
-    torchrun restarts every rank with ``TORCHELASTIC_RESTART_COUNT`` > 0 and the same arguments; the restarted
-    run continues from the newest checkpoint in ``output_dir`` (the one the failed attempt got to), with no flag.
-    Before any checkpoint exists a restart starts from ``--resume`` (or from scratch), as the first attempt did.
+    torchrun restarts every rank with the same arguments, so a restart continues from ``latest`` when one exists.
+
+    Args:
+        resume (str): ``--resume``: a folder, ``latest`` or empty.
+        output_dir (str | Path): the run's folder.
+        restart_count (int): torchrun's ``TORCHELASTIC_RESTART_COUNT``. Default: 0
+
+    Returns:
+        Path | None: the checkpoint, or None to start fresh.
     """
     if restart_count > 0 and latest_name(Path(output_dir)) is not None:
         path = resolve_checkpoint("latest", output_dir)
@@ -54,12 +60,11 @@ _OLD_FORMATS = {  # why this version cannot read a format it once wrote
 
 
 def resolve_checkpoint(resume: str, output_dir: str | Path) -> Path:
-    """Turn ``--resume`` (a folder, or 'latest') into one of the loop's checkpoint folders.
+    """Turn ``--resume``, a folder or ``latest``, into one of the loop's checkpoint folders.
 
     Raises:
-        FileNotFoundError: no such checkpoint, or one missing a file; naming what was looked for and where.
-        ValueError: a checkpoint the loop cannot continue: the HF Trainer's, an older ddp_ft format, another
-            format_version, a damaged one (state not JSON, a file cut short); naming the path and what it is.
+        FileNotFoundError: no such checkpoint, or one missing a file.
+        ValueError: a Trainer checkpoint, another format version, or a damaged one.
     """
     if resume == "latest":
         name = latest_name(Path(output_dir))
@@ -116,7 +121,7 @@ def _damaged(resume: str, path: Path, what: str) -> str:
 
 
 def _safetensors_intact(file: Path) -> bool:
-    """The header parses and the file holds every byte the header points to (a truncated copy does not)."""
+    """Whether the header parses and the file holds every byte it points to."""
     try:
         with open(file, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
@@ -128,11 +133,11 @@ def _safetensors_intact(file: Path) -> bool:
 
 
 def _check_intact(path: Path, resume: str) -> None:
-    """What can be checked without loading anything: the position keys, every file present and not cut short
-    (``torch.save`` writes zip archives, whose directory is at the end; safetensors declare their size).
+    """Check the position keys and that no file is missing or cut short, loading nothing.
 
     Raises:
-        FileNotFoundError: a file missing. ValueError: a file damaged; both naming it.
+        FileNotFoundError: a file is missing.
+        ValueError: a file is damaged.
     """
     state = json.loads((path / STATE_FILE).read_text())
     missing = [k for k in _POSITION_KEYS if not isinstance(state.get(k), int)]
@@ -150,28 +155,27 @@ def _check_intact(path: Path, resume: str) -> None:
 
 
 def saved_position(path: str | Path) -> tuple[TrainState, DataLayout | None]:
-    """A checkpoint's position and data layout, read without loading anything else (checks before the model)."""
+    """A checkpoint's position and data layout, read without loading anything else."""
     saved = json.loads((Path(path) / STATE_FILE).read_text())
     state = TrainState(**{k: saved[k] for k in ("global_step", "epoch", "sample_in_epoch", "samples_seen")})
     return state, DataLayout(**saved["layout"]) if saved.get("layout") else None
 
 
-# What torch names when weights_only refuses a file, e.g. "Unsupported global: GLOBAL numpy...._reconstruct ..."
+# What torch names when weights_only refuses a file.
 _REFUSED = re.compile(r"WeightsUnpickler error: ([^\n]*?)(?:\. Please|\.?\n|$)")
 
 
 def _load_tensors(file: Path, mmap: bool = False) -> object:
-    """``torch.load(file, weights_only=True)`` on CPU, turning torch's refusals into errors that name the file.
+    """``torch.load(weights_only=True)`` on CPU, naming the file in any refusal.
 
     Raises:
-        ValueError: ``file`` holds something besides tensors and plain Python data (naming what), or is not a
-            complete torch.save file.
+        ValueError: the file holds pickled objects, or is not a complete torch.save file.
     """
     damaged = (
         f"checkpoint file {file} cannot be read as a torch.save file ({{}}); the checkpoint is damaged or was "
         "not written by ddp_ft: resume from another checkpoint or start a new run in another --output-dir."
     )
-    if not zipfile.is_zipfile(file):  # torch.save's format since torch 1.6; torch's own error would name no file
+    if not zipfile.is_zipfile(file):  # torch's own error would name no file
         raise ValueError(damaged.format("not the zip archive torch.save writes"))
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
@@ -188,8 +192,7 @@ def _load_tensors(file: Path, mmap: bool = False) -> object:
 
 
 def check_resume_position(path: str | Path, layout: DataLayout) -> None:
-    """Refuse a checkpoint whose data position ``layout`` (this run's) cannot continue exactly, naming both; every
-    file is verified first (:func:`verify_checkpoint`), all before the model loads."""
+    """Refuse a checkpoint whose data position this run's ``layout`` cannot continue exactly."""
 
     verify_checkpoint(path)
     state, saved = saved_position(path)
@@ -204,20 +207,16 @@ def check_resume_position(path: str | Path, layout: DataLayout) -> None:
 
 
 def verify_checkpoint(path: str | Path) -> None:
-    """Read every tensor file of the loop's checkpoint ``path`` the way resuming will, before the model is built.
+    """Read every tensor file of a checkpoint the way resuming will, before the model is built.
 
-    Each ``.pt`` file is loaded with ``torch.load(weights_only=True)`` on CPU, memory-mapped (the optimizer state
-    is not read into memory here): it unpickles tensors and plain Python data and refuses anything else without
-    running it. The adapter must be safetensors. So a checkpoint that would need code execution to load fails
-    here, naming the file, instead of after minutes of model loading.
+    Files load memory-mapped with ``weights_only=True``, so a checkpoint needing code execution fails here, early.
 
     Args:
         path (str | Path): a checkpoint folder ``resolve_checkpoint`` accepted.
 
     Raises:
-        FileNotFoundError: a file resuming needs is missing, naming it.
-        ValueError: a file holds pickled objects (naming the file and what it holds), is unreadable, or the adapter
-            is pickled (``adapter_model.bin``).
+        FileNotFoundError: a file resuming needs is missing.
+        ValueError: a file holds pickled objects or is unreadable.
     """
     path = Path(path)
     adapter = path / ADAPTER_DIR
@@ -251,11 +250,12 @@ def load_checkpoint(
     info: DistInfo,
     scaler: torch.amp.GradScaler | None = None,
 ) -> TrainState:
-    """Restore adapter weights, optimizer, scheduler and this rank's RNG state; return the position.
+    """Restore adapter, optimizer, scheduler and this rank's RNG state; return the position.
 
-    Check the data layout first (``saved_position``, ``ddp_ft.training.data.check_resume``) and the files
-    (``verify_checkpoint``): this restores, it does not judge. Every file is read without executing code
-    (safetensors, ``torch.load(weights_only=True)``).
+    It restores without judging: check the layout and files first.
+
+    Example:
+        >>> state = load_checkpoint(path, model, optimizer, scheduler, info)
     """
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
@@ -274,9 +274,7 @@ def load_checkpoint(
             logger.warning("checkpoint %s was not trained in float16: the loss scale starts afresh", path)
     states = _load_tensors(path / "rng_states.pt")
     if len(states) != info.world_size:
-        # Decided: the data continues exactly (a sample position); the per-rank RNG streams cannot, since there is
-        # no way to split or merge them. Rank r continues rank (r % saved ranks)'s stream: dropout masks differ
-        # from the uninterrupted run's from here on (with dropout 0 nothing else draws from them).
+        # The data continues exactly; per-rank RNG streams cannot be split or merged, so dropout masks differ.
         logger.warning(
             "checkpoint was written by %d ranks, resuming on %d: the data continues exactly, the RNG streams "
             "(dropout masks) cannot; rank r continues saved rank r %% %d's",

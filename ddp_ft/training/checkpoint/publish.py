@@ -1,6 +1,6 @@
-"""Atomic publishing on the file system: a fully written folder (under a hidden name) is fsynced file by file, then
-renamed into place; ``latest`` is replaced atomically and names a complete checkpoint at every instant; removal
-renames a folder out of sight before deleting it; :func:`clean_partial_saves` clears what a killed save left behind.
+"""Atomic publishing: write under a hidden name, fsync, then rename into place.
+
+``latest`` is replaced atomically, so it always names a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from .state import CHECKPOINT_PREFIX, FINAL_DIR
 
 LATEST = "latest"
-STAGING_DIR = ".staging"  # where BucketedTrainer's checkpoints are written before they are renamed into place
+STAGING_DIR = ".staging"  # BucketedTrainer's saves, before the rename
 
 
 def _fsync(path: Path) -> None:
@@ -24,14 +24,14 @@ def _fsync(path: Path) -> None:
 
 
 def fsync_tree(root: Path) -> None:
-    """Every file and folder under ``root``, then ``root``: the contents are on disk before a rename publishes them."""
+    """Fsync everything under ``root``, then ``root``, before a rename publishes it."""
     for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
         _fsync(path)
     _fsync(root)
 
 
 def _write_latest(output_dir: Path, name: str) -> None:
-    """Point ``latest`` at ``name`` atomically: readers see the old name or the new one, never a partial file."""
+    """Point ``latest`` at ``name`` atomically."""
     tmp = output_dir / f".{LATEST}.tmp"
     with open(tmp, "w") as f:
         f.write(name)
@@ -42,13 +42,13 @@ def _write_latest(output_dir: Path, name: str) -> None:
 
 
 def latest_name(output_dir: Path) -> str | None:
-    """The checkpoint ``latest`` names in ``output_dir``; None before the first save."""
+    """The checkpoint ``latest`` names; None before the first save."""
     pointer = output_dir / LATEST
     return pointer.read_text().strip() if pointer.exists() else None
 
 
 def remove_folder(path: Path) -> None:
-    """Delete a folder atomically from a reader's view: renamed out of the way first, then removed."""
+    """Delete a folder atomically for readers: rename it away, then remove it."""
     if not path.exists():
         return
     trash = path.with_name(f".trash-{path.name.lstrip('.')}")
@@ -58,20 +58,21 @@ def remove_folder(path: Path) -> None:
 
 
 def _link_or_copy(src: str, dst: str) -> None:
-    try:  # checkpoint files are never modified in place, so a hard link is a safe copy
+    try:  # files are never modified in place, so a hard link is safe
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
 
 
 def publish_checkpoint(tmp: Path, final: Path) -> None:
-    """Move the complete ``tmp`` to ``final`` and point ``latest`` at it; ``latest`` names a complete checkpoint
-    throughout. Replacing ``final`` (same step saved again): ``latest`` moves to a linked copy of the old one
-    while ``final`` is swapped, then back."""
+    """Move the complete ``tmp`` to ``final`` and point ``latest`` at it.
+
+    When ``final`` is replaced, ``latest`` names a linked copy of the old one during the swap.
+    """
     output_dir = final.parent
     if final.exists():
         backup = output_dir / f".old-{final.name}"
-        if latest_name(output_dir) == backup.name:  # left by a save that died mid-swap; final is complete
+        if latest_name(output_dir) == backup.name:  # left by a save that died mid-swap
             _write_latest(output_dir, final.name)
         remove_folder(backup)
         shutil.copytree(final, backup, copy_function=_link_or_copy)
@@ -84,7 +85,7 @@ def publish_checkpoint(tmp: Path, final: Path) -> None:
 
 
 def publish_folder(tmp: str | Path, final: str | Path) -> None:
-    """Move the fully written ``tmp`` to ``final`` atomically (everything fsynced first), replacing ``final``."""
+    """Move the fully written ``tmp`` to ``final`` atomically, replacing ``final``."""
     tmp, final = Path(tmp), Path(final)
     fsync_tree(tmp)
     remove_folder(final)
@@ -93,8 +94,11 @@ def publish_folder(tmp: str | Path, final: str | Path) -> None:
 
 
 def clean_partial_saves(output_dir: str | Path) -> list[str]:
-    """Remove the hidden folders of saves that died half-way (a SIGKILL mid-write), except one ``latest`` still
-    names; rank 0 calls it at the start of a run and after every save. Returns the names removed."""
+    """Remove hidden folders of saves that died half-way, except one ``latest`` names.
+
+    Returns:
+        list[str]: the names removed.
+    """
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []

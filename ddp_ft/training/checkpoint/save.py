@@ -1,6 +1,4 @@
-"""Saving: :func:`save_checkpoint` gathers every rank's RNG state, writes the checkpoint on rank 0 and publishes it
-atomically; the oldest of the loop's own checkpoints beyond ``save_total_limit`` are pruned.
-"""
+"""Saving: gather every rank's RNG state, write on rank 0, publish atomically, prune old checkpoints."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ _OWN_NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
 
 
 def _own_checkpoints(output_dir: Path) -> list[Path]:
-    """The loop's checkpoints in ``output_dir``, oldest step first: named ``ddp_ft-checkpoint-N`` and holding our
-    state file. Anything else (the HF Trainer's ``checkpoint-N``, a user's folder) is never listed."""
+    """The loop's own checkpoints in ``output_dir``, oldest first; never the Trainer's."""
     found = []
     for path in output_dir.iterdir():
         match = _OWN_NAME.match(path.name)
@@ -55,25 +52,23 @@ def save_checkpoint(
     tokenizer: PreTrainedTokenizerBase | None = None,
     data: DataSettings | dict | None = None,
 ) -> Path | None:
-    """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically (rank 0) and point ``latest`` at it.
+    """Write ``output_dir/ddp_ft-checkpoint-<step>`` atomically on rank 0 and point ``latest`` at it.
 
-    Call on every rank (the RNG states are gathered). ``model`` is the unwrapped peft model: the adapter
-    is saved with ``save_pretrained``, never the DDP wrapper.
+    Call on every rank, since the RNG states are gathered. ``model`` is the unwrapped peft model.
 
     Args:
-        save_total_limit (int): keep at most this many of the loop's own checkpoints (0: all). Default: 0
-        layout (DataLayout | None): how the run reads its data, checked on resume (the loop always gives it).
-            Default: None
-        before_publish (Callable[[int], None] | None): called with the step once every file is written, before
-            the folder is published (the fault tests kill the process there). Default: None
-        scaler (torch.amp.GradScaler | None): float16's loss scaler; its scale and growth tracker are saved as
-            ``scaler.pt`` when it is enabled, so a resumed run skips the same steps. Default: None
-        tokenizer (PreTrainedTokenizerBase | None): saved into ``adapter/`` with ``ddp_ft_data.json`` (``data``
-            needed too), so any checkpoint's adapter merges and formats prompts on its own. Default: None
+        save_total_limit (int): keep at most this many checkpoints; 0 keeps all. Default: 0
+        layout (DataLayout | None): the run's data layout, checked on resume. Default: None
+        before_publish (Callable[[int], None] | None): called once files are written, before publishing. Default: None
+        scaler (torch.amp.GradScaler | None): float16's loss scaler, saved when enabled. Default: None
+        tokenizer (PreTrainedTokenizerBase | None): saved beside the adapter, with ``data``. Default: None
         data (DataSettings | None): the run's data settings. Default: None
 
     Returns:
         Path | None: the checkpoint folder on rank 0, None elsewhere.
+
+    Example:
+        >>> save_checkpoint("runs/demo", model, optimizer, scheduler, state, info, save_total_limit=2)
     """
     states = [None] * info.world_size
     if info.is_distributed:
@@ -115,7 +110,7 @@ def save_checkpoint(
 
 
 def _prune(output_dir: Path, limit: int, keep: Path) -> None:
-    """Delete the oldest of the loop's own checkpoints beyond ``limit``; never ``keep`` nor what ``latest`` names."""
+    """Delete the oldest own checkpoints beyond ``limit``, never ``keep`` nor ``latest``."""
     if limit <= 0:
         return
     protected = {keep.name, latest_name(output_dir)}

@@ -1,12 +1,8 @@
-"""Multi-node runs need ``--output-dir`` on a filesystem every node shares; checked at start, on every rank.
+"""Multi-node runs need ``--output-dir`` on a filesystem every node shares; checked at start.
 
-Only global rank 0 writes checkpoints (and ``latest``). On nodes that do not see rank 0's ``output_dir`` the run
-trains, but a resume (``--resume latest``, a torchrun restart) cannot: those ranks find no checkpoint, or worse an
-older one left in a local folder of the same name, and would continue from another position than rank 0. So before
-training, rank 0 writes a file holding a random token into ``output_dir``, and every rank reads it back; and when
-resuming, every rank resolves the checkpoint itself and must reach the one rank 0 reached. Each rank's outcome is
-gathered, so every rank raises the same error, naming the nodes that cannot see the files; no rank is left waiting
-in a collective for a peer that already failed.
+Only global rank 0 writes checkpoints. A node that cannot see them would resume from another position, or
+none. So rank 0 writes a random token that every rank reads back, and on resume every rank must reach rank
+0's checkpoint. Outcomes are gathered, so every rank raises the same error and none hangs in a collective.
 """
 
 from __future__ import annotations
@@ -35,12 +31,11 @@ FIX = (
 
 
 class SharedFilesystemError(RuntimeError):
-    """Some ranks cannot see what rank 0 wrote; raised on every rank with the same message."""
+    """Some ranks cannot see what rank 0 wrote; raised on every rank."""
 
 
 def node_of(info: DistInfo) -> str:
-    """This rank's node, as an error names it: node rank (``GROUP_RANK``, else ``rank // local_world_size``) and
-    hostname."""
+    """This rank's node rank and hostname, for error messages."""
     group = os.environ.get("GROUP_RANK", "")
     node = int(group) if group.strip() else info.rank // max(1, info.local_world_size)
     return f"node {node} (host {socket.gethostname()})"
@@ -57,7 +52,7 @@ def _describe(rank: int, node: str, problem: str) -> str:
 
 
 def _outcome(action: Callable[[], object]) -> tuple[object, BaseException | None]:
-    """(result, None) or (None, the exception): a rank reports its failure in the gather instead of leaving it."""
+    """(result, None) or (None, the exception), so a failure travels in the gather."""
     try:
         return action(), None
     except Exception as err:  # every rank learns of it through the gather
@@ -67,14 +62,11 @@ def _outcome(action: Callable[[], object]) -> tuple[object, BaseException | None
 def check_shared_output_dir(output_dir: str | Path, info: DistInfo) -> None:
     """Refuse a multi-process run whose ranks do not all see ``output_dir`` as rank 0 does.
 
-    Call on every rank, after the process group starts and before the model loads. Rank 0 creates ``output_dir``
-    and writes ``.ddp_ft-shared-check-<token>`` there (the token is random per call, so a file left by another run
-    or another node cannot pass for it); after a barrier every rank reads it; the outcomes are gathered; rank 0
-    removes the file. A single process returns at once.
+    Call on every rank, after the process group starts and before the model loads. The token is random per call,
+    so a stale file cannot pass.
 
     Raises:
-        SharedFilesystemError: on every rank, naming each rank (with its node and host) that could not read the
-            token, and the fix. Also when rank 0 itself could not write it (naming the error).
+        SharedFilesystemError: on every rank, naming each rank that failed, or rank 0's write error.
     """
     if not info.is_distributed:
         return
@@ -87,7 +79,7 @@ def check_shared_output_dir(output_dir: str | Path, info: DistInfo) -> None:
     written: BaseException | None = None
     if info.is_main_process:
         _, written = _outcome(lambda: _write_marker(marker, token))
-    dist.barrier()  # rank 0's file is complete (fsynced) before anyone looks
+    dist.barrier()  # rank 0's file is fsynced before anyone looks
     seen, error = _outcome(marker.read_text)
     if error is not None:
         problem = f"cannot see it ({type(error).__name__})"
@@ -98,7 +90,7 @@ def check_shared_output_dir(output_dir: str | Path, info: DistInfo) -> None:
     if info.is_main_process:
         try:
             marker.unlink(missing_ok=True)
-        except OSError as err:  # never fail rank 0 alone: the others have moved on
+        except OSError as err:  # never fail rank 0 alone
             logger.warning("could not remove %s: %s", marker, err)
     rank0_node, rank0_write_error = outcomes[0][1], outcomes[0][2]
     if rank0_write_error is not None:
@@ -122,8 +114,7 @@ def _write_marker(marker: Path, token: str) -> None:
 
 
 def _fingerprint(path: Path) -> str:
-    """What identifies one checkpoint's contents cheaply: every file's name and size and the bytes of its JSON files
-    (the training state, the adapter config), never the weights."""
+    """A cheap fingerprint of a checkpoint: file names and sizes, and its JSON files' bytes."""
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         size = file.stat().st_size
@@ -134,15 +125,18 @@ def _fingerprint(path: Path) -> str:
 
 
 def check_shared_resume(resolve: Callable[[], Path | str | None], info: DistInfo) -> Path | None:
-    """Resolve the checkpoint to resume on every rank and insist they all reach rank 0's; returns it.
+    """Resolve the checkpoint to resume on every rank; all must reach rank 0's.
 
-    ``resolve`` is what the entry point already calls (the loop: ``lambda: checkpoint_to_resume(t.resume,
-    output_dir, restart_count)``); each rank calls it on its own filesystem. With one process this is ``resolve()``.
+    Args:
+        resolve (Callable): finds the checkpoint on this rank's filesystem.
+        info (DistInfo): this rank.
+
+    Returns:
+        Path | None: the checkpoint, or None.
 
     Raises:
-        Exception: what rank 0's ``resolve`` raised (a Trainer checkpoint, no checkpoint yet, ...), on every rank.
-        SharedFilesystemError: on every rank, when rank 0 resolved a checkpoint but another rank raised, resolved
-            another path or none, or sees other contents there; naming each such rank's node and the fix.
+        Exception: what rank 0's ``resolve`` raised, on every rank.
+        SharedFilesystemError: another rank resolved something else, or failed.
     """
     if not info.is_distributed:
         result = resolve()
@@ -150,7 +144,7 @@ def check_shared_resume(resolve: Callable[[], Path | str | None], info: DistInfo
     found, error = _outcome(lambda: _resolve_with_fingerprint(resolve))
     outcomes = _gather((found, _portable(error), node_of(info)), info)
     first_found, first_error, first_node = outcomes[0]
-    if first_error is not None:  # every rank raises rank 0's error: the bad --resume itself
+    if first_error is not None:  # every rank raises rank 0's error
         raise error if info.is_main_process else _rebuild(first_error)
     path = first_found[0] if first_found else None
     failed = []
@@ -183,26 +177,25 @@ def _resolve_with_fingerprint(resolve: Callable[[], Path | str | None]) -> tuple
 
 
 def _portable(error: BaseException | None) -> tuple[str, str, str] | None:
-    """An exception as (module, class name, message): strings gather safely whatever the exception holds."""
+    """An exception as (module, class name, message), safe to gather."""
     return None if error is None else (type(error).__module__, type(error).__qualname__, str(error))
 
 
 def _rebuild(error: tuple[str, str, str]) -> BaseException:
-    """The same exception class with the same message, where it can be rebuilt; a RuntimeError naming it if not."""
+    """The same exception class and message where possible, else a RuntimeError."""
     module, name, message = error
     try:
         cls = getattr(importlib.import_module(module), name)
         return cls(message)
-    except Exception:  # a local class, or a constructor that takes other arguments
+    except Exception:  # a local class, or other constructor arguments
         return RuntimeError(f"{name}: {message}")
 
 
 def check_output_dir(output_dir: str | Path) -> None:
-    """Refuse an ``output_dir`` that is a file, or that this user cannot create or write (``ddp-ft`` checks it before
-    any worker starts).
+    """Refuse an ``output_dir`` that is a file or that this user cannot write.
 
     Raises:
-        ValueError: naming ``--output-dir``, the file or folder in the way, and the fix.
+        ValueError: naming ``--output-dir``, what is in the way, and the fix.
     """
     path = Path(output_dir).expanduser().absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
@@ -216,9 +209,7 @@ def check_output_dir(output_dir: str | Path) -> None:
 
 
 def prepare_output_dir(output_dir: str | Path, info: DistInfo) -> None:
-    """What both entry points do to ``output_dir`` first, on every rank, before the model loads: check that it can
-    be written (``check_output_dir``) and that every node sees it (``check_shared_output_dir``), then rank 0
-    removes what saves killed half-way left there."""
+    """Check ``output_dir`` is writable and shared, then clean half-finished saves on rank 0."""
     from . import clean_partial_saves
 
     check_output_dir(output_dir)

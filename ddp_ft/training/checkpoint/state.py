@@ -1,6 +1,4 @@
-"""What a checkpoint holds: the folder and file names, the format version, the position (:class:`TrainState`) and
-every rank's RNG state as tensors and plain Python data.
-"""
+"""What a checkpoint holds: file names, format version, position and every rank's RNG state."""
 
 from __future__ import annotations
 
@@ -13,14 +11,14 @@ import torch
 ADAPTER_DIR = "adapter"
 CHECKPOINT_PREFIX = "ddp_ft-checkpoint"
 STATE_FILE = "ddp_ft_state.json"
-FORMAT_VERSION = 2  # 2: RNG states as tensors and plain data; 1 held pickled numpy arrays
-TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's; ddp_ft <= format 0 used the same name
-# Files read by torch.load (weights_only=True), all of them written by save_checkpoint.
+FORMAT_VERSION = 2  # 2: RNG states as tensors
+TRAINER_STATE_FILE = "trainer_state.json"  # the HF Trainer's
+# Files read by torch.load(weights_only=True).
 TENSOR_FILES = ("optimizer.pt", "scheduler.pt", "rng_states.pt")
-SCALER_FILE = "scaler.pt"  # only from float16 runs
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # what peft's save_pretrained writes; its pickled form is .bin
-FINAL_DIR = "final"  # a run's last adapter, with its tokenizer and data settings (both entry points)
-DATA_FILE = "ddp_ft_data.json"  # the run's DataSettings, beside an adapter: how to format a prompt again
+SCALER_FILE = "scaler.pt"  # float16 runs only
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's save_pretrained
+FINAL_DIR = "final"  # a run's last adapter, tokenizer and data settings
+DATA_FILE = "ddp_ft_data.json"  # the run's DataSettings, to format prompts again
 
 
 @dataclass
@@ -29,10 +27,9 @@ class TrainState:
 
     Args:
         global_step (int): optimizer steps done.
-        epoch (int): current epoch (the sampler's ``set_epoch`` value).
-        sample_in_epoch (int): samples of ``epoch``'s global order already trained, over all ranks (a multiple of
-            the effective batch; the same number on any world size).
-        samples_seen (int): samples consumed over all ranks (the x axis shared by all world sizes).
+        epoch (int): current epoch.
+        sample_in_epoch (int): samples of the epoch's global order trained, over all ranks.
+        samples_seen (int): samples consumed over all ranks.
     """
 
     global_step: int = 0
@@ -42,18 +39,16 @@ class TrainState:
 
 
 def rng_state() -> dict:
-    """This process's RNG states as tensors and plain Python data, so ``torch.load(weights_only=True)`` reads them.
+    """This process's RNG states as tensors and plain data, for ``weights_only`` loading.
 
-    ``random.getstate()`` is ``(version, 625 ints, gauss_next)``; ``np.random.get_state()`` holds a uint32 array,
-    which only a pickle of numpy objects can store, so both keys become int64 tensors (every word fits).
+    The Mersenne Twister keys become int64 tensors, since numpy's uint32 array would need a pickle.
 
     Returns:
-        dict: ``python``, ``numpy``, ``torch`` and, with CUDA, ``cuda`` (this device's generator); ``set_rng_state``
-        restores it.
+        dict: ``python``, ``numpy``, ``torch`` and, with CUDA, ``cuda``.
     """
     version, words, gauss_next = random.getstate()
     kind, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    if kind != "MT19937":  # np.random's legacy generator is always MT19937; a changed numpy would need a new format
+    if kind != "MT19937":  # a changed numpy would need a new format
         raise RuntimeError(f"np.random.get_state() returned a {kind} state; ddp_ft checkpoints store MT19937 only.")
     state = {
         "python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
@@ -71,8 +66,7 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` returned: the next draws of ``random``, ``np.random``, torch (and CUDA) continue
-    exactly where they were when it was taken."""
+    """Restore what ``rng_state`` returned, so the next draws continue exactly."""
     python = state["python"]
     random.setstate((python["version"], tuple(python["state"].tolist()), python["gauss_next"]))
     numpy = state["numpy"]

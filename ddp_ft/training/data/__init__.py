@@ -1,24 +1,15 @@
-"""Rows as people keep them -> chat-formatted ids -> fitted, label-masked samples -> per-rank batches.
+"""Rows as people keep them -> chat-formatted ids -> label-masked samples -> per-rank batches.
 
-The pipeline, one module per stage:
+One module per stage:
 
-* ``sources``: ``load_source`` (hub id, local file or folder (``folders``), or the embedded synthetic meetings; the
-  format found from the columns (``formats``) and the rows in its standard shape, rows with nothing to learn
-  dropped, an eval split found, given (``eval_source``) or held out);
-* ``formatting``: ``tokenize_dataset`` (chat template, loss only on the answers: a pair cut by
-  ``truncate_example``, a conversation fitted by ``conversation``, a text split into windows); ``prompts``: the
-  same encoding cut before the last answer, to generate from;
-* ``loader``: ``make_collator`` (right padding, labels padded with -100), the token counts, and ``EpochLoader`` (a
-  ``DistributedSampler`` that cannot be iterated without choosing the epoch; the same steps on every world size, no
-  sample twice; exact resume inside an epoch on any world size, see ``DataLayout``);
-* ``epoch_steps``: ``EpochSteps`` (an epoch's optimizer steps: the plain loop's whole steps, or the stock Trainer's
-  for ``dataloader_drop_last``, every sample trained and a shorter last step);
-* ``balance``: ``balanced_plan`` (a step's samples split over ranks and micro-batches: similar lengths together,
-  the same padded tokens on every rank, the step's samples unchanged);
-* ``packing``: ``PackedCollator`` (a micro-batch's samples packed whole into rows without padding, kept apart by
-  restarting ``position_ids``), ``packing_problem`` (models whose attention would mix them) and ``resolve_packing``.
-
-``settings`` holds ``DataSettings`` and the constants the stages share.
+* ``sources``: ``load_source``, from the hub, a file, a folder or the synthetic meetings;
+* ``formats``: the format found from the columns, rows in a standard shape;
+* ``formatting``, ``conversation``: ``tokenize_dataset``, loss only on answers;
+* ``prompts``: the same encoding cut before the answer, to generate from;
+* ``loader``, ``epoch_steps``: the collator and ``EpochLoader``, the same steps on any world size;
+* ``balance``: a step's samples split evenly over ranks;
+* ``packing``: samples packed into rows without padding;
+* ``settings``: ``DataSettings`` and shared constants.
 """
 
 from .balance import balanced_plan, rank_costs, strided_plan

@@ -1,8 +1,7 @@
 """Conversations, completions and texts into training samples of at most ``max_len`` tokens.
 
-Loss falls on every trained assistant turn and on nothing else. The turns are found by rendering the conversation
-up to each one, so a template needs no generation markers. A template that renders history differently from the
-last turn (Qwen3 drops old reasoning) falls back to finding each answer's text in the whole conversation.
+Loss falls on every trained assistant turn only. Turns are found by rendering the conversation up to each one.
+Where a template rewrites history (Qwen3 drops old reasoning), each answer's text is searched for instead.
 """
 
 from __future__ import annotations
@@ -16,16 +15,14 @@ _MARK = "\u2063ANSWER\u2063"
 
 @dataclass(frozen=True)
 class Encoded:
-    """One sample, and what fitting it cost.
+    """One sample, and what fitting it cost; empty ``input_ids`` drop the row.
 
     Args:
         input_ids (list[int]): the tokens.
-        labels (list[int]): -100 where no loss falls, the token elsewhere.
+        labels (list[int]): -100 where no loss falls.
         full_len (int): tokens before fitting.
-        turns_cut (int): messages dropped from the start to fit. Default: 0
-        answer_cut (bool): the end was cut, answer tokens with it. Default: False
-
-    No ``input_ids``: nothing to learn was left, the row is dropped.
+        turns_cut (int): messages dropped from the start. Default: 0
+        answer_cut (bool): the end was cut. Default: False
     """
 
     input_ids: list[int]
@@ -41,10 +38,7 @@ def render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> 
 
 
 def answer_spans(tokenizer, messages: list[dict], loss_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its trained answers, in order.
-
-    An answer is an assistant turn with text at index ``loss_from`` or later: its text and the template's end of
-    turn. An empty assistant turn has nothing to learn and carries no loss.
+    """The rendered conversation and the character spans of its trained answers.
 
     Args:
         tokenizer (PreTrainedTokenizerBase): with a chat template.
@@ -65,18 +59,18 @@ def answer_spans(tokenizer, messages: list[dict], loss_from: int = 0) -> tuple[s
 
 
 def _trained(message: dict, i: int, loss_from: int) -> bool:
-    """An answer the loss falls on: an assistant turn with text, at ``loss_from`` or later."""
+    """An assistant turn with text, at ``loss_from`` or later."""
     return message["role"] == "assistant" and i >= loss_from and bool(message["content"].strip())
 
 
 def _prefix_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
-    """Turn ``i``'s span as what it adds to the conversation before it; None where the template rewrites history."""
-    if i == 0:  # nothing before it to render: a template may open with a default system prompt
+    """Turn ``i``'s span as what it adds to the conversation; None if history is rewritten."""
+    if i == 0:  # a template may open with a default system prompt
         return None
     try:
         before = render(tokenizer, messages[:i], generation_prompt=True)
         through = render(tokenizer, messages[: i + 1])
-    except Exception:  # a template that refuses a partial conversation (roles must alternate, ...)
+    except Exception:  # a template that refuses a partial conversation
         return None
     if through.startswith(before) and full.startswith(through) and len(through) > len(before):
         return len(before), len(through)
@@ -84,8 +78,7 @@ def _prefix_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[in
 
 
 def _located_span(tokenizer, content: str, full: str, cursor: int) -> tuple[int, int]:
-    """The answer's text found after ``cursor`` (as given, else trimmed, as many templates write it), with the end
-    of turn the template writes after an answer."""
+    """The answer's text found after ``cursor``, with the template's end of turn."""
     start = full.find(content, cursor)
     if start < 0:
         content = content.strip()
@@ -103,15 +96,15 @@ def _located_span(tokenizer, content: str, full: str, cursor: int) -> tuple[int,
 
 
 def _end_of_turn(tokenizer) -> str:
-    """What the template writes right after an answer's text (``<|im_end|>\\n`` for ChatML)."""
+    """What the template writes right after an answer's text."""
     probe = render(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}])
     return probe.split(_MARK, 1)[1] if _MARK in probe else ""
 
 
 def encode_messages(tokenizer, messages: list[dict], loss_from: int = 0) -> tuple[list[int], list[int]]:
-    """Token ids and labels of a whole conversation: each piece tokenized apart, answers labelled.
+    """Token ids and labels of a conversation, each piece tokenized apart.
 
-    Pieces are tokenized without special tokens, as ``apply_chat_template`` does: the template writes its own.
+    No special tokens are added: the template writes its own.
     """
     full, spans = answer_spans(tokenizer, messages, loss_from)
     ids: list[int] = []
@@ -128,10 +121,9 @@ def encode_messages(tokenizer, messages: list[dict], loss_from: int = 0) -> tupl
 
 
 def fit_conversation(tokenizer, messages: list[dict], loss_from: int, max_len: int) -> Encoded:
-    """The conversation in at most ``max_len`` tokens: the system prompt and as many whole final turns as fit.
+    """The conversation in at most ``max_len`` tokens: system prompt and the last turns that fit.
 
-    Turns after the last answer carry no loss and are left out. Where even the last exchange does not fit, it is
-    cut at its end; where that leaves no answer token, the sample is empty.
+    Where even the last exchange does not fit, it is cut at its end. No answer token left means an empty sample.
     """
     last = max(i for i, m in enumerate(messages) if _trained(m, i, loss_from))
     messages = messages[: last + 1]
@@ -144,7 +136,7 @@ def fit_conversation(tokenizer, messages: list[dict], loss_from: int, max_len: i
         system += 1
     starts = [i for i in range(system + 1, last) if messages[i]["role"] == "user"]
     lo, hi, best = 0, len(starts) - 1, None
-    while lo <= hi:  # the earliest start that fits: fewer turns are never longer
+    while lo <= hi:  # fewer turns are never longer
         mid = (lo + hi) // 2
         kept = _from(tokenizer, messages, loss_from, system, starts[mid])
         if len(kept[0]) <= max_len:
@@ -168,11 +160,7 @@ def _from(tokenizer, messages: list[dict], loss_from: int, system: int, start: i
 
 
 def fit_completion(tokenizer, prompt: str, completion: str, max_len: int) -> Encoded:
-    """A plain prompt and completion as TRL encodes them: no template, the completion ended with eos, loss on it.
-
-    The completion starts where the prompt's tokens and the whole text's part. Too long: cut at the end; where that
-    leaves no completion token, the sample is empty.
-    """
+    """A prompt and completion as TRL encodes them: no template, eos appended, loss on the completion."""
     eos = tokenizer.eos_token or ""
     text = prompt + (completion if completion.endswith(eos) else completion + eos)
     prompt_ids, ids = tokenizer(prompt)["input_ids"], tokenizer(text)["input_ids"]
@@ -185,8 +173,7 @@ def fit_completion(tokenizer, prompt: str, completion: str, max_len: int) -> Enc
 
 
 def text_windows(tokenizer, text: str, max_len: int) -> list[list[int]]:
-    """A text and eos in windows of ``max_len`` tokens, every token trained; a last window of one token, which
-    predicts nothing, is left out."""
+    """A text and eos in windows of ``max_len`` tokens; a one-token last window is dropped."""
     eos = tokenizer.eos_token or ""
     ids = tokenizer(text if text.endswith(eos) else text + eos)["input_ids"]
     windows = [ids[i : i + max_len] for i in range(0, len(ids), max_len)]

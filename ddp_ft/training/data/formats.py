@@ -1,11 +1,10 @@
 """Data formats: which one a source is in, and its rows in one of four standard shapes.
 
-A format is found from the columns (``--format auto``) or named (``--format NAME``). Each becomes one shape that
-``tokenize_dataset`` encodes:
+A format is found from the columns or named with ``--format``. The shapes ``tokenize_dataset`` encodes:
 
-* ``pair``: columns ``dialogue`` and ``summary`` (the meeting summaries, any input-answer pair);
-* ``chat``: ``messages`` (a list of ``{role, content}``) and ``loss_from``, the first message that may carry loss;
-* ``completion``: ``prompt`` and ``completion``, plain strings, as TRL writes them with no chat template;
+* ``pair``: ``dialogue`` and ``summary``, any input-answer pair;
+* ``chat``: ``messages`` and ``loss_from``, the first message that may carry loss;
+* ``completion``: plain ``prompt`` and ``completion`` strings, as TRL writes them;
 * ``text``: ``text``, every token trained.
 """
 
@@ -18,16 +17,16 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
-ROLES |= {"model": "assistant", "chatgpt": "assistant"}  # ShareGPT's names beside OpenAI's
+ROLES |= {"model": "assistant", "chatgpt": "assistant"}  # ShareGPT's names
 
 
 @dataclass(frozen=True)
 class DataFormat:
-    """One data format: its name, the columns that mark it, and the standard shape its rows take.
+    """One data format: its name, the columns that mark it, and its standard shape.
 
     Args:
         name (str): what ``--format`` calls it.
-        columns (tuple[str, ...]): columns a source must have; the pair format's come from the settings.
+        columns (tuple[str, ...]): columns a source must have.
         shape (str): ``pair``, ``chat``, ``completion`` or ``text``.
         optional (tuple[str, ...]): columns read when present.
     """
@@ -58,24 +57,22 @@ def pair_format(dialogue_column: str, summary_column: str) -> DataFormat:
 
 
 def known_formats(settings) -> list[DataFormat]:
-    """Every format, in the order ``auto`` tries them: the pair first, then the chat formats, then text."""
+    """Every format, in the order ``auto`` tries them."""
     return [pair_format(settings.dialogue_column, settings.summary_column), MESSAGES, SHAREGPT, ALPACA, *_LAST]
 
 
 def resolve_format(features, settings, where: str) -> DataFormat:
     """The format of a split: the one ``settings.format`` names, or the first whose columns it has.
 
-    Pair columns other than the defaults name the pair format, as ``--format pair`` would. A prompt/completion
-    source of strings is plain (no chat template, as TRL); of lists of turns, conversational.
+    Non-default pair columns imply the pair format. Prompt/completion strings are plain; lists of turns are chat.
 
     Args:
-        features (datasets.Features): the split's columns and their types.
+        features (datasets.Features): the split's columns and types.
         settings (DataSettings): ``format`` and the pair's columns.
         where (str): the source, named in errors.
 
     Raises:
-        ValueError: a named format whose columns are missing, or no format found; listing the columns found and
-            each format's columns.
+        ValueError: a named format's columns are missing, or no format matches.
     """
     columns = list(features)
     formats = {f.name: f for f in known_formats(settings)}
@@ -83,13 +80,13 @@ def resolve_format(features, settings, where: str) -> DataFormat:
     if named == AUTO:
         fmt = next((f for f in formats.values() if set(f.columns) <= set(columns)), None)
         if fmt is None and not set(formats["pair"].columns).isdisjoint(columns):
-            fmt = formats["pair"]  # one of its columns: the source's check names the other and its setting
+            fmt = formats["pair"]  # the source's check names the missing column
         if fmt is None:
             raise ValueError(f"{where}: no known data format in its columns. {_columns_help(columns)}")
     else:
         fmt = formats[named]
         missing = [column for column in fmt.columns if column not in columns]
-        if missing and fmt.name != "pair":  # the pair's are named with their settings by the source's own check
+        if missing and fmt.name != "pair":  # the source's own check names the pair's
             raise ValueError(f"{where}: --format {fmt.name} needs column(s) {missing}. {_columns_help(columns, fmt)}")
     plain = fmt is PROMPT_COMPLETION and getattr(features["prompt"], "dtype", None) in ("string", "large_string")
     return PLAIN_PROMPT_COMPLETION if plain else fmt
@@ -106,13 +103,11 @@ def _columns_help(columns: list[str], fmt: DataFormat | None = None) -> str:
 FORMATS_HELP = [pair_format("dialogue", "summary"), MESSAGES, SHAREGPT, ALPACA, PROMPT_COMPLETION, TEXT]
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Rows into their standard shape (batched ``Dataset.map`` functions)
 
 
 def standard_rows(batch: dict[str, list], fmt: DataFormat) -> dict[str, list]:
-    """A batch of ``fmt`` rows in its standard shape; rows with nothing to learn keep an empty answer, for
-    ``has_answer`` to drop and count."""
+    """A batch of ``fmt`` rows in its standard shape; rows with nothing to learn get an empty answer."""
     if fmt.shape == "pair":
         dialogue, summary = fmt.columns
         return {"dialogue": batch[dialogue], "summary": batch[summary]}
@@ -144,7 +139,7 @@ def _turns(turns: object, column: str) -> list[dict[str, str]]:
 
 
 def _message(turn: object, column: str) -> dict[str, str]:
-    """A turn as ``{role, content}``, from OpenAI's ``role``/``content`` or ShareGPT's ``from``/``value``."""
+    """A turn as ``{role, content}``, from OpenAI's or ShareGPT's keys."""
     if not isinstance(turn, dict):
         raise ValueError(f"column {column!r}: a turn must be a mapping with role and content, got {turn!r:.80}")
     role, content = turn.get("role", turn.get("from")), turn.get("content", turn.get("value"))
@@ -157,7 +152,7 @@ def _message(turn: object, column: str) -> dict[str, str]:
 
 
 def _text(content: object, column: str) -> str:
-    """A turn's text: a string, or the text parts of OpenAI's list of content parts."""
+    """A turn's text: a string, or the text parts of a content list."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -170,7 +165,7 @@ def _turn(role: str, content: object) -> dict[str, str]:
 
 
 def has_answer(batch: dict[str, list]) -> list[bool]:
-    """Whether each standard row has something to learn: a non-empty answer, completion or text."""
+    """Whether each standard row has something to learn."""
     if "summary" in batch:
         pairs = zip(batch["dialogue"], batch["summary"], strict=True)
         return [bool(str(d or "").strip() and str(s or "").strip()) for d, s in pairs]

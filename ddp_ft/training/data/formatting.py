@@ -1,8 +1,8 @@
-"""Standard rows into training samples, through the tokenizer's chat template (its own, ChatML or the plain one:
-``ddp_ft.training.data.tokenizer``), with loss only on the answers.
+"""Standard rows into training samples through the chat template, with loss only on the answers.
 
-A (dialogue, summary) pair is cut to ``max_seq_len`` in the middle of its transcript. A conversation keeps its system
-prompt and its last whole turns (``ddp_ft.training.data.conversation``), a text is split into windows."""
+A pair loses the middle of its transcript to fit ``max_seq_len``. A conversation keeps its system prompt and last
+whole turns. A text is split into windows.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TruncatedExample:
-    """One training sample: ``labels`` is -100 on the prompt and the answer ids on the answer."""
+    """One training sample: ``labels`` is -100 on the prompt."""
 
     input_ids: list[int]
     labels: list[int]
@@ -43,15 +43,10 @@ def truncate_example(
     keep_prompt_tail: int = DEFAULT_KEEP_PROMPT_TAIL,
     min_prompt_tokens: int | None = None,
 ) -> TruncatedExample:
-    """Fit prompt + answer into ``max_len`` tokens, cutting the prompt in its middle and the answer at its end.
+    """Fit prompt + answer into ``max_len`` tokens, cutting the prompt's middle and the answer's end.
 
-    A prompt is e.g. ``<|im_start|>user\\n{instruction}\\n\\n{transcript}<|im_end|>\\n<|im_start|>assistant\\n``: its
-    head holds the template and the instruction, its tail the generation prompt the model answers after, so
-    both are kept and the transcript loses its middle. The answer first gives up its end, keeping at most
-    ``max_len - min(len(prompt), min_prompt_tokens)`` tokens (never fewer than one); then the prompt keeps its
-    first ``keep_prompt_head`` tokens and as many last tokens as fit exactly (at least ``keep_prompt_tail``).
-    ``tokenize_dataset`` sets head and tail to the template overhead plus 16 and 8 transcript tokens, and
-    ``min_prompt_tokens`` to half of ``max_len``, so no sample is mostly answer with no transcript.
+    A prompt's head holds the template and instruction, its tail the generation prompt, so both are kept. A long
+    answer still leaves ``min_prompt_tokens`` for the prompt, so no sample is mostly answer.
 
     Args:
         prompt_ids (Sequence[int]): the prompt, generation prompt included.
@@ -59,14 +54,17 @@ def truncate_example(
         max_len (int): the most tokens of the result.
         keep_prompt_head (int): prompt tokens always kept from the start. Default: 32
         keep_prompt_tail (int): prompt tokens always kept from the end. Default: 16
-        min_prompt_tokens (int | None): prompt tokens a long answer must leave room for (at least head + tail).
-            Default: None (head + tail)
+        min_prompt_tokens (int | None): room a long answer must leave the prompt. Default: head + tail
 
     Returns:
-        TruncatedExample: ``len(input_ids) <= max_len``, at least one answer token.
+        TruncatedExample: at most ``max_len`` tokens, at least one answer token.
 
     Raises:
-        ValueError: ``max_len`` below ``keep_prompt_head + keep_prompt_tail + 1``, an empty answer, negative sizes.
+        ValueError: ``max_len`` too small for head and tail, an empty answer, or negative sizes.
+
+    Example:
+        >>> truncate_example(list(range(100)), [7, 8], max_len=50).prompt_cut
+        True
     """
     if keep_prompt_head < 0 or keep_prompt_tail < 0:
         raise ValueError(f"keep_prompt_head={keep_prompt_head}, keep_prompt_tail={keep_prompt_tail}: must be >= 0.")
@@ -87,7 +85,7 @@ def truncate_example(
             answer, answer_cut = answer[:answer_budget], True
         prompt_budget = max_len - len(answer)
         if len(prompt) > prompt_budget:
-            tail = prompt_budget - keep_prompt_head  # >= keep_prompt_tail by the budgets above
+            tail = prompt_budget - keep_prompt_head  # at least keep_prompt_tail
             prompt, prompt_cut = prompt[:keep_prompt_head] + prompt[len(prompt) - tail :], True
     return TruncatedExample(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, prompt_cut, answer_cut)
 
@@ -103,8 +101,8 @@ class TruncationReport:
         max_len (int): ``max_seq_len``.
         longest (int): tokens of the longest sample before cutting.
         turns_cut (int): conversations that lost their first turns.
-        dropped (int): rows left with no answer token, not trained.
-        texts_split (int): texts split into several windows.
+        dropped (int): rows left with no answer token.
+        texts_split (int): texts split into windows.
     """
 
     samples: int
@@ -126,7 +124,7 @@ class TruncationReport:
         )
 
     def advice(self) -> str | None:
-        """What a cut costs and the setting that avoids it, when any sample was cut; None when none was."""
+        """What a cut costs and the setting that avoids it; None when nothing was cut."""
         cuts = (self.prompt_cut, self.answer_cut, self.turns_cut, self.dropped)
         if not (any(cuts) or self.texts_split):
             return None
@@ -141,8 +139,7 @@ class TruncationReport:
 
 
 def _id_lists(out: Any) -> list[list[int]]:
-    """``apply_chat_template(tokenize=True)`` on a batch: a list of id lists (transformers 4.x) or a
-    BatchEncoding/dict with ``input_ids`` (5.x returns a dict by default)."""
+    """``apply_chat_template(tokenize=True)``'s output as id lists, on transformers 4.x or 5.x."""
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     return [list(ids) for ids in out]
@@ -156,11 +153,7 @@ def _messages(instruction: str, dialogue: str, summary: str | None = None) -> li
 
 
 def template_overhead(tokenizer, instruction: str) -> tuple[int, int]:
-    """Prompt tokens the chat template and instruction add before and after the transcript.
-
-    For ChatML and the default instruction with a Qwen tokenizer: about 11 before
-    (``<|im_start|>user\\n`` + instruction + ``\\n\\n``) and 5 after (``<|im_end|>\\n<|im_start|>assistant\\n``).
-    """
+    """Prompt tokens the template and instruction add before and after the transcript."""
     marker = "\u2063TRANSCRIPT\u2063"
     text = tokenizer.apply_chat_template(_messages(instruction, marker), add_generation_prompt=True, tokenize=False)
     if text.count(marker) != 1:
@@ -180,7 +173,7 @@ def _encode_batch(batch, tokenizer, instruction, max_len, head, tail, min_prompt
     for prompt, full, prompt_msgs, full_msgs in zip(prompt_ids, full_ids, prompts, fulls, strict=True):
         if full[: len(prompt)] == prompt:
             answer = full[len(prompt) :]
-        else:  # the template renders the last turn differently, or BPE merged across the boundary
+        else:  # the template renders the last turn differently, or BPE merged across
             prompt_text = tokenizer.apply_chat_template(prompt_msgs, add_generation_prompt=True, tokenize=False)
             full_text = tokenizer.apply_chat_template(full_msgs, tokenize=False)
             answer_text = (
@@ -195,25 +188,24 @@ def _encode_batch(batch, tokenizer, instruction, max_len, head, tail, min_prompt
 
 
 def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
-    """Tokenize standard rows (``load_raw_splits``) into training samples of at most ``max_seq_len`` tokens.
+    """Tokenize standard rows into training samples of at most ``max_seq_len`` tokens.
 
-    The shape is read from the columns. A pair's user turn is ``f"{instruction}\\n\\n{dialogue}"`` and its answer
-    the summary, cut by ``truncate_example``. A conversation is trained on its answers, fitted by
-    ``fit_conversation``; a plain completion as TRL encodes it; a text in windows, every token trained. An answer
-    includes the template's end of turn, so the model learns to stop.
+    Answers include the template's end of turn, so the model learns to stop.
 
     Args:
         raw (datasets.Dataset): from ``load_raw_splits``.
-        tokenizer (PreTrainedTokenizerBase): with a chat template (``load_tokenizer`` guarantees one, adding no
-            token).
+        tokenizer (PreTrainedTokenizerBase): with a chat template.
         settings (DataSettings): ``instruction`` and ``max_seq_len``.
         num_proc (int): worker processes for ``Dataset.map``. Default: 1
 
     Returns:
-        tuple[datasets.Dataset, TruncationReport]: columns ``input_ids`` and ``labels`` only, and the cut counts.
+        tuple[datasets.Dataset, TruncationReport]: ``input_ids`` and ``labels``, and the cut counts.
 
     Raises:
-        ValueError: ``max_seq_len`` too small for this tokenizer's template (naming the minimum).
+        ValueError: ``max_seq_len`` too small for this template.
+
+    Example:
+        >>> train, report = tokenize_dataset(raw, tokenizer, settings.data)
     """
     if len(raw) == 0:
         empty = raw.select_columns([]).add_column("input_ids", []).add_column("labels", [])
@@ -246,7 +238,7 @@ def tokenize_dataset(raw, tokenizer, settings: DataSettings, num_proc: int = 1):
 
 
 def _encode_rows(batch, tokenizer, max_len):
-    """A batch of conversations, completions or texts as samples; a row with no answer left has ``kept_len`` 0."""
+    """Conversations, completions or texts as samples; ``kept_len`` 0 marks a row to drop."""
     out = {key: [] for key in ("input_ids", "labels", "turns_cut", "answer_cut", "split", "full_len", "kept_len")}
 
     def add(ids, labels, full_len, turns_cut=0, answer_cut=False, split=False):
@@ -272,7 +264,7 @@ def _encode_rows(batch, tokenizer, max_len):
 
 
 def _tokenize_pairs(raw, tokenizer, settings: DataSettings, num_proc: int):
-    """(dialogue, summary) pairs: prompt and answer through the chat template, the transcript cut in its middle."""
+    """(dialogue, summary) pairs through the chat template, the transcript cut in its middle."""
     before, after = template_overhead(tokenizer, settings.instruction)
     head, tail = before + HEAD_DIALOGUE_TOKENS, after + TAIL_DIALOGUE_TOKENS
     minimum = head + tail + MIN_ANSWER_TOKENS

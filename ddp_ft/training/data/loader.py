@@ -1,6 +1,4 @@
-"""Batches: the right-padding collator, token counts, and ``EpochLoader``, which reads one rank's share of each
-optimizer step from a ``DistributedSampler``'s global order (``DataLayout``: exact resume on any world size), split
-over ranks by ``balanced_plan`` (``ddp_ft.training.data.balance``)."""
+"""Batches: the padding collator, token counts, and ``EpochLoader``, one rank's share of each step."""
 
 from __future__ import annotations
 
@@ -15,18 +13,16 @@ from .step_tokens import global_order
 
 
 def make_collator(tokenizer):
-    """Right-padding collator: ``input_ids`` padded with the pad token, ``labels`` with -100, ``attention_mask``."""
+    """Right-padding collator: pad token in ``input_ids``, -100 in ``labels``."""
     from transformers import DataCollatorForSeq2Seq
 
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=None)
 
 
 def count_tokens(batch: dict, pad_token_id: int | None = None) -> int:
-    """Non-padding tokens of a collated batch: what throughput counts.
+    """Non-padding tokens of a collated batch, what throughput counts.
 
-    A padded batch: the sum of its attention mask. A packed batch (``PackedCollator``: no mask) pads only the ends of
-    its rows: the tokens other than ``pad_token_id``, the Trainer's rule for a batch without a mask (exact while no
-    sample holds the pad token, as chat-formatted samples do not); every token when no pad id is given.
+    Without a mask (packed rows), counts tokens other than ``pad_token_id``, as the Trainer does.
     """
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
@@ -35,31 +31,27 @@ def count_tokens(batch: dict, pad_token_id: int | None = None) -> int:
 
 
 def answer_tokens(batch: dict) -> int:
-    """Tokens of a collated batch that carry loss: labels other than IGNORE_INDEX after the causal shift."""
+    """Tokens that carry loss, after the causal shift."""
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 @dataclass(frozen=True)
 class DataLayout:
-    """What fixes an epoch's global order and how one optimizer step reads it; stored in every checkpoint.
+    """What fixes an epoch's global order; stored in every checkpoint.
 
-    Epoch ``e`` is one permutation of the training set (``DistributedSampler``'s, seeded by ``seed + e``), the same
-    for every world size. Step ``s`` trains its positions ``[s * E, (s + 1) * E)``, ``E`` the effective batch: rank
-    ``r`` reads positions ``r, r + world_size, ...`` of that range, ``micro_batch`` at a time. So the samples of a
-    step, and a resume position counted in samples, mean the same on any ``world_size x micro_batch`` that divides
-    ``E``; ``train_samples``, ``seed`` and ``effective_batch`` must not change within a run. Balanced ranks
-    (``EpochLoader(balance=True)``) reorder the samples *within* a step, never across steps, so a resume is exact
-    with balancing on or off, whatever the checkpoint's run used: the layout does not record it.
+    Epoch ``e`` is one permutation, seeded by ``seed + e``, the same on every world size. Step ``s`` trains
+    positions ``[s * E, (s + 1) * E)`` of it. So a resume position means the same on any world size and
+    micro-batch dividing ``E``. Balancing reorders samples only within a step, so the layout does not record it.
 
     Args:
         train_samples (int): samples in the training set.
         seed (int): shuffle seed.
-        effective_batch (int): samples per optimizer step, over all ranks and micro-steps.
+        effective_batch (int): samples per optimizer step, over all ranks.
         world_size (int): ranks.
         micro_batch (int): samples per forward on one rank.
 
     Raises:
-        ValueError: ``effective_batch`` not a multiple of ``micro_batch * world_size``, sizes below 1.
+        ValueError: sizes below 1, or ``effective_batch`` not a multiple of ``micro_batch * world_size``.
     """
 
     train_samples: int
@@ -81,7 +73,7 @@ class DataLayout:
 
     @property
     def steps_per_epoch(self) -> int:
-        """``floor(train_samples / effective_batch)``: the trailing partial batch is dropped, on every world size."""
+        """Whole steps per epoch; the trailing partial batch is dropped."""
         return self.train_samples // self.effective_batch
 
     def describe(self) -> str:
@@ -93,13 +85,12 @@ class DataLayout:
 
 
 def check_resume(saved: DataLayout, current: DataLayout, sample_in_epoch: int) -> None:
-    """Refuse a resume that cannot continue the data exactly; any world size and micro-batch dividing the same
-    effective batch over the same training set and seed can.
+    """Refuse a resume that cannot continue the data exactly.
 
     Args:
         saved (DataLayout): the checkpoint's.
         current (DataLayout): this run's.
-        sample_in_epoch (int): the checkpoint's position in its epoch's global order.
+        sample_in_epoch (int): the checkpoint's position in its epoch.
 
     Raises:
         ValueError: naming both layouts and the setting to change.
@@ -126,51 +117,35 @@ def check_resume(saved: DataLayout, current: DataLayout, sample_in_epoch: int) -
 
 
 class EpochLoader:
-    """This rank's micro-batches, one epoch at a time: ``for batch in loader.epoch(n, start_sample=k)``.
+    """This rank's micro-batches, one epoch at a time.
 
-    Policy (the plain loop's): **no sample trains twice in an epoch and every world size trains the same steps.** An
-    epoch is ``floor(len(dataset) / effective_batch)`` optimizer steps on any world size; the trailing partial batch
-    (fewer than ``effective_batch`` samples) is left out, never padded with repeats (``steps.left_out`` says how
-    many). The global order is the permutation of a ``DistributedSampler`` (``drop_last=True``, shuffled by
-    ``seed + epoch``), the same for every world size: step ``s`` is its positions
-    ``[s * effective_batch, (s + 1) * effective_batch)`` (see ``DataLayout``). ``trainer_drop_last`` gives the stock
-    Trainer's steps instead (``BucketedTrainer``'s plan): every sample trained, the last step shorter and the first
-    samples of the order repeated as Accelerate's shard does (``ddp_ft.training.data.epoch_steps``). Only
-    ``epoch()`` iterates, and it always calls ``sampler.set_epoch`` first, so the classic bug of every epoch seeing
-    the same order cannot happen (``iter(loader)`` raises). ``start_sample`` (samples of the epoch already trained,
-    over all ranks) resumes exactly, also on another world size or micro-batch: skipped samples are skipped as
-    indices, never loaded.
-
-    Within a step, ``balance=True`` splits the samples over ranks and micro-batches by ``balanced_plan``: similar
-    lengths share a micro-batch and every rank pads to about the same number of tokens, so no rank waits for the one
-    that drew the longer samples. The step's samples, hence its gradient, are the same as unbalanced. With
-    ``balance=False`` rank ``r`` reads positions ``r, r + world_size, ...`` of the step (``strided_plan``).
+    An epoch is ``floor(len(dataset) / effective_batch)`` steps on any world size, and no sample trains twice.
+    ``trainer_drop_last`` gives the stock Trainer's steps instead (see ``epoch_steps``). Only ``epoch()``
+    iterates, and it calls ``sampler.set_epoch`` first, so every epoch gets a new order. ``balance=True`` evens
+    padded tokens over ranks within a step; the step's samples stay the same.
 
     Args:
-        dataset: a map-style dataset of tokenized samples (``input_ids``).
+        dataset: a map-style dataset of tokenized samples.
         collate_fn: e.g. ``make_collator(tokenizer)``.
         micro_batch (int): samples per batch.
         rank (int): this rank.
         world_size (int): number of ranks.
         seed (int): shuffle seed, the same on every rank.
         shuffle (bool): shuffle each epoch. Default: True
-        effective_batch (int | None): samples per optimizer step over all ranks, a multiple of
-            ``micro_batch * world_size``. Default: None (``micro_batch * world_size``, no accumulation)
-        pin_memory (bool): collate into page-locked memory, so the copy to a GPU with ``non_blocking=True``
-            overlaps instead of waiting. Default: False (set it when training on CUDA)
-        balance (bool): balanced ranks and length-grouped micro-batches within each step. Default: True
-        lengths (Sequence[int] | None): token length of every sample, for ``balance``. Default: None (read from
-            the dataset's ``input_ids`` once, when ``balance``)
-        cost (Callable[[Sequence[int]], int] | None): tokens a micro-batch computes from its lengths, what
-            ``balance`` evens out over the ranks: ``PackedCollator.cost`` for packed batches. Default: None
-            (``micro_batch_cost``: right padding)
-        trainer_drop_last (bool | None): the stock Trainer's epoch with this ``dataloader_drop_last``
-            (``EpochSteps``): False trains every sample, completing the last step with the epoch's first samples; True
-            drops the partial per-device batch. Default: None (the plain loop's whole steps)
+        effective_batch (int | None): samples per optimizer step over all ranks. Default: ``micro_batch * world_size``
+        pin_memory (bool): collate into page-locked memory for async copies. Default: False
+        balance (bool): balance ranks within each step. Default: True
+        lengths (Sequence[int] | None): token length of every sample. Default: read from the dataset
+        cost (Callable | None): tokens a micro-batch computes from its lengths. Default: ``micro_batch_cost``
+        trainer_drop_last (bool | None): the stock Trainer's epoch with this ``dataloader_drop_last``. Default: None
 
     Raises:
-        ValueError: bad sizes, an empty dataset or one smaller than an effective batch (with ``trainer_drop_last``
-            True: smaller than one micro-batch per rank), lengths not one per sample.
+        ValueError: bad sizes, a dataset smaller than one step, or lengths not one per sample.
+
+    Example:
+        >>> loader = EpochLoader(ds, make_collator(tok), micro_batch=4, rank=0, world_size=2, seed=0)
+        >>> for batch in loader.epoch(0):
+        ...     ...
     """
 
     def __init__(
@@ -215,20 +190,20 @@ class EpochLoader:
         self.lengths = (list(lengths) if lengths is not None else sample_lengths(dataset)) if balance else None
         if self.lengths is not None and len(self.lengths) != len(dataset):
             raise ValueError(f"{len(self.lengths)} lengths for {len(dataset)} samples: give one length per sample.")
-        # The epoch's global order, the same on every rank (one replica: the whole permutation).
+        # One replica: the whole permutation, the same on every rank.
         self.sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
 
     @property
     def samples_per_epoch(self) -> int:
-        """Samples trained per epoch over all ranks (the plain loop's: whole effective batches only)."""
+        """Samples trained per epoch over all ranks."""
         return self.steps.samples
 
     def __len__(self) -> int:
-        """Micro-batches per epoch on this rank, all full (the plain loop's: ``steps_per_epoch * accumulation``)."""
+        """Micro-batches per epoch on this rank."""
         return self.steps.micro_batches_per_rank
 
     def describe_epoch(self) -> str:
-        """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why."""
+        """One line: the epoch's steps and any samples left out."""
         return describe_epoch(self.layout, self.steps)
 
     def __iter__(self):
@@ -238,8 +213,7 @@ class EpochLoader:
         )
 
     def plans(self, epoch: int, start_step: int = 0) -> Iterator[Plan]:
-        """Every rank's micro-batches (``plan[rank][micro_step]``, sample indices) of each step of ``epoch`` from
-        ``start_step`` on; the same on every rank."""
+        """Every rank's micro-batches of each step of ``epoch``, from ``start_step`` on."""
         steps = self.steps
         self.sampler.set_epoch(epoch)
         order = steps.extend([int(i) for i in self.sampler])
@@ -252,10 +226,10 @@ class EpochLoader:
                 yield balanced_plan(indices, [self.lengths[i] for i in indices], W, m, A, self.cost)
 
     def epoch(self, epoch: int, start_sample: int = 0) -> Iterator[dict]:
-        """The batches of ``epoch`` on this rank, from global position ``start_sample`` on (checked at the call).
+        """The batches of ``epoch`` on this rank, from global position ``start_sample`` on.
 
         Raises:
-            ValueError: ``start_sample`` off a step boundary or past the epoch's last step, negative ``epoch``.
+            ValueError: ``start_sample`` off a step boundary or past the epoch, or a negative ``epoch``.
         """
         import torch
         from torch.utils.data import DataLoader
@@ -270,8 +244,7 @@ class EpochLoader:
                 f"{layout.effective_batch} samples ({layout.train_samples} samples, {self.steps.left_out} left out)."
             )
         batches = [b for plan in self.plans(epoch, start_sample // layout.effective_batch) for b in plan[self.rank]]
-        # A private generator: a DataLoader otherwise draws its base seed from the global RNG, which would shift
-        # dropout masks by one draw in a resumed run (it builds this loader after restoring the RNG state).
+        # A private generator: the global RNG would shift dropout masks in a resumed run.
         generator = torch.Generator().manual_seed(self.sampler.seed + epoch)
         loader = DataLoader(
             self.dataset,
@@ -285,34 +258,30 @@ class EpochLoader:
 
 
 def sample_lengths(dataset) -> list[int]:
-    """Tokens of every sample (``len(input_ids)``), read once: a ``datasets.Dataset`` column, else sample by sample."""
+    """Tokens of every sample, read once."""
     if hasattr(dataset, "column_names"):
         return [len(ids) for ids in dataset["input_ids"]]
     return [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
 
 
 class StepBatchSampler:
-    """Every rank's micro-batches of ``loader``'s plans, interleaved for a loader that deals batch ``i`` to rank
-    ``i % world_size`` (Accelerate's ``BatchSamplerShard`` with ``split_batches=False``, which ``Trainer`` gets from
-    ``accelerator.prepare``): per step, micro-step ``k`` of rank ``r`` at position ``k * world_size + r``. So each
-    rank of a Trainer reads exactly what ``loader.epoch`` gives that rank in the plain loop, and skipping the first
-    ``n`` of its batches (the Trainer's resume) skips ``n / accumulation`` whole steps. The steps are the loader's
-    (``EpochLoader(trainer_drop_last=...)``: the stock Trainer's, a last step of fewer micro-batches included).
+    """Every rank's micro-batches, interleaved for Accelerate's ``BatchSamplerShard``.
+
+    That shard deals batch ``i`` to rank ``i % world_size``. So each Trainer rank reads what ``loader.epoch``
+    gives it, and the Trainer's resume skips whole steps.
 
     Args:
-        loader (EpochLoader): the plans (its ``rank`` and ``collate_fn`` are not used).
+        loader (EpochLoader): the plans.
     """
 
     def __init__(self, loader: EpochLoader) -> None:
         self.loader = loader
-        self.batch_size, self.drop_last = loader.micro_batch, True  # read by BatchSamplerShard: whole batches only
+        self.batch_size, self.drop_last = loader.micro_batch, True  # read by BatchSamplerShard
         self.epoch = 0
-        self._order: tuple[int, list[int]] | None = None  # (epoch, its global order), for step_samples
+        self._order: tuple[int, list[int]] | None = None
 
     def step_samples(self, step: int) -> list[int]:
-        """Every rank's samples of optimizer step ``step``, counted from the run's first (the Trainer's
-        ``global_step`` before the step): ``EpochSteps.positions`` of the step within its epoch, in epoch
-        ``step // steps``'s global order (extended by its repeats), as ``loader.plans`` cuts them."""
+        """Every rank's samples of optimizer step ``step``, counted from the run's start."""
         layout, steps = self.loader.layout, self.loader.steps
         epoch, within = divmod(step, steps.steps)
         if self._order is None or self._order[0] != epoch:
@@ -328,17 +297,17 @@ class StepBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         for plan in self.loader.plans(self.epoch):
-            for k in range(len(plan[0])):  # the step's accumulation: the last step's may be shorter
+            for k in range(len(plan[0])):  # the last step's may be shorter
                 for rank in range(len(plan)):
                     yield plan[rank][k]
 
 
 def describe_epoch(layout: DataLayout, steps: EpochSteps | None = None) -> str:
-    """One line: the epoch's optimizer steps and, when the plain loop leaves samples out, how many and why.
+    """One line: the epoch's steps and any samples left out.
 
     Args:
         layout (DataLayout): the run's data layout.
-        steps (EpochSteps | None): the epoch's steps. Default: the plain loop's, whole effective batches.
+        steps (EpochSteps | None): the epoch's steps. Default: the plain loop's
     """
     if steps is None:
         steps = EpochSteps(layout.train_samples, layout.world_size, layout.micro_batch, layout.accumulation)

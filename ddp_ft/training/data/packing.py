@@ -1,21 +1,10 @@
-"""Padding-free micro-batches: a micro-batch's samples packed whole into rows, each sequence masked off from its
-neighbours by ``position_ids`` that restart at 0 (``DataSettings.packing``).
+"""Padding-free micro-batches: samples packed whole into rows, separated by restarting ``position_ids``.
 
-A right-padded micro-batch of mixed lengths computes ``size x longest`` tokens; packed, it computes about the sum of
-its lengths. The samples of a micro-batch, hence of a step and its gradient, do not change: only their layout does.
-
-* Rows: ``pack_rows`` puts the samples into rows of at most ``row_tokens`` (the run's ``max_seq_len``) first-fit
-  decreasing; rows are right-padded to the longest row. Rows, not one long row, because sdpa and eager attention pay
-  for the whole row squared (a dense block-diagonal mask): rows no longer than a padded sample cost no more attention
-  than the padded batch, and far fewer tokens.
-* Isolation: with no ``attention_mask`` and no cache, ``transformers.masking_utils`` (``find_packed_sequence_indices``)
-  reads a restart of ``position_ids`` as a sequence boundary and builds a block-diagonal causal mask for sdpa, eager
-  and flex attention; rotary positions restart with them. Flash attention reads boundaries from ``position_ids`` only
-  in a batch of one row (``_is_packed_sequence``): with several rows it would let a sequence attend to the one before
-  it, so :func:`packing_problem` refuses it, as it refuses every other way the mask could be lost.
-* Loss: ``labels`` is -100 at each sequence's first position, so no token predicts across a boundary (the causal LM
-  loss shifts labels left by one), and on the padding. Every other label is the sample's own: the per-token losses,
-  the answer-token count (``answer_tokens``) and so the normalised loss equal the padded batch's.
+Packing changes only the layout; the samples, loss and gradient stay the same. Rows stay at most
+``max_seq_len`` long, since sdpa and eager attention pay for the whole row squared. With no attention mask and
+no cache, transformers reads a ``position_ids`` restart as a sequence boundary. Flash attention does so only
+for a single row, so :func:`packing_problem` refuses it. Each sequence's first label is -100, so no token
+predicts across a boundary.
 """
 
 from __future__ import annotations
@@ -25,27 +14,30 @@ from collections.abc import Sequence
 
 from .settings import IGNORE_INDEX
 
-# Attention implementations that honour a packed row's position_ids through transformers' mask functions.
+# Attention that honours a packed row's position_ids through transformers' masks.
 MASKED_ATTENTION = ("sdpa", "eager", "flex_attention")
-# Flash kernels honour position_ids only in a batch of one row: several packed rows would leak across sequences.
+# Flash kernels honour position_ids only in a batch of one row.
 ONE_ROW_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
-    """First-fit decreasing: the positions of ``lengths`` grouped into rows of at most ``row_tokens`` tokens.
+    """Group the positions of ``lengths`` into rows of at most ``row_tokens``, first-fit decreasing.
 
-    Longest first (ties by position, so the result is deterministic), each into the first row it fits; a sample
-    longer than ``row_tokens`` gets a row of its own. Every position appears exactly once.
+    Ties break by position, so the result is deterministic. A sample longer than ``row_tokens`` gets its own row.
 
     Args:
         lengths (Sequence[int]): token lengths of the micro-batch's samples.
         row_tokens (int): the most tokens of a row holding more than one sample.
 
     Returns:
-        list[list[int]]: positions into ``lengths``, one list per row, in the order placed.
+        list[list[int]]: positions into ``lengths``, one list per row.
 
     Raises:
         ValueError: ``row_tokens < 1`` or a length below 1.
+
+    Example:
+        >>> pack_rows([3, 5, 2], row_tokens=6)
+        [[1], [0, 2]]
     """
     if row_tokens < 1:
         raise ValueError(f"row_tokens={row_tokens}: must be >= 1.")
@@ -65,22 +57,19 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
 
 
 def packed_cost(lengths: Sequence[int], row_tokens: int) -> int:
-    """Tokens a packed micro-batch computes, padding included: its rows times its longest row."""
+    """Tokens a packed micro-batch computes: rows times the longest row."""
     rows = pack_rows(lengths, row_tokens)
     return len(rows) * max(sum(lengths[p] for p in row) for row in rows)
 
 
 class PackedCollator:
-    """Collate samples into packed rows: ``input_ids``, ``labels`` and ``position_ids``, no ``attention_mask``.
+    """Collate samples into packed rows with ``position_ids`` and no ``attention_mask``.
 
-    Each row holds whole samples (:func:`pack_rows`); its ``position_ids`` restart at 0 for each sample, ``labels``
-    is -100 at each sample's first position (the one token that would be predicted from the previous sample). Rows
-    are right-padded to the longest row with ``pad_token_id``, labels -100 and position ids counting from 0 (one
-    more block, after every real token: causal attention never lets a real token see it). A drop-in for
-    ``make_collator``'s collator: the same samples, the same loss.
+    Pad tokens sit after every real token, so causal attention never lets a real token see them. A drop-in for
+    ``make_collator``'s collator with the same loss.
 
     Args:
-        pad_token_id (int): the tokenizer's pad token, for the padding at the end of rows.
+        pad_token_id (int): the tokenizer's pad token.
         row_tokens (int): the most tokens of a row, the run's ``max_seq_len``.
     """
 
@@ -90,7 +79,7 @@ class PackedCollator:
         self.pad_token_id, self.row_tokens = int(pad_token_id), row_tokens
 
     def cost(self, lengths: Sequence[int]) -> int:
-        """Tokens one micro-batch of these sample lengths computes: what ``balanced_plan`` balances over ranks."""
+        """Tokens one micro-batch of these lengths computes, for ``balanced_plan``."""
         return packed_cost(lengths, self.row_tokens)
 
     def __call__(self, features: list[dict]) -> dict:
@@ -104,7 +93,7 @@ class PackedCollator:
         out["position_ids"] = torch.empty(len(rows), width, dtype=torch.int64)
         for r, row in enumerate(rows):
             row_ids, row_labels, row_positions = [], [], []
-            for p in sorted(row):  # samples in batch order within a row: the order does not change the loss
+            for p in sorted(row):  # the order does not change the loss
                 row_ids += ids[p]
                 row_labels += [IGNORE_INDEX] + labels[p][1:]
                 row_positions += range(len(ids[p]))
@@ -116,21 +105,17 @@ class PackedCollator:
 
 
 def packing_problem(config, model_class: type | None = None) -> str | None:
-    """Why packed rows would let a sequence attend to its neighbour in this model, or None when they cannot.
+    """Why packed rows would let a sequence attend to its neighbour, or None.
 
-    Packed rows are isolated only by the mask ``transformers.masking_utils`` builds from ``position_ids`` when there is
-    no ``attention_mask`` and no cache. So the model must build its mask there (its modeling module imports
-    ``create_causal_mask``: remote code and hand-written masks may not), with an attention implementation that
-    applies that mask within a row (:data:`MASKED_ATTENTION`), and without a cache (``config.use_cache`` on makes an
-    evaluation forward build one, and the mask then ignores the restarts).
+    The model must build its mask with ``transformers.masking_utils``, use an attention from
+    :data:`MASKED_ATTENTION`, and have no cache, which would make the mask ignore the restarts.
 
     Args:
-        config (PretrainedConfig): the model's config; ``_attn_implementation`` None means transformers' default
-            (sdpa, else eager), both fine.
-        model_class (type | None): the model's class. Default: the causal-LM class transformers maps ``config`` to.
+        config (PretrainedConfig): the model's config.
+        model_class (type | None): the model's class. Default: the causal-LM class for ``config``
 
     Returns:
-        str | None: the reason, naming what is wrong, or None.
+        str | None: the reason, or None.
     """
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
     if attention in ONE_ROW_ATTENTION:
@@ -160,22 +145,20 @@ def packing_problem(config, model_class: type | None = None) -> str | None:
 
 
 def resolve_packing(packing: bool | str, device_type: str, problem: str | None) -> tuple[bool, str]:
-    """``DataSettings.packing`` for this run: whether to pack, and why (logged once on rank 0).
+    """Whether to pack this run, and why.
 
-    ``auto`` packs on CUDA, where padding is compute the GPU spends for nothing and the micro-batches are large
-    enough to hold mixed lengths; on the CPU it keeps the padded batches the tests and demos were measured with. It
-    does not pack a model that :func:`packing_problem` rejects, and says why.
+    ``auto`` packs on CUDA, where padding wastes compute, unless :func:`packing_problem` found a problem.
 
     Args:
         packing (bool | str): True, False or ``"auto"``.
-        device_type (str): this rank's device type (``cuda``, ``cpu``).
-        problem (str | None): :func:`packing_problem` of the model to train.
+        device_type (str): this rank's device type.
+        problem (str | None): :func:`packing_problem` of the model.
 
     Returns:
         tuple[bool, str]: pack or not, and the reason.
 
     Raises:
-        ValueError: ``packing=True`` with a ``problem``, naming the setting and the fixes.
+        ValueError: ``packing=True`` with a ``problem``.
     """
     if packing is True and problem is not None:
         raise ValueError(
@@ -195,13 +178,13 @@ def resolve_packing(packing: bool | str, device_type: str, problem: str | None) 
 
 
 def check_packed_model(model) -> None:
-    """Refuse, before training, to pack batches for a model that would let a sequence attend to its neighbour.
+    """Refuse to pack batches for a model whose attention would mix sequences.
 
     Args:
-        model (torch.nn.Module): the loaded model, a peft model or the transformers model itself.
+        model (torch.nn.Module): the loaded model, peft-wrapped or not.
 
     Raises:
-        ValueError: :func:`packing_problem`'s reason, naming ``--packing`` and the fixes.
+        ValueError: :func:`packing_problem`'s reason.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     resolve_packing(True, "", packing_problem(base.config, type(base)))

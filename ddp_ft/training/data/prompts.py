@@ -1,8 +1,4 @@
-"""Prompts for generation, written token for token as training wrote them.
-
-A prompt is what a sample holds before its last answer: the same template, instruction and tokens. Each shape's
-prompt is cut from the training encoding itself, so the two cannot drift apart.
-"""
+"""Prompts for generation, cut from the training encoding itself so the two cannot drift apart."""
 
 from __future__ import annotations
 
@@ -12,17 +8,17 @@ from .conversation import encode_messages
 from .formatting import _id_lists, _messages
 from .settings import IGNORE_INDEX, DataSettings
 
-_PLACEHOLDER = "\u2063"  # an answer to render a prompt-only conversation with, cut off again
+_PLACEHOLDER = "\u2063"  # rendered, then cut off again
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt to generate from, and the answer training had for it (None: the row had none).
+    """A prompt to generate from, and the row's own answer.
 
     Args:
         input_ids (list[int]): the tokens, ending where the answer starts.
-        text (str): the same, decoded, for the predictions file.
-        reference (str | None): the row's own answer.
+        text (str): the same, decoded.
+        reference (str | None): the row's answer, if any.
     """
 
     input_ids: list[int]
@@ -31,11 +27,10 @@ class Prompt:
 
 
 def prompt_of(row: dict, tokenizer, settings: DataSettings) -> Prompt:
-    """The generation prompt of one standard row (``load_raw_splits``), and its reference answer.
+    """The generation prompt of one standard row, and its reference answer.
 
-    A pair: the user turn with the instruction and the generation prompt. A conversation: every turn before its
-    last answer (all turns, with a generation prompt, when it ends on another role). A plain completion: the prompt.
-    A text: the text, without the eos training appended.
+    Example:
+        >>> prompt_of({"dialogue": "A: hi", "summary": None}, tokenizer, settings.data).text
     """
     if "summary" in row:
         messages = _messages(settings.instruction, row["dialogue"])
@@ -49,7 +44,7 @@ def prompt_of(row: dict, tokenizer, settings: DataSettings) -> Prompt:
 
 
 def chat_prompt(messages: list[dict], tokenizer, loss_from: int = 0) -> Prompt:
-    """The tokens before the last answer, cut from the training encoding (``encode_messages``) of the row."""
+    """The tokens before the last answer, from the row's training encoding."""
     reference = None
     if messages and messages[-1]["role"] == "assistant":
         reference = messages[-1]["content"]
@@ -57,9 +52,9 @@ def chat_prompt(messages: list[dict], tokenizer, loss_from: int = 0) -> Prompt:
         messages = [*messages, {"role": "assistant", "content": _PLACEHOLDER}]
     ids, labels = encode_messages(tokenizer, messages, loss_from=min(loss_from, len(messages) - 1))
     start = len(labels)
-    while start > 0 and labels[start - 1] == IGNORE_INDEX:  # back over what the template writes after it
+    while start > 0 and labels[start - 1] == IGNORE_INDEX:  # back over the template's end of turn
         start -= 1
-    while start > 0 and labels[start - 1] != IGNORE_INDEX:  # back over the last answer's tokens
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:  # back over the last answer
         start -= 1
     return _prompt(tokenizer, ids[:start], reference)
 
@@ -69,7 +64,7 @@ def _prompt(tokenizer, ids: list[int], reference: str | None) -> Prompt:
 
 
 def user_prompt(text: str, shape: str) -> dict:
-    """A ``--prompt`` from the command line as a standard row of the run's shape, with no answer."""
+    """A ``--prompt`` as a standard row of the run's shape, with no answer."""
     if shape == "pair":
         return {"dialogue": text, "summary": None}
     if shape == "completion":

@@ -1,5 +1,7 @@
-"""Sources: a hub id, a local file or folder, or the embedded synthetic meetings, as ``train`` and ``eval`` splits of
-standard rows (``ddp_ft.training.data.formats``), every check before a model loads."""
+"""Sources: a hub id, a local file or folder, or the synthetic meetings, as ``train`` and ``eval`` splits.
+
+Every check runs here, before a model loads.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def check_local_file(settings: DataSettings) -> Path | None:
-    """A local data file or folder that exists and is not empty (``ddp-ft`` checks it before any worker starts),
-    and the eval source's file; None for a source that is neither.
+    """The local data file or folder, checked early; None for other sources.
 
     Raises:
         FileNotFoundError: no such file, naming ``--source`` or ``--eval-source``.
@@ -52,7 +53,7 @@ def _existing_file(source: str, name: str) -> Path:
 
 
 def _one_format(files: dict[str, list[Path]], settings: DataSettings, folder: Path) -> None:
-    """Refuse a folder whose files are in several formats, naming them; log what it will read."""
+    """Refuse a folder whose files are in several formats; log what it will read."""
     formats: dict[str, list[str]] = {}
     for paths in files.values():
         for path in paths:
@@ -73,14 +74,14 @@ def _read(builder: str, data_files: dict[str, list[str]], where: str, cache_dir:
 
     try:
         return load_dataset(builder, data_files=data_files, cache_dir=cache_dir)
-    except Exception as err:  # e.g. a CSV with only a header: "corresponds to no data"
+    except Exception as err:  # e.g. a CSV with only a header
         raise ValueError(
             f"{where}: no rows could be read as {builder} (empty or malformed file?): {type(err).__name__}: {err}"
         ) from err
 
 
 def _load_source(settings: DataSettings, cache_dir: str | None):
-    """The source as a DatasetDict (a file and the synthetic data have one split, 'train')."""
+    """The source as a DatasetDict; a file and the synthetic data have only 'train'."""
     from datasets import Dataset, DatasetDict, load_dataset
 
     kind = settings.source_kind
@@ -98,7 +99,7 @@ def _load_source(settings: DataSettings, cache_dir: str | None):
         return _read(builder, {split: [str(p) for p in paths] for split, paths in files.items()}, where, cache_dir)
     try:
         return load_dataset(settings.source, cache_dir=cache_dir)
-    except Exception as err:  # re-raised with the setting to change
+    except Exception as err:
         raise RuntimeError(
             f"{where}: could not load it as a hub dataset ({type(err).__name__}: {err}). Offline? Use a local "
             ".jsonl/.json/.csv/.parquet file, a folder of them, or 'synthetic'."
@@ -144,7 +145,7 @@ def _standardise(ds, fmt: DataFormat, settings: DataSettings, split: str):
 
 @dataclass(frozen=True)
 class RawData:
-    """A source's rows in their standard shape, and the format they came in.
+    """A source's rows in their standard shape, and their format.
 
     Args:
         splits (datasets.DatasetDict): ``train`` and ``eval``.
@@ -155,13 +156,12 @@ class RawData:
     format: DataFormat
 
     def record(self, settings: DataSettings) -> dict:
-        """The data settings as this run resolved them, for ``ddp_ft_data.json``: the format found, its shape."""
+        """The data settings as resolved, for ``ddp_ft_data.json``."""
         return asdict(replace(settings, format=self.format.name)) | {"shape": self.format.shape}
 
 
 def settings_from_record(record: dict) -> tuple[DataSettings, str]:
-    """The data settings and standard shape a run recorded (:meth:`RawData.record`); unknown keys are ignored, and
-    so is the chat template, which the tokenizer saved beside the record holds."""
+    """The data settings and shape a run recorded; the chat template is left to the saved tokenizer."""
     known = {name: value for name, value in record.items() if name in DataSettings.__dataclass_fields__}
     known.pop("chat_template", None)
     settings = DataSettings(**known)
@@ -169,26 +169,29 @@ def settings_from_record(record: dict) -> tuple[DataSettings, str]:
 
 
 def load_raw_splits(settings: DataSettings, cache_dir: str | None = None) -> DatasetDict:
-    """``load_source(settings, cache_dir).splits``: the ``train`` and ``eval`` rows."""
+    """The ``train`` and ``eval`` rows of ``load_source``."""
     return load_source(settings, cache_dir).splits
 
 
 def load_source(settings: DataSettings, cache_dir: str | None = None) -> RawData:
-    """Load ``settings.source`` as ``train`` and ``eval`` rows in the source's standard shape.
+    """Load ``settings.source`` as ``train`` and ``eval`` rows in its standard shape.
 
-    The format is the one ``--format`` names or the one the training split's columns show, logged once; the eval
-    rows must be in it too. They come from ``eval_source``, else the source's ``eval_split``, else ``eval_fraction``
-    of train is held out, the same rows for the same seed (0: an empty eval split). Every check runs here, before
-    any model is loaded.
+    Eval rows come from ``eval_source``, else ``eval_split``, else ``eval_fraction`` of train held out by seed.
 
     Args:
         settings (DataSettings): the source, its format, splits and seed.
-        cache_dir (str | None): ``datasets`` cache folder. Default: None (the ``datasets`` default)
+        cache_dir (str | None): ``datasets`` cache folder. Default: the ``datasets`` default
+
+    Returns:
+        RawData: the splits and their format.
 
     Raises:
         FileNotFoundError: a local file that does not exist.
-        ValueError: a missing split or column, an unknown format, an empty split; naming the setting to change.
-        RuntimeError: a hub dataset that cannot be loaded (e.g. offline).
+        ValueError: a missing split or column, an unknown format, or an empty split.
+        RuntimeError: a hub dataset that cannot be loaded.
+
+    Example:
+        >>> raw = load_source(DataSettings(source="meetings.jsonl"))
     """
     from datasets import DatasetDict
 
@@ -207,11 +210,10 @@ def load_source(settings: DataSettings, cache_dir: str | None = None) -> RawData
 
 
 def load_prompt_rows(settings: DataSettings, path: str, cache_dir: str | None = None):
-    """A file's rows in the standard shape of ``settings.format``, those without an answer kept: prompts to
-    generate from (``ddp-ft generate --source``).
+    """A file's rows in standard shape, answerless rows kept: prompts to generate from.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`load_source`, naming ``--source``.
+        FileNotFoundError, ValueError: as :func:`load_source`.
     """
     file = _existing_file(path, "source")
     where = f"--source {path}"
@@ -223,7 +225,7 @@ def load_prompt_rows(settings: DataSettings, path: str, cache_dir: str | None = 
 
 
 def _with_eval(source, train, fmt: DataFormat, settings: DataSettings, cache_dir: str | None):
-    """(train, eval): eval from ``eval_source``, the source's ``eval_split``, or held out of ``train``."""
+    """(train, eval): eval from ``eval_source``, ``eval_split``, or held out of ``train``."""
     if settings.eval_source:
         if settings.eval_split in source and settings.eval_split != settings.split:
             if settings.eval_split != "validation":

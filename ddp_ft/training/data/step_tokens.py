@@ -1,8 +1,7 @@
-"""A step's token counts from the tokenized samples, on every rank alike and without communication.
+"""A step's token counts from the tokenized samples, on every rank alike, without communication.
 
-Every rank can see the whole step: the epoch's global order is a ``DistributedSampler`` permutation every rank can
-draw, and a step is a slice of it (``DataLayout``). Summing the step's per-sample counts gives the same global
-numbers the all-reduce of per-rank counts gave, whichever rank reads which sample of the step.
+Every rank can draw the epoch's global order, and a step is a slice of it. So summing per-sample counts gives
+the global numbers an all-reduce would.
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ from .settings import IGNORE_INDEX
 
 
 def global_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
-    """The epoch's global order of sample indices: the permutation ``EpochLoader``'s sampler shards (its first
-    ``floor(n / world_size) * world_size`` entries are what the ranks read, a prefix the same on any world size)."""
+    """The epoch's global order of sample indices, the same on any world size."""
     from torch.utils.data import DistributedSampler
 
     sampler = DistributedSampler(range(num_samples), num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
@@ -21,15 +19,11 @@ def global_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) 
 
 
 class StepTokenCounts:
-    """Per-sample answer and input token counts of a tokenized dataset, summed for any set of samples.
-
-    Answer tokens carry loss: labels other than ``IGNORE_INDEX`` after the causal shift (``labels[1:]``, as
-    ``answer_tokens`` counts a right-padded batch). Input tokens: ``len(input_ids)`` (no padding).
+    """Per-sample answer and input token counts, summed for any set of samples.
 
     Args:
-        dataset: a tokenized dataset whose rows have ``input_ids`` and, unless ``answers`` is given, ``labels``.
-        answers (list[int] | None): each row's answer tokens, counted by the caller (e.g. on the row as a collator
-            turns it into a batch, for a collator that sets the labels itself). Default: from the rows' labels.
+        dataset: tokenized rows with ``input_ids`` and, unless ``answers`` is given, ``labels``.
+        answers (list[int] | None): each row's answer tokens. Default: from the rows' labels
     """
 
     def __init__(self, dataset, answers: list[int] | None = None) -> None:
@@ -39,5 +33,5 @@ class StepTokenCounts:
         self._inputs = [len(row["input_ids"]) for row in dataset]
 
     def totals(self, indices: list[int]) -> tuple[int, int]:
-        """[answer tokens, input tokens] summed over the samples ``indices``."""
+        """[answer tokens, input tokens] summed over ``indices``."""
         return sum(self._answers[i] for i in indices), sum(self._inputs[i] for i in indices)

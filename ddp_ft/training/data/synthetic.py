@@ -1,7 +1,7 @@
-"""Synthetic AMI-like meetings: four roles design a remote control over four meetings (AMI's scenario).
+"""Synthetic AMI-like meetings: four roles design a remote control over four meetings.
 
-Each meeting settles a few design slots; the dialogue proposes, rejects and decides them, and the summary reports
-the decisions, so the summary is learnable from the transcript. Deterministic by seed.
+Each dialogue proposes, rejects and decides a few design slots. The summary reports the decisions, so it is
+learnable from the transcript. Deterministic by seed.
 """
 
 from __future__ import annotations
@@ -268,20 +268,19 @@ def _meeting(index: int, seed: int, rng: random.Random) -> dict[str, str]:
 
 
 def generate_synthetic_meetings(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """AMI-like product-design meetings with summaries that report the decisions taken in the transcript.
+    """AMI-like product-design meetings with summaries of the decisions taken.
 
-    Four roles (project manager, industrial designer, marketing expert, user interface designer) design a
-    remote control over four kinds of meetings (kick-off, functional, conceptual, detailed design). Each meeting
-    settles 2-4 design slots (energy source, case material, shape, interface, colour, target group, feature,
-    price); its transcript proposes, rejects and decides each, padded with disfluencies and chatter to 250-1400
-    words (no speaker labels, like AMI); its summary (about 40-150 words) names the phase and every decision.
+    Each meeting settles 2-4 design slots, padded with disfluencies and chatter, without speaker labels, like AMI.
 
     Args:
         n (int): number of meetings.
-        seed (int): the same seed gives the same meetings; the first k of n are those of ``n=k``. Default: 0
+        seed (int): the same seed gives the same meetings; the first k of n equal ``n=k``. Default: 0
 
     Returns:
         list[dict[str, str]]: rows with keys ``id``, ``dialogue``, ``summary``.
+
+    Example:
+        >>> rows = generate_synthetic_meetings(8, seed=0)
     """
     if n < 0:
         raise ValueError(f"n={n}: must be >= 0.")
@@ -290,11 +289,9 @@ def generate_synthetic_meetings(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def write_mixed_length_meetings(path: str | Path, n: int = 64, seed: int = 1) -> str:
-    """A jsonl of ``n`` synthetic meetings with transcripts cut to 10-160 words and summaries to 5-60 words.
+    """A jsonl of ``n`` synthetic meetings with transcripts and summaries cut to random lengths.
 
-    Through the tiny tokenizer at ``max_seq_len=256``: samples of about 60 to 256 tokens (a few still cut) with 8 to
-    70 answer tokens, so micro-batches pad and ranks draw different amounts of work, as with real transcripts. (The
-    tiny preset's own meetings all fill 256 tokens.) Used by the tests and ``scripts/bench_e2e.py``.
+    Mixed lengths make micro-batches pad and ranks draw uneven work, as real transcripts do.
 
     Returns:
         str: ``path``, for ``--source``.

@@ -1,11 +1,7 @@
-"""Tokenizers: the embedded tiny byte-level BPE, and loading any causal LM's tokenizer ready to train.
+"""Tokenizers: the embedded tiny byte-level BPE, and any causal LM's tokenizer made ready to train.
 
-Every tokenizer leaves here with a chat template, a pad token and right padding, so the data pipeline never has to
-ask, and with no token added: a QLoRA run trains LoRA adapters only, never the embedding, so a token the model's
-embedding lacks could not be learned (and an id past the embedding would crash). ``--chat-template`` picks the
-format (``DataSettings.chat_template``): the tokenizer's own template, else a plain one written with the tokenizer's
-own bos/eos (``auto``); ChatML, for a tokenizer whose vocabulary holds ``<|im_start|>``/``<|im_end|>``; or a Jinja
-file.
+Every tokenizer leaves here with a chat template, a pad token and right padding. No token is ever added:
+QLoRA never trains the embedding, so a new token could not be learned.
 """
 
 from __future__ import annotations
@@ -23,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 AUTO, CHATML, PLAIN = "auto", "chatml", "plain"
-CHAT_TEMPLATES = (AUTO, CHATML, PLAIN)  # DataSettings.chat_template: one of these, or a Jinja file
-PLAIN_SEPARATOR = "\n\n### Response:\n"  # the plain template's generation prompt, between transcript and answer
-# Tokens that end a text in common vocabularies, for a tokenizer that names no eos token (first found wins).
+CHAT_TEMPLATES = (AUTO, CHATML, PLAIN)  # or a Jinja file
+PLAIN_SEPARATOR = "\n\n### Response:\n"  # the plain template's generation prompt
+# End tokens to try for a tokenizer without eos.
 _EOS_CANDIDATES = ("</s>", ENDOFTEXT, "<|end_of_text|>", "<eos>")
 
 CHATML_TEMPLATE = (
@@ -35,8 +31,7 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Meetings the tiny tokenizer is trained on: ~0.5M words, enough for every word of the synthetic data to become
-# one or two tokens, in about 2 s on one core.
+# Enough meetings that every synthetic word becomes one or two tokens.
 _TRAINING_MEETINGS = 600
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -46,24 +41,21 @@ def _holds_tokenizer(path: Path) -> bool:
 
 
 def build_tiny_tokenizer(path: str | Path, vocab_size: int = 4096, seed: int = 0) -> Path:
-    """Train a byte-level BPE on the synthetic meetings and save it as a ``PreTrainedTokenizerFast``, once.
+    """Train a byte-level BPE on the synthetic meetings and save it, once.
 
-    Special tokens ``<|endoftext|>`` (pad, id 0), ``<|im_start|>`` (1) and ``<|im_end|>`` (2, eos), and the ChatML
-    chat template. Byte-level, so any text (real AMI transcripts too) encodes without unknown tokens. The
-    vocabulary has at most ``vocab_size`` entries: training stops early when the corpus has no pair left to
-    merge, so size a model by ``len(tokenizer)``.
-
-    Idempotent (a folder that already holds a tokenizer is returned as is), atomic (written to a temporary
-    sibling folder, then renamed; a concurrent builder that loses the race keeps the winner's) and
-    deterministic in ``seed``.
+    Byte-level, so any text encodes without unknown tokens. Training may stop below ``vocab_size``, so size a
+    model by ``len(tokenizer)``. Idempotent, atomic (built beside, then renamed) and deterministic in ``seed``.
 
     Args:
         path (str | Path): folder to create.
-        vocab_size (int): largest vocabulary, special tokens and the 256 byte symbols included. Default: 4096
+        vocab_size (int): largest vocabulary. Default: 4096
         seed (int): seed of the training corpus. Default: 0
 
     Returns:
-        Path: the folder, loadable with ``AutoTokenizer.from_pretrained`` / ``load_tokenizer``.
+        Path: the folder, loadable with ``load_tokenizer``.
+
+    Example:
+        >>> tokenizer = load_tokenizer(str(build_tiny_tokenizer("/tmp/tiny-tok")))
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -100,11 +92,11 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int = 4096, seed: int = 0
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private
+        tmp.chmod(0o755)
         try:
             os.rename(tmp, path)
         except OSError:
-            if not _holds_tokenizer(path):  # not a lost race: a non-empty folder that is no tokenizer
+            if not _holds_tokenizer(path):  # a real folder, not a lost race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -113,7 +105,7 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int = 4096, seed: int = 0
 
 
 def _bare_bpe_folder(name_or_path: str) -> bool:
-    """A folder with only ``vocab.json`` + ``merges.txt`` (no tokenizer.json / tokenizer_config.json)."""
+    """A folder with only ``vocab.json`` and ``merges.txt``."""
     folder = Path(name_or_path)
     return (
         folder.is_dir()
@@ -124,24 +116,22 @@ def _bare_bpe_folder(name_or_path: str) -> bool:
 
 
 def load_tokenizer(name_or_path: str, chat_template: str = AUTO):
-    """``AutoTokenizer.from_pretrained`` plus what training needs: a chat template, a pad token, right padding.
+    """``AutoTokenizer.from_pretrained`` plus a chat template, a pad token and right padding.
 
-    A folder holding only a byte-level BPE ``vocab.json`` + ``merges.txt`` (which ``AutoTokenizer`` cannot place)
-    is loaded as a ``Qwen2Tokenizer`` with Qwen's own special tokens, which its ``vocab.json`` leaves out
-    (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` at 151643-151645, inside Qwen's embedding) and Qwen's ChatML
-    template. See ``ensure_chat_format`` for the rest; a template other than the tokenizer's own is logged.
+    A folder with only ``vocab.json`` and ``merges.txt`` loads as a ``Qwen2Tokenizer`` with Qwen's special tokens.
 
     Args:
         name_or_path (str): hub id or local folder.
-        chat_template (str): ``auto``, ``chatml``, ``plain`` or a Jinja file (``DataSettings.chat_template``).
-            Default: auto
+        chat_template (str): ``auto``, ``chatml``, ``plain`` or a Jinja file. Default: auto
 
     Returns:
         PreTrainedTokenizerBase: ready for ``tokenize_dataset`` and the collator.
 
     Raises:
-        ValueError: ``chatml`` for a vocabulary without its tokens, or no eos token for the plain template; each
-            naming the fix.
+        ValueError: ``chatml`` without its tokens, or no eos token for the plain template.
+
+    Example:
+        >>> tokenizer = load_tokenizer("Qwen/Qwen3-4B")
     """
     from transformers import AutoTokenizer
 
@@ -162,7 +152,7 @@ def load_tokenizer(name_or_path: str, chat_template: str = AUTO):
 
 
 def describe_template(tokenizer, chat_template: str, own: bool) -> str:
-    """The template choice in words, for the log: which template and why."""
+    """The template choice in words, for the log."""
     if chat_template == AUTO:
         if own:
             return "the tokenizer's own"
@@ -175,20 +165,13 @@ def describe_template(tokenizer, chat_template: str, own: bool) -> str:
 
 
 def ensure_chat_format(tokenizer, chat_template: str = AUTO):
-    """Give ``tokenizer`` a chat template, an eos and pad token and right padding, adding no token (in place;
-    returned for chaining).
+    """Give ``tokenizer`` a chat template, eos and pad tokens and right padding, in place.
 
-    The template (``chat_template``): ``auto`` keeps the tokenizer's own, else the plain one (``plain_template``);
-    ``chatml`` sets ``CHATML_TEMPLATE``, refused when the vocabulary lacks ``<|im_start|>``/``<|im_end|>``;
-    ``plain``; or the text of a Jinja file. The eos token is kept if set; else ChatML's ``<|im_end|>`` under ChatML;
-    else the first of ``</s>``, ``<|endoftext|>``, ``<|end_of_text|>``, ``<eos>`` in the vocabulary (logged); the
-    plain template refuses a tokenizer with none (an answer must end with one for the model to learn to stop). The
-    pad token is kept if set, else ``<|endoftext|>`` if in the vocabulary, else eos; labels are padded with -100
-    separately, so pad == eos never masks the answer's end.
+    ``auto`` keeps the tokenizer's own template, else the plain one. A missing eos falls back to a common end
+    token. Labels are padded with -100 separately, so pad == eos never masks an answer's end.
 
     Raises:
-        ValueError: ``chatml`` without its tokens, the plain template without an eos token, nothing to pad with;
-            each naming the setting or file to change.
+        ValueError: ``chatml`` without its tokens, the plain template without eos, or nothing to pad with.
     """
     vocab = tokenizer.get_vocab()
     if chat_template == CHATML:
@@ -225,17 +208,14 @@ def ensure_chat_format(tokenizer, chat_template: str = AUTO):
 
 
 def plain_template(bos_token: str | None) -> str:
-    """A chat template made of text and the tokenizer's own bos/eos, for a tokenizer without one.
+    """A chat template of plain text and the tokenizer's own bos/eos.
 
-    ``[bos] user turn + PLAIN_SEPARATOR + answer + eos``: the user turn is the instruction and the transcript
-    (``tokenize_dataset``); the separator is the generation prompt, so the prompt ends with it and the answer, which
-    carries the loss, ends with eos. Further user turns are joined by a blank line.
+    The answer follows ``PLAIN_SEPARATOR``, the generation prompt, and ends with eos.
 
     Args:
-        bos_token (str | None): written first, for a tokenizer that starts its encodings with it (Llama's);
-            ``apply_chat_template`` encodes without adding special tokens. None: nothing.
+        bos_token (str | None): written first, for tokenizers that start encodings with it. None: nothing.
     """
-    separator = json.dumps(PLAIN_SEPARATOR)  # a Jinja string literal, its newlines escaped
+    separator = json.dumps(PLAIN_SEPARATOR)  # a Jinja string literal
     return (
         ("{{- bos_token }}" if bos_token else "")
         + "{%- for message in messages %}"
@@ -251,7 +231,7 @@ def plain_template(bos_token: str | None) -> str:
 
 
 def _adds_bos(tokenizer) -> bool:
-    """Whether encoding text starts with the bos token (Llama's tokenizers do; byte-level BPEs mostly do not)."""
+    """Whether encoding text starts with the bos token."""
     if tokenizer.bos_token_id is None:
         return False
     ids = tokenizer("a")["input_ids"]
@@ -259,7 +239,7 @@ def _adds_bos(tokenizer) -> bool:
 
 
 def _fallback_eos(tokenizer, vocab: dict[str, int]) -> None:
-    """Set eos to the first conventional end token the vocabulary holds, if any, and say so."""
+    """Set eos to the first common end token the vocabulary holds."""
     for token in _EOS_CANDIDATES:
         if token in vocab:
             tokenizer.eos_token = token
@@ -268,17 +248,16 @@ def _fallback_eos(tokenizer, vocab: dict[str, int]) -> None:
 
 
 def check_vocabulary(tokenizer, embeddings: int) -> None:
-    """Refuse a tokenizer with ids past the model's embedding, naming which case it is and its fix.
+    """Refuse a tokenizer with ids past the model's embedding.
 
-    Either the tokenizer's own vocabulary is larger (it is another model's tokenizer), or tokens were added to it
-    after the model was saved (its ``added_tokens``): QLoRA trains no embedding row, so neither can be trained.
+    Either it is another model's tokenizer, or tokens were added after the model was saved.
 
     Args:
-        tokenizer (PreTrainedTokenizerBase): the run's, from ``load_tokenizer`` (which adds no token).
+        tokenizer (PreTrainedTokenizerBase): the run's.
         embeddings (int): rows of the model's input embedding.
 
     Raises:
-        ValueError: ``len(tokenizer) > embeddings``, with both numbers and what to do.
+        ValueError: ``len(tokenizer) > embeddings``, naming the fix.
     """
     size = len(tokenizer)
     if size <= embeddings:

@@ -1,10 +1,9 @@
-"""Performance traps in a user's script: correct runs that are many times slower than they need to be.
+"""Performance traps in a user's script: correct runs that are many times slower than needed.
 
-Each is warned once, on rank 0, with the fix and what it costs (a performance trap changes no result, so nothing is
-refused), and neither touches the backward path:
+Each is warned once, on rank 0, with the fix; nothing is refused:
 
-- **4-bit layers computing in float32** (``dtype``): checked when a model is prepared for training.
-- **An idle device with memory to spare** (``idle``): one optimizer step measured, early, on CUDA only.
+- **4-bit layers computing in float32** (``dtype``), checked when a model is prepared.
+- **An idle device with memory to spare** (``idle``), one step measured, on CUDA only.
 """
 
 from .dtype import bnb_config_fix, check_4bit_compute_dtype, command_line_fix

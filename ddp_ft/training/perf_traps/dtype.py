@@ -1,11 +1,8 @@
-"""4-bit layers computing in float32 while the run computes in a half type (the package docstring has the rule).
+"""4-bit layers computing in float32 while the run computes in a half type.
 
-transformers' ``BitsAndBytesConfig`` sets ``bnb_4bit_compute_dtype`` to float32 when it is not given. bitsandbytes
-(0.50) casts each ``Linear4bit``'s input to that dtype and runs its dequantising GEMM in it
-(``torch.ops.bitsandbytes.gemm_4bit`` has no autocast rule, so ``bf16=True`` does not reach it). A layer built without
-a compute dtype (None) takes its first input's dtype on its first forward (float16 input leaves it None, which also
-computes in the input's dtype): in a model, the residual stream's dtype, which is the input embeddings' (float32 after
-``prepare_model_for_kbit_training``).
+``BitsAndBytesConfig`` defaults ``bnb_4bit_compute_dtype`` to float32. bitsandbytes casts each layer's input to
+that dtype, out of autocast's reach. A layer without a compute dtype takes its first input's dtype, which is
+the input embeddings' (float32 after ``prepare_model_for_kbit_training``).
 """
 
 from __future__ import annotations
@@ -22,11 +19,11 @@ from ..model.precision import BF16_MIN_CAPABILITY
 logger = logging.getLogger(__name__)
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_WARNED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # each model's dtype warning, once
+_WARNED_MODELS: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # warned once per model
 
 
 def _stream_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype reaching the 4-bit layers: the input embeddings' (the residual stream's), else float32."""
+    """The dtype reaching the 4-bit layers: the input embeddings', else float32."""
     get = getattr(model, "get_input_embeddings", None)
     embeddings = get() if callable(get) else None
     weight = getattr(embeddings, "weight", None)
@@ -36,8 +33,7 @@ def _stream_dtype(model: torch.nn.Module) -> torch.dtype:
 def _half_run(
     model: torch.nn.Module, mixed_precision: str, stream: torch.dtype, device: torch.device, capability
 ) -> tuple[torch.dtype, str, bool] | None:
-    """The half type the 4-bit layers should compute in, what the run does, and whether it should train in it too;
-    or None."""
+    """The half type the 4-bit layers should use, why, and whether to train in it; or None."""
     if mixed_precision in _HALF:
         dtype = _HALF[mixed_precision]
         return dtype, f"this run computes in {_name(dtype)} (mixed_precision={mixed_precision!r})", False
@@ -58,7 +54,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def bnb_config_fix(dtype: torch.dtype, train_too: bool) -> str:
-    """How a script that loads its own 4-bit model makes its layers compute in ``dtype``."""
+    """How a script that loads its own 4-bit model sets the compute dtype."""
     also = " and train in it (TrainingArguments(bf16=True), Accelerator(mixed_precision='bf16'))" if train_too else ""
     return (
         f"Load with BitsAndBytesConfig(..., bnb_4bit_compute_dtype=torch.{_name(dtype)}) (float32 is its "
@@ -67,7 +63,7 @@ def bnb_config_fix(dtype: torch.dtype, train_too: bool) -> str:
 
 
 def command_line_fix(dtype: torch.dtype, train_too: bool) -> str:
-    """How a ``ddp-ft`` command does it: one setting sets the 4-bit layers' compute dtype and the run's autocast."""
+    """How a ``ddp-ft`` command sets it: one setting for layers and autocast."""
     return f"Pass --compute-dtype {_name(dtype)}: the 4-bit layers then compute in it, and the run trains in it."
 
 
@@ -79,27 +75,24 @@ def check_4bit_compute_dtype(
     capability: tuple[int, int] | None = None,
     fix: Callable[[torch.dtype, bool], str] = bnb_config_fix,
 ) -> str | None:
-    """Warn, once per model and on the main process only, about 4-bit layers computing in float32 for nothing.
+    """Warn once per model, on the main process, about 4-bit layers computing in float32 for nothing.
 
-    The rule: a bitsandbytes ``Linear4bit`` computes in float32 (its ``compute_dtype``, or the stream's dtype where
-    that is None) while either the run computes in a half type (``mixed_precision`` bf16/fp16, a bf16/fp16 residual
-    stream, or trained weights in bf16/fp16), or it runs on a CUDA device with native bfloat16 (compute capability
-    >= 8.0), where a 4-bit model's float32 compute buys no accuracy (the weights carry 4 bits) and costs the tensor
-    cores' rate. A float32 run on the CPU, or on an older GPU, is the user's plain choice: silent.
+    It warns when a ``Linear4bit`` computes in float32 while the run uses a half type, or on a GPU with native
+    bfloat16. There float32 buys no accuracy over 4-bit weights and costs tensor-core speed. A float32 run on
+    the CPU or an older GPU stays silent.
 
     Args:
         model (nn.Module): the model about to train.
-        mixed_precision (str): Accelerate's ``mixed_precision``: ``no``, ``bf16`` or ``fp16``.
+        mixed_precision (str): Accelerate's ``mixed_precision``.
         device (torch.device): the device it trains on.
-        is_main_process (bool): warn here (rank 0).
-        capability (tuple[int, int] | None): the CUDA device's compute capability. Default: asked of CUDA.
-        fix (Callable[[torch.dtype, bool], str]): the fix in the entry point's terms, from the dtype and whether to
-            train in it too. Default: :func:`bnb_config_fix`
+        is_main_process (bool): warn here.
+        capability (tuple[int, int] | None): CUDA compute capability. Default: asked of CUDA
+        fix (Callable[[torch.dtype, bool], str]): the fix in the entry point's terms. Default: :func:`bnb_config_fix`
 
     Returns:
-        str | None: the warning (also on the other ranks, which do not log it), or None when nothing is wrong.
+        str | None: the warning, or None when nothing is wrong.
     """
-    bnb = sys.modules.get("bitsandbytes")  # not imported: no 4-bit layer exists, and none is imported for this
+    bnb = sys.modules.get("bitsandbytes")  # not imported: no 4-bit layer exists
     if bnb is None:
         return None
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]

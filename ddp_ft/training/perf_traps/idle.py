@@ -1,10 +1,7 @@
-"""An idle device with memory to spare: one optimizer step measured, a larger micro-batch advised.
+"""An idle device with memory to spare: one step measured, a larger micro-batch advised.
 
-One optimizer step (the :data:`MEASURED_STEP`-th) is measured on rank 0: the share of its wall time the device was
-busy (the union of its kernels' intervals, from ``torch.profiler``'s CUDA activity) and the peak memory against the
-device's. Under half busy the step is host-bound (Python, autograd and kernel launches set the pace, as at micro-batch
-1 on a fast GPU); if a larger micro-batch fits, a warning names it, the gain to expect and how to set it. Only CUDA is
-measured (:func:`step_profiler`): a CPU has no device to idle.
+Rank 0 measures one optimizer step on CUDA: how busy the device was and its peak memory. Under half busy,
+the host sets the pace; if a larger micro-batch fits, a warning names it and how to set it.
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ from ..model.memory import AUTO_MARGIN
 
 logger = logging.getLogger(__name__)
 
-MEASURED_STEP = 4  # the optimizer step measured: past the first steps' allocations, compilation and warm-up
-IDLE_SHARE = 0.5  # a device busy less than this share of the step waits on the host
-MEASURE_TRIES = 3  # steps measured at most: a step with an evaluation inside it is measured again at the next one
+MEASURED_STEP = 4  # past warm-up and compilation
+IDLE_SHARE = 0.5  # busy below this share: host-bound
+MEASURE_TRIES = 3  # a step with an evaluation is retried
 
 
 @dataclass(frozen=True)
@@ -35,10 +32,9 @@ class StepUsage:
     """One optimizer step on the device, as a :class:`StepProfiler` measured it.
 
     Args:
-        busy (float): share of the step's wall time with a kernel or copy running on the device, in [0, 1].
-        resident_bytes (int): allocated when the step started: weights, optimizer state, gradients.
-        peak_bytes (int): the most ever allocated (``max_memory_allocated``, not reset: the user's own reading of it
-            stays intact), so never below this step's peak.
+        busy (float): share of the step's wall time the device ran work, in [0, 1].
+        resident_bytes (int): allocated when the step started.
+        peak_bytes (int): ``max_memory_allocated``, never reset so the user's reading stays intact.
         total_bytes (int): the device's memory.
     """
 
@@ -49,7 +45,7 @@ class StepUsage:
 
 
 class StepProfiler(Protocol):
-    """Measures the device over one optimizer step: ``start()`` at its beginning, ``stop()`` at its end."""
+    """Measures the device over one optimizer step."""
 
     def start(self) -> None: ...
 
@@ -57,7 +53,7 @@ class StepProfiler(Protocol):
 
 
 def busy_ns(intervals: list[tuple[int, int]]) -> int:
-    """The length of the union of ``(start, end)`` intervals: the time at least one of them was running."""
+    """The length of the union of ``(start, end)`` intervals."""
     total, reach = 0, None
     for start, end in sorted(intervals):
         if reach is None or start > reach:
@@ -68,15 +64,13 @@ def busy_ns(intervals: list[tuple[int, int]]) -> int:
 
 
 class CudaStepProfiler:
-    """A :class:`StepProfiler` for one CUDA device: its kernels and copies from ``torch.profiler``'s CUDA activity
-    (the union of their intervals against the step's wall time), its memory from the caching allocator.
+    """A :class:`StepProfiler` for one CUDA device, from ``torch.profiler``'s CUDA activity.
 
-    The step starts and ends on an idle device (one ``synchronize`` each), so neither the step before's kernels nor
-    this step's tail are misplaced. Tracing adds a little host time per launch, so a step reads slightly less busy
-    than it is; the threshold (half) leaves room for that.
+    The step starts and ends synchronized, so no kernel is misplaced. Tracing makes a step read slightly less
+    busy; the half threshold leaves room for that.
 
     Args:
-        device (torch.device): the CUDA device of this process.
+        device (torch.device): this process's CUDA device.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -109,23 +103,20 @@ _CUDA = torch.autograd.DeviceType.CUDA
 
 
 def step_profiler(device: torch.device) -> StepProfiler | None:
-    """The profiler of a step on ``device``: CUDA's, or None (nothing is measured) on any other device.
-
-    Entry points call it through this module at prepare time, so a test can put a fake in its place.
-    """
+    """The step profiler for ``device``: CUDA's, else None; a seam for tests."""
     return CudaStepProfiler(device) if device.type == "cuda" else None
 
 
 @dataclass(frozen=True)
 class MicroBatchAdvice:
-    """A larger micro-batch that fits, from one measured step (:func:`larger_micro_batch`).
+    """A larger micro-batch that fits, from one measured step.
 
     Args:
         micro_batch (int): the micro-batch that fits.
         accumulation (int): micro-batches per optimizer step with it.
-        keeps_effective_batch (bool): ``micro_batch x accumulation`` equals the measured step's samples per rank.
-        expected_peak (int): bytes, ``resident + micro_batch x`` the measured bytes per sample.
-        gain (float): the tokens/s to expect at most, as a multiple: ``min(micro_batch / measured, 1 / busy)``.
+        keeps_effective_batch (bool): the effective batch stays the same.
+        expected_peak (int): bytes expected at the peak.
+        gain (float): the most tokens/s to expect, as a multiple.
     """
 
     micro_batch: int
@@ -138,21 +129,16 @@ class MicroBatchAdvice:
 def larger_micro_batch(
     usage: StepUsage, micro_batch: int, accumulation: int, margin: float = AUTO_MARGIN
 ) -> MicroBatchAdvice | None:
-    """The largest micro-batch worth advising after a step that kept the device under :data:`IDLE_SHARE` busy.
+    """The largest micro-batch worth advising after an idle step.
 
-    Activations grow with the micro-batch, the rest stays: at micro-batch ``m`` the peak is about
-    ``resident + m x (peak - resident) / measured``, and it must stay under the device's memory less ``margin`` (as
-    ``--micro-batch auto``'s budget, ``ddp_ft.training.model.memory.AUTO_MARGIN``). Among the micro-batches that fit,
-    the largest divisor of the step's samples per rank keeps the effective batch (the accumulation shrinks to match);
-    without one (accumulation 1), the largest that fits, which grows the effective batch. A host-bound step takes about
-    as long at a larger micro-batch, so tokens/s grow with it until the device is busy: at most ``1 / busy``.
+    Activations grow with the micro-batch; the rest stays. A divisor of the per-rank batch keeps the effective
+    batch. A host-bound step takes about as long when larger, so the gain is at most ``1 / busy``.
 
     Args:
         usage (StepUsage): the measured step.
         micro_batch (int): its samples per forward.
-        accumulation (int): its forwards (micro-batches).
-        margin (float): share of the device's memory kept free.
-            Default: :data:`~ddp_ft.training.model.memory.AUTO_MARGIN`.
+        accumulation (int): its micro-batches.
+        margin (float): share of device memory kept free. Default: ``AUTO_MARGIN``
 
     Returns:
         MicroBatchAdvice | None: None when the device was busy enough or nothing larger fits.
@@ -162,7 +148,7 @@ def larger_micro_batch(
     per_rank = micro_batch * accumulation
     per_sample = max(usage.peak_bytes - usage.resident_bytes, 0) / micro_batch
     room = usage.total_bytes * (1.0 - margin) - usage.resident_bytes
-    fits = math.floor(room / per_sample) if per_sample else per_rank  # nothing measured grows: keep the batch
+    fits = math.floor(room / per_sample) if per_sample else per_rank  # nothing grows: keep the batch
     keeping = [d for d in range(micro_batch + 1, min(fits, per_rank) + 1) if per_rank % d == 0]
     chosen = max(keeping) if keeping else fits
     if chosen <= micro_batch:
@@ -174,7 +160,7 @@ def larger_micro_batch(
 
 
 def accelerate_fix(advice: MicroBatchAdvice) -> str:
-    """How an Accelerate loop sets the micro-batch: its DataLoader's and the accelerator's accumulation."""
+    """How an Accelerate loop sets the micro-batch."""
     return (
         f"Set your DataLoader's batch_size={advice.micro_batch} and accumulate {advice.accumulation} micro-batch(es) "
         f"per optimizer step (BucketedAccelerator(gradient_accumulation_steps={advice.accumulation}))."
@@ -182,7 +168,7 @@ def accelerate_fix(advice: MicroBatchAdvice) -> str:
 
 
 def trainer_fix(advice: MicroBatchAdvice) -> str:
-    """How a Trainer script sets it; ddp_ft's recipe chooses it itself."""
+    """How a Trainer script sets it."""
     return (
         f"Set TrainingArguments(per_device_train_batch_size={advice.micro_batch}, "
         f"gradient_accumulation_steps={advice.accumulation}) (ddp_ft's recipe: --micro-batch auto)."
@@ -198,29 +184,25 @@ def loop_fix(advice: MicroBatchAdvice) -> str:
 
 
 class IdleDeviceCheck:
-    """Measures one optimizer step of a model's training and warns once if the device idled with memory to spare.
+    """Measures one training step of a model and warns once if the device idled.
 
-    torch's global optimizer step post-hook marks the steps of any optimizer holding the model's trainable
-    parameters, in any loop (plain torch, Accelerate, the HF Trainer, whose optimizers step the torch one inside).
-    After step ``MEASURED_STEP - 1`` the next training forward (a forward pre-hook, grad enabled) starts the
-    profiler, and the end of that step stops it: the profiler never runs outside a training step, so a run that ends
-    or evaluates there leaves none running. The same hook counts the step's training forwards (its micro-batches) and
-    their rows (the micro-batch); a forward under ``no_grad`` inside the step (an evaluation) drops the measurement,
-    and the next step is measured, :data:`MEASURE_TRIES` at most. Then the hooks go. Nothing runs on the backward.
+    torch's global optimizer-step hook finds the steps of any loop. A forward pre-hook starts the profiler on a
+    training forward, so it never runs outside a step. A ``no_grad`` forward inside the step drops the
+    measurement, and the next step is tried, :data:`MEASURE_TRIES` at most.
 
     Args:
-        model (nn.Module): the model being trained (the hooks go on it; it is not held).
+        model (nn.Module): the model being trained; not held.
         profiler (StepProfiler): measures the step.
-        fix (Callable[[MicroBatchAdvice], str]): how this entry point sets the micro-batch, for the warning.
+        fix (Callable[[MicroBatchAdvice], str]): how this entry point sets the micro-batch.
     """
 
     def __init__(self, model: torch.nn.Module, profiler: StepProfiler, fix: Callable[[MicroBatchAdvice], str]) -> None:
         self._profiler, self._fix = profiler, fix
         self._watches = OptimizerMatch(p for p in model.parameters() if p.requires_grad)
         self._steps = self._tries = 0
-        self._armed = self._measuring = self._done = False  # done: the hooks go at the next forward (on_forward)
+        self._armed = self._measuring = self._done = False
         self._forwards = self._rows = 0
-        self.message: str | None = None  # the warning, once given
+        self.message: str | None = None
         owner = weakref.ref(self)
         handles = (
             register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _after_step(owner, optimizer)),
@@ -234,13 +216,13 @@ class IdleDeviceCheck:
         self._release()
 
     def on_forward(self, args: tuple, kwargs: dict) -> None:
-        """A forward starts: start the armed measurement, count the step's micro-batches, or drop it (evaluation)."""
-        if self._done:  # the hooks go here: torch iterates over the optimizer's hooks live, the forward's over a copy
+        """Start the armed measurement, count micro-batches, or drop an evaluation."""
+        if self._done:  # torch copies the forward hooks, not the optimizer's
             self.remove()
             return
-        try:  # advisory: whatever goes wrong in it must not stop a training run
+        try:  # advisory: must never stop training
             if not torch.is_grad_enabled():
-                if self._measuring:  # an evaluation inside the step: not a training step's time
+                if self._measuring:
                     self._measuring = False
                     self._profiler.stop()
                 return
@@ -257,7 +239,7 @@ class IdleDeviceCheck:
             self._give_up()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer step ended: conclude a measurement, or arm the next one (class docstring)."""
+        """Conclude a measurement, or arm the next one."""
         if self._done or not self._watches(optimizer):
             return
         self._steps += 1
@@ -303,19 +285,19 @@ class IdleDeviceCheck:
         logger.warning(self.message)
 
 
-# The check of each model, kept while the model lives (the check holds neither the model nor itself).
+# Each model's check, while the model lives.
 _CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, IdleDeviceCheck] = weakref.WeakKeyDictionary()
 
 
 def watch_idle_device(
     model: torch.nn.Module, device: torch.device, is_main_process: bool, fix: Callable[[MicroBatchAdvice], str]
 ) -> IdleDeviceCheck | None:
-    """Install the idle-device check on a model about to train, once per model, on the main process only.
+    """Install the idle-device check on a model, once, on the main process only.
 
     Args:
         model (nn.Module): the model being trained.
-        device (torch.device): its device; only CUDA is measured (:func:`step_profiler`).
-        is_main_process (bool): rank 0, which measures and warns (the ranks run the same steps).
+        device (torch.device): its device; only CUDA is measured.
+        is_main_process (bool): rank 0, which measures and warns.
         fix (Callable[[MicroBatchAdvice], str]): how this entry point sets the micro-batch.
 
     Returns:
