@@ -57,7 +57,7 @@ def _warn_once(message: str) -> None:  # the Trainer adopts again at each train(
 class BucketedAccelerator(Accelerator):
     """``Accelerator`` with BucketedDDP as the data-parallel wrapper.
 
-    ``DistributedDataParallelKwargs`` are honoured as torch DDP honours them (:mod:`ddp_ft.integrations.comm_hook_kwargs`).
+    ``DistributedDataParallelKwargs`` are honoured as torch DDP honours them (``comm_hook_kwargs``).
 
     Args:
         *args: passed to ``Accelerator``.
