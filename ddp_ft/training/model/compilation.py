@@ -84,7 +84,7 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
 
     Args:
         model (nn.Module): the unwrapped model, before any DDP wraps it.
-        **compile_kwargs: ``torch.compile``'s. ``dynamic`` None marks sequence and batch dynamic; False keeps shapes static.
+        **compile_kwargs: ``torch.compile``'s. ``dynamic`` None marks sequence and batch dynamic.
 
     Returns:
         int: how many blocks were compiled; 0 when they already were.
