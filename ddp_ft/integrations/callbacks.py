@@ -1,4 +1,4 @@
-"""The plugin's Trainer callbacks: throughput and comm stats, a wandb callback that never stops training, a quiet progress bar."""
+"""The plugin's Trainer callbacks: throughput and comm stats, a safe wandb callback, a quiet progress bar."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class ThroughputCallback(TrainerCallback):
     Values average the steps since the previous log.
     Register it before the reporting callbacks so wandb and the console see the values.
     On rank 0 it also writes ``metrics.jsonl`` in the plain loop's format.
+    ``elapsed_s`` is wall time since train begin, so time between steps counts there, not in ``step_time_s``.
 
     Args:
         wrapped_model (Callable[[], torch.nn.Module] | None): returns the training model, for comm stats. Default: None.
