@@ -144,6 +144,7 @@ class BucketedAccelerator(Accelerator):
     ):
         """Prepares ``model`` as Accelerate does, wrapping a multi-process training model in BucketedDDP.
 
+        It checks the model itself, not Accelerate's prepared flag, which evaluation may have set.
         A model keeps its one wrapper across calls; a second wrapper's hooks would fight the first's.
         It is also checked for two performance traps (``ddp_ft.training.perf_traps``).
 

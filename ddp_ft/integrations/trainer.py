@@ -56,7 +56,7 @@ class _StopCallback(TrainerCallback):
 
 
 class _StepClockCallback(TrainerCallback):
-    """Starts the clock of each optimizer step's compute."""
+    """Starts the clock of each optimizer step's compute; ``training_step`` stops it."""
 
     def __init__(self, trainer: BucketedTrainer) -> None:
         self._trainer = trainer
@@ -309,6 +309,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         """The Trainer's step, with each batch's loss its own token mean.
 
         Averaging tokens across devices skews ``eval_loss`` once Accelerate drops duplicate samples.
+        With eval batch size 1, ``eval_loss`` is then the per-sample mean on any world size.
         """
         averaging = self.args.average_tokens_across_devices
         self.args.average_tokens_across_devices = False
