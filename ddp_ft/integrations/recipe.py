@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def wandb_report_to(settings: RunSettings, identity: RunIdentity, info: DistInfo) -> list[str]:
     """``["wandb"]`` on rank 0, else ``[]``: no other rank starts wandb.
 
-    Offline unless configured; same project and group as the plain loop.
+    Offline without an API key; same project and group as the plain loop.
     """
     t = settings.train
     if not info.is_main_process or t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
