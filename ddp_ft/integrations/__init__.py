@@ -1,6 +1,7 @@
-"""BucketedDDP for Accelerate, the HF Trainer and TRL: one-line swaps for ``Accelerator``, ``Trainer`` and TRL's
-trainers, and ``bucketed(TrainerSubclass)`` for any other. TRL's are imported on first use, so ``import
-ddp_ft.integrations`` needs no trl (an optional dependency: ``pip install ".[trl]"`` in a clone)."""
+"""BucketedDDP for Accelerate, the HF Trainer and TRL.
+
+TRL's trainers are imported on first use, so this package needs no trl.
+"""
 
 from .accelerate import BucketedAccelerator
 from .bucketed import TRL_TRAINERS, bucketed
@@ -22,7 +23,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "BucketedSFTTrainer":  # imported on first use, so ``import ddp_ft.integrations`` needs no trl
+    if name == "BucketedSFTTrainer":  # imported on first use
         from .trl import BucketedSFTTrainer
 
         return BucketedSFTTrainer

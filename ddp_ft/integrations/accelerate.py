@@ -1,14 +1,9 @@
 """An ``Accelerator`` that wraps multi-process models in BucketedDDP instead of torch DDP.
 
-``Accelerator.prepare_model`` wraps every multi-process model with trainable parameters in
-``torch.nn.parallel.DistributedDataParallel``, unconditionally. This subclass lets the parent do everything
-else (device placement checks, mixed-precision forward, compilation) with the DDP step skipped, then wraps
-with BucketedDDP; ``unwrap_model`` (and so ``get_state_dict`` / ``save_model``) sees through the wrapper.
-``accelerator.accumulate()`` / ``no_sync()`` work unchanged: they call the wrapper's ``no_sync``.
-
-Compilation (``dynamo_backend``, ``TorchDynamoPlugin``, the Trainer's ``torch_compile``) is regional and before the
-wrap (``ddp_ft.training.model.compilation``): each decoder layer compiled in place with the plugin's options.
-Accelerate's own compiles the whole model after wrapping, which leaves BucketedDDP's all-reduces nothing to overlap.
+The parent prepares the model with its DDP step skipped; then BucketedDDP wraps it.
+``unwrap_model``, ``accumulate()`` and ``no_sync()`` work through the wrapper.
+Compilation is regional and before the wrap (``ddp_ft.training.model.compilation``).
+Accelerate compiles the whole wrapped model, which leaves the all-reduces nothing to overlap.
 """
 
 from __future__ import annotations
@@ -43,30 +38,26 @@ from .settings import describe_sources, resolve_ddp_settings
 logger = logging.getLogger(__name__)
 
 _DATA_PARALLEL = (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-# The BucketedDDP of each module this process wrapped (by id; checked against ``wrapper.module``), kept weakly.
+# Each wrapped module's BucketedDDP, by id, kept weakly.
 _WRAPPERS: weakref.WeakValueDictionary[int, BucketedDDP] = weakref.WeakValueDictionary()
 
 
 def _warn_if_launched_alone(num_processes: int) -> None:
-    """Say (once per process) that ``accelerate launch``, asked for several processes, started this one alone
-    (``ddp_ft.distributed.launch.launched_alone``)."""
+    """Warns once when ``accelerate launch`` started this process alone."""
     why = launched_alone() if num_processes == 1 else None
     if why:
         _warn_once(why)
 
 
 @functools.cache
-def _warn_once(message: str) -> None:  # the Trainer adopts its accelerator again at each train(): one line is enough
+def _warn_once(message: str) -> None:  # the Trainer adopts again at each train()
     logger.warning(message)
 
 
 class BucketedAccelerator(Accelerator):
     """``Accelerator`` with BucketedDDP as the data-parallel wrapper.
 
-    ``DistributedDataParallelKwargs`` in ``kwargs_handlers`` are honoured as torch DDP's: its knobs through
-    :func:`~ddp_ft.integrations.settings.resolve_ddp_settings`, its ``comm_hook``/``comm_wrapper``/
-    ``comm_state_option`` registered on each BucketedDDP as Accelerate registers them
-    (:mod:`ddp_ft.integrations.comm_hook_kwargs`).
+    ``DistributedDataParallelKwargs`` are honoured as torch DDP honours them (``comm_hook_kwargs``).
 
     Args:
         *args: passed to ``Accelerator``.
@@ -74,16 +65,14 @@ class BucketedAccelerator(Accelerator):
         **kwargs: passed to ``Accelerator``.
 
     Raises:
-        RuntimeError: the process was launched with ``WORLD_SIZE`` > 1 but Accelerate sees one process (on a machine
-            without CUDA, ``cpu=True`` is missing): the processes would train apart.
-        ValueError: a ``DistributedDataParallelKwargs`` setting BucketedDDP cannot honour, naming it and the fix.
+        RuntimeError: ``WORLD_SIZE`` > 1 but Accelerate sees one process (without CUDA, ``cpu=True`` is missing).
+        ValueError: a ``DistributedDataParallelKwargs`` setting BucketedDDP cannot honour.
     """
 
-    # How the idle-device warning tells this entry point to set the micro-batch (the Trainer sets its own).
+    # How the idle-device warning tells this entry point to set the micro-batch.
     micro_batch_fix = staticmethod(accelerate_fix)
-    # How the 4-bit dtype warning tells it to set the compute dtype (ddp_ft's recipe: --compute-dtype).
     compute_dtype_fix = staticmethod(bnb_config_fix)
-    _for_trainer = False  # adopted by the HF Trainer (adopt with training_args), which never joins uneven inputs
+    _for_trainer = False  # set by adopt for the HF Trainer
 
     def __init__(self, *args, ddp_settings: DDPSettings | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -96,14 +85,21 @@ class BucketedAccelerator(Accelerator):
     def adopt(
         cls, accelerator: Accelerator, ddp_settings: DDPSettings | None = None, training_args: object | None = None
     ) -> BucketedAccelerator:
-        """The same configured accelerator (shared state, plugins, handlers) with BucketedDDP wrapping.
+        """The same configured accelerator, with BucketedDDP wrapping.
 
-        For code that builds its ``Accelerator`` itself, such as the HF Trainer. With ``training_args`` their
-        ``ddp_*`` fields are the source of the DDP settings, not the ``ddp_handler`` the Trainer derived from them
-        (which also carries the Trainer's own find_unused_parameters guess).
+        For code that builds its own ``Accelerator``, such as the HF Trainer.
+        With ``training_args``, their ``ddp_*`` fields are the source of the DDP settings.
+
+        Args:
+            accelerator (Accelerator): the accelerator to adopt.
+            ddp_settings (DDPSettings | None): BucketedDDP knobs. Default: None.
+            training_args: the Trainer's arguments. Default: None.
+
+        Returns:
+            BucketedAccelerator: sharing the accelerator's state.
 
         Raises:
-            RuntimeError: launched with ``WORLD_SIZE`` > 1 while the accelerator sees one process.
+            RuntimeError: ``WORLD_SIZE`` > 1 but the accelerator sees one process.
         """
         fix = TRAINER_CPU_FIX if training_args is not None else "cpu=True"
         check_world_seen(accelerator.num_processes, fix)
@@ -123,8 +119,7 @@ class BucketedAccelerator(Accelerator):
 
     def _resolve_settings(self, explicit: DDPSettings | None, training_args: object | None, handler: object) -> None:
         self.ddp_settings, sources = resolve_ddp_settings(explicit, training_args, handler)
-        # A comm hook of Accelerate's that DDPSettings.comm_hook cannot name (PowerSGD, a wrapper): registered as
-        # Accelerate registers it, after each wrap (ddp_ft.integrations.comm_hook_kwargs).
+        # A hook DDPSettings.comm_hook cannot name is registered after each wrap.
         hook = accelerate_comm_hook(handler)
         self.comm_hook = hook if hook is not None and hook.ddp_settings_hook is None else None
         if self.comm_hook is not None:
@@ -147,22 +142,15 @@ class BucketedAccelerator(Accelerator):
     def prepare_model(
         self, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ):
-        """Prepare ``model`` as Accelerate does, wrapping a multi-process training model in BucketedDDP.
+        """Prepares ``model`` as Accelerate does, wrapping a multi-process training model in BucketedDDP.
 
-        Decided by what the model is, not by Accelerate's ``_is_accelerate_prepared`` flag (which the parent sets
-        on the inner model, so a model prepared before, for evaluation or before ``free_memory()``, would come
-        back unwrapped and train as independent processes): a BucketedDDP is returned as it is; an unwrapped
-        training model gets its existing wrapper back (one wrapper per module: a second one's hooks would fight the
-        first's), or a new one.
-
-        A training model is also checked for two performance traps, each warned once on the main process
-        (``ddp_ft.training.perf_traps``): 4-bit layers computing in float32 in a half-precision run, checked here; an
-        idle device with memory for a larger micro-batch, measured at the 4th optimizer step (CUDA only).
+        It checks the model itself, not Accelerate's prepared flag, which evaluation may have set.
+        A model keeps its one wrapper across calls; a second wrapper's hooks would fight the first's.
+        It is also checked for two performance traps (``ddp_ft.training.perf_traps``).
 
         Raises:
-            ValueError: reentrant gradient checkpointing would leave the adapters without gradient
-                (:func:`~ddp_ft.integrations.checkpointing.check_checkpointed_adapters`).
-            RuntimeError: the model is spread over devices, or on another rank's GPU (BucketedDDP's placement check).
+            ValueError: reentrant gradient checkpointing would leave the adapters without gradient.
+            RuntimeError: the model is spread over devices, or on another rank's GPU.
         """
         if isinstance(model, BucketedDDP):
             if model not in self._models:
@@ -170,7 +158,6 @@ class BucketedAccelerator(Accelerator):
             return model
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
-            # Performance traps: warned once, on the main process (ddp_ft.training.perf_traps).
             check_4bit_compute_dtype(
                 model, self.mixed_precision, self.device, self.is_main_process, fix=self.compute_dtype_fix
             )
@@ -179,8 +166,7 @@ class BucketedAccelerator(Accelerator):
         with self._whole_model_compile(off=regional):
             if not self._wraps_with_bucketed_ddp(model, evaluation_mode):
                 return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-            # Everything Accelerate does for a training model except its DDP wrap (which happens only when
-            # evaluation_mode is False); a no-op for a model it prepared before. Then ours.
+            # Everything Accelerate does except its DDP wrap; then ours.
             model = super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         if is_compiled_module(model):
             logger.warning(
@@ -201,12 +187,10 @@ class BucketedAccelerator(Accelerator):
         return wrapped
 
     def _compile_regions(self, model: torch.nn.Module) -> bool:
-        """With a dynamo backend set, compile the model's decoder layers in place with the plugin's options.
+        """Compiles the decoder layers in place when a dynamo backend is set.
 
         Returns:
-            bool: the model is compiled regionally (now or before), so Accelerate must not compile it whole. False
-            without a backend, for a model compiled whole already, or for one without repeated layers (then
-            Accelerate compiles it whole, around the unwrapped model only: see :meth:`_whole_model_compile`).
+            bool: True when the model is compiled regionally, so Accelerate must not compile it whole.
         """
         plugin = self.state.dynamo_plugin
         if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
@@ -222,7 +206,7 @@ class BucketedAccelerator(Accelerator):
                     "all ready at the end of backward and BucketedDDP's all-reduces overlap nothing.",
                     type(model).__name__,
                 )
-                model.compile(**plugin.to_kwargs())  # in place, inside the wrapper: never around it
+                model.compile(**plugin.to_kwargs())  # in place, inside the wrapper
                 return True
             return False
         compile_repeated_blocks(model, **plugin.to_kwargs())
@@ -230,7 +214,7 @@ class BucketedAccelerator(Accelerator):
 
     @contextmanager
     def _whole_model_compile(self, off: bool):
-        """Accelerate's whole-model compilation turned off for the block when ``off`` (the state is shared)."""
+        """Turns Accelerate's whole-model compilation off for the block when ``off``."""
         plugin = self.state.dynamo_plugin
         backend = plugin.backend
         if off:
@@ -241,10 +225,9 @@ class BucketedAccelerator(Accelerator):
             plugin.backend = backend
 
     def wait_for_everyone(self) -> None:
-        """A barrier of the default group, which ``init_distributed`` bound to this process's device.
+        """A barrier of the default group, bound to this process's device.
 
-        Accelerate's own passes ``device_ids=[local_process_index]``: under a launcher that gives each process one
-        visible GPU (SLURM ``--gpus-per-task=1``), that names ``cuda:1`` on a rank whose only device is ``cuda:0``.
+        Accelerate's own names ``cuda:<local rank>``, which fails with one visible GPU per process.
         """
         if self.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -254,8 +237,7 @@ class BucketedAccelerator(Accelerator):
     @staticmethod
     @contextmanager
     def trigger_sync_in_backward(model):
-        """Accelerate's, for BucketedDDP too: the backward in this context syncs though its forward ran under
-        ``no_sync`` (Accelerate's own acts on torch DDP only, and would leave the ranks' gradients apart)."""
+        """Accelerate's, extended to BucketedDDP."""
         if isinstance(model, BucketedDDP):
             with model.trigger_sync_in_backward():
                 yield
@@ -265,15 +247,10 @@ class BucketedAccelerator(Accelerator):
 
     @contextmanager
     def join_uneven_inputs(self, joinables, even_batches=None):
-        """Accelerate's, joining on CPU processes too: torch's ``Join`` over the joinables while the batches are
-        uneven (``even_batches=False``), with the prepared map-style loaders' ``even_batches`` overridden for the
-        context when given, as Accelerate does on GPUs.
+        """Accelerate's, joining on CPU processes too.
 
-        BucketedDDP is a torch ``Joinable`` (:mod:`ddp_ft.ddp.join`): a rank out of batches shadows the others'
-        all-reduces with zero gradients, divided by the initial world size, and the ranks end with the last joiner's
-        model. Stock Accelerate joins on GPU types only; on CPU processes it warns and does nothing (the override
-        included), so uneven batches there would leave a rank waiting. With even batches the join is off, as in
-        Accelerate. On one process: Accelerate's (a no-op).
+        BucketedDDP is a torch ``Joinable`` (:mod:`ddp_ft.ddp.join`).
+        Stock Accelerate joins on GPUs only, so uneven CPU batches would leave a rank waiting.
         """
         if not (self.num_processes > 1 and self.distributed_type in _DATA_PARALLEL):
             with super().join_uneven_inputs(joinables, even_batches):
@@ -284,8 +261,7 @@ class BucketedAccelerator(Accelerator):
             yield
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """Accelerate's; for the HF Trainer, a loader whose ``even_batches=False`` gives the ranks different numbers
-        of batches is refused (:func:`check_trainer_batches`)."""
+        """Accelerate's; refuses uneven batches for the HF Trainer."""
         prepared = super().prepare_data_loader(
             data_loader, device_placement=device_placement, slice_fn_for_dispatch=slice_fn_for_dispatch
         )
@@ -295,8 +271,7 @@ class BucketedAccelerator(Accelerator):
 
     @contextmanager
     def _even_batches(self, even_batches: bool | None):
-        """Set the prepared map-style loaders' ``even_batches`` for the context (None: leave them); warn, as
-        Accelerate does, that an iterable-style loader cannot be overridden."""
+        """Sets the prepared map-style loaders' ``even_batches`` for the block."""
         if even_batches is not None and any(isinstance(dl, DataLoaderDispatcher) for dl in self._dataloaders):
             warnings.warn(
                 "Overriding even_batches is only supported for map-style datasets, yet some dataloaders given were "
@@ -321,9 +296,11 @@ class BucketedAccelerator(Accelerator):
 
 
 def batches_per_rank(loader, num_processes: int) -> list[int] | None:
-    """Each rank's number of batches from a loader Accelerate prepared, computed alike on every rank (no
-    communication); None where it cannot be known here (iterable or dispatched data, ``split_batches``: the same
-    count on every rank)."""
+    """Each rank's number of batches from a prepared loader, with no communication.
+
+    Returns:
+        list[int] | None: None where the count cannot be known here.
+    """
     sampler = getattr(loader, "batch_sampler", None)
     if not isinstance(sampler, BatchSamplerShard) or sampler.split_batches:
         return None
@@ -331,20 +308,18 @@ def batches_per_rank(loader, num_processes: int) -> list[int] | None:
         total = len(sampler.batch_sampler)
     except TypeError:
         return None
-    if sampler.even_batches or sampler.drop_last:  # completed from the start, or cut where a rank runs out
+    if sampler.even_batches or sampler.drop_last:
         return [len(sampler)] * num_processes
     return [len(range(rank, total, num_processes)) for rank in range(num_processes)]
 
 
 def check_trainer_batches(loader, num_processes: int) -> None:
-    """Refuse a Trainer's loader that gives the ranks different numbers of batches (``even_batches=False``).
+    """Refuses a Trainer's loader that gives the ranks different numbers of batches.
 
-    The Trainer steps and evaluates every rank in lockstep and never joins uneven inputs: the rank with a batch
-    more would all-reduce (or gather) alone, and the ranks go out of step. The stock Trainer with torch DDP does
-    the same, unrefused.
+    The Trainer never joins, so the rank with one batch more would all-reduce alone.
 
     Raises:
-        ValueError: the counts differ, naming them and the fix.
+        ValueError: the counts differ.
     """
     counts = batches_per_rank(loader, num_processes)
     if counts is not None and len(set(counts)) > 1:

@@ -1,9 +1,7 @@
-"""Any ``transformers.Trainer`` subclass with BucketedDDP: ``bucketed(DPOTrainer)`` is ``BucketedTrainer`` mixed in
-before it, as ``BucketedSFTTrainer`` is before ``SFTTrainer``.
+"""Any ``transformers.Trainer`` subclass with BucketedDDP: ``bucketed(DPOTrainer)``.
 
-The subclass keeps its arguments, data preparation, loss and logs; the Trainer's accelerator is adopted, so the
-model trains wrapped in BucketedDDP. TRL's trainers are made on first use (``ddp_ft.integrations``' names), so
-importing ddp_ft imports no trl.
+The subclass keeps its arguments, data preparation, loss and logs.
+TRL's trainers are made on first use, so importing ddp_ft imports no trl.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from .trainer import BucketedTrainer
 
 logger = logging.getLogger(__name__)
 
-# TRL's trainers by the name ddp_ft gives them (``SFTTrainer`` has its own class: ``ddp_ft.integrations.trl``).
+# TRL's trainers by ddp_ft's name; SFTTrainer has its own class.
 TRL_TRAINERS = {
     "BucketedDPOTrainer": "DPOTrainer",
     "BucketedKTOTrainer": "KTOTrainer",
@@ -23,10 +21,9 @@ TRL_TRAINERS = {
     "BucketedRLOOTrainer": "RLOOTrainer",
     "BucketedGRPOTrainer": "GRPOTrainer",
 }
-# TRL's trainers that generate their training batches while they train: their rows are prompts, and their own
-# sampler repeats each prompt over the ranks, so the balanced plan cannot apply.
+# TRL's trainers that generate batches while training; their sampler repeats prompts over ranks.
 ONLINE_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
-# TRL classes refused by name, their subclasses too: why, in a sentence that ends with what to do instead.
+# TRL classes refused by name, with their subclasses, and why.
 _ASYNC = (
     "trains on completions that a rollout worker generates on a vLLM server beside the training loop, with rank 0 "
     "dispatching each step's batches to the other ranks; it cannot run without that server, so no test proves that "
@@ -44,7 +41,7 @@ def generates_online(trainer_class: type) -> bool:
 
 
 def _online_init(self, *args, balance_ranks: bool = False, **kwargs) -> None:
-    """``BucketedTrainer.__init__`` with the stock sampling: ``balance_ranks=True`` is turned off, and logged once."""
+    """``BucketedTrainer.__init__`` with the stock sampling, warning once if ``balance_ranks`` was asked."""
     BucketedTrainer.__init__(self, *args, balance_ranks=False, **kwargs)
     if balance_ranks and self.args.process_index == 0:
         logger.warning(
@@ -57,23 +54,23 @@ def _online_init(self, *args, balance_ranks: bool = False, **kwargs) -> None:
 
 @functools.cache
 def bucketed(trainer_class: type) -> type:
-    """``trainer_class`` training multi-process runs with BucketedDDP: ``class Bucketed<Name>(BucketedTrainer,
-    trainer_class)``, made once per class.
+    """``trainer_class`` training multi-process runs with BucketedDDP, made once per class.
 
-    Its arguments are ``trainer_class``'s, plus ``BucketedTrainer``'s ``ddp_settings`` and ``balance_ranks`` (off by
-    default: the stock sampling). For TRL's online trainers (GRPO, RLOO and their subclasses) ``balance_ranks=True``
-    is turned off with a warning on rank 0: their rows are prompts, generated into completions while they train. A
-    class that is bucketed already is returned as it is.
+    It takes ``trainer_class``'s arguments plus ``ddp_settings`` and ``balance_ranks``.
+    TRL's online trainers keep their own sampler: their rows are prompts.
 
     Args:
-        trainer_class (type): a subclass of ``transformers.Trainer``: TRL's, an experimental one, your own.
+        trainer_class (type): a subclass of ``transformers.Trainer``.
 
     Returns:
-        type: the bucketed class, named ``Bucketed`` + its name.
+        type: ``Bucketed<Name>``, or ``trainer_class`` when it is bucketed already.
 
     Raises:
-        TypeError: a class that is not a ``transformers.Trainer``, naming it and what to pass instead; a class of
-            :data:`REFUSED` or a subclass of one, naming it and why.
+        TypeError: not a ``transformers.Trainer``, or a class of :data:`REFUSED`.
+
+    Example:
+        >>> from trl import DPOTrainer
+        >>> trainer = bucketed(DPOTrainer)(model=model, args=dpo_args, train_dataset=pairs)
     """
     from transformers import Trainer
 
@@ -102,7 +99,7 @@ def bucketed(trainer_class: type) -> type:
 
 
 def trl_trainer(name: str) -> type:
-    """The bucketed TRL trainer ddp_ft names ``name`` (``BucketedDPOTrainer``...); imports trl."""
+    """The bucketed TRL trainer ddp_ft names ``name``; imports trl."""
     import trl
 
     return bucketed(getattr(trl, TRL_TRAINERS[name]))

@@ -1,5 +1,4 @@
-"""The Trainer callbacks of the plugin: throughput and comm stats in every log (and ``metrics.jsonl``), a wandb
-callback that never stops training, and a progress bar that shows the loss instead of printing every log."""
+"""The plugin's Trainer callbacks: throughput and comm stats, a safe wandb callback, a quiet progress bar."""
 
 from __future__ import annotations
 
@@ -31,30 +30,19 @@ logger = logging.getLogger(__name__)
 
 
 class ThroughputCallback(TrainerCallback):
-    """Adds throughput, step time, peak memory, BucketedDDP communication stats and the ranks' balance to every
-    Trainer log.
+    """Adds throughput, step time, peak memory, comm stats and rank balance to every Trainer log.
 
-    Tokens are the Trainer's ``num_input_tokens_seen`` (set ``include_num_input_tokens_seen="non_padding"``, as
-    :class:`BucketedTrainer` does, so padding is not counted), summed over all ranks. Values are averages over
-    the steps since the previous log, the balance's too (``compute_max_ms``, ``compute_min_ms``, ``imbalance``,
-    ``wait_for_slowest_ms``: ``ddp_ft.training.steps.rank_balance``; the mean, like the rest, so a logged wait is still
-    the logged max minus this rank's mean compute), over the steps that had one. Register it before the reporting
-    callbacks (``BucketedTrainer`` does) so wandb and the console see the values.
-
-    On rank 0 it also writes ``<output_dir>/metrics.jsonl`` in the plain loop's format (so ``scripts/compare.py``
-    reads either), and points wandb's ``train/*`` and ``eval/*`` at ``train/samples_seen``. Each train record also
-    has ``elapsed_s``, the wall seconds from train begin to the end of its step: what passes between steps (data
-    loading, the Trainer's own collectives before a step) counts there and not in ``step_time_s``.
+    Tokens are the Trainer's ``num_input_tokens_seen``, summed over ranks.
+    Values average the steps since the previous log.
+    Register it before the reporting callbacks so wandb and the console see the values.
+    On rank 0 it also writes ``metrics.jsonl`` in the plain loop's format.
+    ``elapsed_s`` is wall time since train begin, so time between steps counts there, not in ``step_time_s``.
 
     Args:
-        wrapped_model (Callable[[], torch.nn.Module] | None): returns the (possibly wrapped) training model, for
-            communication stats. Default: None (no comm stats).
-        ddp_config (dict | None): BucketedDDP settings recorded in the run config (bucket cap, comm hook).
-        wandb_switch (WandbSwitch | None): shared with the reporting callback, so that a wandb failure in either turns
-            wandb off for both with one warning. Default: one of its own, made at train begin.
-        step_balance (Callable[[], dict[str, float] | None] | None): returns, at each ``on_step_end``, the ranks'
-            balance of the step just finished, or None (``BucketedTrainer.pop_step_balance``). Default: None (no
-            balance).
+        wrapped_model (Callable[[], torch.nn.Module] | None): returns the training model, for comm stats. Default: None.
+        ddp_config (dict | None): BucketedDDP settings for the run config. Default: None.
+        wandb_switch (WandbSwitch | None): shared with the reporting callback. Default: its own.
+        step_balance (Callable[[], dict[str, float] | None] | None): returns the step's rank balance. Default: None.
     """
 
     def __init__(
@@ -73,9 +61,9 @@ class ThroughputCallback(TrainerCallback):
         self._memory: dict[str, float] = {}
         self._sink: JsonlLogger | None = None
         self._wandb_config: dict | None = None
-        self._choice_logged = False  # bucket_cap_mb="auto": its choice is written once
-        self._train_began = time.perf_counter()  # reset at train begin
-        self._step_ended = 0.0  # seconds from train begin to the end of the last step
+        self._choice_logged = False
+        self._train_began = time.perf_counter()
+        self._step_ended = 0.0  # seconds from train begin to the last step's end
         self._compile_watch: CompileWatch | bool | None = None  # None: not looked yet; False: not compiled
 
     def _reset(self) -> None:
@@ -109,7 +97,7 @@ class ThroughputCallback(TrainerCallback):
             self._wandb_switch = WandbSwitch(self._sink.path)
 
     def _setup_wandb(self) -> None:
-        """Once the reporting callback has started the wandb run (rank 0), before it logs anything of ours."""
+        """Configures wandb once the reporting callback has started its run."""
         if self._wandb_config is None:
             return
         try:
@@ -122,11 +110,11 @@ class ThroughputCallback(TrainerCallback):
 
     @staticmethod
     def _point_wandb_at_samples(wandb, config: dict) -> None:
-        define_step_metrics(wandb)  # curves of different world sizes overlay against samples seen, not steps
+        define_step_metrics(wandb)  # curves of different world sizes overlay by samples
         wandb.config.update(config, allow_val_change=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self._compile_watch is None:  # the first step: prepared (compiled regionally, if so), not yet compiled
+        if self._compile_watch is None:  # the first step: prepared, not yet compiled
             model = self._wrapped_model() if self._wrapped_model else None
             compiled = model is not None and is_regionally_compiled(getattr(model, "module", model))
             self._compile_watch = CompileWatch() if compiled else False
@@ -142,7 +130,7 @@ class ThroughputCallback(TrainerCallback):
         self._step_ended = time.perf_counter() - self._train_began
         self._seconds += step["step_time_s"]
         self._tokens += step["tokens"]
-        for k, v in step.items():  # the peak of the logging interval (a GPU's peaks are reset at every step)
+        for k, v in step.items():  # a GPU's peaks are reset at every step
             if k.startswith("peak_"):
                 self._memory[k] = max(v, self._memory.get(k, 0.0))
         self._steps += 1
@@ -209,11 +197,9 @@ class ThroughputCallback(TrainerCallback):
 
 
 class ExpectedPeakCallback(TrainerCallback):
-    """Adds ``expected_peak_gb``, ``--micro-batch auto``'s expected peak for the micro-batch it chose
-    (``ddp_ft.training.model.probe``), to every training log, beside the measured ``peak_mem_gb``.
+    """Adds the probe's ``expected_peak_gb`` to every training log, beside the measured peak.
 
-    Insert it ahead of :class:`ThroughputCallback` (``callbacks.insert(0, ...)`` after the trainer is built), which
-    writes the log to ``metrics.jsonl``: the value is then in the file, and in wandb, next to the measurement.
+    Insert it ahead of :class:`ThroughputCallback`, so the value reaches ``metrics.jsonl``.
 
     Args:
         expected_peak_gb (float): the probe's expected peak, GB.
@@ -230,10 +216,7 @@ class ExpectedPeakCallback(TrainerCallback):
 class GuardedWandbCallback(WandbCallback):
     """transformers' ``WandbCallback`` that never stops training.
 
-    Each of its events runs through ``switch``: an exception (``wandb.init`` in the setup at train begin: a bad key,
-    no network, wandb's service not starting; ``wandb.log`` once the network is gone) logs one warning and turns
-    wandb off for the rest of the run; training and ``metrics.jsonl`` go on. :class:`BucketedTrainer` puts it in
-    place of the ``WandbCallback`` that ``report_to=["wandb"]`` adds.
+    A wandb exception logs one warning and turns wandb off; training goes on.
 
     Args:
         switch (WandbSwitch): shared with :class:`ThroughputCallback`, which calls wandb too.
@@ -263,10 +246,7 @@ class GuardedWandbCallback(WandbCallback):
 
 
 class StepProgressCallback(ProgressCallback):
-    """Transformers' training progress bar (rank 0 only), and only that: each step's loss and tokens/s are its
-    postfix instead of every log dict printed under it (a log holds some thirty keys here: throughput, comm stats,
-    rank balance, all in ``metrics.jsonl`` and wandb already), and evaluation draws no second bar (its loss is
-    logged)."""
+    """transformers' progress bar, showing each step's loss instead of printing every log."""
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
         pass
@@ -280,8 +260,7 @@ class StepProgressCallback(ProgressCallback):
 
 
 def with_step_progress(trainer):
-    """``trainer`` with :class:`StepProgressCallback` in place of transformers' ``ProgressCallback`` (off rank 0,
-    where ``disable_tqdm`` is set, neither is there and nothing changes)."""
+    """``trainer`` with :class:`StepProgressCallback` in place of ``ProgressCallback``."""
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(StepProgressCallback())
     return trainer

@@ -1,26 +1,10 @@
 """Accelerate's comm-hook options as BucketedDDP registers them.
 
-``DistributedDataParallelKwargs(comm_hook=, comm_wrapper=, comm_state_option=)`` reach torch DDP through
-``DistributedDataParallelKwargs.register_comm_hook``: torch's hook for ``comm_hook`` (``default_hooks``'
-``fp16_compress_hook``/``bf16_compress_hook``, ``powerSGD_hook``'s ``powerSGD_hook``/``batched_powerSGD_hook``),
-inside torch's ``fp16_compress_wrapper``/``bf16_compress_wrapper`` for ``comm_wrapper``, with
-``PowerSGDState(None, **comm_state_option)`` for the PowerSGD hooks. BucketedDDP registers the same hook and state,
-one to one (its buckets offer the methods of torch's ``GradBucket``, ``set_buffer`` included), so the gradients are
-torch DDP's. Two differences, both in the user's favour:
-
-- ``comm_hook`` FP16 or BF16 alone becomes ``DDPSettings.comm_hook`` ``fp16``/``bf16`` (resolved with the other
-  knobs in :mod:`ddp_ft.integrations.settings`): ddp_ft's hooks, torch's arithmetic, no Python on the communication
-  thread.
-- bf16 also runs on gloo: torch DDP refuses any hook named ``bf16_compress_*`` without CUDA and NCCL 2.10, which
-  gloo does not need (it sums bfloat16).
-
-torch's ``batched_powerSGD_hook`` fails at its first compressing step in torch DDP (``AssertionError``): it does the
-same here, and the main process warns of it when the accelerator is built (:meth:`AccelerateCommHook.known_failure`).
-
-Refused before any step, with the fix: what Accelerate would drop without a word (a ``comm_wrapper`` or
-``comm_state_option`` with no hook to apply it to), state options ``PowerSGDState`` does not take (Accelerate fails
-at ``prepare`` then), a second comm hook set through ``DDPSettings``, PowerSGD with ``bucket_cap_mb='auto'``, and
-PowerSGD with several buckets on gloo (:func:`~ddp_ft.ddp.comm_hooks.check_powersgd_buckets`).
+``DistributedDataParallelKwargs``' ``comm_hook``, ``comm_wrapper`` and ``comm_state_option`` register torch's hooks.
+BucketedDDP registers the same hook and state, one to one, so the gradients are torch DDP's.
+FP16 or BF16 alone becomes ``DDPSettings.comm_hook``: ddp_ft's hooks, with no Python on the comm thread.
+bf16 also runs on gloo, which torch DDP refuses.
+Settings Accelerate would drop silently or fail on are refused before any step.
 """
 
 from __future__ import annotations
@@ -35,22 +19,22 @@ from ..ddp.comm_hooks import check_powersgd_buckets
 
 _NAME = "DistributedDataParallelKwargs"
 _POWERSGD = ("power_sgd", "batched_power_sgd")
-_PLAIN = ("fp16", "bf16")  # comm_hook values DDPSettings.comm_hook holds by the same name
+_PLAIN = ("fp16", "bf16")  # hooks DDPSettings.comm_hook names the same
 
 
 def _value(option: object) -> str:
-    """A ``DDPCommunicationHookType`` (or the string a user passed for one) as its lower-case value."""
+    """A ``DDPCommunicationHookType``, or its string, as its lower-case value."""
     return str(getattr(option, "value", option)).lower()
 
 
 @dataclass(frozen=True)
 class AccelerateCommHook:
-    """Accelerate's comm-hook options, checked: what BucketedDDP registers in their place.
+    """Accelerate's comm-hook options, checked.
 
     Args:
-        hook (str): ``comm_hook``'s value: ``fp16``, ``bf16``, ``power_sgd`` or ``batched_power_sgd``.
-        wrapper (str): ``comm_wrapper``'s value: ``no``, ``fp16`` or ``bf16``.
-        state_option (dict): ``comm_state_option``: ``PowerSGDState`` keyword arguments. Default: ``{}``.
+        hook (str): ``fp16``, ``bf16``, ``power_sgd`` or ``batched_power_sgd``.
+        wrapper (str): ``no``, ``fp16`` or ``bf16``.
+        state_option (dict): ``PowerSGDState`` keyword arguments. Default: ``{}``.
     """
 
     hook: str
@@ -59,7 +43,7 @@ class AccelerateCommHook:
 
     @property
     def ddp_settings_hook(self) -> str | None:
-        """The ``DDPSettings.comm_hook`` this is, when it is one (fp16 or bf16 without a wrapper), else None."""
+        """The ``DDPSettings.comm_hook`` this is, or None."""
         return self.hook if self.hook in _PLAIN and self.wrapper == "no" else None
 
     @property
@@ -67,17 +51,15 @@ class AccelerateCommHook:
         return self.hook in _POWERSGD
 
     def describe(self) -> str:
-        """One line for the settings log: the hook, wrapper and state registered."""
+        """One line for the settings log."""
         hook, _ = self._hook_and_state()
         state = f", PowerSGDState(**{self.state_option})" if self.is_powersgd else ""
         return f"{_NAME}(comm_hook={self.hook}, comm_wrapper={self.wrapper}): torch's {hook.__name__}{state}"
 
     def known_failure(self) -> str | None:
-        """Why torch's hook will fail once it compresses, in torch DDP as in BucketedDDP; None when it works.
+        """Why torch's hook will fail once it compresses, or None when it works.
 
-        torch's ``batched_powerSGD_hook`` hands ``_orthogonalize`` one matrix, which since pytorch#75157 asserts a
-        batch of them: it raises ``AssertionError`` at its first compressing step (``start_powerSGD_iter``). Probed,
-        not keyed on a version, so a torch that fixes it gets no warning.
+        torch's ``batched_powerSGD_hook`` asserts at its first compressing step. Probed, not keyed on a version.
         """
         if self.hook != "batched_power_sgd":
             return None
@@ -98,11 +80,10 @@ class AccelerateCommHook:
         return None
 
     def check(self, settings: DDPSettings) -> None:
-        """Refuse a combination with ddp_ft's own settings that cannot both hold.
+        """Refuses a combination with ddp_ft's own settings that cannot hold.
 
         Raises:
-            ValueError: ``DDPSettings.comm_hook`` names another hook; PowerSGD with ``bucket_cap_mb='auto'`` (its
-                state is kept per bucket index, which the trial layouts would scramble).
+            ValueError: ``DDPSettings.comm_hook`` names another hook, or PowerSGD with ``bucket_cap_mb='auto'``.
         """
         if settings.comm_hook != "allreduce":
             raise ValueError(
@@ -116,11 +97,10 @@ class AccelerateCommHook:
             )
 
     def register(self, wrapped: BucketedDDP) -> None:
-        """Register the hook on ``wrapped`` as Accelerate registers it on torch DDP, with a fresh state.
+        """Registers the hook on ``wrapped`` as Accelerate would on torch DDP, with a fresh state.
 
         Raises:
-            ValueError: PowerSGD on gloo with several buckets (the run would hang), naming the settings that give
-                one bucket.
+            ValueError: PowerSGD on gloo with several buckets, which would hang.
         """
         if self.is_powersgd:
             caps = "BucketedAccelerator(ddp_settings=DDPSettings(first_bucket_cap_mb={mb}, bucket_cap_mb={mb}))"
@@ -146,11 +126,13 @@ class AccelerateCommHook:
 
 
 def accelerate_comm_hook(kwargs: object | None) -> AccelerateCommHook | None:
-    """The comm hook ``kwargs`` (a ``DistributedDataParallelKwargs``) asks for, checked; None for none.
+    """The comm hook a ``DistributedDataParallelKwargs`` asks for, checked.
+
+    Returns:
+        AccelerateCommHook | None: None when there is no hook.
 
     Raises:
-        ValueError: a ``comm_wrapper`` or ``comm_state_option`` without a hook it applies to (Accelerate would
-            drop it), an unknown value, or state options ``PowerSGDState`` does not take; each naming the fix.
+        ValueError: an option without a hook to apply it to, an unknown value, or bad PowerSGD options.
     """
     if kwargs is None:
         return None
@@ -183,7 +165,7 @@ def accelerate_comm_hook(kwargs: object | None) -> AccelerateCommHook | None:
 
 
 def _check_state_option(options: dict) -> None:
-    """``PowerSGDState(None, **options)`` builds (its own checks included), or ValueError naming the keys it takes."""
+    """Raises ValueError unless ``PowerSGDState(None, **options)`` builds."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
     takes = [name for name in inspect.signature(PowerSGDState).parameters if name != "process_group"]

@@ -29,10 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def wandb_report_to(settings: RunSettings, identity: RunIdentity, info: DistInfo) -> list[str]:
-    """``["wandb"]`` (the Trainer's WandbCallback, configured through its environment variables) on rank 0, else
-    ``[]``: no other rank ever starts wandb, or sets its variables.
+    """``["wandb"]`` on rank 0, else ``[]``: no other rank starts wandb.
 
-    Offline, kept on disk for ``wandb sync``, without an API key; same project and group as the plain loop.
+    Offline without an API key; same project and group as the plain loop.
     """
     t = settings.train
     if not info.is_main_process or t.report_to != "wandb" or os.environ.get("WANDB_MODE") == "disabled":
@@ -46,7 +45,7 @@ def wandb_report_to(settings: RunSettings, identity: RunIdentity, info: DistInfo
     return ["wandb"]
 
 
-TRAINERS = ("hf", "trl", *STOCK_TRAINERS)  # the recipe's --trainer (see build_trainer)
+TRAINERS = ("hf", "trl", *STOCK_TRAINERS)
 
 
 def build_trainer(
@@ -57,31 +56,25 @@ def build_trainer(
     resolved: Resolved | None = None,
     parts: RunParts | None = None,
 ) -> BucketedTrainer:
-    """Model (4-bit + LoRA on this rank's device), tokenized data and TrainingArguments from ``settings``.
+    """Builds the model, tokenized data and TrainingArguments from ``settings`` into a trainer.
 
-    What the run trained with (``ddp_ft.training.resolve.Resolved``, the probe's micro-batch in it) is the returned
-    trainer's ``resolved``: ``run_config.yaml`` is written from it.
+    The returned trainer's ``resolved`` holds what the run trained with, for ``run_config.yaml``.
 
     Args:
         settings (RunSettings): the run.
         info (DistInfo): this process.
-        trainer (str): ``hf``: ``BucketedTrainer``; ``trl``: ``BucketedSFTTrainer`` (the ``[trl]`` extra) on
-            the same tokenized rows and collator, with TRL's loss and metrics. TRL stores the adapters of a 4-bit
-            model in bfloat16, so its run is not the ``hf`` one to the bit. ``stock-hf`` and ``stock-trl``: the
-            same on ``transformers.Trainer`` and ``trl.SFTTrainer`` with torch DDP (``ddp_ft.integrations.stock``),
-            the runs ddp_ft is measured against. Each evaluates every held-out row (``ddp_ft.integrations.recipe_eval``:
-            ``dataloader_drop_last`` is for training only). Default: hf
-        stock_find_unused (str): torch DDP's ``find_unused_parameters`` for a stock trainer: ``trainer`` (the
-            Trainer's own choice), ``true`` or ``false``. Default: trainer
-        resolved (Resolved | None): what ``resolve_run`` returned, where the caller ran it first (the recipe's
-            command). Default: it runs here.
-        parts (RunParts | None): what ``prepare_run`` built, where the caller built it (the recipe's command keeps
-            the eval rows and the data record). Default: built here.
+        trainer (str): ``hf`` (``BucketedTrainer``), ``trl`` (``BucketedSFTTrainer``), or ``stock-hf`` and
+            ``stock-trl`` with torch DDP (``ddp_ft.integrations.stock``). Default: hf.
+        stock_find_unused (str): a stock trainer's ``find_unused_parameters``: ``trainer``, ``true`` or ``false``.
+            Default: trainer.
+        resolved (Resolved | None): ``resolve_run``'s result, when the caller ran it. Default: resolved here.
+        parts (RunParts | None): ``prepare_run``'s result, when the caller built it. Default: built here.
+
+    Returns:
+        BucketedTrainer: the trainer, or a stock one.
 
     Raises:
-        ValueError: before the model loads, for an unknown ``trainer``, an Accelerate launch setting the recipe cannot
-            honour (``ddp_ft.distributed.launch``), float16 on the CPU, a setting a stock trainer cannot honour
-            (``check_stock_settings``), and for everything ``prepare_run`` refuses.
+        ValueError: an unknown ``trainer``, float16 on the CPU, or a setting the trainer cannot honour.
     """
     from transformers import TrainingArguments
 
@@ -98,7 +91,7 @@ def build_trainer(
         resolved = probe_as_the_trainer_trains(model, settings, info, resolved, trainer)
     arguments = training_arguments(settings, info, precision, resolved)
     if trainer.endswith("trl"):
-        # The rows are tokenized, labelled and truncated by ddp_ft.training.data already: TRL takes them as they are.
+        # The rows are already tokenized and labelled: TRL takes them as they are.
         arguments |= dict(max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
     data = dict(train_dataset=parts.train_set, eval_dataset=parts.eval_set, processing_class=parts.tokenizer)
     if trainer in STOCK_TRAINERS:
@@ -108,7 +101,7 @@ def build_trainer(
         return with_step_progress(with_resolved(stock, resolved))
     trainer_class, args = BucketedTrainer, None
     if trainer == "trl":
-        from .trl import BucketedSFTTrainer, SFTConfig  # the optional trl, imported here only
+        from .trl import BucketedSFTTrainer, SFTConfig  # trl is optional
 
         trainer_class, args = BucketedSFTTrainer, SFTConfig(**arguments)
     bucketed = evaluating_every_row(trainer_class)(
@@ -119,8 +112,8 @@ def build_trainer(
         balance_ranks=t.balance_ranks,
         **data,
     )
-    bucketed.accelerator.compute_dtype_fix = command_line_fix  # the dtype warning names --compute-dtype
-    return with_step_progress(with_resolved(bucketed, resolved))  # the loss on rank 0's bar, not thirty keys
+    bucketed.accelerator.compute_dtype_fix = command_line_fix
+    return with_step_progress(with_resolved(bucketed, resolved))  # the loss on rank 0's bar
 
 
 def probe_as_the_trainer_trains(
@@ -131,28 +124,19 @@ def probe_as_the_trainer_trains(
     trainer: str = "hf",
     **overrides: object,
 ) -> Resolved:
-    """``--micro-batch auto`` on the Trainer path: the probe (``ddp_ft.training.resolve.probe_run_micro_batch``) on the
-    model as ``Trainer.train()`` will run it, before the Trainer exists (its batch size and accumulation are fixed
-    then).
+    """Runs ``--micro-batch auto``'s probe on the model as ``Trainer.train()`` will run it.
 
-    - Liger: the Trainer patches the model instance when ``train()`` starts (``use_liger_kernel``); the same patch,
-      transformers' ``apply_liger_kernel``, is applied here first, so the probe measures Liger's fused loss (the
-      Trainer's second application replaces the patched methods with the same ones).
-    - A stock trainer's torch DDP keeps its buckets beside the gradients (``gradient_as_bucket_view=False``): one
-      more copy of the trainable bytes is added to the optimizer's.
-    - Compilation: BucketedAccelerator compiles each decoder layer in place when the Trainer prepares the model
-      (``ddp_ft.training.model.compilation``); done here first, with the Trainer's backend (inductor), so the probe
-      measures the compiled layers, and the accelerator finds them compiled. A stock trainer's Accelerate compiles the
-      whole wrapped model inside ``train()``, which cannot run before the Trainer exists: the probe measures the
-      uncompiled model there, and says so.
+    Liger and regional compilation are applied first, as the Trainer would apply them.
+    A stock trainer's torch DDP buckets add one copy of the trainable bytes.
+    Accelerate compiles a stock trainer's model inside ``train()``, so the probe measures it uncompiled.
 
     Args:
-        model (torch.nn.Module): the unwrapped model ``build_model`` returned.
+        model (torch.nn.Module): the unwrapped model.
         settings (RunSettings): the run's.
         info (DistInfo): this rank.
         resolved (Resolved): the run's, with ``probe_pending``.
-        trainer (str): the recipe's ``--trainer``. Default: hf
-        **overrides: passed to ``probe_micro_batch`` (``device_bytes``, ``measure``: tests).
+        trainer (str): the recipe's ``--trainer``. Default: hf.
+        **overrides: passed to ``probe_micro_batch``.
 
     Returns:
         Resolved: ``resolved`` with the probe's micro-batch and accumulation.
@@ -162,7 +146,7 @@ def probe_as_the_trainer_trains(
 
         apply_liger_kernel(model, None)
     if resolved.compile and trainer not in STOCK_TRAINERS:
-        compile_repeated_blocks(model, backend="inductor")  # what BucketedAccelerator.prepare_model would do
+        compile_repeated_blocks(model, backend="inductor")
     elif resolved.compile and info.is_main_process:
         logger.warning(
             "--micro-batch auto with --compile on the stock Trainer: Accelerate compiles the whole model inside "
@@ -170,19 +154,18 @@ def probe_as_the_trainer_trains(
         )
     if trainer in STOCK_TRAINERS and "optimizer_state" not in overrides:
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        overrides["optimizer_state"] = 3 * trainable  # AdamW's two moments and torch DDP's gradient buckets
+        overrides["optimizer_state"] = 3 * trainable  # AdamW's two moments and torch DDP's buckets
     return probe_run_micro_batch(model, settings, info, resolved, **overrides)
 
 
 def with_resolved(trainer, resolved: Resolved):
-    """``trainer`` carrying what the run resolved (``trainer.resolved``) and logging the probe's expected peak beside
-    the measured one (:class:`ExpectedPeakCallback`)."""
+    """``trainer`` carrying ``resolved`` and logging the probe's expected peak."""
     trainer.resolved = resolved
     return with_expected_peak(trainer, resolved.probe)
 
 
 def with_expected_peak(trainer, probe: MicroBatchProbe | None):
-    """``trainer`` logging the probe's expected peak beside the measured one (:class:`ExpectedPeakCallback`)."""
+    """``trainer`` logging the probe's expected peak beside the measured one."""
     if probe is not None:
         trainer.callback_handler.callbacks.insert(0, ExpectedPeakCallback(probe.expected_peak / 1e9))
     return trainer
@@ -195,7 +178,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
     identity = run_identity(t.wandb_project, t.wandb_group, t.run_name, settings.preset, info.world_size)
     return dict(
         output_dir=t.output_dir,
-        run_name=identity.name,  # the wandb run's name too
+        run_name=identity.name,
         per_device_train_batch_size=resolved.micro_batch,
         per_device_eval_batch_size=resolved.micro_batch,
         gradient_accumulation_steps=resolved.accumulation,
@@ -204,7 +187,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         learning_rate=t.learning_rate,
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr": t.min_learning_rate},
-        warmup_steps=t.warmup_ratio,  # a float < 1 is a ratio in transformers >= 5
+        warmup_steps=t.warmup_ratio,  # a float < 1 is a ratio
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         optim="adamw_torch",
@@ -214,33 +197,29 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         eval_strategy="steps" if t.eval_every else "no",
         eval_steps=t.eval_every or None,
         seed=t.seed,
-        bf16=precision.dtype == torch.bfloat16,  # Accelerate's autocast, in the dtype of the 4-bit layers
-        fp16=precision.dtype == torch.float16,  # autocast and Accelerate's loss scaler
+        bf16=precision.dtype == torch.bfloat16,
+        fp16=precision.dtype == torch.float16,
         use_cpu=not cuda,
         report_to=wandb_report_to(settings, identity, info),
         remove_unused_columns=False,
-        activation_checkpointing=False,  # already enabled, non-reentrant, by load_qlora_model
+        activation_checkpointing=False,  # already enabled by load_qlora_model
         include_num_input_tokens_seen="non_padding",
         average_tokens_across_devices=True,
-        # Whole rounds of batches: the plain loop's full steps (a short last one as stock's). Training only:
-        # the recipe's trainers evaluate every row (recipe_eval).
+        # Training only: the recipe's trainers evaluate every row (recipe_eval).
         dataloader_drop_last=True,
         ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
-        use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train(); checked before the load
-        torch_compile=resolved.compile,  # Accelerate compiles the model, then BucketedAccelerator wraps it
+        use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train()
+        torch_compile=resolved.compile,
     )
 
 
 def trainer_precision(settings: RunSettings, info: DistInfo, trainer: str = "hf") -> Precision:
-    """The run's precision (``ddp_ft.training.model.precision``), which the Trainer's ``bf16``/``fp16`` flags follow.
-
-    Logged with the adapters' dtype where TRL's SFTTrainer casts a 4-bit model's LoRA adapters to bfloat16.
+    """The run's precision, which the Trainer's ``bf16`` and ``fp16`` flags follow.
 
     Raises:
-        ValueError: float16 on the CPU: Accelerate turns neither float16 autocast nor its loss scaler on there, so
-            the flag would be dropped; naming the fixes.
+        ValueError: float16 on the CPU, where Accelerate would drop autocast and the loss scaler.
     """
     precision = settings.model.precision(info.device)
     if precision.loss_scaling and info.device.type != "cuda":
@@ -261,9 +240,10 @@ def trainer_precision(settings: RunSettings, info: DistInfo, trainer: str = "hf"
 
 
 def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> str | bool | None:
-    """``resume_from_checkpoint`` for ``Trainer.train``: ``--resume`` ('latest' becomes True, the newest
-    ``checkpoint-N``), except after an elastic restart (``TORCHELASTIC_RESTART_COUNT`` > 0), which continues from
-    the newest checkpoint in ``output_dir`` when there is one, with no flag."""
+    """``resume_from_checkpoint`` for ``Trainer.train`` from ``--resume``.
+
+    After an elastic restart it resumes from the newest checkpoint, with no flag.
+    """
     from transformers.trainer_utils import get_last_checkpoint
 
     newest = get_last_checkpoint(output_dir) if restart_count > 0 and os.path.isdir(output_dir) else None
@@ -274,23 +254,21 @@ def trainer_resume_target(resume: str, output_dir: str, restart_count: int) -> s
 
 
 def log_resume(checkpoint: str | Path | None, info: DistInfo) -> None:
-    """Say once, on rank 0, which Trainer checkpoint the run resumes from and at which step (its
-    ``trainer_state.json``); nothing without one."""
+    """Logs on rank 0 which checkpoint the run resumes from, and at which step."""
     if checkpoint is None or not info.is_main_process:
         return
     try:
         step = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"]
-    except (OSError, ValueError, KeyError, TypeError):  # the Trainer's load names what is wrong with it
+    except (OSError, ValueError, KeyError, TypeError):  # the Trainer's load names the fault
         step = "unknown"
     logger.info("resuming from %s at step %s", checkpoint, step)
 
 
 def trainer_checkpoint(resume: str | bool | None, output_dir: str) -> str | None:
-    """The folder ``Trainer.train(resume_from_checkpoint=resume)`` will load, found before the model loads.
+    """The folder ``Trainer.train`` will resume from, found before the model loads.
 
     Raises:
-        FileNotFoundError: ``--resume latest`` with no ``checkpoint-N`` in ``output_dir``, or a ``--resume`` folder
-            that does not exist, naming it.
+        FileNotFoundError: no checkpoint for ``--resume latest``, or no such ``--resume`` folder.
     """
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -305,10 +283,9 @@ def trainer_checkpoint(resume: str | bool | None, output_dir: str) -> str | None
 
 
 def predict_at_end(trainer, parts: RunParts, settings: RunSettings, info: DistInfo) -> None:
-    """``--predict`` for the recipe: rank 0 generates on the unwrapped model, so no collective starts.
+    """``--predict`` for the recipe: rank 0 generates on the unwrapped model.
 
-    The predictions go to ``predictions.jsonl``; their count and ROUGE-L to ``metrics.jsonl``; both, and the rows as
-    a table, to the Trainer's wandb run when it has one.
+    Predictions go to ``predictions.jsonl``; their count and ROUGE-L to ``metrics.jsonl`` and wandb.
     """
     if not info.is_main_process:
         return

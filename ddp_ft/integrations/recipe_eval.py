@@ -1,9 +1,7 @@
-"""The recipe's evaluation over every held-out row, on each of its trainers (``ddp_ft.integrations.recipe``).
+"""The recipe's evaluation over every held-out row.
 
-The recipe trains with ``dataloader_drop_last=True`` for whole steps, and the Trainer applies that flag to its eval
-loader too: the short last batch would be dropped, and with fewer rows than one batch per rank, the whole eval set.
-The recipe's trainers put :class:`EveryEvalRow` first in line instead, so a user's own ``TrainingArguments`` keep the
-stock behaviour on ``BucketedTrainer``.
+The recipe trains with ``dataloader_drop_last=True``, which the Trainer also applies to evaluation.
+The recipe's trainers keep every eval row; a user's ``BucketedTrainer`` keeps the stock behaviour.
 """
 
 from __future__ import annotations
@@ -12,17 +10,13 @@ import functools
 
 
 class EveryEvalRow:
-    """A Trainer mixin whose eval loader keeps its short last batch, whatever ``dataloader_drop_last`` says.
+    """A Trainer mixin whose eval loader keeps its short last batch.
 
-    The loader is the Trainer's otherwise: its eval sampler, batch size, collator and workers, prepared by Accelerate
-    (as ``PlannedData`` builds the training loader). On several ranks
-    Accelerate completes the last batches with repeated rows (``even_batches``), and ``gather_for_metrics`` drops
-    them from the gathered losses (``tests/training/test_eval_uneven.py``).
+    Accelerate pads the last batches with repeats, and ``gather_for_metrics`` drops them.
     """
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """The Trainer's eval loader (``eval_dataset``: a dataset, a key of ``self.eval_dataset``, or None), with
-        ``drop_last=False``."""
+        """The Trainer's eval loader, with ``drop_last=False``."""
         from torch.utils.data import DataLoader
 
         if isinstance(eval_dataset, str):
@@ -45,5 +39,5 @@ class EveryEvalRow:
 
 @functools.cache
 def evaluating_every_row(trainer_class: type) -> type:
-    """``trainer_class`` with :class:`EveryEvalRow` mixed in first, under the name ``Recipe<trainer_class>``."""
+    """``trainer_class`` with :class:`EveryEvalRow` mixed in first."""
     return type(f"Recipe{trainer_class.__name__}", (EveryEvalRow, trainer_class), {"__module__": __name__})

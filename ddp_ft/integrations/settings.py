@@ -1,9 +1,7 @@
-"""BucketedDDP settings from every place a user can put them: ddp_ft's own, the Trainer's, Accelerate's.
+"""BucketedDDP settings from ddp_ft's own, the Trainer's and Accelerate's.
 
-A Trainer user already passes ``TrainingArguments(ddp_bucket_cap_mb=..., ddp_find_unused_parameters=...)``; an
-Accelerate user ``DistributedDataParallelKwargs`` (TRL's configs set these too). Each setting is honoured (mapped
-onto BucketedDDP's knob of the same meaning) or refused with an error naming it, never dropped, and two sources
-that set one knob to different values are an error. Pure functions: tested without a process group.
+Each setting is honoured or refused by name, never dropped.
+Two sources that set one knob to different values are an error.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from dataclasses import fields, replace
 from ..ddp import DDPSettings
 from .comm_hook_kwargs import accelerate_comm_hook
 
-_TRAINING_ARGUMENTS = {  # TrainingArguments field -> DDPSettings field
+_TRAINING_ARGUMENTS = {
     "ddp_find_unused_parameters": "find_unused_parameters",
     "ddp_bucket_cap_mb": "bucket_cap_mb",
     "ddp_broadcast_buffers": "broadcast_buffers",
@@ -41,29 +39,22 @@ def resolve_ddp_settings(
 ) -> tuple[DDPSettings, dict[str, str]]:
     """The BucketedDDP settings a run asked for, and where each non-default one came from.
 
-    A source sets a knob when it holds a value for it: a ``DDPSettings`` field that differs from its default, a
-    ``TrainingArguments.ddp_*`` that is not None, a ``DistributedDataParallelKwargs`` field that differs from
-    Accelerate's default. Knobs nobody set keep ddp_ft's defaults; in particular ``find_unused_parameters`` stays
-    False where the stock Trainer would turn it on for any model that is not a ``PreTrainedModel`` (a PeftModel
-    included): with all LoRA parameters used that costs a graph walk per step, and a parameter that does go unused
-    is an error naming it, which is better than a silent zero.
+    Knobs nobody set keep ddp_ft's defaults.
+    So ``find_unused_parameters`` stays False where the stock Trainer would turn it on for a PeftModel.
+    That saves a graph walk per step; an unused parameter raises an error naming it.
 
     Args:
-        explicit (DDPSettings | None): ddp_ft's own settings (the command line, ``BucketedTrainer(ddp_settings=)``).
-        training_args (TrainingArguments | None): the Trainer's arguments.
-        ddp_kwargs (DistributedDataParallelKwargs | None): the Accelerator's ``ddp_handler``, when the user gave one.
+        explicit (DDPSettings | None): ddp_ft's own settings. Default: None.
+        training_args (TrainingArguments | None): the Trainer's arguments. Default: None.
+        ddp_kwargs (DistributedDataParallelKwargs | None): the Accelerator's ``ddp_handler``. Default: None.
 
     Returns:
-        tuple[DDPSettings, dict[str, str]]: the settings, and for each knob a source set, that source's name.
+        tuple[DDPSettings, dict[str, str]]: the settings, and each set knob's source.
 
     Raises:
-        ValueError: two sources set one knob to different values; ``static_graph=True``; a
-            ``DistributedDataParallelKwargs`` setting BucketedDDP has no equivalent for (``dim``,
-            ``check_reduction``) or comm-hook options that cannot hold
-            (:func:`~ddp_ft.integrations.comm_hook_kwargs.accelerate_comm_hook`). Each names the setting and where
-            it came from.
+        ValueError: conflicting sources, ``static_graph=True``, or a setting with no BucketedDDP equivalent.
     """
-    candidates: list[tuple[str, str, object]] = []  # (knob, source, value)
+    candidates: list[tuple[str, str, object]] = []
     if explicit is not None:
         defaults = DDPSettings()
         for f in fields(DDPSettings):
@@ -75,7 +66,7 @@ def resolve_ddp_settings(
             value = getattr(training_args, arg, None)
             if value is not None:
                 candidates.append((knob, f"TrainingArguments.{arg}", value))
-        # The Trainer starts the process group with its own ddp_timeout: ours must be that one.
+        # The Trainer starts the process group with its own ddp_timeout.
         if explicit is not None and explicit.ddp_timeout != DDPSettings().ddp_timeout:
             if training_args.ddp_timeout != explicit.ddp_timeout:
                 raise ValueError(
@@ -119,8 +110,7 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
         for knob in _DDP_KWARGS
         if getattr(kwargs, knob) != getattr(defaults, knob)
     ]
-    # comm_hook FP16/BF16 alone is DDPSettings.comm_hook by that name; any other hook (PowerSGD, a wrapper) is
-    # registered by BucketedAccelerator as Accelerate registers it (ddp_ft.integrations.comm_hook_kwargs).
+    # FP16/BF16 alone is DDPSettings.comm_hook; other hooks are registered after the wrap.
     hook = accelerate_comm_hook(kwargs)
     if hook is not None and hook.ddp_settings_hook is not None:
         found.append(("comm_hook", f"{name}.comm_hook", hook.ddp_settings_hook))
@@ -128,7 +118,7 @@ def _from_ddp_kwargs(kwargs: object) -> list[tuple[str, str, object]]:
 
 
 def describe_sources(settings: DDPSettings, sources: dict[str, str]) -> str:
-    """One log line: every knob with its value and where it came from (``default`` when nobody set it)."""
+    """One log line: every knob with its value and source."""
     return ", ".join(
         f"{f.name}={getattr(settings, f.name)!r} ({sources.get(f.name, 'default')})" for f in fields(DDPSettings)
     )

@@ -1,8 +1,4 @@
-"""``BucketedTrainer``'s checkpoints, made atomic: every rank writes into a staging folder, and rank 0 publishes it
-whole (fsync, rename) once all have.
-
-A mixin of :class:`~ddp_ft.integrations.trainer.BucketedTrainer`, which sets ``_run_hooks`` and ``_staging_dir``.
-"""
+"""``BucketedTrainer``'s atomic checkpoints: staged by every rank, published whole by rank 0."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ class AtomicCheckpoints:
     _staging_dir: str | None
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """The Trainer's save, keeping ``hub_token`` out of the ``training_args.bin`` it pickles into every checkpoint
-        and the final folder (a secret must not travel with the weights)."""
+        """The Trainer's save, keeping ``hub_token`` out of the pickled arguments."""
         token, self.args.hub_token = self.args.hub_token, None
         try:
             super()._save(output_dir, state_dict)
@@ -30,11 +25,11 @@ class AtomicCheckpoints:
         return self._staging_dir or super()._get_output_dir(trial)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, made atomic: every rank writes into ``<output_dir>/.staging/checkpoint-N``; once
-        all have, rank 0 fsyncs it and renames it into place, then prunes (``save_total_limit``). A save killed
-        half-way leaves only the staging folder, which the next start removes; ``resume_from_checkpoint=True``
-        (the newest ``checkpoint-N``) never picks a partial checkpoint."""
-        from ..training.checkpoint import (  # here: ddp_ft.training.checkpoint imports ddp_ft.training.data
+        """The Trainer's checkpoint, staged and then renamed into place.
+
+        A save killed half-way leaves only the staging folder, so resuming never picks a partial checkpoint.
+        """
+        from ..training.checkpoint import (  # import cycle
             STAGING_DIR,
             publish_folder,
         )
@@ -53,7 +48,7 @@ class AtomicCheckpoints:
             self._staging_dir = None
         if self.args.should_save:
             self._run_hooks.checkpoint_partly_written(self.state.global_step)
-        self.accelerator.wait_for_everyone()  # every rank's files (its RNG state) are in the staging folder
+        self.accelerator.wait_for_everyone()  # every rank's files are staged
         if self.args.should_save:
             publish_folder(staging / name, Path(run_dir) / name)
             if not any(staging.iterdir()):

@@ -1,37 +1,30 @@
-"""What the balanced plan balances for rows without ``input_ids``: each row's padded width in its micro-batch, from
-the columns TRL's preference collators read (``balance_ranks=True`` on DPO, reward and KTO; see ``trainer_plan``).
+"""What the balanced plan balances for TRL's preference rows: each row's padded width.
 
-A collator that pads right makes every sequence of a micro-batch as wide as its widest, so a micro-batch computes
-its sequence count times the widest row's width. TRL's pair collators put two sequences per row (chosen and
-rejected, in one forward), the same factor for every micro-batch of a step, so the plan balances on the row's
-width alone: the wider of its chosen and rejected sequences, prompt included, as the collator truncates and pads it.
-Only TRL's own collators are costed, by exact class: a subclass or another collator may read other columns.
+A right-padding collator makes every sequence as wide as the batch's widest.
+TRL's pair collators put chosen and rejected in one forward, the same factor for every micro-batch.
+So the plan balances the wider of the two, prompt included.
+Only TRL's own collators are costed, by exact class.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-# TRL's text collators whose rows the plan can cost (trl 1.16), by (module, class name).
+# TRL's text collators the plan can cost (trl 1.16).
 _DPO = ("trl.trainer.dpo_trainer", "DataCollatorForPreference")
 _REWARD = ("trl.trainer.reward_trainer", "DataCollatorForPreference")
 _KTO = ("trl.trainer.kto_trainer", "DataCollatorForUnpairedPreference")
 
 
 def row_lengths(dataset, collator) -> list[int] | None:
-    """Each row's padded width in a micro-batch of ``collator``, for rows of TRL's DPO, reward or KTO collators.
-
-    DPO: prompt plus the longer of chosen and rejected, cut at the collator's ``max_length``. Reward: the longer
-    of chosen and rejected (the trainer drops longer rows). KTO: prompt plus completion, cut at ``max_length``.
-    Each width is rounded up to ``pad_to_multiple_of``, as the batch's is.
+    """Each row's padded width in a micro-batch of ``collator``, for TRL's DPO, reward or KTO rows.
 
     Args:
         dataset: the training rows, as the trainer prepared them.
         collator: the trainer's ``data_collator``.
 
     Returns:
-        list[int] | None: one width per row; None for another collator, or KTO rows with ``KL_completion_ids``
-        (:func:`uncostable_reason`).
+        list[int] | None: one width per row, or None for rows the plan cannot cost.
     """
     found = _width_of(collator, getattr(dataset, "column_names", None) or [])
     if found is None:
@@ -65,7 +58,7 @@ def _kind(collator) -> tuple[str, str]:
 
 
 def _width_of(collator, columns: list[str]) -> tuple[tuple[str, ...], Callable[..., int]] | None:
-    """The id columns a row's width is read from, and how; None for rows the plan cannot cost."""
+    """The id columns a row's width is read from, and how; None for rows it cannot cost."""
     cap = getattr(collator, "max_length", None) or float("inf")
     kind, present = _kind(collator), set(columns)
     if kind == _DPO and {"prompt_ids", "chosen_ids", "rejected_ids"} <= present:

@@ -1,11 +1,9 @@
-"""Which attention kernel the decoder layers run (``ModelSettings.attention``), resolved once before the model loads.
+"""Which attention kernel the decoder layers run, resolved once before the model loads.
 
-Packed rows hold several sequences, kept apart by a block-diagonal mask that transformers builds from restarting
-``position_ids``. sdpa computes every block of that mask, hidden or not; flex attention (torch's ``flex_attention``
-with a ``BlockMask``, transformers' ``flex_attention``) skips the blocks it hides. ``auto`` chooses flex attention on
-CUDA when packed rows hold two or more of the run's average samples, and transformers' default (sdpa) otherwise:
-where a row is one sequence there is nothing to skip, and sdpa's causal kernel is the fastest. torch has no flex
-attention backward on the CPU.
+Packed rows keep their sequences apart with a block-diagonal mask.
+sdpa computes every block; flex attention skips the hidden ones.
+``auto`` picks flex attention on CUDA when rows pack two or more samples, sdpa otherwise.
+torch has no flex attention backward on the CPU.
 """
 
 from __future__ import annotations
@@ -17,11 +15,11 @@ from collections.abc import Callable, Sequence
 from ...ddp.autotune import AUTO
 
 FLEX = "flex_attention"
-FLEX_FROM_SEQUENCES = 2.0  # average samples per packed row from which flex attention has blocks to skip
+FLEX_FROM_SEQUENCES = 2.0  # samples per row from which flex has blocks to skip
 
 
 def sequences_per_row(lengths: Sequence[int], row_tokens: int) -> float:
-    """How many samples of the average length fit a packed row of ``row_tokens`` (at least 1)."""
+    """How many average-length samples fit a packed row, at least 1."""
     if not lengths:
         return 1.0
     mean = statistics.fmean(min(n, row_tokens) for n in lengths)
@@ -36,21 +34,21 @@ def resolve_attention(
     row_tokens: int,
     find_spec: Callable[[str], object] = importlib.util.find_spec,
 ) -> tuple[str | None, str]:
-    """The ``attn_implementation`` the model loads with (None: transformers' default), and why.
+    """The ``attn_implementation`` the model loads with, and why.
 
     Args:
-        setting (str): ``ModelSettings.attention``: ``auto`` or an implementation transformers knows.
+        setting (str): ``auto`` or an implementation transformers knows.
         device_type (str): this rank's device type.
         packing (bool): the run packs its micro-batches into rows.
         lengths (Sequence[int]): the training samples' token counts.
-        row_tokens (int): the tokens of a packed row, ``max_seq_len``.
-        find_spec (Callable): whether a module is installed (injectable for tests).
+        row_tokens (int): tokens per packed row, ``max_seq_len``.
+        find_spec (Callable): whether a module is installed; injectable for tests.
 
     Returns:
-        tuple: the implementation or None, and the reason, for the log.
+        tuple[str | None, str]: the implementation, None for transformers' default, and the reason.
 
     Raises:
-        ValueError: ``--attention flex_attention`` on the CPU, naming the fix.
+        ValueError: ``--attention flex_attention`` on the CPU.
     """
     if setting != AUTO:
         if setting == FLEX and device_type == "cpu":

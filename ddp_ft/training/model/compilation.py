@@ -1,23 +1,14 @@
 """``torch.compile`` that keeps BucketedDDP's overlap: each decoder layer compiled in place, before the wrap.
 
-Why regional, and why before the wrap. A compiled backward is one autograd node: every gradient of the compiled
-region becomes ready when it ends. Compile the whole model (what the Trainer's ``torch_compile=True`` does through
-Accelerate, around the DDP wrapper) and all of BucketedDDP's gradient hooks fire together at the end of backward, so
-no all-reduce overlaps it. torch's own DDP survives this only through Dynamo's DDPOptimizer, which splits the graph at
-*its* buckets and knows nothing of ours. Compile each decoder layer instead and each layer's backward is its own node:
-the last layers' gradients are ready, and their buckets on the wire, while the first layers still compute. The
-layers run the same code, so one compilation serves them all (a 36-layer model compiles one layer, not 36).
+A compiled backward is one autograd node, so its gradients are all ready when it ends.
+A whole compiled model fires every gradient hook together at the end of backward: no all-reduce overlaps it.
+torch DDP survives this only through Dynamo's DDPOptimizer, which knows nothing of our buckets.
+Compiled per layer, the last layers' buckets are on the wire while the first layers still compute.
+The layers share code, so one compilation serves them all.
 
-In place (the layer's ``forward`` replaced by its compiled version while gradients are recorded; evaluation runs
-eagerly): parameter names, ``state_dict`` keys,
-BucketedDDP's layout and checkpoints are those of the eager model. Hooks stay outside the compiled code, so a
-forward pre-hook marks the sequence dimension of each layer's inputs dynamic (``maybe_mark_dynamic``): a new padded
-length reuses the graph instead of recompiling it until Dynamo's limit, after which it would silently run eager.
-Gradient checkpointing (transformers' ``GradientCheckpointingLayer.__call__``) still wraps each compiled layer.
-
-:class:`CompileWatch` counts the graphs compiled, the recompilations after the first, the limit hits and the time
-spent compiling, for the run's metrics. :func:`compile_blockers` lists what stops compilation from working here;
-``ddp_ft.training.resolve`` turns the default off for them, an explicit ``--compile`` is refused.
+In place, parameter names, ``state_dict`` keys and checkpoints stay those of the eager model.
+A pre-hook marks the sequence dimension dynamic, so a new padded length reuses the graph.
+Gradient checkpointing still wraps each compiled layer.
 """
 
 from __future__ import annotations
@@ -35,18 +26,17 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-COMPILED_FLAG = "_ddp_ft_compiled"  # set on each block this module compiled, so a second call leaves it
-MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer; in a checkpointed layer that is eager
-RECOMPILES_WARNED = 4  # after warm-up; half of Dynamo's default recompile limit (8)
-DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # peft#3020 / pytorch#121966: compiled dropout in a checkpoint crashed before
-# On CUDA it still crashes in the partitioner on torch 2.11 (docs/performance.md); no later CUDA torch has run here, so
-# the blocker holds on CUDA at every version.
+COMPILED_FLAG = "_ddp_ft_compiled"  # a second call leaves a compiled block
+MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer
+RECOMPILES_WARNED = 4  # half of Dynamo's default recompile limit
+DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # compiled dropout in a checkpoint crashed before
+# On CUDA it still crashes (docs/performance.md), so the blocker holds there.
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks of the model's outermost ``ModuleList``s of more than one module of one class (decoder layers)."""
+    """The blocks of the model's outermost ``ModuleList``s of one class, such as decoder layers."""
     blocks: list[nn.Module] = []
-    inside: list[str] = []  # the lists taken: a list of blocks within a block is compiled with it, not again
+    inside: list[str] = []  # a list within a block is compiled with it
     for name, module in model.named_modules():
         repeated = isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
         if repeated and not any(name.startswith(f"{outer}.") for outer in inside):
@@ -61,12 +51,9 @@ def is_regionally_compiled(model: nn.Module) -> bool:
 
 
 def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: every dimension of the layer's tensor inputs that has the hidden states' length or batch
-    size is dynamic.
+    """Forward pre-hook: marks the dimensions with the hidden states' length or batch size dynamic.
 
-    The first tensor argument is the hidden states (batch, sequence, hidden); the attention mask, position ids and
-    rotary tables carry the same sizes in other places. ``maybe_mark_dynamic`` does not fail where Dynamo must
-    specialise (a size the code branches on, and sizes 0 and 1 always); the recompile counter shows it then.
+    Where Dynamo must specialise, ``maybe_mark_dynamic`` does not fail; the recompile counter shows it.
     """
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     tensors += [t for v in kwargs.values() if isinstance(v, tuple) for t in v if isinstance(t, torch.Tensor)]
@@ -80,9 +67,10 @@ def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None
 
 
 def _training_forward(eager: Callable, compiled: Callable) -> Callable:
-    """The compiled forward where gradients are recorded (training, and checkpointing's recomputation), the eager one
-    without (evaluation, generation): a no-grad pass would compile a second graph, and bitsandbytes' no-grad 4-bit
-    path fails to compile on the CPU (its fake kernel's strides). Evaluation is a small share of a run's time."""
+    """The compiled forward where gradients are recorded, the eager one without.
+
+    A no-grad pass would compile a second graph, and bitsandbytes' no-grad path fails to compile on the CPU.
+    """
 
     def forward(*args, **kwargs):
         return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)
@@ -92,19 +80,17 @@ def _training_forward(eager: Callable, compiled: Callable) -> Callable:
 
 
 def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
-    """``torch.compile`` each block of the model's repeated layers in place (regional compilation).
+    """``torch.compile`` each block of the model's repeated layers in place.
 
     Args:
-        model (nn.Module): the unwrapped model (before BucketedDDP, or any DDP, wraps it).
-        **compile_kwargs: ``torch.compile``'s (``backend``, ``mode``, ``fullgraph``, ``dynamic``, ``options``).
-            ``dynamic`` None (the default) marks the sequence and batch dimensions dynamic; False keeps every shape
-            static.
+        model (nn.Module): the unwrapped model, before any DDP wraps it.
+        **compile_kwargs: ``torch.compile``'s. ``dynamic`` None marks sequence and batch dynamic.
 
     Returns:
-        int: how many blocks were compiled (0 when they already were).
+        int: how many blocks were compiled; 0 when they already were.
 
     Raises:
-        ValueError: the model has no ``ModuleList`` of blocks of one class, naming the setting.
+        ValueError: the model has no ``ModuleList`` of blocks of one class.
     """
     blocks = repeated_blocks(model)
     if not blocks:
@@ -132,7 +118,7 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
 
 @dataclass(frozen=True)
 class Blocker:
-    """Why compilation cannot work (or is known to break) here, and the fix."""
+    """Why compilation cannot work here, and the fix."""
 
     reason: str
     fix: str
@@ -157,15 +143,18 @@ def compile_blockers(
     which: Callable[[str], str | None] = shutil.which,
     version: Callable[[str], tuple[int, ...] | None] = _version,
 ) -> list[Blocker]:
-    """What stops regional compilation from working on ``device`` with these settings (empty: nothing).
+    """What stops regional compilation from working on ``device`` with these settings.
 
     Args:
         device (torch.device): this rank's device.
-        four_bit (bool): the model's linear layers are bitsandbytes 4-bit.
+        four_bit (bool): the linear layers are bitsandbytes 4-bit.
         lora_dropout (float): the adapters' dropout.
         checkpointing (bool): gradient checkpointing is on.
-        toolchain (bool): check what TorchInductor needs (Triton, a C++ compiler); False for other backends.
-        find_spec, which, version: module lookup, executable lookup, installed version (injectable for tests).
+        toolchain (bool): check what TorchInductor needs; False for other backends.
+        find_spec, which, version: lookups, injectable for tests.
+
+    Returns:
+        list[Blocker]: empty when nothing blocks.
     """
     found = []
     if toolchain and device.type == "cuda" and find_spec("triton") is None:
@@ -210,10 +199,10 @@ def compile_blockers(
 
 
 def refuse_blockers(blockers: list[Blocker], setting: str) -> None:
-    """Raise for an explicit request of compilation that cannot work.
+    """Raises for an explicit request of compilation that cannot work.
 
     Raises:
-        ValueError: naming ``setting``, each reason and its fix, and how to turn compilation off.
+        ValueError: naming ``setting``, each reason and its fix.
     """
     if blockers:
         details = "; ".join(f"{b.reason}: {b.fix}" for b in blockers)
@@ -227,11 +216,10 @@ def check_model_compile(
     backend: str = "inductor",
     blockers: Callable[..., list[Blocker]] = compile_blockers,
 ) -> None:
-    """Refuse compiling a user's model where it is known to break, read from the model itself: 4-bit layers
-    (bitsandbytes' version), its LoRA dropout and whether its layers are checkpointed.
+    """Refuses compiling a user's model where it is known to break, read from the model.
 
     Raises:
-        ValueError: naming ``setting`` (the user's ``torch_compile`` or ``dynamo_backend``), each reason and its fix.
+        ValueError: naming ``setting``, each reason and its fix.
     """
     modules = list(model.modules())
     dropout = max(
@@ -248,11 +236,10 @@ def check_model_compile(
 
 
 def check_compile_mode(mode: str | None, world_size: int, setting: str) -> None:
-    """Refuse a compile mode known to break under data parallelism.
+    """Refuses a compile mode known to break under data parallelism.
 
     Raises:
-        ValueError: ``max-autotune`` on several processes (pytorch#140395: DDP with max-autotune, which captures CUDA
-            graphs, is broken since torch 2.5), naming ``setting`` and the modes that work.
+        ValueError: ``max-autotune`` on several processes, whose CUDA graphs break DDP.
     """
     if world_size > 1 and mode == "max-autotune":
         raise ValueError(
@@ -263,14 +250,10 @@ def check_compile_mode(mode: str | None, world_size: int, setting: str) -> None:
 
 
 class CompileWatch:
-    """Counts of this process's Dynamo compilations since it was made: graphs, recompilations, limit hits, seconds.
+    """Counts this process's Dynamo graphs, recompilations, limit hits and compile seconds.
 
-    Dynamo's counters are process-wide; the watch reads their change. A recompilation is any graph after the first.
-    With the sequence and batch dimensions dynamic a run should show a few at most: size 1 is always specialised
-    (the micro-batch probe's first point), evaluation runs without gradients. The graphs of the warm-up (everything
-    before the first snapshot: the probe, with and without checkpointing under ``auto``, and the first step) are
-    expected; from :data:`RECOMPILES_WARNED` graphs after it on, or when Dynamo hits its recompile limit (from then
-    on it runs the layer eagerly, silently apart from one log line, which the watch counts), it warns.
+    Graphs before the first snapshot are warm-up.
+    It warns after :data:`RECOMPILES_WARNED` later graphs, or when Dynamo hits its limit and runs eagerly.
     """
 
     LIMIT_LOGGER = "torch._dynamo.convert_frame"
@@ -279,7 +262,7 @@ class CompileWatch:
         self._base = self._now()
         self.limit_hits = 0
         self._reported = (0, 0)
-        self._warm: int | None = None  # graphs at the first snapshot: the warm-up's
+        self._warm: int | None = None  # graphs at the first snapshot
         watch = self
 
         class _Counter(logging.Filter):
@@ -298,8 +281,7 @@ class CompileWatch:
         return counters["stats"]["unique_graphs"], sum(compilation_time_metrics.get("_compile.compile_inner", []))
 
     def snapshot(self) -> dict[str, float]:
-        """``compile/graphs``, ``compile/recompiles`` (graphs beyond the first), ``compile/limit_hits`` and
-        ``compile/time_s`` since the watch was made; a recompilation newly seen is logged once as a warning."""
+        """The counts since the watch was made; a new recompilation is warned once."""
         graphs, seconds = (now - base for now, base in zip(self._now(), self._base, strict=True))
         recompiles = max(0, graphs - 1)
         self._warm = graphs if self._warm is None else self._warm

@@ -1,10 +1,8 @@
-"""Fewer kernels per step, opt-in: Liger's fused Qwen3 kernels (``--liger``).
+"""Liger's fused Qwen3 kernels (``--liger``), opt-in.
 
-``check_kernel_settings`` refuses ``--liger`` (and an explicit ``--compile``, through
-``ddp_ft.training.model.compilation``) where it cannot work, from the settings and the device alone, so both entry
-points stop before anything loads (``ddp_ft.training.resolve.resolve_run``). The plain loop applies Liger itself,
-``apply_liger_to_qwen3`` before the model is built; the recipe hands it to the Trainer (``use_liger_kernel``). Not a
-default: on one H100 at micro-batch 1 it trained slower than without it (``docs/performance.md``).
+The settings are checked before anything loads (``ddp_ft.training.resolve.resolve_run``).
+The plain loop patches Qwen3 itself; the recipe sets the Trainer's ``use_liger_kernel``.
+Not a default: it trained slower on one H100 at micro-batch 1 (``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from .compilation import compile_blockers, refuse_blockers
 
 logger = logging.getLogger(__name__)
 
-LIGER_INSTALL = 'pip install "liger-kernel>=0.7,<1"'  # the [liger] extra's requirement: ddp_ft is not on PyPI
+LIGER_INSTALL = 'pip install "liger-kernel>=0.7,<1"'  # ddp_ft is not on PyPI
 
 
 def check_kernel_settings(
@@ -31,19 +29,17 @@ def check_kernel_settings(
     find_spec: Callable[[str], object] = importlib.util.find_spec,
     which: Callable[[str], str | None] = shutil.which,
 ) -> None:
-    """Refuse ``--liger`` and ``--compile`` where they cannot work on ``device``, before anything loads.
+    """Refuses ``--liger`` and ``--compile`` where they cannot work on ``device``.
 
     Args:
         liger (bool): ``ModelSettings.liger``.
         compile (bool): ``ModelSettings.compile``.
         device (torch.device): this rank's device.
-        find_spec (Callable): whether a module is installed (``importlib.util.find_spec``; injectable for tests).
-        which (Callable): where an executable is (``shutil.which``; injectable for tests).
+        find_spec (Callable): whether a module is installed; injectable for tests.
+        which (Callable): where an executable is; injectable for tests.
 
     Raises:
-        ValueError: ``--liger`` off CUDA, without Triton or without liger-kernel; ``--compile`` on the CPU without the
-            C++ compiler TorchInductor builds its kernels with, or on CUDA without Triton; each naming the setting and
-            the fix.
+        ValueError: Liger off CUDA or without its packages, or compilation without its toolchain.
     """
     if liger:
         if device.type != "cuda":
@@ -66,16 +62,12 @@ def check_kernel_settings(
 
 
 def apply_liger_to_qwen3(model_name_or_path: str) -> None:
-    """Liger's Qwen3 patch, before the model is built: RoPE, RMSNorm, SwiGLU and the fused linear cross-entropy.
+    """Applies Liger's Qwen3 patch before the model is built.
 
-    Liger's documented entry point (``liger_kernel.transformers.apply_liger_kernel_to_qwen3``) swaps the classes and
-    functions of transformers' ``modeling_qwen3`` for this process, so the model ``from_pretrained`` builds next has
-    Liger's layers (bitsandbytes then quantises their linear layers as any others). In training the loss comes from
-    the last hidden states and the lm_head weight in chunks, never the logits (151,936 per token on Qwen3-4B); in
-    evaluation the logits are computed as before.
+    In training the loss comes from hidden states in chunks, never the full logits.
 
     Raises:
-        ValueError: the model is not a Qwen3 (its ``config.json``'s ``model_type``), naming --liger.
+        ValueError: the model is not a Qwen3.
     """
     from transformers import AutoConfig
 

@@ -1,25 +1,12 @@
-"""Memory per GPU of the 4-bit QLoRA model: what is resident, what one training step adds, by arithmetic.
+"""Memory per GPU of the 4-bit QLoRA model, by arithmetic.
 
-:func:`estimate` is pure arithmetic on a Qwen3 shape (no torch): the NF4 base with its quantisation state, the frozen
-weights that are not quantised (embedding, tied lm_head, norms), the LoRA adapters (r on every linear layer of the
-decoder, float32) with their gradients and AdamW moments, and the tensors alive at the step's peak with
-non-reentrant gradient checkpointing. "Upcast" is peft's layout (``prepare_model_for_kbit_training`` casts the frozen
-weights that are not quantised to float32, ``--upcast-frozen-weights``); "kept" is ours (they stay in the compute
-dtype, ``ddp_ft.training.model.qlora._frozen_weights_kept``).
+:func:`estimate` counts a Qwen3 shape: the NF4 base, frozen weights, LoRA adapters and their optimizer state.
+It adds the tensors alive at the step's peak with non-reentrant checkpointing.
+The step peaks in the loss's backward, when the float32 log-softmax and two gradients of its size are alive.
+"Upcast" is peft's float32 layout of the frozen weights; "kept" leaves them in the compute dtype.
+The CUDA context, cached free blocks and kernel workspaces are not counted.
 
-Where the step peaks (measured on a 2-layer proxy of Qwen3-4B at full width, ``scripts/memory_4bit.py``): in the
-backward of the loss, when the log-softmax output transformers saved (float32, batch x seq x vocab), the gradient
-flowing into it and the one it produces are alive together, on top of every checkpointed layer input and, in the
-upcast layout, autocast's bf16 copy of the float32 lm_head (a frozen weight's cast is not cached; the matmul keeps
-it for the input gradient). A decoder layer's recomputation in the backward holds far less than the vocabulary-wide
-tensors of the loss, and the optimizer step comes after the activations are freed. Not counted: the CUDA context,
-the caching allocator's free blocks, kernel workspaces.
-
-:func:`parameter_bytes` and :func:`step_peak_bytes` measure the same on a model on the CPU: the first sums the
-storages of parameters, buffers and 4-bit quantisation state; the second is the peak of torch's CPU allocator
-accounting (the profiler's memory events) over a callable, with the arithmetic of matmuls and attention skipped
-(:func:`skipped_matmuls_mode`), so a step of a 4B-wide model takes seconds instead of minutes on a CPU without bf16
-units while allocating the same tensors.
+:func:`parameter_bytes` and :func:`step_peak_bytes` measure the same on the CPU.
 """
 
 from __future__ import annotations
@@ -30,15 +17,15 @@ from dataclasses import dataclass
 from ..batch import gradient_accumulation_steps
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-NF4_BLOCKSIZE = 64  # bitsandbytes' 4-bit block: one absmax per 64 weights
-NESTED_BLOCKSIZE = 256  # double quantisation: the absmaxes quantised to uint8 in blocks of 256
-NF4_CODE_BYTES = 16 * 4  # the NF4 code table (float32), one per weight
-NESTED_CODE_BYTES = 256 * 4  # the 8-bit dynamic map of the nested quantisation, one per weight
+NF4_BLOCKSIZE = 64  # one absmax per 64 weights
+NESTED_BLOCKSIZE = 256  # absmaxes quantised to uint8 in blocks of 256
+NF4_CODE_BYTES = 16 * 4  # float32 NF4 code table
+NESTED_CODE_BYTES = 256 * 4  # 8-bit map of the nested quantisation
 
 
 @dataclass(frozen=True)
 class Qwen3Shape:
-    """The sizes of a Qwen3 causal LM that decide its memory (the fields of ``transformers.Qwen3Config``)."""
+    """The sizes of a Qwen3 causal LM that decide its memory."""
 
     hidden_size: int
     intermediate_size: int
@@ -55,13 +42,13 @@ class Qwen3Shape:
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
 
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """(out, in) of one decoder layer's linear layers: q, k, v, o, gate, up, down (all 4-bit, all LoRA)."""
+        """(out, in) of one decoder layer's seven linear layers."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.num_attention_heads, self.num_key_value_heads
         d = self.head_dim
         return [(q * d, h), (kv * d, h), (kv * d, h), (h, q * d), (i, h), (i, h), (h, i)]
 
 
-# Qwen/Qwen3-4B's config.json (hub revision of 2025-04; no network here, so written out).
+# Qwen/Qwen3-4B's config.json, written out.
 QWEN3_4B = Qwen3Shape(
     hidden_size=2560,
     intermediate_size=9728,
@@ -75,11 +62,7 @@ QWEN3_4B = Qwen3Shape(
 
 
 def nf4_bytes(numel: int, double_quant: bool = True) -> int:
-    """Bytes of one bitsandbytes NF4 weight of ``numel`` elements with its quantisation state.
-
-    Two weights per byte; one absmax per 64-weight block, float32, or with double quantisation uint8 plus one
-    float32 absmax per 256 blocks, a float32 offset and the 8-bit map; the NF4 code table.
-    """
+    """Bytes of one bitsandbytes NF4 weight of ``numel`` elements, with its quantisation state."""
     blocks = -(-numel // NF4_BLOCKSIZE)
     packed = -(-numel // 2)
     if not double_quant:
@@ -89,13 +72,13 @@ def nf4_bytes(numel: int, double_quant: bool = True) -> int:
 
 
 def lora_parameters(shape: Qwen3Shape, r: int) -> int:
-    """LoRA parameters with rank ``r`` on every linear layer of the decoder (peft's ``all-linear``: not lm_head)."""
+    """LoRA parameters of rank ``r`` on every decoder linear layer, as peft's ``all-linear``."""
     return shape.num_hidden_layers * sum(r * (out + inp) for out, inp in shape.linear_shapes())
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU, by part. ``resident`` lives for the whole run; ``activations`` at the step's peak on top."""
+    """Bytes per GPU, by part; activations peak on top of the resident bytes."""
 
     parameters: dict[str, int]
     training_state: dict[str, int]
@@ -115,8 +98,7 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        """Peak tensor bytes (``torch.cuda.max_memory_allocated``); the CUDA context and the allocator's cached
-        but free blocks come on top."""
+        """Peak tensor bytes, as ``torch.cuda.max_memory_allocated`` counts them."""
         return self.resident + self.step_peak
 
 
@@ -129,26 +111,28 @@ def estimate(
     lora_r: int = 16,
     double_quant: bool = True,
 ) -> MemoryEstimate:
-    """Bytes per GPU of QLoRA training on ``shape`` at ``seq_len`` tokens x ``micro_batch`` sequences.
+    """Bytes per GPU of QLoRA training on ``shape`` at ``seq_len`` x ``micro_batch`` tokens.
 
     Args:
         shape (Qwen3Shape): the model's sizes.
-        seq_len (int): tokens per sequence (padded length).
+        seq_len (int): tokens per sequence, padded.
         micro_batch (int): sequences per forward. Default: 1.
-        compute_dtype (str): bfloat16, float16 or float32 (autocast and the 4-bit matmuls). Default: bfloat16.
-        upcast_frozen_weights (bool): peft's float32 layout of the frozen weights that are not quantised.
-            Default: False (kept in the compute dtype).
+        compute_dtype (str): bfloat16, float16 or float32. Default: bfloat16.
+        upcast_frozen_weights (bool): peft's float32 frozen weights. Default: False.
         lora_r (int): LoRA rank. Default: 16.
         double_quant (bool): NF4 double quantisation. Default: True.
 
     Returns:
         MemoryEstimate: the parts, named.
+
+    Raises:
+        ValueError: an unknown ``compute_dtype``.
     """
     if compute_dtype not in DTYPE_BYTES:
         raise ValueError(f"compute_dtype={compute_dtype!r}: choose one of {sorted(DTYPE_BYTES)}.")
     c = DTYPE_BYTES[compute_dtype]
-    frozen = 4 if upcast_frozen_weights else c  # the embedding, lm_head and norms
-    # The residual stream takes the embedding's dtype; an fp16 one is widened to fp32 (model.py's forward hook).
+    frozen = 4 if upcast_frozen_weights else c
+    # The residual stream takes the embedding's dtype; fp16 is widened to fp32.
     residual = 4 if frozen == 4 or compute_dtype == "float16" else c
     h, v, layers, tokens = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers, micro_batch * seq_len
     norms = layers * (2 * h + 2 * shape.head_dim) + h  # input, post-attention, q and k norms; the final norm
@@ -158,23 +142,20 @@ def estimate(
         "embedding": v * h * frozen,  # the lm_head too when tied
         "lm_head": 0 if shape.tie_word_embeddings else v * h * frozen,
         "norms": norms * frozen,
-        "rotary_buffers": 2 * (shape.head_dim // 2) * 4,  # inv_freq and original_inv_freq, float32
-        "lora_adapters": lora * 4,  # float32 in every layout (peft's autocast_adapter_dtype)
+        "rotary_buffers": 2 * (shape.head_dim // 2) * 4,
+        "lora_adapters": lora * 4,  # float32 in every layout
     }
-    training_state = {"lora_gradients": lora * 4, "adamw_moments": lora * 8}  # float32; gradients: the DDP buckets
+    training_state = {"lora_gradients": lora * 4, "adamw_moments": lora * 8}  # float32
     activations = {
-        # autocast caches its casts of the trainable LoRA weights until the autocast block ends; the loop runs the
-        # backward inside it.
+        # autocast caches LoRA weight casts; the backward runs inside it.
         "lora_autocast_copies": lora * c if c < 4 else 0,
-        # Non-reentrant checkpointing keeps each decoder layer's input; the final norm keeps its float32 input.
+        # Non-reentrant checkpointing keeps each layer's input.
         "checkpointed_layer_inputs": layers * tokens * h * residual,
         "final_norm_input": tokens * h * 4,
         "rotary_cos_sin": 2 * seq_len * shape.head_dim * residual,
-        # autocast's copy of a float32 lm_head, made every forward and kept for the backward.
+        # autocast's copy of a float32 lm_head, kept for the backward.
         "lm_head_autocast_copy": v * h * c if frozen == 4 and c < 4 else 0,
-        # transformers upcasts the logits for the loss; the log-softmax output is saved, and in its backward the
-        # incoming and outgoing gradients (float32, same size) are alive with it. The loop drops the output object
-        # (and with it the compute-dtype logits) before the backward.
+        # The saved log-softmax, plus two float32 gradients of its size in its backward.
         "log_softmax_output": tokens * v * 4,
         "loss_gradients": 2 * tokens * v * 4,
     }
@@ -185,9 +166,9 @@ def estimate(
 
 
 def parameter_bytes(model) -> int:
-    """Bytes of the distinct storages of ``model``'s parameters, buffers and 4-bit quantisation state.
+    """Bytes of the distinct storages of ``model``'s parameters, buffers and 4-bit state.
 
-    Tied weights count once; a ``Params4bit``'s ``quant_state`` (absmax, nested absmax, offset, code tables) counts.
+    Tied weights count once.
     """
     import torch
 
@@ -202,8 +183,7 @@ def parameter_bytes(model) -> int:
 
 
 def skipped_matmuls_mode():
-    """A ``TorchDispatchMode`` that answers matmuls, attention and bitsandbytes' 4-bit matmul with zeros of the
-    right shape, dtype and strides instead of computing them (see :func:`step_peak_bytes`)."""
+    """A ``TorchDispatchMode`` that answers matmuls and attention with zeros of the right shape."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
@@ -235,18 +215,16 @@ def skipped_matmuls_mode():
             kwargs = kwargs or {}
             if func not in skipped:
                 return func(*args, **kwargs)
-            return tree_map(zeros, func(*tree_map(meta, args), **tree_map(meta, kwargs)))  # shapes from meta kernels
+            return tree_map(zeros, func(*tree_map(meta, args), **tree_map(meta, kwargs)))
 
     return SkippedMatmuls()
 
 
 def step_peak_bytes(step: Callable[[], object], skip_matmuls: bool = True) -> int:
-    """Peak of CPU tensor bytes allocated while ``step()`` runs, above what was allocated before it.
+    """Peak CPU tensor bytes allocated while ``step()`` runs, from the profiler's memory events.
 
-    From the profiler's memory events (torch's CPU allocator reports every allocation and free to it). With
-    ``skip_matmuls`` the matmuls and attention return zeros instead of computing (:func:`skipped_matmuls_mode`):
-    the same tensors are allocated, except the kernels' internal scratch space, which is a property of the kernel
-    (and differs on a GPU anyway). Only tensors count, not the Python or allocator overhead of the process.
+    With ``skip_matmuls`` the same tensors are allocated without the arithmetic.
+    Kernels' scratch space is not counted.
     """
     from contextlib import nullcontext
 
@@ -265,24 +243,20 @@ def step_peak_bytes(step: Callable[[], object], skip_matmuls: bool = True) -> in
 
 # --- Choosing the micro-batch (``--micro-batch auto``) -----------------------------------------------------------
 
-# The share of the device kept free under the expected peak. It covers what the caching allocator reserves above the
-# allocated peak (measured on an H100: docs/performance.md), the CUDA context, which counts against the device's
-# total, kernel workspaces, and the estimate's error growing with the micro-batch.
+# Kept free under the expected peak: the allocator's reserve, the CUDA context, workspaces,
+# and the estimate's error (docs/performance.md).
 AUTO_MARGIN = 0.15
 
 
 @dataclass(frozen=True)
 class MicroBatchChoice:
-    """What ``--micro-batch auto`` chose: the largest micro-batch whose expected peak fits the budget.
-
-    ``micro_batch x accumulation x world_size`` is the effective batch, unchanged.
-    """
+    """What ``--micro-batch auto`` chose: the largest micro-batch whose expected peak fits."""
 
     micro_batch: int
     accumulation: int
     world_size: int
-    expected_peak: int  # bytes, MemoryEstimate.peak at this micro-batch
-    budget: int  # bytes, device_bytes x (1 - margin)
+    expected_peak: int  # bytes
+    budget: int  # bytes
     device_bytes: int
 
     def describe(self) -> str:
@@ -307,18 +281,16 @@ def auto_micro_batch(
     double_quant: bool = True,
     margin: float = AUTO_MARGIN,
 ) -> MicroBatchChoice:
-    """The largest micro-batch that fits ``device_bytes`` with the effective batch unchanged, by :func:`estimate`.
+    """The largest micro-batch that fits ``device_bytes`` by :func:`estimate`, effective batch unchanged.
 
-    Candidates are the divisors of ``effective_batch / world_size`` (so the accumulation is a whole number); the
-    choice is the largest whose expected peak (resident + step peak at ``seq_len`` x micro-batch tokens) is at most
-    ``device_bytes x (1 - margin)``. The peak grows with the micro-batch, so no larger divisor fits either.
+    Candidates divide ``effective_batch / world_size``, so the accumulation is whole.
 
     Args:
         shape (Qwen3Shape): the model's sizes.
-        seq_len (int): tokens per sequence (the run's ``max_seq_len``, the padded length at worst).
+        seq_len (int): tokens per sequence, the run's ``max_seq_len``.
         effective_batch (int): samples per optimizer step over all ranks.
         world_size (int): ranks.
-        device_bytes (int): memory of one device (``torch.cuda.mem_get_info``'s total).
+        device_bytes (int): memory of one device.
         compute_dtype, upcast_frozen_weights, lora_r, double_quant: as in :func:`estimate`.
         margin (float): share of ``device_bytes`` left free. Default: :data:`AUTO_MARGIN`.
 
@@ -326,10 +298,9 @@ def auto_micro_batch(
         MicroBatchChoice: the micro-batch, its accumulation, expected peak and budget.
 
     Raises:
-        ValueError: ``effective_batch`` not a multiple of ``world_size``, a margin outside [0, 1), or micro-batch 1
-            not fitting; naming ``--micro-batch`` and the numbers.
+        ValueError: a bad batch or margin, or micro-batch 1 does not fit.
     """
-    per_rank = gradient_accumulation_steps(effective_batch, 1, world_size)  # samples per rank per step
+    per_rank = gradient_accumulation_steps(effective_batch, 1, world_size)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin}: must be in [0, 1).")
     budget = int(device_bytes * (1.0 - margin))

@@ -1,14 +1,9 @@
 """A trained adapter merged into its base: one standalone model to serve (``ddp-ft merge``).
 
-By default the adapter is merged into the base as training saw it. The base loads in NF4 as the run loaded it, each
-``Linear4bit`` becomes an ``nn.Linear`` holding its dequantised weight, then peft's ``merge_and_unload`` adds the
-LoRA product. The merged model then computes what the adapter computed on its 4-bit base. Merging into the 4-bit
-layers themselves would quantise the merged weight again and lose the adapter's small updates.
-
-``base="original"`` merges into the published 16-bit weights instead. The adapter learned to correct the NF4
-weights, so the two bases differ by the quantisation error (docs/own_data.md gives numbers).
-
-The output folder is written whole or not at all: a hidden sibling is filled, fsynced, then renamed into place.
+By default the base is dequantised from NF4 as training saw it, then peft adds the LoRA product.
+Merging into the 4-bit layers would quantise again and lose the adapter's small updates.
+``base="original"`` merges into the published 16-bit weights, which differ by the quantisation error.
+The output folder is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 BASES = ("trained", "original")
 ADAPTER_CONFIG = "adapter_config.json"
-_TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # the HF Trainer's, which the recipe writes
+_TRAINER_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _LOOP_CHECKPOINT = re.compile(rf"{re.escape(CHECKPOINT_PREFIX)}-(\d+)$")
 _BASE_FIX = (
     "Pass --base-model with the folder or hub id of the base model the adapter was trained on "
@@ -48,16 +43,10 @@ class MergeSettings:
     """How ``ddp-ft merge`` builds the merged model.
 
     Args:
-        base (str): ``trained``: the base as training saw it (NF4 dequantised, or the 16-bit weights when the run's
-            ``run_config.yaml`` says ``load_in_4bit: false``); ``original``: the published 16-bit weights.
-            Default: trained
-        dtype (str): dtype of the merged model, and the dtype the base loads in before it is quantised: ``auto``
-            (bfloat16; float16 on a GPU below compute capability 8.0) or one of bfloat16, float16, float32.
-            Default: auto
-        base_model (str | None): the base model's folder or hub id; None: ``base_model_name_or_path`` of the
-            adapter's ``adapter_config.json``. Default: None
-        device (str): where the base loads and merges: ``auto`` (the first GPU, else the CPU), ``cpu``,
-            ``cuda`` or ``cuda:N``. Default: auto
+        base (str): ``trained``, the base as training saw it, or ``original``, the published weights. Default: trained.
+        dtype (str): the merged model's dtype: ``auto``, bfloat16, float16 or float32. Default: auto.
+        base_model (str | None): the base's folder or hub id. Default: None, from ``adapter_config.json``.
+        device (str): ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. Default: auto.
     """
 
     base: str = "trained"
@@ -83,8 +72,8 @@ class MergePlan:
     Args:
         adapter (Path): the adapter folder.
         base_model (str): the base model's folder or hub id.
-        quantized (bool): merge into the NF4 base (dequantised), as training saw it.
-        double_quant (bool): the NF4 scales quantised again, as the run had them.
+        quantized (bool): merge into the dequantised NF4 base.
+        double_quant (bool): the NF4 scales quantised again.
         dtype (torch.dtype): the merged model's dtype.
         device (torch.device): where the base loads and merges.
     """
@@ -98,13 +87,12 @@ class MergePlan:
 
 
 def find_adapter(path: str | Path) -> Path:
-    """The adapter a run folder ends with, or ``path`` itself when it is an adapter folder.
+    """The adapter a run folder ends with, or ``path`` itself when it is one.
 
-    In a run folder: ``final/`` (a finished run), else its newest checkpoint's adapter: the plain loop's ``latest``
-    (``ddp_ft-checkpoint-N/adapter``) or the recipe's ``checkpoint-N``, whichever has the higher step.
+    A run folder gives ``final/``, else its newest checkpoint's adapter.
 
     Raises:
-        FileNotFoundError: neither an adapter folder nor a run folder holding one, naming what was looked for.
+        FileNotFoundError: no adapter there.
     """
     path = Path(path)
     if (path / ADAPTER_CONFIG).is_file():
@@ -126,7 +114,7 @@ def find_adapter(path: str | Path) -> Path:
 
 
 def check_output_dir(out: str | Path) -> None:
-    """Refuse an output that exists and is not an empty folder: a merge never replaces what is there.
+    """Refuses an output that exists and is not an empty folder.
 
     Raises:
         FileExistsError: naming ``--out`` and the fix.
@@ -140,12 +128,11 @@ def check_output_dir(out: str | Path) -> None:
 
 
 def plan_merge(source: str | Path, settings: MergeSettings) -> MergePlan:
-    """Find the adapter, its base and how training loaded the base; everything checked before any weight loads.
+    """Finds the adapter, its base and how training loaded the base, before any weight loads.
 
     Raises:
-        FileNotFoundError: no adapter (:func:`find_adapter`).
-        ValueError: an adapter config without a base model, or a base model that cannot be found, naming
-            ``base_model_name_or_path`` and ``--base-model``.
+        FileNotFoundError: no adapter.
+        ValueError: no base model named, or one that cannot be found.
     """
     adapter = find_adapter(source)
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
@@ -153,7 +140,7 @@ def plan_merge(source: str | Path, settings: MergeSettings) -> MergePlan:
     setting = "--base-model" if settings.base_model else f"base_model_name_or_path in {adapter / ADAPTER_CONFIG} ="
     if not base_model:
         raise ValueError(f"{adapter / ADAPTER_CONFIG} names no base_model_name_or_path. {_BASE_FIX}.")
-    check_model_source(base_model, setting=setting, fix=_BASE_FIX, tokenizer=False)  # the adapter has its own
+    check_model_source(base_model, setting=setting, fix=_BASE_FIX, tokenizer=False)  # the adapter has its own tokenizer
     load_in_4bit, double_quant = _trained_quantization(adapter)
     if settings.base == "trained" and not load_in_4bit:
         logger.info("the run trained on the unquantised base (load_in_4bit: false): merging into it")
@@ -169,19 +156,23 @@ def plan_merge(source: str | Path, settings: MergeSettings) -> MergePlan:
 
 
 def merge_adapter(source: str | Path, out: str | Path, settings: MergeSettings | None = None) -> Path:
-    """Merge a run's adapter (or an adapter folder) into its base; write the model, its tokenizer and
-    ``ddp_ft_data.json`` to ``out`` with ``save_pretrained``.
+    """Merges a run's adapter into its base and saves the model, tokenizer and data settings to ``out``.
 
     Args:
-        source (str | Path): a run's output folder (:func:`find_adapter`) or an adapter folder.
+        source (str | Path): a run's output folder or an adapter folder.
         out (str | Path): a new or empty folder.
-        settings (MergeSettings | None): which base, dtype and device. Default: ``MergeSettings()``
+        settings (MergeSettings | None): which base, dtype and device. Default: ``MergeSettings()``.
 
     Returns:
-        Path: ``out``, loadable with ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+        Path: ``out``, loadable with ``from_pretrained``.
 
     Raises:
-        FileExistsError: ``out`` is not new or empty. FileNotFoundError, ValueError: see :func:`plan_merge`.
+        FileExistsError: ``out`` is not new or empty.
+        FileNotFoundError: no adapter or tokenizer.
+        ValueError: no usable base model.
+
+    Example:
+        >>> merge_adapter("runs/qwen3", "merged/qwen3", MergeSettings(dtype="bfloat16"))
     """
     from peft import PeftModel
 
@@ -193,7 +184,7 @@ def merge_adapter(source: str | Path, out: str | Path, settings: MergeSettings |
     what = "its NF4 weights dequantised, as training saw them" if plan.quantized else "its original weights"
     logger.info("merging %s into %s (%s), %s on %s", plan.adapter, plan.base_model, what, plan.dtype, plan.device)
     base = load_base_to_merge(plan)
-    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing`: not the user's concern
+    with warnings.catch_warnings():  # peft reads a deprecated attribute
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         merged = PeftModel.from_pretrained(base, str(plan.adapter)).merge_and_unload(safe_merge=True)
     _write(merged, tokenizer, plan.adapter, out)
@@ -202,8 +193,7 @@ def merge_adapter(source: str | Path, out: str | Path, settings: MergeSettings |
 
 
 def load_base_to_merge(plan: MergePlan) -> torch.nn.Module:
-    """The base in ``plan.dtype`` on ``plan.device``: quantised to NF4 as the run loaded it, then each ``Linear4bit``
-    replaced by an ``nn.Linear`` holding its dequantised weight (transformers' ``dequantize``); else as published."""
+    """The base in ``plan.dtype`` on ``plan.device``, dequantised from NF4 when ``plan.quantized``."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kwargs: dict = {"dtype": plan.dtype, "device_map": {"": str(plan.device)}}
@@ -215,12 +205,12 @@ def load_base_to_merge(plan: MergePlan) -> torch.nn.Module:
             bnb_4bit_compute_dtype=plan.dtype,
         )
     base = AutoModelForCausalLM.from_pretrained(plan.base_model, **kwargs)
-    # No forward before this: bitsandbytes may repack a CPU layer's weight at its first forward in eval mode.
+    # No forward before this: bitsandbytes may repack a CPU weight at its first one.
     return base.dequantize(dtype=plan.dtype) if plan.quantized else base
 
 
 def _checkpoint_adapters(run: Path) -> list[tuple[int, Path]]:
-    """(step, adapter folder) of the checkpoint ``latest`` names (the plain loop's) and of every ``checkpoint-N``."""
+    """(step, adapter folder) of the loop's ``latest`` checkpoint and of every ``checkpoint-N``."""
     found = []
     name = latest_name(run)
     match = _LOOP_CHECKPOINT.search(name or "")
@@ -234,11 +224,7 @@ def _checkpoint_adapters(run: Path) -> list[tuple[int, Path]]:
 
 
 def _trained_quantization(adapter: Path) -> tuple[bool, bool]:
-    """``load_in_4bit`` and ``double_quant`` from the run's ``run_config.yaml``, else ``ModelSettings``' defaults.
-
-    The run folder is the adapter's parent (``final/``, ``checkpoint-N/``) or grandparent (the loop's
-    ``ddp_ft-checkpoint-N/adapter/``).
-    """
+    """``load_in_4bit`` and ``double_quant`` from the run's ``run_config.yaml``, else the defaults."""
     defaults = ModelSettings()
     config = next((f / RUN_CONFIG for f in (adapter.parent, adapter.parent.parent) if (f / RUN_CONFIG).is_file()), None)
     if config is None:
@@ -261,7 +247,7 @@ def _device(name: str) -> torch.device:
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16, or float16 on a GPU too old for native bfloat16 (the rule of ``precision``)."""
+    """``auto``: bfloat16, or float16 on a GPU without native bfloat16."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < BF16_MIN_CAPABILITY:
@@ -270,7 +256,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_adapter_tokenizer(plan: MergePlan):
-    """The adapter's tokenizer (with the chat template it trained with), else the base model's, with a warning."""
+    """The adapter's tokenizer, else the base model's with a warning."""
     from transformers import AutoTokenizer
 
     if (plan.adapter / "tokenizer_config.json").is_file():
@@ -290,7 +276,7 @@ def load_adapter_tokenizer(plan: MergePlan):
 
 
 def _write(model: torch.nn.Module, tokenizer, adapter: Path, out: Path) -> None:
-    """Save into a hidden sibling of ``out``, fsync, rename into place; on any failure nothing is left behind."""
+    """Saves into a hidden sibling of ``out``, fsyncs, and renames it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -302,6 +288,6 @@ def _write(model: torch.nn.Module, tokenizer, adapter: Path, out: Path) -> None:
         else:
             logger.warning("%s holds no %s: the merged model has no record of its prompt format", adapter, DATA_FILE)
         fsync_tree(tmp)
-        os.replace(tmp, out)  # replaces an empty folder only; a folder filled meanwhile fails, untouched
+        os.replace(tmp, out)  # replaces an empty folder only
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

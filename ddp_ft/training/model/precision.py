@@ -1,13 +1,9 @@
 """Which floating-point precision a run computes in, chosen once from the setting and the device.
 
-One choice drives everything that depends on it: the 4-bit layers' ``bnb_4bit_compute_dtype``, the dtype the
-base model loads in, the loop's autocast, its loss scaler, and the Trainer's ``bf16``/``fp16`` flags.
-
-- bfloat16 needs compute capability 8.0 (Ampere) or newer. Older cards (T4 7.5, V100 7.0) report
-  ``torch.cuda.is_bf16_supported()`` True through emulation, which runs several times slower, so it is not asked.
-- float16 trains with a loss scaler (``torch.amp.GradScaler``). Under BucketedDDP the scaled gradients are averaged
-  during backward, before ``unscale_``, so every rank unscales the same numbers, finds the same inf/nan and skips the
-  same steps: the scaler's state stays identical across ranks with no extra collective.
+The choice drives the 4-bit compute dtype, the load dtype, autocast, the loss scaler and the Trainer's flags.
+Cards below compute capability 8.0 only emulate bfloat16, slowly, so auto gives them float16.
+Under BucketedDDP, float16's scaled gradients are averaged before ``unscale_``.
+So every rank skips the same steps, and the scaler's state agrees with no extra collective.
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ class Precision:
     """A run's precision.
 
     Args:
-        dtype (torch.dtype): compute dtype of the 4-bit layers, and of autocast when it is on.
-        device_type (str): ``cuda`` or ``cpu``, for autocast and the scaler.
+        dtype (torch.dtype): compute dtype of the 4-bit layers and autocast.
+        device_type (str): ``cuda`` or ``cpu``.
         reason (str): why this dtype, for the log.
     """
 
@@ -41,40 +37,42 @@ class Precision:
 
     @property
     def mixed_precision(self) -> str:
-        """Accelerate's name for this autocast: 'bf16', 'fp16' or 'no'."""
+        """Accelerate's name for this autocast."""
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "no")
 
     @property
     def autocast(self) -> bool:
-        """Autocast the forward in ``dtype`` (the LoRA layers and everything not quantised); off in float32."""
+        """Whether the forward autocasts; off in float32."""
         return self.dtype != torch.float32
 
     @property
     def loss_scaling(self) -> bool:
-        """float16's narrow range needs a loss scaler; bfloat16 has float32's range and does not."""
+        """Whether float16's narrow range needs a loss scaler."""
         return self.dtype == torch.float16
 
     def autocast_context(self) -> AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype) if self.autocast else nullcontext()
 
     def grad_scaler(self) -> torch.amp.GradScaler:
-        """A scaler that is a no-op (``enabled=False``) unless the dtype is float16."""
+        """A scaler that is a no-op unless the dtype is float16."""
         return torch.amp.GradScaler(self.device_type, enabled=self.loss_scaling)
 
 
 def choose_precision(requested: str, device_type: str, capability: tuple[int, int] | None = None) -> Precision:
-    """The precision for ``--compute-dtype requested`` on a device of this type and compute capability.
+    """The precision for ``--compute-dtype requested`` on this device.
 
-    ``auto``: bfloat16 on a CUDA device of capability >= 8.0, float16 (loss-scaled) on older CUDA devices, float32 on
-    the CPU (which has no fast bf16 matmul on most hosts: about 9x slower than float32 here).
+    ``auto``: bfloat16 from capability 8.0, float16 on older CUDA, float32 on the CPU.
 
     Args:
         requested (str): ``auto``, ``bfloat16``, ``float16`` or ``float32``.
         device_type (str): ``cuda`` or ``cpu``.
-        capability (tuple[int, int] | None): ``torch.cuda.get_device_capability()``; needed for ``cuda``.
+        capability (tuple[int, int] | None): the CUDA compute capability. Default: None.
+
+    Returns:
+        Precision: the dtype and why.
 
     Raises:
-        ValueError: an unknown dtype, or bfloat16 on a CUDA device older than 8.0, naming the setting and the fix.
+        ValueError: an unknown dtype, or bfloat16 on a CUDA device older than 8.0.
     """
     if requested != "auto" and requested not in DTYPES:
         raise ValueError(f"--compute-dtype {requested!r}: choose auto or one of {sorted(DTYPES)}.")
@@ -96,6 +94,6 @@ def choose_precision(requested: str, device_type: str, capability: tuple[int, in
 
 
 def precision_for(requested: str, device: torch.device) -> Precision:
-    """``choose_precision`` for this process's device, asking CUDA for its compute capability."""
+    """``choose_precision`` for this process's device."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     return choose_precision(requested, device.type, capability)

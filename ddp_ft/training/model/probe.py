@@ -1,33 +1,16 @@
-"""``--micro-batch auto`` by measurement: a few probe steps on the built model, a line through their peaks, the
-largest micro-batch under the device's memory less a margin, one choice for every rank.
+"""``--micro-batch auto`` by measurement: the largest micro-batch that fits, the same on every rank.
 
-The arithmetic of ``ddp_ft.training.model.memory`` knows one model family (Qwen3) in one mode (eager, checkpointed): with
-``--compile`` an H100 measured far more than it expected (``docs/own_data.md``). The probe measures instead, on the
-model as the run trains it (4-bit, LoRA, checkpointing, Liger, the compiled layers), for any causal LM:
+The arithmetic in ``memory`` knows one model family in one mode; the probe measures any causal LM as it trains.
 
-1. One warm-up step at the smallest probe micro-batch (not measured: compilation, cuBLAS workspaces, lazily built
-   state), then one measured forward+backward at each probe micro-batch (:data:`PROBE_POINTS`, those the per-rank
-   batch allows and the points so far predict to fit), at the run's ``max_seq_len``: the padded length at worst.
-2. A line, peak = resident + per-sample x micro-batch, drawn above every measured point with the steepest slope
-   seen (least squares, or the last segment's when steeper), so curvature never makes it predict low. How far the
-   points lie from the least-squares line is reported (``nonlinearity``); past :data:`LINEARITY_TOLERANCE` it warns.
-3. The expected peak of a candidate: the line at its micro-batch, plus the optimizer state the probe cannot see
-   (AdamW's two moments, created at the first optimizer step: twice the trainable bytes).
-4. The choice: the largest divisor of the per-rank share of the effective batch (so the accumulation is whole and the
-   effective batch unchanged) whose expected peak fits ``device_bytes x (1 - margin)``. Each rank chooses for its
-   own device; one all-reduce (MIN) makes the smallest choice everyone's. A rank whose probe failed sends -1, so
-   every rank raises instead of waiting in a collective.
+1. One warm-up step, then one measured step at each of :data:`PROBE_POINTS`, at ``max_seq_len``.
+2. A line through the peaks, with the steepest slope seen, raised above every point.
+3. A candidate's expected peak: the line, plus AdamW's two moments the probe cannot see.
+4. The choice: the largest divisor of the per-rank batch that fits ``device_bytes x (1 - margin)``.
+   One MIN all-reduce makes the smallest choice everyone's; a failed rank sends -1.
 
-What the probe leaves behind: nothing the training sees. Each trainable parameter's ``.grad`` is what it was before
-(the probe accumulates into zeros it puts there, so the step's peak counts the gradients a micro-step of
-accumulation holds, then puts the old ones back); no optimizer exists yet, so no parameter changes; the random
-number generators (CPU and this rank's CUDA device: LoRA dropout draws from them) are restored. It runs on the
-unwrapped model, before BucketedDDP wraps it: no gradient hook exists, so nothing is communicated (under
-``no_sync()`` the wrapper's hooks would still run and fill its buckets; on the bare model there are none).
-
-The device's memory and the measurement are injectable: on the CPU a test passes a fake ``device_bytes`` and a
-``measure`` that runs the step under ``ddp_ft.training.model.memory.step_peak_bytes`` (or models the peak from the
-micro-batch).
+The training sees nothing of the probe: gradients and random generators are restored.
+It runs on the unwrapped model, before BucketedDDP, so nothing is communicated.
+Tests inject ``device_bytes`` and ``measure`` to run on the CPU.
 """
 
 from __future__ import annotations
@@ -48,15 +31,13 @@ from .precision import Precision
 
 logger = logging.getLogger(__name__)
 
-# Why 15%: the probe measures max_memory_allocated of the run's own steps, so the margin covers what it does not see.
-# What must fit is what the caching allocator reserves, about 10% above allocated on an H100 (docs/own_data.md),
-# plus the CUDA context, which counts in the device's total, and kernels' workspaces at sizes not probed.
+# The margin covers what max_memory_allocated misses: the allocator's reserve, the CUDA context,
+# and workspaces at sizes not probed (docs/own_data.md).
 PROBE_MARGIN = 0.15
-PROBE_POINTS = (1, 2, 4)  # small enough to fit where any training fits; three points show whether the line holds
-LINEARITY_TOLERANCE = 0.05  # a point further than this (relative) from the least-squares line: warned
+PROBE_POINTS = (1, 2, 4)  # three points show whether the line holds
+LINEARITY_TOLERANCE = 0.05  # relative distance from the least-squares line that warns
 
-# Runs a step (given with its micro-batch), returns its peak bytes. The micro-batch is for a measurement that
-# models instead of measuring (a test's fake device).
+# Runs a step at a micro-batch and returns its peak bytes.
 Measure = Callable[[Callable[[], object], int], int]
 
 
@@ -74,10 +55,10 @@ def cuda_peak_bytes(device: torch.device) -> Measure:
 
 
 def host_peak_bytes(model: torch.nn.Module) -> Measure:
-    """On the CPU, where no device counts its peak: ``model``'s resident bytes (parameters, buffers, 4-bit state:
-    ``ddp_ft.training.model.memory.parameter_bytes``) plus the step's peak above what was allocated before it
-    (``ddp_ft.training.model.memory.step_peak_bytes``, the matmuls answered with zeros, so a 4B-wide model's step
-    takes seconds)."""
+    """On the CPU: ``model``'s resident bytes plus the step's peak above them.
+
+    The matmuls answer with zeros, so a 4B-wide model's step takes seconds.
+    """
     from .memory import parameter_bytes, step_peak_bytes
 
     def measure(step: Callable[[], object], micro_batch: int) -> int:
@@ -87,10 +68,10 @@ def host_peak_bytes(model: torch.nn.Module) -> Measure:
 
 
 def device_total_bytes(device: torch.device) -> int:
-    """The memory of ``device`` (``torch.cuda.mem_get_info``'s total).
+    """The total memory of ``device``.
 
     Raises:
-        ValueError: off CUDA, naming --micro-batch: the CPU's memory is the host's, shared with everything else.
+        ValueError: off CUDA, where the memory is the host's.
     """
     if device.type != "cuda":
         raise ValueError(
@@ -104,29 +85,29 @@ def device_total_bytes(device: torch.device) -> int:
 class MicroBatchProbe:
     """What the probe measured on this rank and what every rank chose.
 
-    ``micro_batch x accumulation x world_size`` is the effective batch, unchanged. Bytes are this rank's.
+    Bytes are this rank's; the effective batch is unchanged.
     """
 
     micro_batch: int
     accumulation: int
     world_size: int
     seq_len: int
-    points: tuple[tuple[int, int], ...]  # (micro-batch, measured peak bytes), in the order measured
-    resident: int  # the line's intercept, bytes
-    per_sample: int  # the line's slope, bytes per sequence of seq_len tokens
-    optimizer_state: int  # bytes added for what the probe cannot see (AdamW's moments)
-    expected_peak: int  # bytes at ``micro_batch``: the line plus the optimizer state
-    budget: int  # device_bytes x (1 - margin)
+    points: tuple[tuple[int, int], ...]  # (micro-batch, peak bytes), in order
+    resident: int
+    per_sample: int  # bytes per sequence
+    optimizer_state: int  # AdamW's moments
+    expected_peak: int
+    budget: int
     device_bytes: int
     margin: float
-    nonlinearity: float  # the largest relative distance of a point from the least-squares line
+    nonlinearity: float
 
     def predict(self, micro_batch: int) -> int:
         """Expected peak bytes at ``micro_batch``."""
         return self.resident + self.per_sample * micro_batch + self.optimizer_state
 
     def describe(self) -> str:
-        """One line for the log: the choice, the measured points, the line and the budget."""
+        """One log line: the choice, the points, the line and the budget."""
         points = ", ".join(f"{m}: {p / 1e9:.3f} GB" for m, p in self.points)
         return (
             f"--micro-batch auto (probed): {self.micro_batch} (x {self.accumulation} accumulation x "
@@ -138,7 +119,7 @@ class MicroBatchProbe:
         )
 
     def as_record(self) -> dict:
-        """For the run's config record: the choice, the points and the expected peak in GB."""
+        """The choice, points and expected peak in GB, for the run's config record."""
         return {
             "micro_batch": self.micro_batch,
             "points": [[m, p / 1e9] for m, p in self.points],
@@ -154,15 +135,20 @@ class MicroBatchProbe:
 
 
 def fit_peak_line(points: Sequence[tuple[int, int]]) -> tuple[int, int, float]:
-    """A line above every ``(micro_batch, peak)`` point: (intercept, slope, largest relative residual).
+    """A line above every ``(micro_batch, peak)`` point, so curvature never makes it predict low.
 
-    The slope is the least-squares one, or the last segment's when steeper (peaks curving up are extrapolated along
-    their steepest part); the intercept is then raised until no point lies above the line. One point: a slope equal
-    to the whole peak per sample (as if nothing were resident), which never predicts low.
+    Args:
+        points (Sequence[tuple[int, int]]): measured micro-batches and peak bytes.
+
+    Returns:
+        tuple[int, int, float]: intercept, slope and the largest relative residual.
+
+    Raises:
+        ValueError: no points.
     """
     if not points:
         raise ValueError("fit_peak_line: no points.")
-    pairs = [(Fraction(m), Fraction(p)) for m, p in points]  # exact: bytes are integers, and so is the line
+    pairs = [(Fraction(m), Fraction(p)) for m, p in points]  # exact: bytes are integers
     if len({m for m, _ in pairs}) < 2:
         return 0, math.ceil(max(p / m for m, p in pairs)), 0.0
     mean_m = sum(m for m, _ in pairs) / len(pairs)
@@ -176,7 +162,7 @@ def fit_peak_line(points: Sequence[tuple[int, int]]) -> tuple[int, int, float]:
 
 
 def largest_fitting_divisor(per_rank: int, predict: Callable[[int], int], budget: int) -> int:
-    """The largest divisor of ``per_rank`` whose ``predict`` is at most ``budget``; 0 if none (not even 1)."""
+    """The largest divisor of ``per_rank`` whose prediction fits ``budget``; 0 if none."""
     for m in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
         if predict(m) <= budget:
             return m
@@ -194,7 +180,7 @@ def _measure_and_fit(
     points: list[int],
     optimizer_state: int | None,
 ) -> MicroBatchProbe:
-    """This rank's points and line, before the ranks agree (``micro_batch`` and ``expected_peak`` still 0)."""
+    """This rank's points and line, before the ranks agree."""
     device_bytes = device_total_bytes(info.device) if device_bytes is None else device_bytes
     measure = cuda_peak_bytes(info.device) if measure is None else measure
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -203,7 +189,7 @@ def _measure_and_fit(
     measured = _measure_points(_ProbeStep(model, trainable, seq_len, info, precision), measure, points, budget - state)
     resident, per_sample, nonlinearity = fit_peak_line(measured) if measured else (0, 0, 0.0)
     return MicroBatchProbe(
-        micro_batch=0,  # set once the ranks agree
+        micro_batch=0,
         accumulation=0,
         world_size=info.world_size,
         seq_len=seq_len,
@@ -232,44 +218,40 @@ def probe_micro_batch(
     points: Sequence[int] = PROBE_POINTS,
     optimizer_state: int | None = None,
 ) -> MicroBatchProbe:
-    """Measure ``model``'s peak at a few micro-batches and choose the largest that fits, the same on every rank.
+    """Measures ``model``'s peak at a few micro-batches and chooses the largest that fits.
 
-    Call it on the unwrapped model, built as the run trains it (compiled, checkpointed, Liger), before BucketedDDP
-    wraps it and before the optimizer exists; every rank calls it (one all-reduce). Logs the choice on rank 0.
+    Call it on every rank, on the unwrapped model as it trains, before the optimizer exists.
 
     Args:
-        model (torch.nn.Module): a causal LM taking ``input_ids``, ``attention_mask``, ``labels`` and
-            ``num_items_in_batch``, returning an output with ``.loss``.
-        seq_len (int): tokens per sequence: the run's ``max_seq_len``.
+        model (torch.nn.Module): a causal LM taking ``labels`` and ``num_items_in_batch``.
+        seq_len (int): tokens per sequence, the run's ``max_seq_len``.
         effective_batch (int): samples per optimizer step over all ranks.
-        info (DistInfo): this rank; its device and the world size.
-        precision (Precision | None): the run's autocast. Default: none (the model's own dtypes).
+        info (DistInfo): this rank, its device and the world size.
+        precision (Precision | None): the run's autocast. Default: None.
         device_bytes (int | None): the memory to fill. Default: :func:`device_total_bytes`.
         measure (Measure | None): runs a step, returns its peak bytes. Default: :func:`cuda_peak_bytes`.
         margin (float): share of ``device_bytes`` left free. Default: :data:`PROBE_MARGIN`.
         points (Sequence[int]): micro-batches to measure, ascending. Default: :data:`PROBE_POINTS`.
-        optimizer_state (int | None): bytes the optimizer will add. Default: AdamW's, twice the trainable bytes.
+        optimizer_state (int | None): bytes the optimizer adds. Default: twice the trainable bytes.
 
     Returns:
-        MicroBatchProbe: the choice (the smallest over ranks), this rank's points, line and expected peak.
+        MicroBatchProbe: the smallest choice over ranks, with this rank's measurements.
 
     Raises:
-        ValueError: ``effective_batch`` not a positive multiple of the world size, a margin outside [0, 1), no
-            device memory to fill (the CPU without ``device_bytes``), or micro-batch 1 not fitting on some rank;
-            naming --micro-batch and the fix.
+        ValueError: a bad batch or margin, no device memory, or micro-batch 1 does not fit.
         RuntimeError: the probe failed on another rank.
     """
-    per_rank = gradient_accumulation_steps(effective_batch, 1, info.world_size)  # samples per rank per step
+    per_rank = gradient_accumulation_steps(effective_batch, 1, info.world_size)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin={margin}: must be in [0, 1).")
     failure, probe = None, None
-    try:  # a rank that fails still joins the all-reduce below: no rank is left waiting in it
+    try:  # a failing rank still joins the all-reduce below
         fitting = [m for m in points if m <= per_rank] or [1]
         probe = _measure_and_fit(
             model, seq_len, info, precision, device_bytes, measure, margin, fitting, optimizer_state
         )
         mine = largest_fitting_divisor(per_rank, probe.predict, probe.budget) if probe.points else 0
-    except Exception as error:  # noqa: BLE001  (re-raised below, after the other ranks have heard of it)
+    except Exception as error:  # noqa: BLE001  (re-raised after the all-reduce)
         failure, mine = error, -1
     chosen = _smallest_over_ranks(mine, info)
     if failure is not None:
@@ -321,12 +303,11 @@ def _smallest_over_ranks(value: int, info: DistInfo) -> int:
 
 
 def _measure_points(step: _ProbeStep, measure: Measure, points: list[int], budget: int) -> list[tuple[int, int]]:
-    """Measured (micro-batch, peak) at each point, ascending, stopping before a point the line so far says will not
-    fit ``budget``, and at the first that does not (or runs out of memory)."""
+    """Measures peaks at each point, stopping where the line predicts no fit."""
     measured: list[tuple[int, int]] = []
     with step:
         try:
-            step.run(points[0])  # warm-up: compilation and lazily built state, not counted
+            step.run(points[0])  # warm-up: compilation and lazy state
         except torch.OutOfMemoryError:
             step.release()
             return measured
@@ -347,9 +328,10 @@ def _measure_points(step: _ProbeStep, measure: Measure, points: list[int], budge
 
 
 class _ProbeStep:
-    """Forward and backward of full-length random sequences, as a micro-step of the loop runs them (the loss's
-    backward inside autocast, scaled by the world size). A context: on entry it saves the gradients and the random
-    generators, on exit it restores both and the train/eval mode; ``run`` puts zero gradients in place first."""
+    """Forward and backward of full-length random sequences, as a loop micro-step runs them.
+
+    As a context, it restores the gradients, random generators and train mode.
+    """
 
     def __init__(self, model, trainable, seq_len: int, info: DistInfo, precision: Precision | None) -> None:
         self.model, self.trainable, self.seq_len, self.info, self.precision = model, trainable, seq_len, info, precision
@@ -369,7 +351,7 @@ class _ProbeStep:
             p.grad = grad
         self.model.train(self.was_training)
         self.rng.__exit__(*exc)
-        if self.info.device.type == "cuda":  # the probe's cached blocks back to the device; peaks restart at training
+        if self.info.device.type == "cuda":  # peaks restart at training
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.info.device)
 
@@ -378,12 +360,11 @@ class _ProbeStep:
             p.grad = None
 
     def run(self, micro_batch: int) -> None:
-        # Zero gradients in place before the step, as from the second micro-step of an accumulation on: the peak
-        # then counts them (BucketedDDP's buckets hold them for the whole run).
+        # Zero gradients in place, as in accumulation, so the peak counts them.
         for p in self.trainable:
             p.grad = torch.zeros_like(p)
         device = self.info.device
-        generator = torch.Generator().manual_seed(micro_batch)  # its own generator: the global ones are untouched
+        generator = torch.Generator().manual_seed(micro_batch)  # the global generators stay untouched
         ids = torch.randint(0, self.vocab, (micro_batch, self.seq_len), generator=generator).to(device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
         items = torch.tensor(float(micro_batch * (self.seq_len - 1)), device=device)

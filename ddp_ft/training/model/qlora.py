@@ -1,7 +1,6 @@
 """The QLoRA model: 4-bit NF4 base on this rank's device, LoRA adapters, non-reentrant checkpointing.
 
-Also builds the embedded default, a tiny Qwen3-architecture model with random weights, saved to disk
-and loaded back through the same ``from_pretrained`` path a hub model takes.
+Also builds the embedded default, a tiny random Qwen3 loaded through ``from_pretrained`` like a hub model.
 """
 
 from __future__ import annotations
@@ -113,7 +112,7 @@ class ModelSettings:
             )
 
     def precision(self, device: torch.device) -> Precision:
-        """``compute_dtype`` resolved for ``device`` (``ddp_ft.training.model.precision.choose_precision``)."""
+        """``compute_dtype`` resolved for ``device``."""
         return precision_for(self.compute_dtype, device)
 
 
@@ -140,7 +139,7 @@ class LoraSettings:
 
 
 def tiny_qwen3_config(vocab_size: int, **overrides):
-    """A Qwen3-architecture config of a few million parameters: fast on a CPU, same code paths as Qwen3-4B."""
+    """A Qwen3 config of a few million parameters, with Qwen3-4B's code paths."""
     from transformers import Qwen3Config
 
     kwargs = dict(
@@ -162,11 +161,10 @@ def tiny_qwen3_config(vocab_size: int, **overrides):
 def build_tiny_qwen3(
     path: str | Path, vocab_size: int, seed: int = 0, token_ids: dict[str, int] | None = None, **overrides
 ) -> Path:
-    """Write a randomly initialised tiny Qwen3 model to ``path`` (config.json + safetensors), once.
+    """Writes a random tiny Qwen3 model to ``path``, once.
 
-    Deterministic in ``seed``, so every rank (or a rank building it on its own) gets identical weights.
-    ``token_ids`` (e.g. ``eos_token_id``, ``pad_token_id``) go into the saved config and generation config after
-    the weights are drawn, so they do not change the weights (a ``pad_token_id`` at init would zero its embedding).
+    The weights depend on ``seed`` only, so every rank gets the same.
+    ``token_ids`` are set after the weights are drawn; a ``pad_token_id`` at init would zero its embedding.
 
     Returns:
         Path: the folder, loadable with ``from_pretrained``.
@@ -189,7 +187,7 @@ def build_tiny_qwen3(
     model.save_pretrained(tmp)
     try:
         tmp.rename(path)
-    except OSError:  # another process (e.g. a second node's local rank 0) finished first: keep its copy
+    except OSError:  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
         if not (path / "config.json").exists():
             raise
@@ -197,10 +195,7 @@ def build_tiny_qwen3(
 
 
 def check_device_map(device_map: object, world_size: int) -> None:
-    """Refuse device maps that split one model across devices under data parallelism.
-
-    ``device_map="auto"`` (or any map naming several devices) turns each rank's model into a pipeline
-    over all GPUs: with DDP the ranks then fight over the same devices, hang or train on garbage.
+    """Refuses device maps that split one model across devices under data parallelism.
 
     Raises:
         ValueError: naming the map and the fix, ``device_map={"": local_rank}``.
@@ -217,7 +212,7 @@ def check_device_map(device_map: object, world_size: int) -> None:
 
 
 def map_device(device_map: dict[str, object] | str) -> torch.device:
-    """The device a ``device_map`` puts the model on (its first device; ``auto`` is CUDA when there is one)."""
+    """The device a ``device_map`` puts the model on."""
     where = next(iter(device_map.values())) if isinstance(device_map, dict) else device_map
     if isinstance(where, int):
         return torch.device("cuda", where)
@@ -229,21 +224,19 @@ def map_device(device_map: dict[str, object] | str) -> torch.device:
 def load_qlora_model(
     model: ModelSettings, lora: LoraSettings, device_map: dict[str, object], world_size: int = 1
 ) -> torch.nn.Module:
-    """Load the base model (4-bit NF4 unless disabled) on this rank's device and add LoRA adapters.
-
-    Steps: ``from_pretrained`` with a BitsAndBytesConfig and ``device_map``; peft's
-    ``prepare_model_for_kbit_training`` (freezes the base; its float32 upcast of the frozen non-quantised weights
-    only with ``upcast_frozen_weights``, see ``_frozen_weights_kept``); activation checkpointing, non-reentrant unless
-    configured otherwise, with input gradients; ``get_peft_model``.
+    """Loads the base model on this rank's device and adds LoRA adapters.
 
     Args:
         model (ModelSettings): which base model and how to load it.
         lora (LoraSettings): adapter settings.
-        device_map (dict): ``{"": local_rank}`` (or ``{"": "cpu"}``); anything splitting the model is refused.
+        device_map (dict): ``{"": local_rank}`` or ``{"": "cpu"}``.
         world_size (int): for the device-map check.
 
     Returns:
         torch.nn.Module: a peft model whose trainable parameters are the LoRA weights.
+
+    Raises:
+        ValueError: a device map that splits the model.
     """
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -251,17 +244,14 @@ def load_qlora_model(
     base = _load_base(model, device_map)
     base.config.use_cache = False
     if model.load_in_4bit:
-        # Checkpointing is enabled below, not here: peft would call the deprecated gradient_checkpointing_enable.
+        # Checkpointing comes below: peft would use a deprecated call.
         with nullcontext() if model.upcast_frozen_weights else _frozen_weights_kept(base):
             base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     if base.get_input_embeddings().weight.dtype == torch.float16:
-        # fp16 tops out at 65,504, which a residual stream summed over 36 layers can pass: widen the embedding's
-        # output and the stream stays fp32, as in peft's layout (each layer still computes in fp16 and its output is
-        # added in fp32). bf16 has fp32's range: its stream stays bf16, the dtype the model was trained in. Run before
-        # the hooks of enable_input_require_grads (activation_checkpointing_enable adds one too), so the fp32 output
-        # is the leaf that requires grad and the fp16 one is freed at once, not held by the graph until the backward.
+        # fp16 overflows a 36-layer residual stream, so widen the embedding's output to fp32.
+        # Prepended before enable_input_require_grads, so the fp16 output is freed at once.
         base.get_input_embeddings().register_forward_hook(_residual_stream_in_float32, prepend=True)
-    if model.gradient_checkpointing:  # True, or auto: on until the probe finds it is not needed
+    if model.gradient_checkpointing:  # auto: on until the probe finds it unneeded
         set_checkpointing(base, True, model.use_reentrant)
     config = LoraConfig(
         r=lora.lora_r,
@@ -270,7 +260,7 @@ def load_qlora_model(
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():  # peft reads the deprecated `is_gradient_checkpointing`: not the user's concern
+    with warnings.catch_warnings():  # peft reads a deprecated attribute
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(base, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
@@ -282,20 +272,11 @@ def load_qlora_model(
 
 @contextmanager
 def _frozen_weights_kept(base: torch.nn.Module) -> Iterator[None]:
-    """Hide the frozen bf16/fp16 weights that are not quantised from peft's float32 upcast, while in the block.
+    """Hides the frozen fp16/bf16 weights from peft's float32 upcast within the block.
 
-    ``prepare_model_for_kbit_training`` casts every fp16/bf16 parameter that is not ``Params4bit`` to float32
-    (peft/utils/other.py). For Qwen3-4B that is the tied embedding/lm_head, 151,936 x 2,560: +0.78 GB resident, and
-    autocast re-casts it to bf16 on every forward (+0.78 GB, not cached for a weight without gradient); the
-    residual stream becomes fp32 too. Kept in the compute dtype instead. The norms can stay there as well:
-    ``Qwen3RMSNorm.forward`` (transformers/models/qwen3/modeling_qwen3.py) normalises in fp32 whatever its input
-    and only multiplies by the weight in the input's dtype; the checkpoint stores that weight in bf16 anyway.
-
-    Their storage is swapped for empty fp32 placeholders, which peft leaves alone, and put back on exit (also on an
-    error), so no fp32 copy ever exists. Casting back after peft would be simpler, but the embedding's fp32 copy and
-    its bf16 cast would coexist (2.3 GB for the 0.78 GB kept): a load peak of about 4.2 GB on Qwen3-4B, as high as
-    the 4.3 GB the training step then peaks at (docs/memory_4bit_cpu.json), with 1.6 GB left cached by CUDA's
-    allocator.
+    On Qwen3-4B the upcast costs 0.78 GB resident, plus a bf16 re-cast on every forward.
+    Qwen3's RMSNorm normalises in fp32 anyway, so the norms can stay in the compute dtype too.
+    Empty fp32 placeholders stand in, so no fp32 copy ever exists.
     """
     kept = [
         (p, p.data)
@@ -316,19 +297,19 @@ def _residual_stream_in_float32(module: torch.nn.Module, args: tuple, output: to
 
 
 def load_trained_adapter(model: ModelSettings, adapter_path: str, device_map: dict[str, object]) -> torch.nn.Module:
-    """Load the base model as for training and put a saved LoRA adapter on it, for evaluation or inference."""
+    """Loads the base model with a saved LoRA adapter, for evaluation or inference."""
     from peft import PeftModel
 
     return PeftModel.from_pretrained(_load_base(model, device_map), adapter_path).eval()
 
 
 def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.Module:
-    """``from_pretrained`` with NF4 double-quantised 4-bit weights (unless disabled) on ``device_map``."""
+    """``from_pretrained`` with NF4 4-bit weights, unless disabled, on ``device_map``."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = model.precision(map_device(device_map)).dtype
     kwargs: dict = {"device_map": device_map, "dtype": dtype}
-    if model.attention != "auto":  # auto is resolved before the build (ddp_ft.training.model.attention)
+    if model.attention != "auto":  # auto is resolved before the build
         kwargs["attn_implementation"] = model.attention
     if model.load_in_4bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -341,17 +322,14 @@ def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.
 
 
 def set_checkpointing(model: torch.nn.Module, on: bool, use_reentrant: bool = False) -> None:
-    """Turn activation checkpointing of ``model`` (a transformers model, or a peft model around one) on or off.
+    """Turns activation checkpointing of a transformers or peft ``model`` on or off.
 
-    On, each decoder layer is recomputed in backward, and the input embeddings' output requires grad: the frozen
-    base's inputs carry none, and checkpointed segments need one to reach the adapters. Off, the layers keep their
-    activations; the embeddings' hook stays, so that a compiled first layer keeps the graph it was compiled with (an
-    input no longer requiring grad would be a recompilation, toward Dynamo's limit of 8) at the cost of the input
-    gradient of one layer of 36.
+    The embeddings' output requires grad, so checkpointed segments reach the adapters.
+    The hook stays when off, so a compiled first layer keeps its graph.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if on:
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
     else:
         base.activation_checkpointing_disable()
-    base.enable_input_require_grads()  # the output's requires_grad_ is idempotent: a hook more changes nothing
+    base.enable_input_require_grads()  # idempotent

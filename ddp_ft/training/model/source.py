@@ -1,11 +1,9 @@
-"""Which model a run trains, settled before anything starts: the preset a run gets when it names no model, and a
-model that cannot be found refused in a second instead of retried against the hub for a minute.
+"""Which model a run trains, settled before anything starts.
 
-One rule for ``ddp-ft train`` and ``ddp-ft recipe`` (and ``scripts/train.py``, ``recipes/qwen_ami.py``): a run that
-names no model (no ``--model-name-or-path``, no ``--preset``, and no ``model_name_or_path:`` or ``preset:`` in its
-``--config`` file) starts from the device's default preset, ``qwen3-4b-ami`` with CUDA and the embedded ``tiny``
-without (built locally: offline on a CPU). A run that names its model gets no preset: the dataclass defaults, then
-its config file, then its flags. Either way the first log line says which, and why.
+A run that names no model, by flag, preset or config file, starts from the device's default preset.
+That is ``qwen3-4b-ami`` with CUDA, and the embedded ``tiny`` without.
+A run that names its model gets no preset. The first log line says which, and why.
+A model that cannot be found is refused in seconds, not retried against the hub for a minute.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from .qlora import EMBEDDED_MODEL
 
 logger = logging.getLogger(__name__)
 
-HUB_TIMEOUT_S = 10.0  # one request to the hub's API, without retries: reachable or not, known within seconds
+HUB_TIMEOUT_S = 10.0  # one hub request, no retries
 _FIX = (
     "Give --model-name-or-path a local folder holding the model and its tokenizer (from save_pretrained), "
     "or try ddp_ft offline on the embedded model with --preset tiny"
@@ -31,21 +29,21 @@ _FIX = (
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """The default preset of a command line and the reason, for its first log line."""
+    """The default preset of a command line, and why."""
 
-    preset: str  # ``parse_settings``'s ``default_preset``: "" when the run names its model
+    preset: str  # "" when the run names its model
     why: str
 
 
 def choose_default(argv: Sequence[str] | None = None, cuda: bool | None = None) -> ModelChoice:
-    """The preset a command line starts from when it names none, by the rule of this module's docstring.
+    """The preset a command line starts from when it names none.
 
     Args:
-        argv (Sequence[str] | None): the command line. Default: ``sys.argv[1:]``
-        cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``
+        argv (Sequence[str] | None): the command line. Default: ``sys.argv[1:]``.
+        cuda (bool | None): whether CUDA is available. Default: ``torch.cuda.is_available()``.
 
     Returns:
-        ModelChoice: the default preset ("" when the run names its model or a preset) and why.
+        ModelChoice: the default preset, "" when the run names its model or a preset, and why.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     named = argparse.ArgumentParser(add_help=False)
@@ -55,7 +53,7 @@ def choose_default(argv: Sequence[str] | None = None, cuda: bool | None = None) 
     given, _ = named.parse_known_args(argv)
     try:
         from_file = load_config(given.config) if given.config else {}
-    except ValueError:  # parse_settings reports it, naming the file
+    except ValueError:  # parse_settings reports it
         from_file = {}
     if given.preset:
         return ModelChoice("", "from --preset")
@@ -77,7 +75,7 @@ def choose_default(argv: Sequence[str] | None = None, cuda: bool | None = None) 
 
 
 def log_choice(settings: RunSettings, choice: ModelChoice, world_size: int) -> None:
-    """The run's first log line: its model, its preset and why, its processes (rank 0's logger only prints it)."""
+    """Logs the run's model, preset, reason and process count."""
     logger.info(
         "model %s, preset %s (%s), %d process(es)",
         settings.model.model_name_or_path,
@@ -94,21 +92,19 @@ def check_model_source(
     fix: str = _FIX,
     tokenizer: bool = True,
 ) -> None:
-    """Refuse a model that is neither embedded, a local folder, in the hub cache, nor found on the hub, in seconds.
+    """Refuses, in seconds, a model that is not embedded, local, cached or on the hub.
 
-    A hub id that is not cached is asked for once (``huggingface_hub.model_info``, ``timeout_s``, no retries):
-    ``from_pretrained`` itself retries an unreachable hub for about half a minute per file before it fails.
+    ``from_pretrained`` would retry an unreachable hub for half a minute per file.
 
     Args:
         name (str): ``ModelSettings.model_name_or_path``.
-        timeout_s (float): the hub request's timeout. Default: 10
-        setting (str): the setting the errors name. Default: ``--model-name-or-path``
-        fix (str): the sentence the errors end with. Default: give a local folder, or ``--preset tiny``
+        timeout_s (float): the hub request's timeout. Default: 10.
+        setting (str): the setting the errors name. Default: ``--model-name-or-path``.
+        fix (str): the sentence the errors end with.
+        tokenizer (bool): a local folder must hold a tokenizer. Default: True.
 
     Raises:
-        ValueError: no such folder, no such model on the hub, or the hub unreachable (``HF_HUB_OFFLINE`` included)
-            with the model not cached; naming ``setting`` and ``fix``. A folder without a model or tokenizer
-            (:func:`check_model_folder`).
+        ValueError: no such folder or hub model, or the hub unreachable and the model not cached.
     """
     if name == EMBEDDED_MODEL:
         return
@@ -131,28 +127,26 @@ def check_model_source(
             f"{setting} {name}: neither a local folder nor a model on the hub (or a private one: "
             f"`hf auth login`). {fix}."
         ) from None
-    except Exception as error:  # the hub unreachable: offline mode, no network, a proxy, a timeout
+    except Exception as error:  # the hub unreachable
         raise ValueError(
             f"{setting} {name}: not in the local hub cache, and the hub cannot be reached "
             f"({type(error).__name__}: {error}). {fix}; or connect and run again."
         ) from None
 
 
-# A tokenizer's own files (fast, SentencePiece, BPE, WordPiece, tiktoken, or a config naming a class without vocabulary).
+# A tokenizer's own files, of any kind.
 _TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer_config.json", "*.model", "vocab.*", "merges.txt", "*.tiktoken")
 
 
 def check_model_folder(name: str, setting: str = "--model-name-or-path", tokenizer: bool = True) -> None:
-    """Refuse a local model folder without ``config.json`` or any tokenizer file, before a worker starts.
+    """Refuses a local model folder without ``config.json`` or a tokenizer, before a worker starts.
 
-    ``model.save_pretrained`` saves no tokenizer; without one ``AutoTokenizer`` fails on every rank, after start-up,
-    asking to install sentencepiece or tiktoken.
+    ``model.save_pretrained`` saves no tokenizer, and ``AutoTokenizer`` would fail late on every rank.
 
     Args:
-        name (str): ``ModelSettings.model_name_or_path``, an existing folder.
-        setting (str): what names the folder, in errors. Default: --model-name-or-path
-        tokenizer (bool): the folder must hold a tokenizer too (not a base an adapter brings its own to).
-            Default: True
+        name (str): an existing folder.
+        setting (str): what names the folder, in errors. Default: --model-name-or-path.
+        tokenizer (bool): the folder must hold a tokenizer too. Default: True.
 
     Raises:
         ValueError: naming the folder, the missing files and how to save them.
