@@ -9,6 +9,7 @@ It runs one process, then two where there are two GPUs. Every process runs these
 - ``qlora_run``: a short run's speed, memory and exposed communication; it fails on a non-finite loss.
 
 The exit status is non-zero on any failure, crash or timeout.
+Modules, each importing only those before it: ``settings``, ``checks``, ``worker``, ``orchestrator``.
 """
 
 from .checks import (
