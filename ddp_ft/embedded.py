@@ -1,8 +1,6 @@
-"""The embedded tiny model, tokenizer and meetings, for trying ddp_ft (and the ``examples/``) offline on a CPU.
+"""The embedded tiny model, tokenizer and meetings, for trying ddp_ft offline on a CPU.
 
-The same path the ``tiny`` preset takes: ``resolve_model_and_tokenizer`` builds the tiny Qwen3 and its tokenizer
-once under ``DDP_FT_CACHE`` (default ``~/.cache/ddp_ft``) and returns their folders, which load through
-``from_pretrained`` like a hub model; the meetings come from ``generate_synthetic_meetings``.
+They are built once under ``DDP_FT_CACHE`` and load like a hub model.
 """
 
 from __future__ import annotations
@@ -17,26 +15,31 @@ from .training.setup import cache_dir, resolve_model_and_tokenizer
 
 
 class Embedded(NamedTuple):
-    """What ``tiny_qwen3_and_meetings`` returns (unpack it: ``model_path, tokenizer_path, meetings = ...``)."""
+    """What ``tiny_qwen3_and_meetings`` returns."""
 
-    model_path: str  # folder of the tiny Qwen3 (3.5M parameters, random weights), for ``from_pretrained``
-    tokenizer_path: str  # folder of its byte-level BPE tokenizer (ChatML template), for ``AutoTokenizer``
-    meetings: list[dict[str, str]]  # rows with keys ``id``, ``dialogue`` (cut to ``max_words``) and ``summary``
+    model_path: str  # the tiny Qwen3's folder, random weights
+    tokenizer_path: str  # its tokenizer's folder
+    meetings: list[dict[str, str]]  # ``id``, ``dialogue`` and ``summary``
 
 
 def tiny_qwen3_and_meetings(n_meetings: int = 32, max_words: int = 48, seed: int = 0) -> Embedded:
-    """The embedded tiny Qwen3, its tokenizer, and ``n_meetings`` synthetic AMI-like meetings.
+    """The embedded tiny Qwen3, its tokenizer, and synthetic AMI-like meetings.
 
-    Safe to call in every process of a launched job before (or without) a process group: a file lock in the cache
-    lets one process build while the others wait, then each loads the same files.
+    A file lock makes it safe to call in every process of a job.
 
     Args:
         n_meetings (int): number of meetings. Default: 32
-        max_words (int): each transcript keeps its first ``max_words`` words, so samples stay short. Default: 48
-        seed (int): seed of the meetings (the model and tokenizer are always the preset's). Default: 0
+        max_words (int): words kept per transcript. Default: 48
+        seed (int): seed of the meetings. Default: 0
 
     Returns:
         Embedded: ``(model_path, tokenizer_path, meetings)``.
+
+    Raises:
+        ValueError: if ``max_words`` is not positive.
+
+    Example:
+        >>> model_path, tokenizer_path, meetings = tiny_qwen3_and_meetings(8)
     """
     if max_words <= 0:
         raise ValueError(f"max_words={max_words}: must be a positive integer.")

@@ -7,13 +7,9 @@
     ddp-ft forecast runs/single --nproc 2 --link nvlink               # BucketedDDP on 2 GPUs, from a 1-process run
     ddp-ft merge runs/tiny --out models/tiny                          # adapter + base: one model to serve
 
-Each subcommand is a thin dispatcher over the module holding its body (``ddp_ft.commands.*``,
-``ddp_ft.tools.ladder.*_cli``), the same one ``scripts/*.py`` and ``recipes/qwen_ami.py`` call. With ``--nproc N``
-(N > 1) the command checks its flags in this process first, so a wrong setting fails before any worker starts (one
-line, not the usage), then runs ``torchrun --standalone --nproc_per_node N -m <module> ...``'s elastic agent in this
-process (``ddp_ft.commands.launcher``): ddp-ft owns its workers, sends them the signals it receives, and ends a failure
-with one line. Under a launcher already (``torchrun -m ddp_ft train ...``: WORLD_SIZE is set) it runs in the launched
-process.
+Each subcommand dispatches to the module holding its body. With ``--nproc N`` it checks the flags here first,
+so a wrong setting fails before any worker starts. Then it runs torch's elastic agent in this process.
+Under a launcher already, it runs in the launched process.
 """
 
 from __future__ import annotations
@@ -144,15 +140,13 @@ def strip_option(argv: list[str], option: str) -> list[str]:
 def _validate(
     name: str, argv: list[str], parents: list[argparse.ArgumentParser], nproc: int
 ) -> tuple[list[str], Path | None]:
-    """Parse (and for training, build) the subcommand's settings in this process.
+    """Parse the subcommand's settings here, before any worker starts.
 
     Returns:
-        tuple[list[str], Path | None]: ``argv`` for the workers; for training, ``<output_dir>/logs``, where a failing
-        worker writes its traceback (else None: a temporary folder).
+        tuple[list[str], Path | None]: the workers' ``argv`` and the traceback folder, if any.
 
     Raises:
-        SystemExit: a wrong flag or value, naming it (one line and a pointer to ``--help``, exit status 2); ``--help``
-            (0).
+        SystemExit: on a wrong flag (status 2) or ``--help`` (status 0).
     """
     prog = f"ddp-ft {name}"
     failure_dir = None
@@ -200,8 +194,7 @@ def _validate(
 
 
 def _check_kernels(liger: bool, compile: bool | str) -> None:
-    """``--liger`` and ``--compile`` checked on the device the workers will take (a GPU when this host has one),
-    before any starts; each worker checks its own again (``resolve_run``)."""
+    """Check ``--liger`` and ``--compile`` on the workers' device before any starts."""
     if liger or compile is True:  # compile auto: resolved by each worker, off where it cannot work
         import torch
 
@@ -211,18 +204,18 @@ def _check_kernels(liger: bool, compile: bool | str) -> None:
 
 
 def same_threads_for_any_nproc(prog: str, environ: MutableMapping[str, str] = os.environ) -> int | None:
-    """Give every training process the threads torchrun gives each of N > 1 workers, for N = 1 too.
-
-    torchrun sets ``OMP_NUM_THREADS=1`` for several workers when it is unset, and nothing for one: a one-process
-    run then takes every core, and its speed cannot be compared with a DDP run's. A user's value is kept.
+    """Give one process the threads torchrun gives each of several, so speeds compare.
 
     Args:
-        prog (str): the command named in the line that says so.
-        environ (MutableMapping[str, str]): the environment the workers inherit. Default: ``os.environ``
+        prog (str): the command named in the notice.
+        environ (MutableMapping[str, str]): the workers' environment. Default: ``os.environ``
 
     Returns:
-        int | None: the threads per process; None where ``OMP_NUM_THREADS`` is no positive whole number (left to
-        OpenMP).
+        int | None: threads per process, or None if left to OpenMP.
+
+    Example:
+        >>> same_threads_for_any_nproc("ddp-ft train", {})
+        1
     """
     if THREADS_ENV not in environ:
         environ[THREADS_ENV] = "1"
@@ -238,13 +231,12 @@ def same_threads_for_any_nproc(prog: str, environ: MutableMapping[str, str] = os
     if threads:
         import torch
 
-        torch.set_num_threads(threads)  # for a run in this process: OpenMP read the variable before it was set
+        torch.set_num_threads(threads)  # OpenMP read the variable before it was set
     return threads
 
 
 def _fail(prog: str, message: str) -> None:
-    """A usage error naming the setting: one line and where the settings are listed, not the whole usage (exit
-    status 2, as argparse's)."""
+    """Exit with a one-line usage error naming the setting."""
     from ..training.ranges import brief_usage_error
 
     brief_usage_error(prog, message)

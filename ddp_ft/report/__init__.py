@@ -1,8 +1,9 @@
-"""What a run reports, and what two runs compare to:
+"""What a run reports, and how two runs compare.
 
-* ``records``: the records a run writes (config, train step, eval, stop, bucket choice) and its identity;
-* ``metrics``: the throughput meter and the metric sink (rank 0's ``metrics.jsonl``, and wandb when asked);
-* ``comparison/``: one run on 1 device against the same experiment on N, as a table, a JSON file and a figure.
+* ``records``: the records a run writes, and its identity.
+* ``metrics``: the throughput meter and rank 0's metric sinks.
+* ``forecast/``: a one-process run forecast on N ranks.
+* ``comparison/``: one run on 1 device against the same experiment on N.
 
-Importing this package loads nothing; the training loop imports ``records`` and ``metrics`` only.
+Importing this package loads nothing, so the training loop loads only what it uses.
 """

@@ -1,7 +1,6 @@
 """Throughput meter and rank-0 metric sinks.
 
-Tokens are counted from the attention mask: non-padding tokens only (padding is not work the model had
-to do for the data), summed over ranks for the global rate.
+Tokens are non-padding tokens, summed over ranks for the global rate.
 """
 
 from __future__ import annotations
@@ -24,10 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
-    """Peak memory of this process since the previous call: on GPU the CUDA allocator's peaks, allocated
-    (``peak_mem_gb``) and reserved (``peak_reserved_gb``), which this call resets so each logging interval reports
-    its own; on CPU the peak resident set size since the process started (``peak_rss_gb``; the kernel keeps no
-    resettable counter the rusage API reads)."""
+    """Peak memory since the last call on GPU, or since process start on CPU."""
     if device.type == "cuda":
         peaks = {
             "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
@@ -41,12 +37,10 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
 class ThroughputMeter:
     """Times optimizer steps and turns global token counts into rates.
 
-    On CUDA a step is timed by a pair of CUDA events on the current stream, not by ``torch.cuda.synchronize``: the
-    host waits only for the step's own end event, and in the plain loop not even that, since the step's one
-    transfer of logged scalars has already waited for it. On CPU, by the wall clock.
+    On CUDA it times with events, so the host waits only for the step's end.
 
     Args:
-        world_size (int): ranks in the job, for the per-device rate.
+        world_size (int): ranks in the job.
         device (torch.device): for the timer and peak memory.
     """
 
@@ -71,7 +65,7 @@ class ThroughputMeter:
         return time.perf_counter() - self._start
 
     def stop(self, global_tokens: int) -> dict[str, float]:
-        """End the step; return step time, global and per-device tokens/s, and peak memory since the last stop."""
+        """End the step and return its time, rates and peak memory."""
         seconds = self._seconds()
         return {
             "step_time_s": seconds,
@@ -83,7 +77,7 @@ class ThroughputMeter:
 
 
 class JsonlLogger:
-    """Appends one JSON object per call to ``path`` (rank 0 only; other ranks get :class:`NullLogger`)."""
+    """Appends one JSON object per call to ``path``."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -95,7 +89,7 @@ class JsonlLogger:
         self._file.flush()
 
     def table(self, key: str, columns: list[str], rows: list[list]) -> None:
-        """Tables go to wandb only: ``metrics.jsonl`` holds numbers, and the rows have a file of their own."""
+        """Tables go to wandb only."""
 
     def close(self) -> None:
         self._file.close()
@@ -119,9 +113,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def timeline(records: list[dict]) -> list[dict]:
-    """The records of the run as it finally went: a resumed segment (a ``config`` record with ``resumed_from_step``
-    s) replaces what earlier segments logged after step s, the steps a crash or a stop lost and the resume redid.
-    So every step appears once, from the attempt whose checkpoint the run continued from."""
+    """The records of the run as it finally went; a resume replaces the steps it redid."""
     kept: list[dict] = []
     for record in records:
         if record.get("type") == CONFIG and record.get("resumed_from_step") is not None:
@@ -132,10 +124,9 @@ def timeline(records: list[dict]) -> list[dict]:
 
 
 def resolve_wandb_mode(environ: Mapping[str, str] | None = None) -> str:
-    """wandb mode that cannot block: ``offline`` unless an API key is set, an explicit WANDB_MODE respected.
+    """A wandb mode that cannot block: ``offline`` unless an API key is set.
 
-    ``WANDB_MODE=offline``/``dryrun``/``disabled`` always wins; without ``WANDB_API_KEY`` the run is
-    offline (an online init without credentials would prompt for a login); with a key, WANDB_MODE or online.
+    Without a key an online init would prompt for a login.
     """
     environ = os.environ if environ is None else environ
     mode = environ.get("WANDB_MODE", "").strip().lower()
@@ -150,11 +141,9 @@ SECRET_NAME = re.compile(r"(_TOKEN|_KEY|_SECRET)$|PASSWORD", re.IGNORECASE)
 
 
 def redact_secrets(text: str, environ: Mapping[str, str] | None = None) -> str:
-    """``text`` with the value of every secret-named environment variable (``*_TOKEN``, ``*_KEY``, ``*_SECRET``,
-    ``*PASSWORD*``: WANDB_API_KEY, HF_TOKEN, ...) replaced by ``<NAME>``, for messages that quote a library's error.
+    """Replace secret environment values in ``text`` with their names.
 
-    Values under 8 characters are left alone: no credential is that short, and replacing e.g. ``1`` would garble
-    the message.
+    Values under 8 characters stay, since replacing them would garble the text.
     """
     environ = os.environ if environ is None else environ
     for name, value in environ.items():
@@ -164,15 +153,12 @@ def redact_secrets(text: str, environ: Mapping[str, str] | None = None) -> str:
 
 
 class WandbSwitch:
-    """Rank 0's wandb for one run, on until its first failure; shared by everything of the run that calls wandb.
+    """Rank 0's wandb for one run, on until its first failure.
 
-    wandb fails at start (``wandb.init``: a bad key, no network, its service not starting) or mid-run (a log call
-    raising once the network or the service is gone). Calls made through :meth:`call` never raise: the first
-    failure logs one warning naming it (secrets redacted) and turns wandb off for the rest of the run, so no
-    later call is even tried. Training and ``metrics.jsonl`` carry on.
+    The first failure logs one warning and turns wandb off. Training never stops for it.
 
     Args:
-        metrics_path (str | Path): where the metrics still go, named in the warning.
+        metrics_path (str | Path): where the metrics still go.
     """
 
     def __init__(self, metrics_path: str | Path) -> None:
@@ -180,7 +166,7 @@ class WandbSwitch:
         self.on = True
 
     def call(self, what: str, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)``, or None once wandb is off or if it raises; ``what`` names it in the warning."""
+        """Call ``fn``, or return None once wandb is off or fails."""
         if not self.on:
             return None
         try:
@@ -199,20 +185,17 @@ class WandbSwitch:
 
 
 class WandbLogger:
-    """Rank 0's wandb run for the plain loop, laid out like the Trainer's so the runs compare in one place.
+    """Rank 0's wandb run for the plain loop, laid out like the Trainer's.
 
-    Train records go under ``train/`` and eval under ``eval/``, both plotted against ``train/samples_seen``
-    (``define_metric``) so curves of different world sizes overlay. ``wandb.log`` hands records to wandb's
-    background service: training does not wait on the network. Every wandb call goes through a
-    :class:`WandbSwitch`: a failure, at init or later, is logged once and turns wandb off; it never stops training.
+    Curves plot against ``train/samples_seen`` so world sizes overlay.
 
     Args:
         project (str): wandb project.
-        group (str): the experiment (its single and DDP runs share it).
-        job_type (str): e.g. ``single-1`` or ``ddp-2``.
+        group (str): the experiment.
+        job_type (str): e.g. ``ddp-2``.
         name (str): run name.
-        config (dict): recorded run settings (world size, batch arithmetic, bucket cap, comm hook, ...).
-        output_dir (str | Path): where the offline run is kept (``<output_dir>/wandb``) unless WANDB_DIR is set.
+        config (dict): recorded run settings.
+        output_dir (str | Path): where the offline run is kept.
     """
 
     def __init__(self, project: str, group: str, job_type: str, name: str, config: dict, output_dir: str | Path):
@@ -250,7 +233,7 @@ class WandbLogger:
             self._switch.call("run.log", lambda: self._run.log({key: wandb_table(columns, rows)}))
 
     def close(self) -> None:
-        if self._run is not None:  # after a failure the switch is off: the run is left, its service may be gone
+        if self._run is not None:  # after a failure the switch skips this
             self._switch.call("run.finish", self._run.finish)
             self._run = None
 
@@ -263,11 +246,7 @@ def wandb_table(columns: list[str], rows: list[list]):
 
 
 def log_to_active_wandb(metrics_path: str | Path, record: dict, table: tuple[list[str], list[list]]) -> None:
-    """Log a record and a table (``eval/predictions``) to the wandb run this process has (the Trainer's), if any.
-
-    A process that never started wandb has nothing to log to, and wandb is not imported. A failure is warned once
-    through a :class:`WandbSwitch`; it never raises.
-    """
+    """Log a record and a table to this process's wandb run, if any; never raises."""
     import sys
 
     wandb = sys.modules.get("wandb")
@@ -297,12 +276,18 @@ class MultiLogger:
 
 
 def open_metric_sink(info: DistInfo, output_dir: str | Path, wandb_run: dict | None = None):
-    """This rank's metric sink: on rank 0 ``<output_dir>/metrics.jsonl``, and wandb too when ``wandb_run`` (the
-    :class:`WandbLogger` arguments but ``output_dir``) is given; a :class:`NullLogger` on every other rank, so no
-    other rank ever imports or starts wandb.
+    """This rank's metric sink: ``metrics.jsonl`` and wandb on rank 0, nothing elsewhere.
+
+    Args:
+        info (DistInfo): this process's rank.
+        output_dir (str | Path): where ``metrics.jsonl`` goes.
+        wandb_run (dict | None): :class:`WandbLogger` arguments. Default: None.
 
     Returns:
-        JsonlLogger | MultiLogger | NullLogger: ``log(record)`` and ``close()``.
+        JsonlLogger | MultiLogger | NullLogger: the sink.
+
+    Example:
+        >>> sink = open_metric_sink(info, "out")
     """
     if not info.is_main_process:
         return NullLogger()

@@ -1,19 +1,13 @@
-"""A run's identity and the records it writes: one definition for both entry points and for the report.
+"""A run's identity and the ``metrics.jsonl`` records it writes, shared by both entry points and the report.
 
-Both the plain loop and the Trainer recipe name their wandb runs with :func:`run_identity`, write the records of
-``metrics.jsonl`` with the builders below, and lay out wandb with :func:`define_step_metrics`;
-``ddp_ft.report.comparison`` reads those records back. A record is a flat dict whose ``type`` is one of:
+A record is a flat dict whose ``type`` is one of:
 
-* ``config``: once per launch (again after a resume, with ``resumed_from_step``): run name, world size, batch
-  arithmetic, what the token counts count, the DDP settings, and what else sets the speed (:func:`host_record`).
-* ``train``: one per logged optimizer step: step, samples seen, loss, learning rate, grad norm, throughput, memory
-  and ``comm/*``.
+* ``config``: once per launch and again after a resume.
+* ``train``: one per logged optimizer step.
 * ``eval``: step, samples seen and ``eval_loss``.
 * ``stop``: the plain loop, when a signal stopped the run.
-* ``bucket_choice``: with ``bucket_cap_mb="auto"``, once, at the first optimizer step after the trial decided: the
-  caps kept, and every candidate's caps, buckets and median time.
-* ``backward``: the plain loop, one per optimizer step: each bucket's bytes and when it was ready in the step's last
-  backward (the synced one under DDP), what ``ddp-ft forecast`` reads.
+* ``bucket_choice``: once, when ``bucket_cap_mb="auto"`` has decided.
+* ``backward``: per step, each bucket's bytes and ready time, for ``ddp-ft forecast``.
 """
 
 from __future__ import annotations
@@ -31,10 +25,10 @@ PREDICT = "predict"
 BUCKET_CHOICE = "bucket_choice"
 BACKWARD = "backward"
 
-# What ``tokens`` and ``tokens_per_s`` count, on both paths (the Trainer's ``include_num_input_tokens_seen``).
+# What ``tokens`` and ``tokens_per_s`` count on both paths.
 TOKENS_COUNTED = "non-padding input tokens (attention mask)"
 
-# wandb plots every curve against samples seen, so runs of different world sizes overlay.
+# Curves plot against samples seen, so world sizes overlay.
 STEP_METRIC = "train/samples_seen"
 
 
@@ -43,25 +37,32 @@ class RunIdentity:
     """How a run appears in wandb and in ``metrics.jsonl``."""
 
     project: str
-    group: str  # the experiment: its single and DDP runs share it
+    group: str  # the experiment
     job_type: str  # ``single-1``, ``ddp-2``, ...
-    name: str  # ``<group>-<job_type>`` unless ``--run-name`` is given
+    name: str  # ``<group>-<job_type>`` by default
 
     def wandb_run(self, config: dict) -> dict:
-        """``wandb.init``'s arguments for this run, with ``config`` (a :func:`config_record`) as its config."""
+        """``wandb.init``'s arguments for this run."""
         fields = {"project": self.project, "group": self.group, "job_type": self.job_type, "name": self.name}
         return fields | {"config": {k: v for k, v in config.items() if k != "type"}}
 
 
 def run_identity(project: str, wandb_group: str, run_name: str, preset: str | None, world_size: int) -> RunIdentity:
-    """The identity of a run of ``world_size`` processes; the same for the plain loop and the Trainer recipe.
+    """The identity of a run of ``world_size`` processes.
 
     Args:
         project (str): ``--wandb-project``.
-        wandb_group (str): ``--wandb-group``; empty: the preset's name, else ``custom``.
-        run_name (str): ``--run-name``; empty: ``<group>-<job_type>``.
+        wandb_group (str): ``--wandb-group``, else the preset, else ``custom``.
+        run_name (str): ``--run-name``, else ``<group>-<job_type>``.
         preset (str | None): ``--preset``.
         world_size (int): processes in the run.
+
+    Returns:
+        RunIdentity: the run's names.
+
+    Example:
+        >>> run_identity("ddp-ft", "", "", None, 2).name
+        'custom-ddp-2'
     """
     job_type = f"{'ddp' if world_size > 1 else 'single'}-{world_size}"
     group = wandb_group or preset or "custom"
@@ -78,7 +79,7 @@ def config_record(
     resumed_from_step: int,
     **extra: object,
 ) -> dict:
-    """The ``config`` record: what the report needs of every run, then whatever else the entry point records."""
+    """The ``config`` record: the report's fields, then the entry point's extras."""
     return {
         "type": CONFIG,
         "run_name": run_name,
@@ -96,16 +97,12 @@ def config_record(
 def host_record(device_type: str, local_world_size: int) -> dict:
     """What sets a run's speed besides its settings, for the ``config`` record.
 
-    The comparison refuses a speedup between runs whose threads per process or device type differ. The load average
-    is read when the record is written, after the model loaded: it includes this run's own start-up.
-
     Args:
         device_type (str): ``cpu`` or ``cuda``.
         local_world_size (int): this run's processes on this host.
 
     Returns:
-        dict: ``threads_per_process`` (``torch.get_num_threads()``), ``device_type``, ``local_world_size``,
-        ``usable_cpus`` and ``host_load_1m`` (None where the platform has no load average).
+        dict: threads, device type, local world size, usable CPUs and load.
     """
     import torch
 
@@ -120,7 +117,7 @@ def host_record(device_type: str, local_world_size: int) -> dict:
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may use: its affinity, capped by a cgroup v2 quota (a container's ``--cpus``)."""
+    """The CPUs this process may use: its affinity, capped by a cgroup quota."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
@@ -132,8 +129,7 @@ def usable_cpus() -> int:
 def train_record(
     *, step: int, samples_seen: int, loss: float, lr: float | None, grad_norm: float | None, **metrics: object
 ) -> dict:
-    """A ``train`` record: one logged optimizer step; ``metrics`` holds throughput, memory, ``comm/*`` and the ranks'
-    balance (``compute_max_ms``, ``compute_min_ms``, ``imbalance``, ``wait_for_slowest_ms``: ``steps.rank_balance``)."""
+    """A ``train`` record for one logged optimizer step."""
     return {
         "type": TRAIN,
         "step": step,
@@ -150,12 +146,12 @@ def eval_record(*, step: int, samples_seen: int, eval_loss: float) -> dict:
 
 
 def predict_record(*, step: int, samples_seen: int, samples: int, rouge_l: float | None) -> dict:
-    """What ``--predict`` generated: how many samples, and their ROUGE-L F1 against the answers (None: no answers)."""
+    """A ``predict`` record: samples generated and their ROUGE-L."""
     return {"type": PREDICT, "step": step, "samples_seen": samples_seen, "samples": samples, "rouge_l": rouge_l}
 
 
 def bucket_choice_record(*, step: int, choice) -> dict:
-    """A ``bucket_choice`` record from a :class:`~ddp_ft.ddp.BucketChoice` (``BucketedDDP.bucket_choice``)."""
+    """A ``bucket_choice`` record from a :class:`~ddp_ft.ddp.BucketChoice`."""
     return {
         "type": BUCKET_CHOICE,
         "step": step,
@@ -175,14 +171,14 @@ def backward_record(
     backward_ms: float,
     forward_ms: float | None = None,
 ) -> dict:
-    """A ``backward`` record: the buckets of the step's last backward (a ``BackwardTimeline``).
+    """A ``backward`` record: the buckets of the step's last backward.
 
     Args:
         step (int): the optimizer step.
-        bucket_bytes (list[int]): bytes each bucket sends, in launch order.
-        ready_ms (list[float]): ms from the start of that backward to each bucket's last gradient.
-        backward_ms (float): ms from its start to its last gradient.
-        forward_ms (float | None): ms from the start of its forward to the start of backward. Default: None
+        bucket_bytes (list[int]): bytes per bucket, in launch order.
+        ready_ms (list[float]): when each bucket was ready.
+        backward_ms (float): when backward ended.
+        forward_ms (float | None): the forward's duration. Default: None
     """
     return {
         "type": BACKWARD,
@@ -199,8 +195,7 @@ def of_type(records: list[dict], kind: str) -> list[dict]:
 
 
 def timed_train_records(records: list[dict], skip_first: int) -> list[dict]:
-    """The train records after the first ``skip_first`` of each run segment (each config record starts one, so a
-    resumed run warms up again); all of them if that leaves none."""
+    """The train records after ``skip_first`` warm-up steps of each segment, else all."""
     timed, since_config = [], 0
     for record in records:
         if record.get("type") == CONFIG:
@@ -213,15 +208,14 @@ def timed_train_records(records: list[dict], skip_first: int) -> list[dict]:
 
 
 def define_step_metrics(run) -> None:
-    """Plot ``train/*`` and ``eval/*`` against samples seen (``run``: a wandb run, or the ``wandb`` module)."""
+    """Plot ``train/*`` and ``eval/*`` against samples seen."""
     run.define_metric(STEP_METRIC)
     run.define_metric("train/*", step_metric=STEP_METRIC)
     run.define_metric("eval/*", step_metric=STEP_METRIC)
 
 
 def wandb_payload(record: dict) -> dict | None:
-    """A record as the plain loop logs it to wandb, under the keys the Trainer's own wandb callback uses
-    (``train/<key>``, ``eval/loss``); None for records wandb does not get."""
+    """A record under the Trainer's wandb keys, or None if wandb skips it."""
     if record.get("type") == TRAIN:
         return {f"train/{k}": v for k, v in record.items() if k != "type" and isinstance(v, int | float)}
     if record.get("type") == EVAL:

@@ -1,14 +1,7 @@
-"""What the benchmarks and the GPU check share: one choice of device, backend and compute dtype, and timing that
-waits for the device.
+"""What the benchmarks and the GPU check share.
 
-A benchmark that joins NCCL must hold its model and batches on its rank's GPU, and one that runs on the CPU must join
-gloo and leave CUDA alone: :func:`compute_setup` makes the three choices together, from ``--device`` and
-``--compute-dtype``. On CUDA the host runs ahead of the device, so a timed region starts and ends with
-:func:`synchronize`, and intervals inside a step are CUDA events read after the region (:class:`ExposedWaitProbe`).
-
-Also the GPU benchmark's model and yardstick: a Qwen3 of any shape with random weights, built without a download
-(:func:`build_random_qwen3`), and the model FLOPs of QLoRA training per token (:func:`qlora_training_flops`,
-:data:`MFU_FORMULA`) with the peak FLOP/s of known GPUs (:func:`peak_tflops`) for the model FLOPs utilisation.
+:func:`compute_setup` picks device, backend and compute dtype together. Timed regions wait for the device.
+Also here: random-weight Qwen3 models, model FLOPs per token, and the peak FLOP/s of known GPUs.
 """
 
 from __future__ import annotations
@@ -35,9 +28,9 @@ class ComputeSetup:
     """Where a benchmark runs and in which dtype.
 
     Args:
-        info (DistInfo): this process's rank facts; ``info.device`` is its GPU or the CPU.
-        backend (str): ``nccl`` with CUDA, ``gloo`` on the CPU (also for a single process, which has no group).
-        precision (Precision): the compute dtype for ``info.device`` and why it was chosen.
+        info (DistInfo): this process's rank and device.
+        backend (str): ``nccl`` or ``gloo``.
+        precision (Precision): the compute dtype and why.
     """
 
     info: DistInfo
@@ -51,7 +44,7 @@ class ComputeSetup:
         return {"": device.index if device.type == "cuda" else "cpu"}
 
     def describe(self) -> str:
-        """``device cuda:0 (NVIDIA H100, compute capability 9.0), backend nccl, compute dtype bfloat16 (why)``."""
+        """One line naming the device, backend and compute dtype."""
         device = self.info.device
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
@@ -67,21 +60,22 @@ BACKEND_CHOICES = ("auto", "gloo")
 def compute_setup(
     device: str = "auto", compute_dtype: str = "auto", timeout_s: float = 600.0, backend: str = "auto"
 ) -> ComputeSetup:
-    """Join the launcher's process group on the device ``device`` asks for, and choose the compute dtype for it.
+    """Join the launcher's process group and choose the compute dtype.
 
     Args:
-        device (str): ``auto`` (CUDA when available), ``cuda`` (this rank's GPU, NCCL) or ``cpu`` (gloo, CUDA
-            ignored). Default: auto.
-        compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32``
-            (``ddp_ft.training.model.precision``). Default: auto.
+        device (str): ``auto``, ``cuda`` or ``cpu``. Default: auto.
+        compute_dtype (str): ``auto``, ``bfloat16``, ``float16`` or ``float32``. Default: auto.
         timeout_s (float): collective timeout. Default: 600.
-        backend (str): ``auto`` (NCCL on CUDA, gloo on the CPU) or ``gloo`` (also on CUDA: gloo reduces CUDA
-            tensors through the host, and, unlike NCCL, lets two ranks share one GPU, a test of BucketedDDP's CUDA
-            events and streams with real asynchronous communication on a one-GPU host). Default: auto.
+        backend (str): ``auto`` or ``gloo``; gloo lets two ranks share one GPU. Default: auto.
+
+    Returns:
+        ComputeSetup: the rank, backend and precision.
 
     Raises:
-        ValueError: ``cuda`` without CUDA, an unknown backend, or bfloat16 on a GPU older than compute capability
-            8.0, naming the fix.
+        ValueError: if the device, backend or dtype cannot work here.
+
+    Example:
+        >>> setup = compute_setup("cpu")
     """
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKEND_CHOICES)}.")
@@ -96,13 +90,13 @@ def compute_setup(
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work: a timed region ends when the GPU finished, not when the host did."""
+    """Wait for the device's queued work before reading a timer."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def cpu_name() -> str:
-    """The CPU's model name from ``/proc/cpuinfo``, else what ``platform`` knows, for a benchmark's hardware line."""
+    """The CPU's model name, for a benchmark's hardware line."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -115,14 +109,9 @@ def cpu_name() -> str:
 class ExposedWaitProbe:
     """Time from the last trainable gradient of a backward to the end of ``backward()``.
 
-    In a synced backward that is the communication (and the wait for the slower rank) that the backward could not
-    hide. It is measured from outside, by the same hooks, for torch DDP and BucketedDDP alike, so the part of a step
-    where communication shows is compared directly, without the compute that dominates the tokens/s noise.
-
-    On the CPU it is wall time. On CUDA the host does not wait for the collectives (both DDPs only make the
-    backward's stream wait for the communication stream), so the interval is taken on the device: an event recorded
-    in every gradient hook on the stream backward runs on (the last record wins) and one after ``backward()``,
-    read by :attr:`seconds` only after the timed region.
+    In a synced backward that is the communication backward could not hide.
+    The same hooks measure torch DDP and BucketedDDP, so the two compare directly.
+    On CUDA it is timed with events, read only after the timed region.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device):
@@ -154,7 +143,7 @@ class ExposedWaitProbe:
 
     @property
     def seconds(self) -> list[float]:
-        """Every recorded interval in seconds (on CUDA this waits for the recorded events)."""
+        """Every recorded interval in seconds."""
         return [s if isinstance(s, float) else _event_seconds(*s) for s in self.samples]
 
 
@@ -166,7 +155,7 @@ def _event_seconds(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
 # --- A Qwen3 of any shape with random weights, written once --------------------------------------------------------
 
 
-# The model shapes of the GPU benchmark and of scripts/random_model.py; ``tiny`` is their CPU smoke test.
+# ``tiny`` is the CPU smoke test.
 BENCH_SHAPES: dict[str, Qwen3Shape] = {
     "qwen3-4b": QWEN3_4B,
     "tiny": Qwen3Shape(
@@ -182,15 +171,22 @@ BENCH_SHAPES: dict[str, Qwen3Shape] = {
 
 
 def build_random_qwen3(path: str | Path, shape: Qwen3Shape, dtype: torch.dtype, seed: int = 0) -> Path:
-    """A Qwen3 of ``shape`` with uniform random weights in ``dtype``, written with ``save_pretrained``, once.
+    """Write a Qwen3 of ``shape`` with random weights, once.
 
-    Like ``ddp_ft.training.model.qlora.build_tiny_qwen3``, but made on the meta device and filled in one pass:
-    transformers' own initialisation of billions of parameters takes minutes, and only the shapes matter to memory and
-    speed. The weights are deterministic in ``seed``; the folder is written under a temporary name and renamed, so a
-    reader never sees half of it, and an existing one is kept.
+    It skips transformers' slow initialisation, since only the shapes matter to speed.
+    The folder appears whole by a rename.
+
+    Args:
+        path (str | Path): the model folder.
+        shape (Qwen3Shape): the model's sizes.
+        dtype (torch.dtype): the weights' dtype.
+        seed (int): the random seed. Default: 0.
 
     Returns:
-        Path: the folder, loadable with ``from_pretrained`` (and so by ``load_qlora_model``).
+        Path: the folder, loadable with ``from_pretrained``.
+
+    Example:
+        >>> build_random_qwen3("models/tiny", BENCH_SHAPES["tiny"], torch.float32)
     """
     from transformers import Qwen3ForCausalLM
 
@@ -217,7 +213,7 @@ def build_random_qwen3(path: str | Path, shape: Qwen3Shape, dtype: torch.dtype, 
 
 
 def random_qwen3_name(shape: Qwen3Shape, dtype: torch.dtype) -> str:
-    """The cache folder name of :func:`build_random_qwen3`'s model: every size in it, so shapes never collide."""
+    """A cache folder name holding every size, so shapes never collide."""
     s = shape
     tied = "-tied" if s.tie_word_embeddings else ""
     return (
@@ -244,9 +240,9 @@ class TrainingFlops:
     """Model FLOPs per trained token of QLoRA on a Qwen3 (:data:`MFU_FORMULA`).
 
     Args:
-        base_matmul_params (int): N_base, the frozen weights that multiply every token (decoder linears, lm_head).
+        base_matmul_params (int): N_base, the frozen matmul weights.
         lora_params (int): N_lora, the adapters' parameters.
-        attention_forward (int): 4*L*T*d_attn, the attention matmuls of one token's forward.
+        attention_forward (int): 4*L*T*d_attn, one token's attention forward.
     """
 
     base_matmul_params: int
@@ -267,17 +263,14 @@ class TrainingFlops:
 
 
 def qlora_training_flops(shape: Qwen3Shape, seq_len: int, lora_r: int = 16) -> TrainingFlops:
-    """:class:`TrainingFlops` of ``shape`` trained on sequences of ``seq_len`` tokens with LoRA rank ``lora_r`` on
-    every linear layer of the decoder (pure arithmetic)."""
+    """The :class:`TrainingFlops` of ``shape`` at ``seq_len`` tokens and LoRA rank ``lora_r``."""
     linears = sum(out * inp for out, inp in shape.linear_shapes())
     base = shape.num_hidden_layers * linears + shape.vocab_size * shape.hidden_size  # the lm_head, tied or not
     d_attn = shape.num_attention_heads * shape.head_dim
     return TrainingFlops(base, lora_parameters(shape, lora_r), 4 * shape.num_hidden_layers * seq_len * d_attn)
 
 
-# Dense (no sparsity) bf16/fp16 tensor-core peaks with fp32 accumulation, TFLOP/s, from NVIDIA's datasheets (H100,
-# H200, A100) and the Ada Lovelace whitepaper (RTX 4090), matched against torch.cuda.get_device_name in this order.
-# An assumption to check against the card's clocks: boards run below the datasheet's boost clock under load.
+# Dense bf16/fp16 datasheet peaks in TFLOP/s, matched against the device name in order.
 PEAK_TFLOPS = (
     ("H100 PCIe", 756.0),
     ("H100 NVL", 835.0),
@@ -289,16 +282,14 @@ PEAK_TFLOPS = (
 
 
 def peak_tflops(device_name: str, compute_dtype: torch.dtype) -> float | None:
-    """The table's peak for a device name in bfloat16/float16, or None when unknown (other cards, float32, CPU)."""
+    """The peak for a device name in bfloat16/float16, else None."""
     if compute_dtype not in (torch.bfloat16, torch.float16):
         return None
     return next((peak for key, peak in PEAK_TFLOPS if key in device_name), None)
 
 
 def exit_without_finalization() -> NoReturn:
-    """Leave a finished, written benchmark or check without interpreter finalization, as tests/helpers/dist_harness.py does:
-    a gloo thread that releases a collective's work while the interpreter shuts down aborts the process ("terminate
-    called without an active exception", seen once in a few runs), which would turn a finished run into a crash."""
+    """Exit without finalization, since a gloo thread can abort a finished run at shutdown."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,8 +1,7 @@
-"""Whether two runs' speeds measure DDP: the same threads per process and device type, on a host not oversubscribed.
+"""Whether two runs' speeds measure DDP: same threads per process, same device type, a quiet host.
 
-torchrun gives each of N > 1 workers one OpenMP thread unless ``OMP_NUM_THREADS`` is set; a single process started
-without it takes every core. Their ratio then measures threads, not DDP: the speedup of such a pair is withheld,
-naming the fix. Runs written before ddp_ft recorded these facts are compared with a note that they are unknown.
+A single process without ``OMP_NUM_THREADS`` takes every core, while torchrun's workers get one thread each.
+Their ratio would measure threads, not DDP, so it is withheld.
 """
 
 from __future__ import annotations
@@ -30,7 +29,18 @@ class HostFacts(Protocol):
 
 
 def mismatch(a: HostFacts, b: HostFacts) -> str | None:
-    """Why the speeds of ``a`` and ``b`` cannot be compared, with the fix; None when they can or it is unknown."""
+    """Why the speeds of ``a`` and ``b`` cannot be compared, with the fix, else None.
+
+    Args:
+        a (HostFacts): one run.
+        b (HostFacts): the other run.
+
+    Returns:
+        str | None: the reason and its fix.
+
+    Example:
+        >>> mismatch(single, ddp)
+    """
     differ, fixes = [], []
     if a.device_type and b.device_type and a.device_type != b.device_type:
         differ.append(f"device type ({a.run_name}: {a.device_type}, {b.run_name}: {b.device_type})")
@@ -49,7 +59,14 @@ def mismatch(a: HostFacts, b: HostFacts) -> str | None:
 
 
 def host_notes(runs: list[HostFacts]) -> list[str]:
-    """Caveats on each run's host: facts not recorded, CPU threads oversubscribed, a busy host at its start."""
+    """Caveats on each run's host: facts missing, threads oversubscribed, or a busy host.
+
+    Args:
+        runs (list[HostFacts]): the runs compared.
+
+    Returns:
+        list[str]: the caveats.
+    """
     notes = []
     unknown = [r.run_name for r in runs if r.threads_per_process is None or r.device_type is None]
     if unknown:

@@ -1,6 +1,4 @@
-"""Run folders in, comparison files out: :func:`load_run` reads a run's ``metrics.jsonl`` (or a wandb run),
-:func:`write_report` writes ``comparison.md``, ``comparison.png`` and ``comparison.json``.
-"""
+"""Read run folders and write the comparison files."""
 
 from __future__ import annotations
 
@@ -18,10 +16,14 @@ logger = logging.getLogger(__name__)
 
 
 def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list[dict]]:
-    """Read ``run_dir/metrics.jsonl`` (or the wandb run ``wandb:entity/project/run_id``); return summary and records.
+    """Read a run folder or ``wandb:`` run; an unnamed run takes the folder's name.
 
-    A run whose records name no run (``BucketedTrainer`` without ``TrainingArguments.run_name``) is named after its
-    folder (the wandb run: its id), in the table, the text and the figure.
+    Args:
+        run_dir (str | Path): the run's output_dir or ``wandb:entity/project/id``.
+        skip_first (int): warm-up steps left out. Default: 1.
+
+    Returns:
+        tuple[RunSummary, list[dict]]: the summary and the records.
 
     Raises:
         FileNotFoundError: if ``run_dir`` holds no ``metrics.jsonl``.
@@ -45,21 +47,21 @@ def write_report(
     independent_dirs: list[str | Path] | None = None,
     forecast: str | Path | None = None,
 ) -> dict:
-    """Compare two run directories; write ``comparison.md``, ``comparison.png`` and ``comparison.json``.
+    """Compare two runs and write ``comparison.md``, ``.png`` and ``.json``.
 
     Args:
-        baseline_dir (str | Path): output_dir of the baseline run (1 device).
-        other_dir (str | Path): output_dir of the DDP run.
-        out_dir (str | Path): where the three files go (created).
-        skip_first (int): warm-up steps left out of the medians. Default: 1.
-        independent_dirs (list[str | Path] | None): output_dirs of single-device runs of the same experiment that
-            ran side by side, one per device of the DDP run: the limit DDP is measured against. Default: None.
-        forecast (str | Path | None): a ``forecast.json`` of ``ddp-ft forecast`` (or its folder), shown beside the
-            DDP run. Default: the baseline folder's ``forecast.json`` if it has one.
+        baseline_dir (str | Path): the baseline run.
+        other_dir (str | Path): the DDP run.
+        out_dir (str | Path): where the files go.
+        skip_first (int): warm-up steps left out. Default: 1.
+        independent_dirs (list[str | Path] | None): side-by-side single-device runs. Default: None.
+        forecast (str | Path | None): a ``forecast.json``. Default: the baseline's, if any.
 
     Returns:
-        dict: the content of ``comparison.json``: :meth:`Comparison.to_dict` plus ``table``
-        (``columns``, ``rows``), ``markdown`` and ``files`` (the three paths).
+        dict: the content of ``comparison.json``.
+
+    Example:
+        >>> write_report("runs/single", "runs/ddp", "runs/compare")
     """
     baseline, baseline_records = load_run(baseline_dir, skip_first)
     other, other_records = load_run(other_dir, skip_first)

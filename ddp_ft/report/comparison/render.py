@@ -1,6 +1,6 @@
-"""A :class:`~ddp_ft.report.comparison.summary.Comparison` rendered: the per-run table (shared by markdown and wandb),
-the summary sentences, the markdown, and the two-panel figure. Pure up to :func:`comparison_figure`, which builds the
-figure (tested through its matplotlib objects); :func:`plot_comparison` writes it to a PNG.
+"""Render a :class:`~ddp_ft.report.comparison.summary.Comparison` as a table, sentences, markdown and a figure.
+
+Only :func:`plot_comparison` writes a file.
 """
 
 from __future__ import annotations
@@ -129,8 +129,7 @@ def forecast_lines(comparison: Comparison) -> list[str]:
 
 
 def markdown_table(comparison: Comparison) -> str:
-    """The comparison as markdown: one column per run, then speedup, efficiency and loss-gap lines, then the forecast
-    beside the DDP run when there is one."""
+    """The comparison as markdown: the table, the summary lines, then any forecast."""
     columns, rows = table_rows(comparison)
     lines = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -152,21 +151,24 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     return path
 
 
-LIMIT_CAVEAT = "not a result"  # the words the text report also uses for a ratio to the limit over 100%
-NOT_COMPARABLE = "not comparable"  # the text report's words for a ratio withheld (fairness.mismatch)
+LIMIT_CAVEAT = "not a result"  # the text report's words for a limit over 100%
+NOT_COMPARABLE = "not comparable"  # the text report's words for a withheld ratio
 
 
 def comparison_figure(comparison: Comparison):
-    """Two panels: loss vs samples seen (eval loss as markers) and throughput bars, with the limit when given.
+    """Two panels: loss against samples seen, and throughput bars with any limit.
 
-    A DDP run above the limit is no measurement of the limit (the independent runs were slowed by something else on
-    the host): the limit's bars are then grey and hatched, their legend entry and the bars' title say it is not a
-    result, and a line under the figure says why, as the text report's note does; the figure goes to wandb and
-    into slides without the text. Runs that differ in threads per process or device type get no speedup: the bars'
-    title and a line under the figure say they are not comparable.
+    The figure travels without the text, so it carries the caveats itself.
+    A limit over 100% is drawn grey and hatched as "not a result".
+
+    Args:
+        comparison (Comparison): what to draw.
 
     Returns:
-        matplotlib.figure.Figure: the figure, with an Agg canvas (no display needed).
+        matplotlib.figure.Figure: the figure, with an Agg canvas.
+
+    Example:
+        >>> comparison_figure(comparison).savefig("comparison.png")
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -245,5 +247,5 @@ def _throughput_bars(bar_ax, comparison: Comparison, names: tuple[str, str]) -> 
     if comparison.of_limit is None and comparison.not_comparable and comparison.limit_tokens_per_s is not None:
         ratio = f"; the limit {NOT_COMPARABLE}"
     bar_ax.set(ylabel="non-padding tokens/s (median)", title=f"Throughput ({speedup}{ratio})")
-    bar_ax.margins(y=0.3)  # room for the value labels and the legend above the bars
+    bar_ax.margins(y=0.3)  # room for the labels and the legend
     bar_ax.legend()

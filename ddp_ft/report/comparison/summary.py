@@ -1,6 +1,4 @@
-"""Run summaries and the comparison: one run's records reduced to a :class:`RunSummary`, two runs to a
-:class:`Comparison` (speedup, scaling efficiency, step-time ratio, loss-curve gap). Pure: records in, dataclasses out.
-"""
+"""Reduce one run's records to a :class:`RunSummary` and two runs to a :class:`Comparison`."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from ..forecast.build import Forecast
 from ..records import CONFIG, EVAL, TRAIN, of_type, timed_train_records
 from .fairness import HOST_FIELDS, host_notes, mismatch
 
-MEMORY_METRICS = ("peak_mem_gb", "peak_rss_gb")  # CUDA allocator peak (GPU), peak resident set size (CPU)
+MEMORY_METRICS = ("peak_mem_gb", "peak_rss_gb")  # GPU allocator peak, CPU resident set peak
 
 
 @dataclass
@@ -20,30 +18,27 @@ class RunSummary:
     """One run reduced to the numbers the comparison needs.
 
     Args:
-        run_name (str): ``run_name`` of the run's first config record; where it has none (a ``BucketedTrainer`` run
-            without ``TrainingArguments.run_name``), the name the caller gave (``load_run``: the run's folder).
-        world_size (int): devices (ranks) of the run, from its first config record.
-        effective_batch (int | None): samples per optimizer step, from the first config record.
+        run_name (str): the config record's run name, else the caller's name.
+        world_size (int): ranks of the run.
+        effective_batch (int | None): samples per optimizer step.
         steps (int): distinct optimizer steps logged.
-        timed_steps (int): train records the medians are taken over (warm-up excluded).
-        warmup_steps_skipped (int): train records left out of the medians as warm-up.
-        tokens_per_s (float | None): median global tokens/s (all ranks).
+        timed_steps (int): train records behind the medians.
+        warmup_steps_skipped (int): train records skipped as warm-up.
+        tokens_per_s (float | None): median global tokens/s.
         tokens_per_s_per_device (float | None): median tokens/s per device.
-        step_time_s (float | None): median seconds per optimizer step.
-        peak_memory_gb (float | None): max over all steps of rank 0's peak memory, in GB.
-        peak_memory_metric (str | None): which metric that is: ``peak_mem_gb`` (CUDA allocator, GPU) or
-            ``peak_rss_gb`` (resident set size, CPU).
-        final_eval_loss (float | None): eval loss of the last eval record.
-        exposed_comm_ms (float | None): median ms per step that backward waited on communication (DDP only).
-        overlap (float | None): median fraction of communication hidden behind compute (DDP on CPU/gloo only).
-        imbalance (float | None): median over steps of the slowest rank's compute over the fastest's (1.0:
-            balanced; runs logged before it was recorded: None).
-        wait_for_slowest_ms (float | None): median ms per step rank 0 waited for the slowest rank.
-        threads_per_process (int | None): torch's intra-op threads in each process (None: not recorded).
+        step_time_s (float | None): median seconds per step.
+        peak_memory_gb (float | None): rank 0's peak memory in GB.
+        peak_memory_metric (str | None): ``peak_mem_gb`` (GPU) or ``peak_rss_gb`` (CPU).
+        final_eval_loss (float | None): the last eval loss.
+        exposed_comm_ms (float | None): median ms backward waited on communication.
+        overlap (float | None): median fraction of communication hidden.
+        imbalance (float | None): median slowest over fastest rank compute.
+        wait_for_slowest_ms (float | None): median ms rank 0 waited.
+        threads_per_process (int | None): intra-op threads per process.
         device_type (str | None): ``cpu`` or ``cuda``.
-        local_world_size (int | None): the run's processes on rank 0's host.
-        usable_cpus (int | None): CPUs rank 0 could use (affinity, cgroup quota).
-        host_load_1m (float | None): the host's 1-minute load average when the run's config record was written.
+        local_world_size (int | None): processes on rank 0's host.
+        usable_cpus (int | None): CPUs rank 0 could use.
+        host_load_1m (float | None): host load average at start.
     """
 
     run_name: str
@@ -78,10 +73,10 @@ class LossCurve:
     """Train and eval loss of one run against samples seen.
 
     Args:
-        samples_seen (list[int]): ascending; one point per optimizer step.
-        loss (list[float]): train loss at each of ``samples_seen``.
+        samples_seen (list[int]): ascending, one per optimizer step.
+        loss (list[float]): train loss at each point.
         eval_samples_seen (list[int]): samples seen at each eval.
-        eval_loss (list[float]): eval loss at each of ``eval_samples_seen``.
+        eval_loss (list[float]): eval loss at each eval.
     """
 
     samples_seen: list[int] = field(default_factory=list)
@@ -92,31 +87,25 @@ class LossCurve:
 
 @dataclass
 class Comparison:
-    """A baseline run against another run of the same experiment (usually 1 device against N with DDP).
+    """A baseline run against another run of the same experiment.
 
     Args:
-        baseline (RunSummary): the reference run (1 device).
-        other (RunSummary): the run being judged (DDP on N devices).
-        speedup (float | None): ``other.tokens_per_s / baseline.tokens_per_s`` (global rates).
-        scaling_efficiency (float | None): ``speedup / (other.world_size / baseline.world_size)``; 1.0 is
-            perfect linear scaling.
-        step_time_ratio (float | None): ``other.step_time_s / baseline.step_time_s``.
-        loss_gap_max (float | None): max |other loss - baseline loss| over matched points; None when the
-            curves share no ``samples_seen``.
-        loss_gap_mean (float | None): mean of the same; None likewise.
-        matched_points (int): train steps whose ``samples_seen`` appear in both runs.
-        eval_loss_delta (float | None): ``other.final_eval_loss - baseline.final_eval_loss``.
-        notes (list[str]): caveats a reader must see (no overlap, unequal lengths, different batches...).
-        baseline_curve (LossCurve): the baseline's loss curve, for the plot.
-        other_curve (LossCurve): the other run's loss curve, for the plot.
-        limit_tokens_per_s (float | None): what the devices allow with no communication at all: the summed
-            tokens/s of independent single-device runs of the same experiment, run at the same time (one per device
-            of ``other``); None when none were given.
-        of_limit (float | None): ``other.tokens_per_s / limit_tokens_per_s``: how close DDP came to that limit.
-        not_comparable (list[str]): why a speed ratio is withheld (None above), each with its fix: runs that
-            differ in threads per process or device type.
-        forecast (dict | None): the ``ddp-ft forecast`` row for ``other``'s world size (a ``ForecastRow`` as a dict,
-            with ``from_run``, the run it was made from), shown beside ``other``; None when no forecast was given.
+        baseline (RunSummary): the reference run.
+        other (RunSummary): the run being judged.
+        speedup (float | None): other's global tokens/s over the baseline's.
+        scaling_efficiency (float | None): speedup over the world-size ratio.
+        step_time_ratio (float | None): other's step time over the baseline's.
+        loss_gap_max (float | None): largest loss gap over matched points.
+        loss_gap_mean (float | None): mean loss gap over matched points.
+        matched_points (int): train steps at equal ``samples_seen``.
+        eval_loss_delta (float | None): other's final eval loss minus the baseline's.
+        notes (list[str]): caveats the reader must see.
+        baseline_curve (LossCurve): the baseline's loss curve.
+        other_curve (LossCurve): the other run's loss curve.
+        limit_tokens_per_s (float | None): summed tokens/s of independent single-device runs.
+        of_limit (float | None): other's tokens/s over that limit.
+        not_comparable (list[str]): why a speed ratio is withheld, with the fix.
+        forecast (dict | None): the forecast row for other's world size.
     """
 
     baseline: RunSummary
@@ -141,7 +130,7 @@ class Comparison:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> Comparison:
-        """Rebuild from :meth:`to_dict` output (or a ``comparison.json``; keys other than the fields are ignored)."""
+        """Rebuild from :meth:`to_dict` output, ignoring unknown keys."""
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         values = {f.name: data[f.name] for f in fields(cls) if f.name in data or f.name in required}
         values["baseline"] = RunSummary(**values["baseline"])
@@ -159,23 +148,21 @@ def _median(records: list[dict], key: str) -> float | None:
 def summarize_run(records: list[dict], skip_first: int = 1, name: str = "run") -> RunSummary:
     """Reduce one run's ``metrics.jsonl`` records to a :class:`RunSummary`.
 
-    Medians (tokens/s, step time, exposed communication, overlap) skip the first ``skip_first`` train
-    steps as warm-up (first-iteration allocations, kernel selection, bucket rebuilds), counted from every
-    config record: a resumed run appends a config record and warms up again. When that would leave no step
-    at all (a run of ``skip_first`` steps or fewer), every step is used. Peak memory is the max over all
-    steps, warm-up included. Identity (run name, world size, effective batch) comes from the first config
-    record; train records of every segment are used.
+    Medians skip ``skip_first`` warm-up steps after each config record, since a resumed run warms up again.
 
     Args:
-        records (list[dict]): the records of one ``metrics.jsonl``, in file order.
-        skip_first (int): warm-up train steps left out of the medians. Default: 1.
-        name (str): the run's name where its config record has none (or an empty one). Default: run
+        records (list[dict]): the run's records in file order.
+        skip_first (int): warm-up steps left out of the medians. Default: 1.
+        name (str): the run's name if its config record has none. Default: run
 
     Returns:
         RunSummary: the run's summary.
 
     Raises:
-        ValueError: if ``skip_first`` is negative, or there is no config record or no train record.
+        ValueError: if ``skip_first`` is negative or a record type is missing.
+
+    Example:
+        >>> summary = summarize_run(records, skip_first=2)
     """
     if skip_first < 0:
         raise ValueError(f"skip_first must be >= 0, got {skip_first}")
@@ -210,7 +197,7 @@ def summarize_run(records: list[dict], skip_first: int = 1, name: str = "run") -
 
 
 def loss_curve(records: list[dict]) -> LossCurve:
-    """Train and eval loss against samples seen; where a resumed run logged a point twice, the later wins."""
+    """Train and eval loss against samples seen; a repeated point keeps the later value."""
     train = {r["samples_seen"]: r["loss"] for r in of_type(records, TRAIN) if r.get("loss") is not None}
     evals = {r["samples_seen"]: r["eval_loss"] for r in of_type(records, EVAL)}
     evals = {k: v for k, v in evals.items() if v is not None}
@@ -231,25 +218,21 @@ def compare_runs(
     independent: list[RunSummary] | None = None,
     forecast: Forecast | None = None,
 ) -> Comparison:
-    """Compare two summarized runs; the records supply the loss curves.
-
-    Loss curves are matched on ``samples_seen``: a point counts only where both runs logged a train step
-    after exactly that many samples, so runs of unequal length are compared over their common prefix.
+    """Compare two summarized runs, matching loss curves on ``samples_seen``.
 
     Args:
-        baseline (RunSummary): the reference run (usually 1 device).
-        baseline_records (list[dict]): its ``metrics.jsonl`` records.
-        other (RunSummary): the run being judged (usually DDP on N devices).
-        other_records (list[dict]): its ``metrics.jsonl`` records.
-        independent (list[RunSummary] | None): single-device runs of the same experiment that ran side by side,
-            one per device of ``other`` (the limit: what the devices do with no communication). Default: None.
-        forecast (Forecast | None): ``ddp-ft forecast`` of ``baseline``; its row for ``other``'s world size is kept
-            to be shown beside ``other``. Default: None.
+        baseline (RunSummary): the reference run.
+        baseline_records (list[dict]): its records.
+        other (RunSummary): the run being judged.
+        other_records (list[dict]): its records.
+        independent (list[RunSummary] | None): side-by-side single-device runs, one per device. Default: None.
+        forecast (Forecast | None): the baseline's forecast. Default: None.
 
     Returns:
-        Comparison: speedup, scaling efficiency, step-time ratio, loss-curve gap, eval-loss delta and notes. A
-        ratio between runs that differ in threads per process or device type is None, its reason in
-        ``not_comparable``.
+        Comparison: the ratios, loss gap and notes.
+
+    Example:
+        >>> comparison = compare_runs(base, base_records, ddp, ddp_records)
     """
     base_curve, other_curve = loss_curve(baseline_records), loss_curve(other_records)
     base_loss = dict(zip(base_curve.samples_seen, base_curve.loss, strict=True))
@@ -292,7 +275,7 @@ def compare_runs(
 
 
 def _forecast_row(forecast: Forecast, baseline: RunSummary, other: RunSummary, notes: list[str]) -> dict | None:
-    """The forecast's one-machine row for ``other``'s world size, with the run it came from; caveats go to ``notes``."""
+    """The forecast row for ``other``'s world size; caveats go to ``notes``."""
     if forecast.run_name != baseline.run_name:
         notes.append(f"the forecast was made from {forecast.run_name}, not from the baseline {baseline.run_name}")
     row = forecast.row(other.world_size)
@@ -306,8 +289,7 @@ def _forecast_row(forecast: Forecast, baseline: RunSummary, other: RunSummary, n
 
 
 def _run_notes(baseline: RunSummary, other: RunSummary, base_points: int, other_points: int, matched: int) -> list:
-    """The caveats on comparing the two runs: loss curves without shared points or of unequal length, different
-    effective batches, peak memory measured differently, a missing throughput."""
+    """The caveats on comparing the two runs."""
     notes = []
     if not matched:
         notes.append(
@@ -332,11 +314,7 @@ def _run_notes(baseline: RunSummary, other: RunSummary, base_points: int, other_
 
 
 def _limit(other: RunSummary, independent: list[RunSummary], notes: list[str]) -> float | None:
-    """The summed tokens/s of the independent single-device runs (None if one lacks it); caveats go to ``notes``.
-
-    Raises:
-        ValueError: the independent runs are not ``other.world_size`` single-device runs.
-    """
+    """The summed tokens/s of the independent runs; caveats go to ``notes``."""
     if len(independent) != other.world_size or any(r.world_size != 1 for r in independent):
         raise ValueError(
             f"the independent runs must be {other.world_size} single-device runs (one per device of "
@@ -356,8 +334,7 @@ def _limit(other: RunSummary, independent: list[RunSummary], notes: list[str]) -
 def _over_the_limit_note(
     baseline: RunSummary, other: RunSummary, independent: list[RunSummary], of_limit: float
 ) -> str:
-    """DDP above the limit cannot happen on a quiet host (it does the same work plus communication): the
-    independent runs were slowed by something else on the machine, so the limit and the ratio are not measured."""
+    """Explain a ratio over 100%: the independent runs were slowed by a busy host."""
     alone = " and ".join(f"{r.tokens_per_s:,.0f}" for r in independent)
     single = f"; {baseline.run_name} alone: {baseline.tokens_per_s:,.0f}" if baseline.world_size == 1 else ""
     return (

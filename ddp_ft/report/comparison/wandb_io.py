@@ -1,6 +1,4 @@
-"""wandb at both ends of the comparison: :func:`records_from_wandb` reads a run logged online as ``metrics.jsonl``
-records; :func:`log_report_to_wandb` logs a written report (table, plot, headline numbers) as a ``compare`` job.
-"""
+"""Read a wandb run as records, and log a written report to wandb."""
 
 from __future__ import annotations
 
@@ -17,14 +15,17 @@ WANDB_PREFIX = "wandb:"
 
 
 def records_from_wandb(run_path: str, api: object | None = None) -> list[dict]:
-    """A wandb run (``entity/project/run_id``) as ``metrics.jsonl`` records, for runs logged online.
-
-    Uses the keys both ddp_ft paths log: ``train/*`` (against ``train/samples_seen``) and ``eval/loss``;
-    the run config gives world size and batch arithmetic.
+    """A wandb run logged online, as ``metrics.jsonl`` records.
 
     Args:
         run_path (str): ``entity/project/run_id``.
-        api (object | None): a ``wandb.Api()`` (or a stand-in with ``run(path)``). Default: a new ``wandb.Api()``.
+        api (object | None): a ``wandb.Api()`` or stand-in. Default: a new ``wandb.Api()``.
+
+    Returns:
+        list[dict]: the run's records.
+
+    Example:
+        >>> records = records_from_wandb("me/ddp-ft/abc123")
     """
     if api is None:
         import wandb
@@ -43,18 +44,15 @@ def records_from_wandb(run_path: str, api: object | None = None) -> list[dict]:
 
 
 def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group: str) -> None:
-    """Log a :func:`write_report` result to wandb as one ``compare`` job of ``group``; never raises.
+    """Log a :func:`write_report` result to wandb as a ``compare`` job; never raises.
 
-    Logs the per-run table as a ``wandb.Table``, the PNG as a ``wandb.Image`` and the headline numbers
-    (speedup, scaling efficiency, loss gap, ...) to the run summary. The mode comes from
-    :func:`resolve_wandb_mode`. If wandb is missing or fails, a warning is logged and nothing else happens. wandb's
-    own output is silenced; offline, one log line says where the run is and how to upload it (``wandb sync``).
+    A missing or failing wandb only logs a warning.
 
     Args:
         report (dict): what :func:`write_report` returned.
         png_path (str | Path): the comparison plot.
         project (str): wandb project.
-        group (str): wandb group, shared with the two training runs; the run is named ``{group}-compare``.
+        group (str): wandb group, shared with the two training runs.
     """
     try:
         import wandb
@@ -64,7 +62,7 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
     mode = resolve_wandb_mode(os.environ)
     run = None
     try:
-        quiet = wandb.Settings(silent=True)  # its own banner, summary and sync hint: ours is one line, below
+        quiet = wandb.Settings(silent=True)  # we print one line instead
         run = wandb.init(
             project=project, group=group, job_type="compare", name=f"{group}-compare", mode=mode, settings=quiet
         )
@@ -91,12 +89,12 @@ def log_report_to_wandb(report: dict, png_path: str | Path, project: str, group:
             run.summary["comparison/not_comparable"] = "; ".join(report["not_comparable"])
         logger.info("logged comparison to wandb (%s mode): %s", mode, run.dir)
         if mode == "offline":
-            runs = Path(run.dir).parent.parent  # <WANDB_DIR>/wandb, holding offline-run-*/files
+            runs = Path(run.dir).parent.parent  # the folder of offline runs
             logger.info(
                 "to upload it and the training runs logged to the same WANDB_DIR: wandb sync %s",
                 runs / "offline-run-*",
             )
-    except Exception as error:  # a broken wandb must not cost the user the report already on disk
+    except Exception as error:  # a broken wandb must not cost the report on disk
         logger.warning("could not log the comparison to wandb (%s mode): %s", mode, error)
     finally:
         if run is not None:

@@ -1,13 +1,12 @@
 """What BucketedDDP would do on N processes, from a finished one-process run (``ddp-ft forecast``).
 
-The run's ``backward`` records say when each bucket was ready in backward; a link (a preset with its source, or
-this machine's, fitted from ``ddp-ft doctor``'s probe) says what an all-reduce costs. One module per part, each
-importing only the ones before it:
+The run's ``backward`` records say when each bucket was ready. A link says what an all-reduce costs.
+Modules, each importing only those before it:
 
-* ``links``: :class:`Link`, :data:`PRESETS`, :func:`ring_allreduce_ms`, :func:`fit_link`, :func:`load_probe`;
-* ``schedule``: :func:`schedule_buckets` and :func:`predict_step`, the Reducer's schedule replayed (pure);
-* ``build``: :class:`Forecast`, :func:`measured_steps` and :func:`forecast_run`, records in, rows out (pure);
-* ``render``: :func:`markdown` (pure), :func:`write_forecast` and :func:`load_forecast`.
+* ``links``: the links and the ring's cost;
+* ``schedule``: the Reducer's schedule replayed (pure);
+* ``build``: records in, rows out (pure);
+* ``render``: the markdown and the files.
 """
 
 from .build import Forecast, ForecastRow, forecast_run, measured_steps, split_batch

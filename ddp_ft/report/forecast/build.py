@@ -1,6 +1,4 @@
-"""A finished one-process run, forecast on N ranks: its records become :class:`MeasuredStep` values, each step is
-replayed on 2, 4 and 8 ranks (and ``--nproc``) of one node and on 2 nodes, and the medians make the rows.
-"""
+"""Forecast a finished one-process run on N ranks by replaying each measured step."""
 
 from __future__ import annotations
 
@@ -18,20 +16,20 @@ NODES = 2
 
 @dataclass(frozen=True)
 class ForecastRow:
-    """One setup of the table (medians over the run's timed steps).
+    """One setup of the table, as medians over the timed steps.
 
     Args:
-        setup (str): what it is, e.g. ``2 processes`` or ``2 nodes x 8``.
+        setup (str): e.g. ``2 processes`` or ``2 nodes x 8``.
         ranks (int): processes in all.
         nodes (int): machines.
         link (str): the links the ring crosses.
-        accumulation (int): micro-steps per rank per optimizer step.
+        accumulation (int): micro-steps per rank per step.
         effective_batch (int): samples per optimizer step.
         exposed_comm_ms (float): communication a step waits for.
         comm_ms (float): time the link is busy per step.
         step_time_s (float): seconds per optimizer step.
         tokens_per_s (float): tokens per second over all ranks.
-        scaling_efficiency (float | None): tokens/s over ``ranks`` times the measured run's; None for that run.
+        scaling_efficiency (float | None): None for the measured run.
     """
 
     setup: str
@@ -99,13 +97,10 @@ class Forecast:
 
 
 def measured_steps(records: list[dict], skip_first: int = 1) -> tuple[dict, list[MeasuredStep]]:
-    """The run's first config record and its timed steps, each with its ``backward`` record.
-
-    Warm-up: the first ``skip_first`` train records after each config record are left out, unless that leaves none.
+    """The run's first config record and its timed steps with their ``backward`` records.
 
     Raises:
-        ValueError: no config record, a run of several processes, PowerSGD, or no step with a ``backward`` record,
-            each naming what to run instead.
+        ValueError: if the run cannot be forecast, naming what to run instead.
     """
     configs = of_type(records, CONFIG)
     if not configs:
@@ -131,8 +126,7 @@ def measured_steps(records: list[dict], skip_first: int = 1) -> tuple[dict, list
 
 
 def _step(train: dict, backward: dict, accumulation: int) -> MeasuredStep:
-    """A micro-step costs its forward and backward as timed in the step's last one (on CUDA by events: the device's
-    time, where the host's runs ahead), or, in a record without its forward, the step's compute over its micro-steps."""
+    """A :class:`MeasuredStep`; a micro-step costs the last forward and backward, else its share of compute."""
     forward = backward.get("forward_ms")
     micro = forward + backward["backward_ms"] if forward is not None else train["compute_max_ms"] / accumulation
     return MeasuredStep(
@@ -147,7 +141,7 @@ def _step(train: dict, backward: dict, accumulation: int) -> MeasuredStep:
 
 
 def split_batch(effective_batch: int, micro_batch: int, ranks: int) -> tuple[int, str | None]:
-    """Micro-steps per rank that keep ``effective_batch`` on ``ranks``; where none does, 1 and a note saying so."""
+    """Micro-steps per rank that keep ``effective_batch``, else 1 and a note."""
     per_step = micro_batch * ranks
     if effective_batch % per_step == 0:
         return effective_batch // per_step, None
@@ -164,18 +158,21 @@ def forecast_run(
     """Forecast a one-process run on 2, 4 and 8 ranks and ``nproc`` of one node, and on 2 nodes of ``nproc``.
 
     Args:
-        records (list[dict]): the run's ``metrics.jsonl``, as :func:`~ddp_ft.report.metrics.timeline` returns it.
+        records (list[dict]): the run's records after :func:`~ddp_ft.report.metrics.timeline`.
         nproc (int): processes per node asked for.
         link (Link): the link between the processes of a node.
         node_link (Link): the link between nodes.
-        skip_first (int): warm-up steps left out, per run segment. Default: 1.
-        name (str): the run's name where its config record has none. Default: run
+        skip_first (int): warm-up steps left out. Default: 1.
+        name (str): the run's name if its config has none. Default: run
 
     Returns:
         Forecast: the table, its links, assumptions and notes.
 
     Raises:
-        ValueError: a run the forecast cannot read (:func:`measured_steps`), or ``nproc`` below 1.
+        ValueError: if the run cannot be read or ``nproc`` is below 1.
+
+    Example:
+        >>> forecast = forecast_run(records, 2, PRESETS["nvlink"], PRESETS["infiniband"])
     """
     if nproc < 1:
         raise ValueError(f"--nproc {nproc}: give the processes per node, 1 or more")
@@ -238,7 +235,7 @@ def forecast_run(
 
 
 def _predict(steps: list[MeasuredStep], ranks: int, accumulation: int, links: list[Link]) -> list[PredictedStep]:
-    """Every measured step replayed on ``ranks`` over a ring crossing ``links``, each waiting for the slowest rank."""
+    """Replay every measured step on ``ranks`` over ``links``."""
     wait = rank_wait_ms([s.micro_ms for s in steps], ranks, accumulation)
     cost = lambda n: ring_allreduce_ms(n, ranks, links)  # noqa: E731
     return [predict_step(s, ranks, accumulation, cost, wait) for s in steps]

@@ -1,9 +1,6 @@
-"""The links a forecast sends buckets over: published presets, or this machine's, fitted from ``ddp-ft doctor``'s probe.
+"""The links a forecast sends buckets over: published presets, or one fitted from ``ddp-ft doctor``'s probe.
 
-A ring all-reduce of ``B`` bytes over ``N`` ranks takes ``2(N-1)`` steps; in each, every rank sends ``B/N`` bytes to
-its neighbour while receiving as much (docs/performance.md). Every step waits for the ring's slowest hop, so it costs
-``B/N / bandwidth + latency`` on that hop, and one link everywhere gives
-``2(N-1)/N x B / bandwidth + 2(N-1) x latency``.
+A ring all-reduce takes ``2(N-1)`` steps, each paced by the slowest hop (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ PROBE_FILE = "doctor.json"
 
 MEASURED = "measured"
 
-# NCCL's own cost model gives each ring step (Simple protocol) a hardware latency per link type.
+# NCCL's cost model gives each ring step a latency per link type.
 _NCCL_LATENCY = "https://github.com/NVIDIA/nccl/blob/master/src/graph/tuning.cc (hwLat, Ring/Simple)"
 _PCIE_TABLE = "https://en.wikipedia.org/wiki/PCI_Express#Comparison_table (PCI-SIG base specifications)"
 
@@ -29,10 +26,10 @@ class Link:
 
     Args:
         name (str): the ``--link`` value.
-        label (str): what the table calls it.
-        bandwidth_gbps (float): GB/s (1e9 bytes) each way at once.
-        latency_us (float): microseconds added to each ring step.
-        source (str): where the two numbers come from.
+        label (str): the table's name for it.
+        bandwidth_gbps (float): GB/s each way.
+        latency_us (float): microseconds per ring step.
+        source (str): where the numbers come from.
     """
 
     name: str
@@ -49,21 +46,21 @@ PRESETS = {
     "pcie4": Link(
         "pcie4",
         "PCIe 4.0 x16",
-        31.5,  # 16 GT/s x 16 lanes x 128/130 encoding, each way
+        31.5,  # each way
         5.7,
         f"bandwidth: {_PCIE_TABLE}; latency: {_NCCL_LATENCY}, PCI",
     ),
     "pcie5": Link(
         "pcie5",
         "PCIe 5.0 x16",
-        63.0,  # 32 GT/s x 16 lanes x 128/130 encoding, each way
+        63.0,  # each way
         5.7,
         f"bandwidth: {_PCIE_TABLE}; latency: {_NCCL_LATENCY}, PCI",
     ),
     "nvlink": Link(
         "nvlink",
         "NVLink 4 (H100 SXM)",
-        450.0,  # 900 GB/s per GPU, both ways together
+        450.0,  # half of 900 GB/s both ways
         3.4,
         f"bandwidth: https://www.nvidia.com/en-us/data-center/h100/ (NVLink 900 GB/s); latency: {_NCCL_LATENCY}, "
         "NVLink",
@@ -71,7 +68,7 @@ PRESETS = {
     "infiniband": Link(
         "infiniband",
         "InfiniBand NDR 400G",
-        50.0,  # 400 Gb/s per port, each way
+        50.0,  # 400 Gb/s each way
         14.0,
         "bandwidth: https://docs.nvidia.com/networking/display/ConnectX7VPI/Introduction (NDR 400Gb/s per port); "
         f"latency: {_NCCL_LATENCY}, NET",
@@ -83,15 +80,18 @@ LINK_CHOICES = (*PRESETS, MEASURED)
 
 
 def ring_allreduce_ms(nbytes: int, ranks: int, links: Sequence[Link]) -> float:
-    """Milliseconds for a ring all-reduce of ``nbytes`` over ``ranks``, each step paced by the slowest of ``links``.
+    """Milliseconds for a ring all-reduce, paced by the slowest of ``links``.
 
     Args:
         nbytes (int): bytes each rank contributes.
-        ranks (int): ranks in the ring; 1 costs nothing.
-        links (Sequence[Link]): the kinds of hop the ring crosses (one link, or a node's and the one between nodes).
+        ranks (int): ranks in the ring.
+        links (Sequence[Link]): the kinds of hop the ring crosses.
 
     Returns:
-        float: ``2(N-1) x max over links of (nbytes/N / bandwidth + latency)``, in ms.
+        float: the time in ms.
+
+    Example:
+        >>> ring_allreduce_ms(1 << 20, 2, [PRESETS["nvlink"]])
     """
     if ranks <= 1:
         return 0.0
@@ -101,20 +101,19 @@ def ring_allreduce_ms(nbytes: int, ranks: int, links: Sequence[Link]) -> float:
 
 
 def fit_link(rows: list[dict], source: str = "ddp-ft doctor") -> Link:
-    """The bandwidth and latency that best explain a probe's all-reduce times under the ring's cost.
+    """Fit bandwidth and latency to a probe's all-reduce times.
 
-    Weighted least squares on ``t = x / bandwidth + 2(W-1) x latency``, with ``x = 2(W-1)/W x bytes``, relative
-    errors (each time weighted by its inverse square), so small sizes set the latency and large ones the bandwidth.
+    Relative errors let small sizes set the latency and large ones the bandwidth.
 
     Args:
-        rows (list[dict]): the probe's rows through the backend: ``nbytes``, ``world_size``, ``median_s`` each.
-        source (str): where the rows come from, kept as the link's source. Default: ``ddp-ft doctor``.
+        rows (list[dict]): the probe's backend rows.
+        source (str): the rows' origin. Default: ``ddp-ft doctor``.
 
     Returns:
-        Link: ``measured``.
+        Link: the ``measured`` link.
 
     Raises:
-        ValueError: fewer than two sizes, fewer than two ranks, or times that do not grow with size.
+        ValueError: if the rows cannot fit a link.
     """
     sizes = {r["nbytes"] for r in rows}
     worlds = {r["world_size"] for r in rows}
@@ -131,7 +130,7 @@ def fit_link(rows: list[dict], source: str = "ddp-ft doctor") -> Link:
         sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * t, sxx + w * x * x, sxy + w * x * t
     det = sw * sxx - sx * sx
     slope, intercept = (sw * sxy - sx * sy) / det, (sxx * sy - sx * sxy) / det
-    if intercept < 0:  # no latency to find: the line through the origin
+    if intercept < 0:  # fit through the origin
         slope, intercept = sxy / sxx, 0.0
     if slope <= 0:
         raise ValueError(f"{source}: the all-reduce times do not grow with size; rerun ddp-ft doctor on a quiet host")
@@ -139,11 +138,17 @@ def fit_link(rows: list[dict], source: str = "ddp-ft doctor") -> Link:
 
 
 def load_probe(path: str | Path) -> Link:
-    """The link fitted from a ``doctor.json`` (``ddp-ft doctor --out DIR``), or from the one in folder ``path``.
+    """The link fitted from a ``doctor.json`` file or folder.
+
+    Args:
+        path (str | Path): the file or its folder.
+
+    Returns:
+        Link: the ``measured`` link.
 
     Raises:
-        FileNotFoundError: no such file, naming the command that writes it.
-        ValueError: the probe cannot give a link (see :func:`fit_link`).
+        FileNotFoundError: if there is no probe.
+        ValueError: if the probe cannot give a link.
     """
     path = Path(path)
     path = path / PROBE_FILE if path.is_dir() else path

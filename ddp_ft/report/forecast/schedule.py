@@ -1,9 +1,7 @@
-"""BucketedDDP's schedule, simulated: one measured optimizer step of one process, replayed on N ranks over a link.
+"""Replay one measured single-process step on N ranks with BucketedDDP's schedule.
 
-Pure: numbers in, numbers out. The schedule is the Reducer's. Only the synced (last) micro-step of a step
-communicates. Its buckets launch in index order, each once it and every bucket before it hold their gradients, and
-one all-reduce runs at a time (a process group runs its collectives in order). What is still running when backward
-ends is exposed: the step waits for it. The synced backward also waits for the slowest rank (:func:`rank_wait_ms`).
+Only the last micro-step communicates. Buckets launch in index order, one all-reduce at a time.
+Communication still running when backward ends is exposed.
 """
 
 from __future__ import annotations
@@ -16,12 +14,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BucketSchedule:
-    """When each bucket's all-reduce ran in one synced backward, in ms from its start.
+    """When each bucket's all-reduce ran, in ms from the start of backward.
 
     Args:
         launch_ms (tuple[float, ...]): each bucket's launch.
         done_ms (tuple[float, ...]): each bucket's end.
-        exposed_ms (float): how long the last all-reduce ran past the end of backward (0 if none did).
+        exposed_ms (float): time past the end of backward.
     """
 
     launch_ms: tuple[float, ...]
@@ -37,21 +35,25 @@ class BucketSchedule:
 def schedule_buckets(
     bucket_bytes: Sequence[int], ready_ms: Sequence[float], backward_ms: float, cost_ms: Callable[[int], float]
 ) -> BucketSchedule:
-    """BucketedDDP's all-reduces in one synced backward.
+    """Schedule the all-reduces of one synced backward.
 
     Args:
-        bucket_bytes (Sequence[int]): bytes of each bucket, in launch order.
-        ready_ms (Sequence[float]): when each bucket's last gradient was ready, from the start of backward.
-        backward_ms (float): when backward's last gradient was ready.
-        cost_ms (Callable[[int], float]): ms one all-reduce of that many bytes takes.
+        bucket_bytes (Sequence[int]): bytes per bucket, in launch order.
+        ready_ms (Sequence[float]): when each bucket was ready.
+        backward_ms (float): when backward ended.
+        cost_ms (Callable[[int], float]): ms for one all-reduce of N bytes.
 
     Returns:
         BucketSchedule: launches, ends and the exposed tail.
+
+    Example:
+        >>> schedule_buckets([4096], [1.0], 2.0, lambda n: 0.5).exposed_ms
+        0.0
     """
     launches, ends = [], []
     link_free = prefix_ready = 0.0
     for nbytes, ready in zip(bucket_bytes, ready_ms, strict=True):
-        prefix_ready = max(prefix_ready, ready)  # index order: a bucket waits for its predecessors
+        prefix_ready = max(prefix_ready, ready)  # a bucket waits for its predecessors
         start = max(prefix_ready, link_free)
         link_free = start + cost_ms(nbytes)
         launches.append(start)
@@ -65,13 +67,13 @@ class MeasuredStep:
     """One optimizer step of the one-process run.
 
     Args:
-        step_ms (float): the whole step (``step_time_s``).
-        micro_ms (float): forward and backward of one of its micro-steps.
-        accumulation (int): its micro-steps.
-        tokens (float): tokens it trained on.
-        bucket_bytes (tuple[int, ...]): bytes of each bucket BucketedDDP would send.
-        ready_ms (tuple[float, ...]): when each bucket was ready in the step's last backward.
-        backward_ms (float): when that backward's last gradient was ready.
+        step_ms (float): the whole step.
+        micro_ms (float): one micro-step's forward and backward.
+        accumulation (int): micro-steps per step.
+        tokens (float): tokens trained on.
+        bucket_bytes (tuple[int, ...]): bytes per bucket.
+        ready_ms (tuple[float, ...]): when each bucket was ready.
+        backward_ms (float): when the last backward ended.
     """
 
     step_ms: float
@@ -89,9 +91,9 @@ class PredictedStep:
 
     Args:
         step_ms (float): the step.
-        exposed_ms (float): communication the step waited for.
+        exposed_ms (float): communication waited for.
         comm_ms (float): time the link was busy.
-        tokens (float): tokens per step over all ranks.
+        tokens (float): tokens over all ranks.
     """
 
     step_ms: float
@@ -101,7 +103,7 @@ class PredictedStep:
 
 
 def expected_max_of_normals(n: int, points: int = 8001) -> float:
-    """The expected maximum of ``n`` independent standard normal draws (0 for one), by the trapezoid rule."""
+    """The expected maximum of ``n`` standard normal draws."""
     if n <= 1:
         return 0.0
     lo, hi = -10.0, 10.0
@@ -119,18 +121,15 @@ def expected_max_of_normals(n: int, points: int = 8001) -> float:
 def rank_wait_ms(micro_ms: Sequence[float], ranks: int, accumulation: int) -> float:
     """How long a step waits, on average, for its slowest rank.
 
-    Each rank's step is ``accumulation`` micro-steps drawn from the measured ones, independently; their sum is
-    taken as normal, so the slowest of ``ranks`` exceeds the mean by the expected maximum of that many normals. The
-    micro-steps' spread is robust (1.4826 x their median absolute deviation): a step that stalled the whole host (a
-    collection, a checkpoint) stalls every rank alike and is no rank-to-rank spread.
+    The spread is robust (MAD), since a host-wide stall hits every rank alike.
 
     Args:
-        micro_ms (Sequence[float]): the measured micro-steps (one per timed step).
+        micro_ms (Sequence[float]): the measured micro-steps.
         ranks (int): ranks in the ring.
         accumulation (int): micro-steps per rank per step.
 
     Returns:
-        float: ms; 0 for one rank or fewer than two measured micro-steps.
+        float: the wait in ms.
     """
     if ranks <= 1 or len(micro_ms) < 2:
         return 0.0
@@ -142,21 +141,17 @@ def rank_wait_ms(micro_ms: Sequence[float], ranks: int, accumulation: int) -> fl
 def predict_step(
     measured: MeasuredStep, ranks: int, accumulation: int, cost_ms: Callable[[int], float], wait_ms: float = 0.0
 ) -> PredictedStep:
-    """``measured`` on ``ranks`` ranks of ``accumulation`` micro-steps each.
-
-    Every micro-step costs what it cost in the measured run, and so does the rest of the step (optimizer, clipping,
-    logging). The buckets go out once, in the last micro-step's backward; the others run under ``no_sync``.
+    """Predict ``measured`` on ``ranks`` ranks.
 
     Args:
         measured (MeasuredStep): the one-process step.
         ranks (int): ranks in the ring.
         accumulation (int): micro-steps per rank.
-        cost_ms (Callable[[int], float]): ms one all-reduce of that many bytes takes over the ring.
-        wait_ms (float): the synced backward's wait for the slowest rank (:func:`rank_wait_ms`); a rank's
-            all-reduce cannot finish before it, so it counts as exposed. Default: 0.
+        cost_ms (Callable[[int], float]): ms for one all-reduce of N bytes.
+        wait_ms (float): wait for the slowest rank, counted as exposed. Default: 0.
 
     Returns:
-        PredictedStep: the step, its exposed and total communication, its tokens.
+        PredictedStep: the predicted step.
     """
     rest_ms = measured.step_ms - measured.micro_ms * measured.accumulation
     schedule = schedule_buckets(measured.bucket_bytes, measured.ready_ms, measured.backward_ms, cost_ms)

@@ -1,14 +1,9 @@
-"""The end-to-end benchmark's numbers: per configuration, ratios paired within each repeat, and the loss check.
+"""The end-to-end benchmark's numbers: ratios paired within each repeat, and the loss check.
 
-- DDP against the limit: ``ddp_over_pair_<entry>`` (DDP / two independent processes), over the plan ceiling, and
-  had no rank waited (``ddp_ft.tools.bench_e2e.runs.step_parts``).
-- ddp_ft against what a user would run instead (``STOCK_PAIRS``): ``vs_stock``, on the step-timed tokens/s and on
-  the wall tokens/s (``runs.wall_tokens_per_s``).
-- Where the difference comes from (``STOCK_STEPS``): the chain from the stock Trainer to ddp_ft's default, one
-  change per link, each link's paired ratio.
-- The same training (``loss_check``): ddp_ft and the stock run it is paired with train the same model on the same
-  data; the stock order (``ddp-recipe-strided``) must give the stock Trainer's losses to float rounding, the
-  balanced plan (other micro-batches, the same optimizer steps' samples) losses within the curve's own noise.
+- ``ddp_over_pair_<entry>``: DDP over two independent processes.
+- ``vs_stock``: ddp_ft over what a user would run instead (``STOCK_PAIRS``).
+- ``STOCK_STEPS``: the chain from the stock Trainer to ddp_ft's default, one change per link.
+- ``loss_check``: whether paired runs are the same training.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ def _paired(a: list[dict], b: list[dict], key: str) -> dict | None:
 
 
 def summarize(runs: dict[str, dict[str, list[dict]]], ceiling: dict[str, float]) -> dict:
-    """``{data: {config: {...}, ratio keys...}}`` from every repeat of every configuration."""
+    """Per data set, each configuration's numbers and the paired ratios."""
     summary = {}
     for data, by_config in runs.items():
         s = summary[data] = {}
@@ -75,9 +70,9 @@ def _against_the_limit(s: dict, by_config: dict[str, list[dict]], ceiling: float
                 continue
             ratios = _paired(ddp, pair, "tokens_per_s")
             s[f"ddp_over_pair_{entry}{suffix}"] = ratios
-            # the same ratio over what the data allows: what the code and the machine take beyond the plan
+            # the same ratio over the plan's ceiling
             s[f"ddp_over_ceiling_{entry}{suffix}"] = spread([r / ceiling for r in ratios["all"]])
-            # the same ratio had no rank waited for the slower one: what communication and the rest allow
+            # the same ratio had no rank waited for the slower one
             no_wait = [d["no_wait_tokens_per_s"] for d in ddp]
             if None not in no_wait:
                 s[f"no_wait_ddp_over_pair_{entry}{suffix}"] = spread(
@@ -113,12 +108,10 @@ def _against_stock(s: dict, by_config: dict[str, list[dict]]) -> None:
 
 
 def loss_check(ours: dict, stock: dict, exact: bool) -> dict:
-    """Whether two runs are the same training, from their per-step losses and final evaluation.
+    """Whether two runs are the same training, from their losses.
 
-    ``exact`` (the same samples in the same micro-batches): every step's loss within ``EXACT`` relative. Otherwise
-    (other micro-batches from the same steps' samples, other dropout draws): the mean loss over the second half of
-    the steps differs by at most twice its standard error (the two halves' step-to-step spread), and so does the
-    final evaluation loss if both have one, against the same bound.
+    ``exact`` asks every step's loss within ``EXACT``. Otherwise the second half's mean loss and the final eval
+    loss must agree within two standard errors.
     """
     a, b = ours["losses"], stock["losses"]
     if len(a) != len(b) or not a:
@@ -138,13 +131,12 @@ def loss_check(ours: dict, stock: dict, exact: bool) -> dict:
 
 
 def pool(results: list[dict]) -> dict[str, dict[str, dict]]:
-    """Every repeat's DDP / pair of several runs of this benchmark, per data set and entry point (``ddp-loop``,
-    ``ddp-recipe``; not the ``@base`` runs): ``{data: {entry: {"runs", "repeats", "ratio", "at_target",
-    "over_ceiling"}}}``. One run's median moves with the host by more than the 5% the target leaves; the pooled
-    repeats of runs on the same code say where it sits. ``over_ceiling`` only from runs that recorded the plan ceiling.
+    """Pool the DDP-over-pair ratios of several runs, per data set and entry point.
+
+    One run's median moves with the host more than the target allows, so repeats are pooled.
 
     Raises:
-        ValueError: runs of different lengths (``--max-steps``), which are not the same measurement.
+        ValueError: if the runs differ in length.
     """
     steps = {r["settings"]["max_steps"] for r in results}
     if len(steps) > 1:

@@ -1,34 +1,15 @@
-"""The first thing to run on a CUDA host (``make gpu-check``): do BucketedDDP, the 4-bit stack and the dtype choice
-work on these GPUs, and what does a short QLoRA run cost?
+"""The first thing to run on a CUDA host (``make gpu-check``).
 
-One process, then two when there are two GPUs or more (on ``--device cpu``: gloo, always two), each a fresh group of
-spawned processes on their own devices, exactly as torchrun would lay them out. Every process runs:
+It runs one process, then two where there are two GPUs. Every process runs these checks:
 
-- ``dtype``: the compute dtype ``precision_for`` picks for its device, and why; bfloat16 never below compute
-  capability 8.0, where ``torch.cuda.is_bf16_supported()`` can still say True (emulation).
-- ``grads_equal_torch_ddp``: BucketedDDP and ``torch.nn.parallel.DistributedDataParallel`` wrap the same QLoRA model
-  (embedded tiny Qwen3, NF4, LoRA, non-reentrant checkpointing) and see the same data: one micro-step under
-  ``no_sync`` and one synced; every trainable gradient finite, non-zero and equal to torch DDP's within the tolerance
-  of the compute dtype (the project's tests ask bitwise equality on CPU/gloo; GPU kernels such as the attention
-  backward need not be deterministic between two model copies), and identical on all ranks.
-- ``no_sync``: the backward under ``no_sync`` launched no all-reduce (BucketedDDP's counters) and, with two ranks,
-  left different gradients on them (nothing was averaged behind the counters' back); the synced one launched one
-  all-reduce per bucket.
-- ``qlora_run``: a short run with the project's defaults (LoRA r=16, AdamW, gradient accumulation under
-  ``no_sync``, the loss scaler in float16): tokens/s, step time, peak memory (CUDA allocator: allocated and
-  reserved; CPU: peak RSS) and BucketedDDP's exposed communication per step. It fails on a non-finite loss, on a
-  float16 run whose scaler skipped every step, or on a wrong number of all-reduces per step.
+- ``dtype``: the compute dtype picked for the device; no bfloat16 below compute capability 8.0.
+- ``grads_equal_torch_ddp``: BucketedDDP's gradients match torch DDP's on the same QLoRA model and data.
+  GPU kernels need not be deterministic, so the match is within the dtype's tolerance.
+- ``no_sync``: no all-reduce under ``no_sync``, and one per bucket on the synced step.
+- ``qlora_run``: a short run's speed, memory and exposed communication; it fails on a non-finite loss.
 
-Rank 0 gathers every rank's checks; the orchestrating process prints a PASS/FAIL table, writes the JSON, and its exit
-status is non-zero on any failure, a crashed rank or a phase past its timeout.
-
-One module per part, each importing only the ones before it:
-
-* ``settings``: :class:`GpuCheckSettings` and :class:`Check`;
-* ``checks``: one process's checks (:func:`check_dtype`, :func:`compare_with_torch_ddp`, :func:`qlora_run`,
-  :func:`run_checks`);
-* ``worker``: a spawned process (``run_worker``, the ``mp.start_processes`` target) and :func:`merge_ranks`;
-* ``orchestrator``: :func:`plan_world_sizes`, :func:`run_phase`, :func:`run_gpu_check`, :func:`format_report`.
+The exit status is non-zero on any failure, crash or timeout.
+Modules, each importing only those before it: ``settings``, ``checks``, ``worker``, ``orchestrator``.
 """
 
 from .checks import (

@@ -1,16 +1,8 @@
-"""Run a report's steps in order, each a subprocess with its own time limit, and rewrite the report after each one.
+"""Run a report's steps in order, each a subprocess with its own time limit.
 
-The report is one JSON file holding every planned step from the start (``pending``), then, as each ends, its status,
-command, exit status, seconds and result JSON (or its error tail). It is rewritten atomically (a temporary file in
-the same folder, then ``os.replace``) before each step starts (``running``) and after it ends, so a run cut short,
-by a dead host or a timeout of the whole job, keeps everything it measured and says which step was in progress.
-
-Time: the report has a budget for all its steps. A step starts only when at least its expected seconds are left,
-and runs for at most its own limit or what is left, whichever is smaller; a step that would not fit is ``skipped``
-with the reason, and the next (shorter) ones are still tried. A failing or timed-out step never stops the later
-ones; :func:`report_failed` says whether any failed (the command's exit status).
-
-No torch here: the orchestration is tested with fake step commands in a fraction of a second.
+The report JSON is rewritten atomically before and after each step, so a run cut short keeps what it measured.
+A step starts only if its expected time fits the budget left; otherwise it is ``skipped``.
+A failed step never stops the later ones. No torch here, so tests run fast.
 """
 
 from __future__ import annotations
@@ -29,11 +21,10 @@ from pathlib import Path
 
 STATUSES = ("pending", "running", "passed", "failed", "timeout", "skipped")
 FAILED = ("failed", "timeout")
-ERROR_TAIL_CHARS = 3000  # of a failed step's output, kept in the JSON (the whole output is in its log file)
-KILL_GRACE_S = 10.0  # after SIGTERM to a timed-out step's process group, before SIGKILL
+ERROR_TAIL_CHARS = 3000  # of a failed step's output, kept in the JSON
+KILL_GRACE_S = 10.0  # from SIGTERM to SIGKILL
 
-# summarize(result, done) -> (summary, problems): the step's headline numbers from its result JSON, and what makes it
-# fail although its command succeeded (a loss off the baseline's); ``done`` holds the earlier steps' records by name.
+# summarize(result, done) -> (summary, problems); ``done`` holds the earlier steps' records by name.
 Summarize = Callable[[dict, dict[str, dict]], tuple[dict, list[str]]]
 
 
@@ -42,15 +33,15 @@ class Step:
     """One step of the report: a command that writes its result JSON.
 
     Args:
-        name (str): short key, unique in the report (``loop_defaults``).
-        title (str): what it measures, for the table.
-        command (list[str]): the argv, run from the current folder.
-        result (Path | None): the JSON the command writes (removed before it runs, read after). Default: none.
-        expected_s (float): seconds it needs on the target host: it starts only when this much budget is left.
+        name (str): short key, unique in the report.
+        title (str): what it measures.
+        command (list[str]): the argv.
+        result (Path | None): the JSON the command writes. Default: none.
+        expected_s (float): seconds it needs; it starts only if they are left.
         timeout_s (float): the most seconds it may run.
-        skip (str | None): a reason decided when planning (no CUDA, one GPU, a refused option): never run.
+        skip (str | None): why planning skipped it.
         env (dict[str, str]): variables added to the environment.
-        summarize (Summarize | None): headline numbers and problems from the result JSON.
+        summarize (Summarize | None): headline numbers and problems from the result.
     """
 
     name: str
@@ -74,14 +65,22 @@ class Step:
 
 
 def write_report(report: dict, path: Path) -> None:
-    """Write ``report`` to ``path`` atomically: readers see the old file or the new one, never half of one."""
+    """Write ``report`` to ``path`` atomically.
+
+    Args:
+        report (dict): the report.
+        path (Path): the report JSON.
+
+    Example:
+        >>> write_report({"steps": []}, Path("report.json"))
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(report, f, indent=2)
             f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the report private to this user
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make it private
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -109,13 +108,12 @@ def _record(step: Step, logs: Path) -> dict:
 
 
 def run_step(step: Step, limit_s: float, log: Path, done: dict[str, dict]) -> dict:
-    """Run one step for at most ``limit_s`` seconds, its output to ``log``; the fields of its record that it sets.
+    """Run one step for at most ``limit_s`` seconds and return its record's fields.
 
-    The command runs in its own session, so a timeout kills it with everything it started (torchrun's ranks,
-    spawned workers): SIGTERM to the group, SIGKILL after :data:`KILL_GRACE_S`.
+    It runs in its own session, so a timeout kills everything it started.
     """
     if step.result is not None:
-        step.result.unlink(missing_ok=True)  # a stale result from an earlier report must not pass for this one's
+        step.result.unlink(missing_ok=True)  # a stale result must not pass for this one
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log, "w") as out:
@@ -174,19 +172,22 @@ def run_report(
     progress: Callable[[str], None] = print,
     also_write: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Every step in order within ``budget_s`` seconds; the report, rewritten to ``out`` after each step.
+    """Run every step in order within ``budget_s`` seconds, rewriting ``out`` after each.
 
     Args:
         steps (list[Step]): most valuable first.
-        out (Path): the report JSON; each step's output goes to ``<out stem>_logs/<step>.log`` beside it.
-        budget_s (float): seconds for all the steps together.
-        header (dict): what the report is about (host, GPUs, versions), stored as given.
-        clock (Callable): seconds, monotonic (injectable for tests). Default: ``time.monotonic``.
+        out (Path): the report JSON; step logs go beside it.
+        budget_s (float): seconds for all the steps.
+        header (dict): what the report is about.
+        clock (Callable): a monotonic clock. Default: ``time.monotonic``.
         progress (Callable): one line per step start and end. Default: ``print``.
-        also_write (Callable | None): called with the report after each rewrite (the markdown beside it).
+        also_write (Callable | None): called after each rewrite.
 
     Returns:
         dict: the report as written last.
+
+    Example:
+        >>> report = run_report(steps, Path("gpu_report.json"), 3600, {})
     """
     names = [s.name for s in steps]
     if len(set(names)) != len(names):

@@ -1,15 +1,11 @@
 """The all-reduce through the backend and through :func:`~ddp_ft.tools.ladder.ring.ring_all_reduce`, timed per size.
 
-Bandwidths are reported as nccl-tests defines them, in GB/s (1e9 bytes per second), for a tensor of ``S`` bytes
-reduced in ``t`` seconds over N ranks:
+Bandwidths follow nccl-tests, in GB/s, for ``S`` bytes reduced in ``t`` seconds over N ranks:
 
-- algorithm bandwidth ``algbw = S / t``: how fast the tensor is all-reduced, the number to divide a size by;
-- bus bandwidth ``busbw = algbw * 2(N-1)/N``: the ring's traffic per rank (``2(N-1)/N * S``, docs/performance.md)
-  over the time, comparable with a link's peak whatever N is.
+- algorithm bandwidth ``algbw = S / t``;
+- bus bandwidth ``busbw = algbw * 2(N-1)/N``, comparable with a link's peak for any N (docs/performance.md).
 
-Small all-reduces are bound by latency, large ones by bandwidth; the size where busbw levels off is the smallest
-bucket that uses the link well (:func:`favoured_size`). :func:`measure_all_reduce` is the measurement (also a short
-probe for a preflight check); ``scripts/bench_comm.py`` runs it under torchrun and writes the table, JSON and PNG.
+Where busbw levels off is the smallest bucket that uses the link well (:func:`favoured_size`).
 """
 
 from __future__ import annotations
@@ -75,10 +71,20 @@ class CommRow:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``4096``, ``4K``, ``256M`` or ``1G`` (binary units, ``KB``/``KiB`` spellings accepted).
+    """Bytes from ``4096``, ``4K``, ``256M`` or ``1G``, in binary units.
+
+    Args:
+        text (str): the size.
+
+    Returns:
+        int: the bytes.
 
     Raises:
-        ValueError: not a positive size, naming the accepted forms.
+        ValueError: if it is not a positive size.
+
+    Example:
+        >>> parse_size("4K")
+        4096
     """
     clean = text.strip().upper().removesuffix("B").removesuffix("I")
     unit = clean[-1:] if clean[-1:] in "KMG" else ""
@@ -89,7 +95,7 @@ def parse_size(text: str) -> int:
 
 
 def default_sizes(min_bytes: int = 4 * 2**10, max_bytes: int = 256 * 2**20, factor: int = 4) -> list[int]:
-    """``min_bytes``, times ``factor``, ... up to ``max_bytes``: 4 KiB to 256 MiB in nine steps by default."""
+    """Sizes from ``min_bytes`` to ``max_bytes``, each ``factor`` times the last."""
     sizes, size = [], min_bytes
     while size <= max_bytes:
         sizes.append(size)
@@ -98,8 +104,7 @@ def default_sizes(min_bytes: int = 4 * 2**10, max_bytes: int = 256 * 2**20, fact
 
 
 def repeats_at(nbytes: int, repeats: int, byte_budget: int) -> int:
-    """Fewer repeats for large tensors: at most ``byte_budget`` bytes reduced per method and size, never below 3
-    (a median of one is no median) nor above ``repeats``."""
+    """Fewer repeats for large tensors, within ``byte_budget`` but never below 3."""
     return max(min(3, repeats), min(repeats, byte_budget // nbytes))
 
 
@@ -112,24 +117,24 @@ def measure_all_reduce(
     dtype: torch.dtype = torch.float32,
     byte_budget: int = 2**30,
 ) -> list[CommRow]:
-    """Time the backend's all-reduce and the ring's at each size; every rank of ``group`` must call it alike.
+    """Time the backend's all-reduce and the ring's at each size; every rank must call it.
 
-    At each size both methods alternate within every repeat (their order swapping each time), so drift on the
-    machine hits both alike. Each timed op starts after a barrier and ends at the device's synchronisation; the time
-    kept is the slowest rank's, the moment the collective is done everywhere. Tensors hold zeros, so repeated sums
-    neither overflow nor turn subnormal.
+    The methods alternate, so drift hits both alike. Each time is the slowest rank's.
 
     Args:
-        sizes (list[int]): tensor sizes in bytes (rounded down to whole elements of ``dtype``).
-        repeats (int): timed repeats per method and size, fewer for large sizes (:func:`repeats_at`). Default: 20.
-        warmup (int): untimed repeats per method and size first. Default: 2.
-        device (torch.device | None): where the tensors live (this rank's GPU with NCCL). Default: the CPU.
+        sizes (list[int]): tensor sizes in bytes.
+        repeats (int): timed repeats per method and size. Default: 20.
+        warmup (int): untimed repeats first. Default: 2.
+        device (torch.device | None): where the tensors live. Default: the CPU.
         group (ProcessGroup | None): the ranks to reduce over. Default: the default group.
         dtype (torch.dtype): element type. Default: float32.
-        byte_budget (int): bytes reduced per method and size at most, bounding the time at large sizes. Default: 1 GiB.
+        byte_budget (int): bytes reduced per method and size at most. Default: 1 GiB.
 
     Returns:
-        list[CommRow]: for each size, in order, one row per method in :data:`METHODS` order.
+        list[CommRow]: one row per method for each size.
+
+    Example:
+        >>> rows = measure_all_reduce(default_sizes())
     """
     device = device or torch.device("cpu")
     world = dist.get_world_size(group)
@@ -161,8 +166,7 @@ def _timed(op, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> float:
 
 
 def favoured_size(rows: list[CommRow], method: str, fraction: float = FAVOURED_FRACTION) -> int | None:
-    """The smallest size whose median busbw reaches ``fraction`` of ``method``'s peak over ``rows``; None if no row
-    is of ``method``."""
+    """The smallest size whose busbw reaches ``fraction`` of the method's peak."""
     mine = sorted((r for r in rows if r.method == method), key=lambda r: r.nbytes)
     if not mine:
         return None
@@ -171,7 +175,7 @@ def favoured_size(rows: list[CommRow], method: str, fraction: float = FAVOURED_F
 
 
 def format_size(nbytes: int) -> str:
-    """``4 KiB``, ``256 MiB``, ``100 B``: the largest binary unit that divides evenly."""
+    """A size in the largest binary unit that divides it, e.g. ``4 KiB``."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale and nbytes % scale == 0:
             return f"{nbytes // scale} {unit}"
@@ -196,7 +200,7 @@ def markdown_table(rows: list[CommRow]) -> str:
 
 
 def plot_busbw(rows: list[CommRow], path: str | Path, title: str) -> Path:
-    """Save a PNG of median busbw against size (log scale), one line per method, favoured sizes marked."""
+    """Save a PNG of busbw against size, one line per method."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

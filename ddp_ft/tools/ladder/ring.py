@@ -1,23 +1,16 @@
 """The two-phase ring all-reduce, written out with point-to-point sends, and a comm hook that uses it.
 
-The tensor is cut into N chunks (N ranks, ``torch.tensor_split``: sizes differ by at most one element, and some are
-empty when the tensor has fewer than N elements). Ranks form a ring, each sending to ``rank + 1`` and receiving from
-``rank - 1``:
+The tensor is cut into N chunks, and each rank sends to ``rank + 1``. Indices are taken modulo N.
 
-1. reduce-scatter, N-1 steps: at step s rank r sends chunk ``r - s`` and adds the chunk ``r - s - 1`` it receives into
-   its own copy. After the last step rank r holds chunk ``r + 1`` summed over all ranks.
-2. all-gather, N-1 steps: at step s rank r sends chunk ``r + 1 - s`` (reduced) and overwrites chunk ``r - s`` with
-   the one it receives. Afterwards every rank holds every reduced chunk.
+1. reduce-scatter, N-1 steps: at step s rank r sends chunk ``r - s`` and adds the chunk ``r - s - 1`` it receives.
+   Rank r then holds chunk ``r + 1`` summed over all ranks.
+2. all-gather, N-1 steps: at step s rank r sends chunk ``r + 1 - s`` and overwrites chunk ``r - s`` with the one
+   it receives. Every rank then holds every reduced chunk.
 
-Each rank sends every chunk but one in each phase: 2(N-1)/N of the tensor, however many ranks there are, which is
-what makes the ring bandwidth-optimal (docs/performance.md). Every index is taken modulo N.
-
-:func:`ring_all_reduce` is the algorithm, in place, with the sum; :class:`RingAllreduce` and
-:func:`ring_allreduce_hook` make it a comm hook (averaging) for BucketedDDP and torch DDP alike.
+Each rank sends 2(N-1)/N of the tensor, which makes the ring bandwidth-optimal (docs/performance.md).
 """
 
-# No ``from __future__ import annotations``: torch DDP's register_comm_hook compares the hook's return annotation with
-# ``torch.futures.Future[torch.Tensor]`` itself and refuses a string.
+# No ``from __future__ import annotations``: torch DDP refuses a hook whose return annotation is a string.
 import queue
 import threading
 import weakref
@@ -27,18 +20,19 @@ import torch.distributed as dist
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
-    """Sum ``tensor`` over the ranks of ``group`` in place, by reduce-scatter then all-gather around a ring.
+    """Sum ``tensor`` over the ranks of ``group`` in place around a ring.
 
-    Every rank of ``group`` must call it with a tensor of the same shape and dtype. The result equals
-    ``dist.all_reduce(tensor, group=group)`` up to the order of the additions: bitwise for two ranks (a + b is b + a)
-    and for integers, within rounding otherwise.
+    Every rank must call it with the same shape and dtype. It matches ``dist.all_reduce`` up to rounding.
 
     Args:
-        tensor (torch.Tensor): this rank's contribution; holds the sum on return. Need not be contiguous.
-        group (ProcessGroup | None): the ranks to reduce over. Default: None, the default group.
+        tensor (torch.Tensor): this rank's contribution; holds the sum on return.
+        group (ProcessGroup | None): the ranks to reduce over. Default: the default group.
 
     Returns:
         int: the bytes this rank sent.
+
+    Example:
+        >>> sent = ring_all_reduce(torch.ones(8))
     """
     world = dist.get_world_size(group)
     if world == 1:
@@ -69,11 +63,7 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
 def _exchange(
     out: torch.Tensor, into: torch.Tensor, next_peer: int, prev_peer: int, group: dist.ProcessGroup | None
 ) -> int:
-    """Send ``out`` to the next rank while receiving ``into`` from the previous one; return the bytes sent.
-
-    Both ops are posted before either is waited on, so two ranks that are each other's next and previous (N = 2) do
-    not wait on each other. An empty chunk is skipped on both sides: its sender and receiver compute the same index.
-    """
+    """Send ``out`` and receive ``into`` at once, so two ranks cannot deadlock."""
     ops = []
     if out.numel():
         ops.append(dist.P2POp(dist.isend, out, next_peer, group))
@@ -86,25 +76,19 @@ def _exchange(
 
 
 class RingAllreduce:
-    """The state of :func:`ring_allreduce_hook`: a process group of its own, a worker, and what it sent.
+    """The state of :func:`ring_allreduce_hook`: its own process group, a worker, and what it sent.
 
-    The constructor creates a process group over the ranks of ``process_group`` with its backend, so the rings never
-    interleave with collectives on the group the model uses; like ``dist.new_group``, every rank of the default group
-    must construct it, in the same order.
-
-    With gloo the rings run on one worker thread, in submission order, so the hook returns at once and communication
-    overlaps the rest of the backward; since every rank submits buckets in the same order, every rank runs the same
-    ring at the same time. With NCCL the hook runs the ring on the calling thread: the point-to-point ops are
-    already asynchronous on the GPU. The worker is a daemon thread; :meth:`shutdown` (or leaving a ``with`` block)
-    stops it once queued rings are done, and it is stopped at interpreter exit if still running.
+    Every rank must construct it in the same order, as with ``dist.new_group``.
+    On gloo a worker thread runs the rings, so communication overlaps backward.
+    On NCCL the calling thread runs them, since the GPU ops are asynchronous.
 
     Args:
-        process_group (ProcessGroup | None): whose ranks and backend to use. Default: None, the default group.
+        process_group (ProcessGroup | None): whose ranks and backend to use. Default: the default group.
 
     Attributes:
         group (ProcessGroup): the rings' own group.
-        bytes_sent (int): bytes this rank sent in all rings so far.
-        calls (int): rings run so far (one per bucket per synced backward).
+        bytes_sent (int): bytes this rank sent so far.
+        calls (int): rings run so far.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
@@ -145,11 +129,17 @@ class RingAllreduce:
 
 
 def ring_allreduce_hook(state: RingAllreduce, bucket) -> torch.futures.Future[torch.Tensor]:
-    """Comm hook: average the bucket across ranks by :func:`ring_all_reduce` on ``state.group``.
+    """Comm hook: average the bucket across ranks by :func:`ring_all_reduce`.
 
-    Register it as ``model.register_comm_hook(RingAllreduce(), ring_allreduce_hook)`` on BucketedDDP or on torch's
-    DistributedDataParallel. The buffer is divided by the world size and then summed, as the default hook does on
-    gloo. The future's value is the bucket's buffer, reduced in place.
+    Args:
+        state (RingAllreduce): the hook's state.
+        bucket (GradBucket): the bucket to average.
+
+    Returns:
+        torch.futures.Future[torch.Tensor]: the bucket's buffer, averaged in place.
+
+    Example:
+        >>> model.register_comm_hook(RingAllreduce(), ring_allreduce_hook)
     """
     return state.submit(bucket.buffer())
 
@@ -166,8 +156,7 @@ def _run(state: RingAllreduce, buffer: torch.Tensor, future: torch.futures.Futur
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
-    """The worker: run each submitted ring in turn until the stop sentinel (None). Holds no reference to the state
-    between jobs, so a state nobody uses can be freed (which stops the worker)."""
+    """Run submitted rings until None; hold no state between jobs so it can be freed."""
     while (job := jobs.get()) is not None:
         state_ref, buffer, future = job
         state = state_ref()

@@ -14,16 +14,15 @@ Every rung has the same surface, so one loop drives them all::
 2. :class:`AccumulateThenAllReduce`: the same, on the last micro-step only (``no_sync`` honoured).
 3. :class:`BlockingHooks`: each gradient all-reduced, blocking, from its own hook as soon as backward produces it.
 4. :class:`AsyncHooks`: the same launched asynchronously; :meth:`~Rung.finish` waits for all of them.
-5. :class:`HookOrderBuckets`: gradients packed into buckets in the order their hooks fire, each full bucket
-   launched asynchronously. Fewer, larger messages, but the packing is each rank's own: when backward produces
-   gradients in a different order on two ranks, their buckets pair different parameters and the average is wrong,
-   silently (``tests/tools/test_ladder.py`` shows it). Rungs 3 and 4 pair by firing order too.
+5. :class:`HookOrderBuckets`: gradients packed into buckets in hook-firing order, each full bucket launched
+   asynchronously. If two ranks fire in different orders, buckets pair different parameters and the average is
+   silently wrong (``tests/tools/test_ladder.py``). Rungs 3 and 4 pair by firing order too.
 6. :class:`TorchDDP`: ``torch.nn.parallel.DistributedDataParallel``.
 7. :class:`Bucketed`: :class:`ddp_ft.ddp.BucketedDDP`: buckets fixed in reverse registration order and checked
    across ranks, launched in index order from the gradient hooks, overlapping backward.
 
-Rungs 1 to 5 are reference implementations, written to be read: plain Python over ``torch.distributed``. Every
-collective goes through :func:`all_reduce_mean` and is recorded on the rung's :class:`~.timeline.Timeline`.
+Rungs 1 to 5 are plain Python over ``torch.distributed``, written to be read. Every collective is recorded on the
+rung's :class:`~.timeline.Timeline`.
 """
 
 from __future__ import annotations
@@ -44,10 +43,7 @@ from .timeline import Timeline
 
 
 def all_reduce_mean(tensor: torch.Tensor, timeline: Timeline, blocking: bool) -> torch.futures.Future:
-    """Average ``tensor`` across ranks in place (NCCL: ``AVG``; gloo: divide, then sum), recording it.
-
-    Returns the future; with ``blocking`` it is already done and the training thread's wait is recorded.
-    """
+    """Average ``tensor`` across ranks in place and record it; return the future."""
     if dist.get_backend() == "nccl":
         work = dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True)
     else:
@@ -160,9 +156,7 @@ class AsyncHooks(BlockingHooks):
 
 
 class HookOrderBuckets(BlockingHooks):
-    """Buckets packed in hook-firing order: the first closes at ``first_bucket_cap_mb``, the others at
-    ``bucket_cap_mb``. Each full bucket is copied into one flat tensor and launched; :meth:`finish` launches the
-    last, partial one, waits, and copies the averages back into the gradients."""
+    """Buckets packed in hook-firing order, each launched when full; :meth:`finish` sends the last one."""
 
     title = "buckets filled in hook-firing order, async"
 
@@ -202,18 +196,17 @@ class HookOrderBuckets(BlockingHooks):
 
 
 def timed_allreduce_hook(timeline: Timeline, bucket):
-    """A comm hook for torch DDP and BucketedDDP alike: the default average, launched and completed on ``timeline``.
+    """A comm hook for both DDPs: the default average, recorded on ``timeline``.
 
-    It returns a ``torch.futures.Future[torch.Tensor]``; no return annotation, because torch DDP compares it with
-    the type itself and this module's annotations are strings."""
+    It has no return annotation, since torch DDP refuses a string one.
+    """
     buffer = bucket.buffer()
     future = allreduce_hook(None, bucket)
     return _timed(future, timeline, buffer.nbytes, blocking=False)
 
 
 class _WrappedDDP(Rung):
-    """A DDP class as a rung: it communicates inside ``backward()``, so :meth:`finish` only records, as blocked
-    time, the wait from the step's last gradient to the end of ``backward()`` (the exposed communication)."""
+    """A DDP class as a rung; :meth:`finish` records the exposed wait inside ``backward()``."""
 
     def __init__(self, ddp: nn.Module, timeline: Timeline) -> None:
         nn.Module.__init__(self)
@@ -247,8 +240,8 @@ class TorchDDP(_WrappedDDP):
         self, module: nn.Module, timeline: Timeline, bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0
     ) -> None:
         device_ids = [module.device.index] if getattr(module, "device", torch.device("cpu")).type == "cuda" else None
-        # torch DDP's first bucket is 1 MiB (its fixed default) unless bucket_cap_mb is given; then it uses that cap
-        # for the first bucket too. Passing the cap only when it is not the default keeps the two DDPs' layouts alike.
+        # torch DDP's first bucket is 1 MiB unless bucket_cap_mb is given. Passing the cap only when it is not the
+        # default keeps the two DDPs' layouts alike.
         caps = {} if (bucket_cap_mb, first_bucket_cap_mb) == (25.0, 1.0) else {"bucket_cap_mb": bucket_cap_mb}
         super().__init__(DistributedDataParallel(module, device_ids=device_ids, **caps), timeline)
 
@@ -286,9 +279,7 @@ def build_rung(name: str, module: nn.Module, timeline: Timeline, **caps: float) 
 
 
 def accumulate(model: Rung, micro_batches: Sequence, loss_of: Callable[[Rung, object], torch.Tensor]) -> float:
-    """One optimizer step's gradients: forward and backward of each micro-batch, all but the last under
-    ``no_sync``, each loss divided by the number of micro-batches, :meth:`Rung.finish` after every backward.
-    Returns the summed (divided) loss. The caller steps the optimizer."""
+    """One optimizer step's gradients, all but the last micro-batch under ``no_sync``; returns the loss."""
     total = 0.0
     for i, batch in enumerate(micro_batches):
         with model.no_sync() if i < len(micro_batches) - 1 else nullcontext():

@@ -1,26 +1,18 @@
 """Where one optimizer step's time goes: compute, communication hidden behind it, communication waited for, idle.
 
-The reference write-ups measure each rung with the torch profiler and Holistic Trace Analysis on GPUs. The same
-four numbers are defined here from two sets of intervals per step, recorded by the rungs themselves:
+The numbers follow Holistic Trace Analysis (HTA), from two sets of intervals the rungs record per step:
 
-* **communication** ``M``: each all-reduce from its launch to its completion (a callback on the future, which gloo
-  runs on its communication thread the moment the collective is done, the wait for the peer included);
-* **blocked** ``B``: the training thread waiting for communication: a blocking all-reduce, a ``wait()``, or, for
-  torch DDP and BucketedDDP, whose wait is inside ``backward()``, the time from the step's last gradient to the end
-  of ``backward()`` (what :class:`~ddp_ft.tools.bench.ExposedWaitProbe` measures).
+* **communication** ``M``: each all-reduce from launch to completion;
+* **blocked** ``B``: the training thread waiting for communication.
 
-Over the step's wall window ``T``, on CPU/gloo, where one thread computes and another communicates:
+Over the step's window ``T`` on CPU/gloo:
 
-* compute = ``|T| - |B|`` (the training thread is working: forward, backward, launches, the optimizer);
-* non-compute = ``|B ∩ M|``: communication the step waited for, the **exposed** communication;
-* idle = ``|B \\ M|``: blocked with nothing in flight (the gap between a completion and the wait noticing it);
-* overlap = ``|(T \\ B) ∩ M| / |M|``: the share of communication time during which the step kept computing.
+* compute = ``|T| - |B|``;
+* non-compute = ``|B ∩ M|``, the **exposed** communication;
+* idle = ``|B \\ M|``, blocked with nothing in flight;
+* overlap = ``|(T \\ B) ∩ M| / |M|``, the share of communication hidden.
 
-These are HTA's definitions (compute and non-compute kernel time, idle time, and computation-communication
-overlap), with the training thread in the role of the compute stream and gloo's thread in the role of the
-communication stream. On CUDA/NCCL the host's view says nothing about the device, so :func:`profiled_intervals`
-takes both sets from the profiler's device trace instead: compute = union of non-NCCL kernels, ``M`` = union of
-NCCL kernels, and the formulas become HTA's (non-compute = ``|M \\ C|``, idle = ``|T| - |C ∪ M|``).
+On CUDA/NCCL :func:`profiled_intervals` reads both sets from the device trace instead.
 """
 
 from __future__ import annotations
@@ -80,11 +72,9 @@ def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
 
 @dataclass
 class StepBreakdown:
-    """One optimizer step's time, split as HTA splits a trace (milliseconds).
+    """One optimizer step's time in ms, split as HTA splits a trace.
 
-    ``comm_ms`` is the union of communication intervals (what the reference's "all-reduce ms" column sums);
-    ``exposed_ms`` the part the step waited for (non-compute); ``overlap`` the share of ``comm_ms`` hidden behind
-    compute, or None without communication.
+    ``overlap`` is None without communication.
     """
 
     step_ms: float
@@ -98,7 +88,7 @@ class StepBreakdown:
 
     @classmethod
     def from_host(cls, window: Interval, comm: list[Interval], blocked: list[Interval], calls: int, nbytes: int):
-        """CPU/gloo: the training thread's view (see the module docstring)."""
+        """Split a CPU/gloo step from the training thread's view."""
         comm = intersect(comm, [window])
         blocked = intersect(blocked, [window])
         computing = subtract([window], blocked)
@@ -116,7 +106,7 @@ class StepBreakdown:
 
     @classmethod
     def from_device(cls, window: Interval, compute: list[Interval], comm: list[Interval], calls: int, nbytes: int):
-        """CUDA/NCCL: kernel intervals of the device trace, HTA's formulas."""
+        """Split a CUDA/NCCL step from its kernel intervals."""
         compute, comm = intersect(compute, [window]), intersect(comm, [window])
         comm_ms = length(comm) * 1e3
         busy = union(compute + comm)
@@ -132,18 +122,16 @@ class StepBreakdown:
         )
 
     def percent(self, part: str) -> float:
-        """``compute``, ``non_compute`` (exposed) or ``idle`` as a share of the step, in percent."""
+        """One part's share of the step, in percent."""
         value = {"compute": self.compute_ms, "non_compute": self.exposed_ms, "idle": self.idle_ms}[part]
         return 100.0 * value / self.step_ms if self.step_ms > 0 else 0.0
 
 
 @dataclass
 class Timeline:
-    """The intervals a rung records during one step (host clock: ``time.perf_counter``).
+    """The intervals a rung records during one step, on the host clock.
 
-    Rungs call :meth:`launched` when a collective starts and :meth:`completed` from its future's callback;
-    :meth:`blocked` brackets the training thread's waits. :meth:`step` opens a step and :meth:`close` returns its
-    :class:`StepBreakdown` and clears the record.
+    Call :meth:`launched` and :meth:`completed` around each collective and :meth:`blocked` for waits.
     """
 
     comm: list[Interval] = field(default_factory=list)
@@ -162,7 +150,7 @@ class Timeline:
         return time.perf_counter()
 
     def completed(self, started: float) -> None:
-        self.comm.append((started, time.perf_counter()))  # list.append is atomic: safe from gloo's thread
+        self.comm.append((started, time.perf_counter()))  # atomic, so safe from gloo's thread
 
     def blocked(self, start: float, end: float | None = None) -> None:
         self.waits.append((start, time.perf_counter() if end is None else end))
@@ -173,11 +161,9 @@ class Timeline:
 
 
 def profiled_intervals(events) -> tuple[list[Interval], list[Interval]]:
-    """Compute and communication kernel intervals (seconds) from a CUDA profile's ``prof.events()``.
+    """Compute and NCCL kernel intervals in seconds from a CUDA profile's events.
 
-    A kernel whose name contains ``nccl`` is communication (NCCL's kernels are ``ncclDevKernel_*`` /
-    ``ncclKernel_*``); every other device kernel is compute. Memory copies and sets are left out, as HTA counts them
-    apart from both.
+    Memory copies and sets are left out, as HTA does.
     """
     compute: list[Interval] = []
     comm: list[Interval] = []
@@ -193,8 +179,7 @@ def profiled_intervals(events) -> tuple[list[Interval], list[Interval]]:
 
 
 def summarize(steps: list[StepBreakdown]) -> dict[str, float | None]:
-    """The columns over many steps: shares of time (compute, non-compute, idle, overlap) from the totals, as a trace
-    of all the steps would give them (they add up to 100); per-step quantities (calls, ms, bytes) as medians."""
+    """The table's columns over many steps: shares from the totals, per-step values as medians."""
     total = sum(s.step_ms for s in steps)
     comm = sum(s.comm_ms for s in steps)
     hidden = sum(s.comm_ms * s.overlap for s in steps if s.overlap is not None)
