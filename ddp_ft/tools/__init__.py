@@ -7,6 +7,7 @@
 * ``bench_e2e``: ddp_ft's trainers and loop against the stock ones and the limit, end to end (``make bench-e2e``).
 * ``gpu_check``: the first thing to run on a CUDA host (``make gpu-check``).
 * ``gpu_report``: every GPU measurement in one command (``make gpu-report``).
+* ``forecast_check``: ``ddp-ft forecast`` against measured 2-process runs in one command (``make forecast-check``).
 * ``bench_gpu``: Qwen3 QLoRA training speed per mode, with and without BucketedDDP (``scripts/bench_gpu.py``).
 * ``bench_ddp``: one process, torch DDP and BucketedDDP on the tiny Qwen3 (``scripts/bench_ddp.py``).
 * ``memory_4bit``: the 4-bit memory arithmetic against a CPU proxy (``scripts/memory_4bit.py``).

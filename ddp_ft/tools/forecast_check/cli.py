@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ...report.forecast import load_forecast
 from ...report.metrics import read_jsonl, timeline
-from . import verdict
 from .stages import (
     FULL_PROBE,
     PROBE_REPEATS,
@@ -22,6 +21,7 @@ from .stages import (
     forecast_command,
     train_command,
 )
+from .verdict import compare, forecast_values, markdown, passed, run_medians
 
 NPROC = 2
 RESULT_JSON, RESULT_MD = "forecast_check.json", "forecast_check.md"
@@ -107,7 +107,7 @@ def _probe(out: Path, device: str, sizes: Sizes) -> dict[str, list[str]]:
 
 
 def _medians(folder: Path) -> dict[str, float | None]:
-    return verdict.run_medians(timeline(read_jsonl(folder / "metrics.jsonl")), folder.name)
+    return run_medians(timeline(read_jsonl(folder / "metrics.jsonl")), folder.name)
 
 
 def collect(out: Path, sources: list[str], runs: int) -> dict:
@@ -119,9 +119,9 @@ def collect(out: Path, sources: list[str], runs: int) -> dict:
         runs (int): the multi-process runs (``ddp0`` ...).
     """
     loaded = {s: load_forecast(out / "forecasts" / s) for s in sources}
-    forecasts = {s: verdict.forecast_values(f, NPROC) for s, f in loaded.items()}
+    forecasts = {s: forecast_values(f, NPROC) for s, f in loaded.items()}
     measured = [_medians(out / f"ddp{i}") for i in range(runs)]
-    quantities = verdict.compare(forecasts, measured)
+    quantities = compare(forecasts, measured)
     return {
         "single": _medians(out / "single"),
         "pair": [_medians(out / s) for s in sources[1:]],
@@ -129,7 +129,7 @@ def collect(out: Path, sources: list[str], runs: int) -> dict:
         "forecasts": forecasts,
         "link": loaded[sources[0]].links[0],
         "quantities": quantities,
-        "passed": verdict.passed(quantities),
+        "passed": passed(quantities),
     }
 
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     result = run_check(args.out, args.device, sizes, args.preset)
     (args.out / RESULT_JSON).write_text(json.dumps(result, indent=2))
-    table = verdict.markdown(result)
+    table = markdown(result)
     (args.out / RESULT_MD).write_text(table)
     print(table, end="", flush=True)
     print(f"wrote {args.out / RESULT_JSON} and {args.out / RESULT_MD} ({result['wall_s']:.0f} s)", flush=True)
