@@ -19,6 +19,8 @@ from ddp_ft.tools.forecast_check import (
     passed,
     run_medians,
 )
+from ddp_ft.tools.gpu_report import summaries
+from ddp_ft.tools.gpu_report.plan import plan_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +106,31 @@ def test_cuda_refuses_naming_the_missing_backend(tmp_path):
     with pytest.raises(SystemExit, match="gloo") as refused:
         main(["--out", str(tmp_path / "out"), "--device", "cuda"])
     assert CUDA_REFUSAL in str(refused.value) and not (tmp_path / "out").exists()
+
+
+def test_gpu_report_plans_it_after_shared_gpu_gloo(tmp_path):
+    skips = {}
+    for device in ("cpu", "cuda"):
+        steps = plan_steps(device, 1, tmp_path, ROOT / "scripts", "python")
+        names = [s.name for s in steps]
+        at = names.index("forecast_check")
+        assert names[at - 1 : at + 2] == ["shared_gpu_gloo", "forecast_check", "gpu_check"]
+        assert steps[at].command[-4:-2] == ["--device", "cuda"]
+        skips[device] = steps[at].skip
+    assert "make forecast-check" in skips["cpu"] and skips["cuda"] == CUDA_REFUSAL
+
+
+def test_gpu_report_summary_gives_the_headline():
+    forecasts = {"single": {"step_time_s": 0.5, "exposed_comm_ms": 4.0}}
+    runs = [{"step_time_s": 0.498, "exposed_comm_ms": 1.8}, {"step_time_s": 0.5, "exposed_comm_ms": 8.1}]
+    quantities = compare(forecasts, runs)
+    result = {"passed": passed(quantities), "device": "cuda", "quantities": quantities, "runs": runs}
+    summary, problems = summaries.forecast_check(result, {})
+    assert summary["headline"] == (
+        "PASS: step time 0.500 s inside [0.498, 0.500] s, exposed communication 4.0 ms inside [1.8, 8.1] ms "
+        "(2 runs of 2 processes)"
+    )
+    assert summary["quantities"]["step_time_s"]["verdict"] == "inside" and problems == []
 
 
 @pytest.mark.slow
