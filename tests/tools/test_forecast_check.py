@@ -52,12 +52,12 @@ def test_judge_says_inside_below_or_above_the_range():
 def test_run_medians_leave_out_the_first_step():
     # step 1 (9 s, 900 ms) is warm-up: the medians are of steps 2..5
     medians = run_medians(_records([9.0, 0.4, 0.5, 0.6, 0.7], [900.0, 1.0, 2.0, 3.0, 4.0]))
-    assert medians == {"step_time_s": pytest.approx(0.55), "exposed_comm_ms": pytest.approx(2.5)}
+    assert medians == {"step_time_s": pytest.approx(0.55), "exposed_comm_ms": pytest.approx(2.5), "host_load_1m": None}
 
 
 def test_run_medians_of_one_process_have_no_exposed():
     medians = run_medians(_records([2.0, 1.0, 1.0], None, world_size=1))
-    assert medians == {"step_time_s": 1.0, "exposed_comm_ms": None}
+    assert medians == {"step_time_s": 1.0, "exposed_comm_ms": None, "host_load_1m": None}
 
 
 def test_compare_judges_each_source_on_every_quantity():
@@ -90,7 +90,7 @@ def test_markdown_shows_numbers_and_verdicts():
         "preset": "tiny",
         "steps": 16,
         "runs": runs,
-        "single": {"step_time_s": 0.943},
+        "single": {"step_time_s": 0.943, "host_load_1m": 0.5},
         "pair": [{"step_time_s": 0.99}, {"step_time_s": 1.0}],
         "link": {"bandwidth_gbps": 1.39, "latency_us": 170.0},
         "quantities": compare(forecasts, runs),
@@ -100,6 +100,7 @@ def test_markdown_shows_numbers_and_verdicts():
     assert "| step time | **0.500 s** | 0.500 s, 0.500 s | 0.498 s, 0.500 s | **inside** [0.498 s, 0.500 s] |" in table
     assert "| exposed communication | **4.0 ms** |" in table and "Verdict: PASS" in table
     assert "medians of steps 2..16" in table and "1.39 GB/s" in table
+    assert "one process 0.5; the pair ?, ?; the runs ?, ?" in table
 
 
 def test_cuda_refuses_naming_the_missing_backend(tmp_path):

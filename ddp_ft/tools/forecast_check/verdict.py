@@ -17,18 +17,19 @@ SKIP_FIRST = 1  # the warm-up step left out: the medians are over steps 2..N, as
 
 
 def run_medians(records: list[dict], name: str = "run") -> dict[str, float | None]:
-    """A run's median step time and exposed communication over steps 2..N.
+    """A run's median step time and exposed communication over steps 2..N, and the host's load when it started.
 
     Args:
         records (list[dict]): the run's ``metrics.jsonl`` records.
         name (str): the run's name where its records have none. Default: run
 
     Returns:
-        dict[str, float | None]: one value per quantity of :data:`QUANTITIES`; exposed communication is None for a
-            run of one process.
+        dict[str, float | None]: one value per quantity of :data:`QUANTITIES` (exposed communication is None for a
+            run of one process), and ``host_load_1m`` (None where the run did not record it).
     """
     summary = summarize_run(records, skip_first=SKIP_FIRST, name=name)
-    return {key: getattr(summary, field) for key, (_, _, field) in QUANTITIES.items()}
+    values = {key: getattr(summary, field) for key, (_, _, field) in QUANTITIES.items()}
+    return values | {"host_load_1m": summary.host_load_1m}
 
 
 def forecast_values(forecast: Forecast, nproc: int) -> dict[str, float]:
@@ -100,6 +101,14 @@ def _number(value: float, unit: str) -> str:
     return f"{value:.3f} s" if unit == "s" else f"{value:.1f} ms"
 
 
+def _loads(result: dict) -> str:
+    def load(run: dict) -> str:
+        return "?" if run.get("host_load_1m") is None else f"{run['host_load_1m']:.1f}"
+
+    groups = (("one process", [result["single"]]), ("the pair", result["pair"]), ("the runs", result["runs"]))
+    return "; ".join(f"{label} " + ", ".join(load(r) for r in runs) for label, runs in groups)
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -141,6 +150,7 @@ def markdown(result: dict) -> str:
         f"One process: {_number(result['single']['step_time_s'], 's')} per step; the pair's runs: "
         + ", ".join(_number(r["step_time_s"], "s") for r in result["pair"])
         + ".",
+        f"Host load (1 min) as each run started: {_loads(result)}; on a loaded host the runs' range widens.",
         f"Link (ddp-ft doctor, measured): {link['bandwidth_gbps']:.3g} GB/s, {link['latency_us']:.3g} us per ring "
         f"step.",
     ]
