@@ -139,6 +139,7 @@ def test_gpu_report_summary_gives_the_headline():
 def test_quick_cpu_run_writes_every_verdict(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     command = [sys.executable, "-m", "ddp_ft.tools.forecast_check", "--out", str(tmp_path), "--quick"]
+    (tmp_path / "single" / "latest").mkdir(parents=True)  # an earlier check's run: cleared, not resumed
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "[5/5] ddp-ft forecast" in done.stdout

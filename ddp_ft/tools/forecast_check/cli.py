@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def run_check(out: Path, device: str, sizes: Sizes, preset: str) -> dict:
         SystemExit: a stage failed, with its log's tail.
     """
     env, logs, started = environment(device), out / "logs", time.perf_counter()
+    _clear(out, ["probe", "single", "pair0", "pair1", *(f"ddp{i}" for i in range(sizes.runs)), "forecasts", "logs"])
     progress = Progress(total=4 + sizes.runs)
     seconds = {"probe": progress.stage(f"doctor: the link on {NPROC} processes", _probe(out, device, sizes), logs, env)}
     single = {"single": train_command(out / "single", sizes.steps, preset)}
@@ -100,6 +102,12 @@ def run_check(out: Path, device: str, sizes: Sizes, preset: str) -> dict:
             "wall_s": time.perf_counter() - started,
         }
     )
+
+
+def _clear(out: Path, folders: list[str]) -> None:
+    """Remove an earlier check's folders: a run folder with a checkpoint would resume instead of training."""
+    for name in folders:
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
 def _probe(out: Path, device: str, sizes: Sizes) -> dict[str, list[str]]:
