@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test lint demo bench bench-comm bench-e2e ladder bucket-sweep gpu-check bench-gpu gpu-report train-reference
+.PHONY: install test lint demo bench bench-comm bench-e2e forecast-check ladder bucket-sweep gpu-check bench-gpu gpu-report train-reference
 
 # setuptools prints a 12-line "Editable installation" notice (a BuildBackendWarning) on every editable build: ignored
 # by its message only, so any other warning or error of the build still shows.
@@ -74,6 +74,11 @@ bench-comm: install
 # limit: scripts/bench_e2e.py --configs pair-loop ddp-loop pair-recipe ddp-recipe.
 bench-e2e: install
 	$(PY) scripts/bench_e2e.py --repeats 5 --out bench_results/bench_e2e.json
+
+# ddp-ft forecast validated on this host's CPU (a few minutes on 2 cores): the link probe, one process, two single
+# processes at once, three 2-process runs (gloo, tiny preset, 16 steps); the forecast against the runs' range.
+forecast-check: install
+	$(PY) -m ddp_ft.tools.forecast_check --out bench_results/forecast_check
 
 # The first thing to run on a CUDA host (under 5 minutes, exit status 1 on any failure): BucketedDDP against torch DDP,
 # no communication under no_sync, the compute dtype for these GPUs, a short 4-bit QLoRA run; 1 process, then 2 on 2+ GPUs.

@@ -5,6 +5,7 @@
 * ``bench_e2e``: ddp_ft's trainers against the stock ones, end to end.
 * ``gpu_check``: the first thing to run on a CUDA host.
 * ``gpu_report``: every GPU measurement in one command.
+* ``forecast_check``: ``ddp-ft forecast`` against measured 2-process runs.
 * ``bench_gpu``: QLoRA training speed per mode.
 * ``bench_ddp``: one process, torch DDP and BucketedDDP on the tiny Qwen3.
 * ``memory_4bit``: the 4-bit memory arithmetic against a CPU proxy.

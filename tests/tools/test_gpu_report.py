@@ -24,9 +24,10 @@ E2E += ["loop_old_defaults", "stock_reference"]
 CELLS = {
     mb: [f"decomp_{c}_{k}_{mb}" for k in ("ckpt", "nockpt") for c in ("eager", "compiled")] for mb in ("auto", "mb1")
 }
-CPU_STEPS = [E2E[0], *CELLS["auto"], *E2E[1:], *CELLS["mb1"], "shared_gpu_gloo", "gpu_check", "ladder", "scaling_2gpu"]
+CPU_STEPS = [E2E[0], *CELLS["auto"], *E2E[1:], *CELLS["mb1"], "shared_gpu_gloo", "forecast_check", "gpu_check"]
+CPU_STEPS += ["ladder", "scaling_2gpu"]
 CPU_RUN = {"loop_defaults", "decomp_eager_nockpt_auto", "gpu_check", "ladder"}
-CUDA_STEPS = ["random_model", *E2E[:6], *CELLS["auto"], *E2E[6:], *CELLS["mb1"], *CPU_STEPS[-4:]]
+CUDA_STEPS = ["random_model", *E2E[:6], *CELLS["auto"], *E2E[6:], *CELLS["mb1"], *CPU_STEPS[-5:]]
 
 
 def writes(path: Path, payload: dict) -> list[str]:

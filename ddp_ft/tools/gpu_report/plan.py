@@ -18,10 +18,13 @@ On CUDA (each step's expected seconds from the H100 runs in ``docs/performance.m
 6. ``shared_gpu_gloo``: ``scripts/gpu_check.py`` on 2 processes sharing one GPU over gloo with CUDA tensors
    (``--backend gloo``, one GPU visible): BucketedDDP against torch DDP and ``no_sync`` with real asynchronous
    communication, which one process cannot give; NCCL refuses two ranks on one GPU.
-7. ``gpu_check``: ``scripts/gpu_check.py`` as ``make gpu-check`` runs it.
-8. ``ladder``: ``scripts/ladder.py`` on 2 GPUs (NCCL). With one GPU it is skipped: its CUDA split reads NCCL's kernels
+7. ``forecast_check``: ``ddp-ft forecast`` from a 1-process run against 2 processes sharing the GPU over gloo
+   (``python -m ddp_ft.tools.forecast_check --device cuda``). It refuses while ``ddp-ft train`` cannot choose gloo
+   on CUDA, and is skipped with that reason; the CPU runs it as its own command (``make forecast-check``).
+8. ``gpu_check``: ``scripts/gpu_check.py`` as ``make gpu-check`` runs it.
+9. ``ladder``: ``scripts/ladder.py`` on 2 GPUs (NCCL). With one GPU it is skipped: its CUDA split reads NCCL's kernels
    from the profiler's trace, and over gloo the communication leaves none to read.
-9. ``scaling_2gpu``: ``torchrun --nproc_per_node=2 scripts/bench_gpu.py`` on 2+ GPUs, else skipped.
+10. ``scaling_2gpu``: ``torchrun --nproc_per_node=2 scripts/bench_gpu.py`` on 2+ GPUs, else skipped.
 
 The default budget (600 s) fits 1-4 on one H100; the rest runs with a larger ``--budget-s``. The reference shape's two
 modes (BucketedDDP against no wrapper at micro-batch 1) and Liger at micro-batch 1 are not steps: an H100 run settled
@@ -39,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ...training.model.kernels import check_kernel_settings
+from ..forecast_check import RESULT_JSON, cuda_refusal
 from . import summaries
 from .e2e import e2e_steps
 from .runner import Step
@@ -133,7 +137,7 @@ def _decomposition(device: str, results: Path, scripts: Path, python: str) -> li
 
 
 def _check_steps(device: str, gpu_count: int, results: Path, scripts: Path, python: str) -> list[Step]:
-    """Two processes on one GPU over gloo, ``gpu_check``, the ladder, the 2-GPU scaling."""
+    """Two processes on one GPU over gloo, the forecast check, ``gpu_check``, the ladder, the 2-GPU scaling."""
     cuda = device == "cuda"
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     short = f"{gpu_count} GPU(s) visible: needs 2 or more"
@@ -171,6 +175,7 @@ def _check_steps(device: str, gpu_count: int, results: Path, scripts: Path, pyth
             env={"CUDA_VISIBLE_DEVICES": one_visible_gpu()} if cuda else {},
             summarize=summaries.gpu_check,
         ),
+        _forecast_check(cuda, results, python),
         Step(
             "gpu_check",
             "gpu_check (make gpu-check)",
@@ -201,3 +206,20 @@ def _check_steps(device: str, gpu_count: int, results: Path, scripts: Path, pyth
             summarize=summaries.bench_gpu,
         ),
     ]
+
+
+def _forecast_check(cuda: bool, results: Path, python: str) -> Step:
+    """``ddp-ft forecast`` against 2 processes sharing one GPU over gloo; on the CPU, skipped for its own command."""
+    out = results / "forecast_check"
+    skip = cuda_refusal("cuda") if cuda else "the CPU runs it as its own command (make forecast-check)"
+    return Step(
+        "forecast_check",
+        "ddp-ft forecast against 2 processes sharing one GPU over gloo",
+        [python, "-m", "ddp_ft.tools.forecast_check", "--device", "cuda", "--out", str(out)],
+        out / RESULT_JSON,
+        150,
+        600,
+        skip=skip,
+        env={"CUDA_VISIBLE_DEVICES": one_visible_gpu()} if cuda else {},
+        summarize=summaries.forecast_check,
+    )

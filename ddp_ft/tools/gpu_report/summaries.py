@@ -150,3 +150,18 @@ def ladder(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
     ]
     summary["headline"] = "tokens/s " + "; ".join(parts)
     return summary, []
+
+
+def forecast_check(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
+    """``python -m ddp_ft.tools.forecast_check``: the forecast against the runs' range, per quantity."""
+    quantities = {
+        key: {k: q[k] for k in ("forecast", "low", "high", "verdict")} for key, q in result["quantities"].items()
+    }
+    summary = {"passed": result["passed"], "device": result["device"], "quantities": quantities}
+    step, exposed = quantities["step_time_s"], quantities["exposed_comm_ms"]
+    summary["headline"] = (
+        f"{'PASS' if result['passed'] else 'FAIL'}: step time {step['forecast']:.3f} s {step['verdict']} "
+        f"[{step['low']:.3f}, {step['high']:.3f}] s, exposed communication {exposed['forecast']:.1f} ms "
+        f"{exposed['verdict']} [{exposed['low']:.1f}, {exposed['high']:.1f}] ms ({len(result['runs'])} run{'' if len(result['runs']) == 1 else 's'} of 2 processes)"
+    )
+    return summary, []
