@@ -87,3 +87,29 @@ def _one_tiny_cache_for_the_session(tiny_cache):
         os.environ.pop("DDP_FT_CACHE", None)
     else:
         os.environ["DDP_FT_CACHE"] = previous
+
+
+@pytest.fixture
+def run_env(tmp_path, monkeypatch, tiny_cache):
+    """One in-process run's environment: wandb offline with every folder of its own under ``tmp_path``, and the
+    variables the Trainer recipe sets (``os.environ`` directly) restored afterwards.
+
+    wandb reads its environment once per process, at its first setup: ``wandb.teardown()`` before and after makes
+    it read this test's, and leaves this test's folders to no other. ``wandb.finish()`` ends the runs teardown
+    leaves in ``wandb.run`` (disabled ones, those a failure left open), which a WandbCallback would take over.
+    """
+    import wandb
+
+    monkeypatch.setenv("DDP_FT_CACHE", str(tiny_cache))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    (tmp_path / "wandb-dir").mkdir()
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+    for name in ("WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_JOB_TYPE", "WANDB_API_KEY", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
+    wandb.finish()
+    wandb.teardown()
+    yield
+    wandb.finish()
+    wandb.teardown()

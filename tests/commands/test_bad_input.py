@@ -24,8 +24,8 @@ from ddp_ft.training.checkpoint import FORMAT_VERSION, TrainState, save_checkpoi
 from ddp_ft.training.config import parse_settings
 from ddp_ft.training.data import DataLayout, load_raw_splits
 
+from ..helpers.checkpoints import trainer_checkpoint, training_parts
 from ..helpers.dist_harness import PYTHONPATH
-from ..training.test_checkpoint import _parts, _trainer_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--preset", "tiny", "--num-synthetic", "24", "--report-to", "none"]  # 23 training samples, 1 eval
@@ -62,7 +62,7 @@ def _other_format(folder):
 
 
 def _trainer_folder(d):
-    _trainer_checkpoint(d.tmp / "trainer" / "checkpoint-3")
+    trainer_checkpoint(d.tmp / "trainer" / "checkpoint-3")
     return str(d.tmp / "trainer" / "checkpoint-3")
 
 
@@ -322,7 +322,7 @@ def run_dir(tmp_path, tiny_cache, monkeypatch):
     run = tmp_path / "run"
     samples = len(load_raw_splits(parse_settings(BASE).data)["train"])
     layout = DataLayout(train_samples=samples, world_size=1, **SAVED)
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     save_checkpoint(run, model, optimizer, scheduler, TrainState(2, 0, 8, 8), DistInfo(), layout=layout)
     return run
 

@@ -16,66 +16,17 @@ from ddp_ft.integrations.callbacks import GuardedWandbCallback, ThroughputCallba
 from ddp_ft.integrations.recipe import build_trainer, predict_at_end, wandb_report_to
 from ddp_ft.report.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
 from ddp_ft.report.records import run_identity
-from ddp_ft.training.config import settings_from_preset
 from ddp_ft.training.loop import train
 from ddp_ft.training.setup import prepare_run
 
-STEPS = 2
+from ..helpers.runs import STEPS, short_run, short_settings
+
 SECRETS = {  # fake values shaped like the real ones (a wandb key is 40 characters)
     "WANDB_API_KEY": "fa4eda7a0123456789abcdef0123456789abcdef",
     "HF_TOKEN": "hf_fakeFAKEfakeFAKEfakeFAKEfakeFAKE0123",
     "ACME_SERVICE_SECRET": "fake-service-secret-4f2a9c7e",
     "DB_PASSWORD_PROD": "fake-db-password-8e1d33b0",
 }
-
-
-@pytest.fixture
-def run_env(tmp_path, monkeypatch, tiny_cache):
-    """One in-process run's environment: wandb offline with every folder of its own under ``tmp_path``, and the
-    variables the Trainer recipe sets (``os.environ`` directly) restored afterwards.
-
-    wandb reads its environment once per process, at its first setup: ``wandb.teardown()`` before and after makes
-    it read this test's, and leaves this test's folders to no other. ``wandb.finish()`` ends the runs teardown
-    leaves in ``wandb.run`` (disabled ones, those a failure left open), which a WandbCallback would take over.
-    """
-    monkeypatch.setenv("DDP_FT_CACHE", str(tiny_cache))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
-    (tmp_path / "wandb-dir").mkdir()
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
-    for name in ("WANDB_PROJECT", "WANDB_RUN_GROUP", "WANDB_JOB_TYPE", "WANDB_API_KEY", "WANDB_SILENT"):
-        monkeypatch.delenv(name, raising=False)
-    wandb.finish()
-    wandb.teardown()
-    yield
-    wandb.finish()
-    wandb.teardown()
-
-
-def _settings(output_dir: Path, **overrides):
-    """The tiny preset cut to two one-sample steps of short sequences, reporting to wandb: about a second on CPU."""
-    values = {
-        "max_steps": STEPS,
-        "effective_batch": 1,
-        "micro_batch": 1,
-        "num_synthetic": 16,
-        "max_seq_len": 128,
-        "save_every": 0,
-        "report_to": "wandb",
-        **overrides,
-    }
-    return settings_from_preset("tiny", output_dir=str(output_dir), **values)
-
-
-def _run(entry: str, output_dir: Path, **overrides) -> int:
-    """Train with ``entry`` (``loop`` or ``trainer``) as a single process; returns the optimizer steps done."""
-    settings = _settings(output_dir, **overrides)
-    if entry == "loop":
-        return train(settings, DistInfo()).steps
-    trainer = build_trainer(settings, DistInfo())
-    trainer.train()
-    return trainer.state.global_step
 
 
 def _disabled_wandb_runs(monkeypatch) -> None:
@@ -136,7 +87,7 @@ def test_wandb_failing_warns_once_and_training_goes_on(entry, failure, named, tm
     else:  # the Trainer's WandbCallback logs through wandb.log, bound to the run's log at init
         raised = _raise_when(monkeypatch, NoopRun, "log", lambda n, *a, **k: n >= 2)
     with caplog.at_level(logging.WARNING):
-        steps = _run(entry, tmp_path / "run")
+        steps = short_run(entry, tmp_path / "run")
     assert steps == STEPS
     assert _train_steps(tmp_path / "run") == list(range(1, STEPS + 1))
     _assert_one_warning_naming(caplog, named)
@@ -196,7 +147,7 @@ def test_only_rank_0_starts_wandb_in_both_entry_points(tmp_path, run_env, monkey
     """The loop's metric sink and the Trainer's ``report_to`` are decided per rank: rank 1 gets a NullLogger and
     ``[]`` (no WandbCallback, no WANDB_* variables set), rank 0 metrics.jsonl plus wandb."""
     inits = _raise_when(monkeypatch, wandb, "init", lambda n, *a, **k: True)
-    settings = _settings(tmp_path / "run")
+    settings = short_settings(tmp_path / "run")
     rank_1 = DistInfo(rank=1, local_rank=1, world_size=2)
     wandb_run = {"project": "p", "group": "g", "job_type": "ddp-2", "name": "n", "config": {}}
     assert isinstance(open_metric_sink(rank_1, tmp_path / "run", wandb_run), NullLogger)
@@ -218,7 +169,7 @@ def test_no_secret_reaches_logs_metrics_or_checkpoints(entry, tmp_path, run_env,
     for name, value in SECRETS.items():
         monkeypatch.setenv(name, value)
     caplog.set_level(logging.DEBUG)
-    assert _run(entry, tmp_path / "run", save_every=1) == STEPS
+    assert short_run(entry, tmp_path / "run", save_every=1) == STEPS
     wandb.finish()  # the Trainer leaves its run open; finishing writes everything the run has
 
     written = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
@@ -242,7 +193,7 @@ def test_no_secret_reaches_logs_metrics_or_checkpoints(entry, tmp_path, run_env,
 
 def test_hub_token_stays_out_of_pickled_training_args(tmp_path, run_env):
     token = "hf_" + "fakehubtoken" * 3
-    trainer = build_trainer(_settings(tmp_path / "run", save_every=1, report_to="none"), DistInfo())
+    trainer = build_trainer(short_settings(tmp_path / "run", save_every=1, report_to="none"), DistInfo())
     trainer.args.hub_token = token
     trainer.train()
     trainer.save_model(str(tmp_path / "run" / "final"))
@@ -259,7 +210,7 @@ def test_predict_writes_and_logs_predictions_to_wandb(entry, tmp_path, run_env, 
     _disabled_wandb_runs(monkeypatch)
     logged = []
     monkeypatch.setattr(NoopRun, "log", lambda self, data, *args, **kwargs: logged.append(data))
-    settings = _settings(tmp_path / "run", predict=2, max_new_tokens=4, eval_fraction=0.125)
+    settings = short_settings(tmp_path / "run", predict=2, max_new_tokens=4, eval_fraction=0.125)
     if entry == "loop":
         train(settings, DistInfo())
     else:

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from ..commands.test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from ..helpers.runs import short_run
 
 
 @pytest.mark.usefixtures("run_env")
@@ -13,7 +13,7 @@ def test_a_short_run_prints_no_deprecation_warning(entry, tmp_path):
     """pytest's configuration ignores DeprecationWarning and FutureWarning suite-wide; here every warning is kept."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert _run(entry, tmp_path / entry, report_to="none") == 2
+        assert short_run(entry, tmp_path / entry, report_to="none") == 2
     deprecations = [
         f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})"
         for w in caught

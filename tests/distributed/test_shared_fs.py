@@ -21,8 +21,8 @@ from ddp_ft.training.checkpoint.shared_fs import (
     check_shared_resume,
 )
 
+from ..helpers.checkpoints import training_parts
 from ..helpers.dist_harness import run_distributed
-from ..training.test_checkpoint import _parts
 
 pytestmark = pytest.mark.distributed
 
@@ -55,7 +55,7 @@ def _as_two_nodes(rank, world_size, root):
 
 
 def _checkpoint(output_dir: Path, step: int, samples_seen: int) -> None:
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     save_checkpoint(output_dir, model, optimizer, scheduler, TrainState(step, 0, 0, samples_seen), DistInfo())
 
 

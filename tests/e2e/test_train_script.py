@@ -11,9 +11,9 @@ import torch
 
 from ddp_ft.report.metrics import read_jsonl, timeline
 
+from ..helpers.checkpoints import trainer_checkpoint
 from ..helpers.dist_harness import PYTHONPATH
 from ..helpers.meetings import write_chat_meetings, write_mixed_length_meetings
-from ..training.test_checkpoint import _trainer_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ _REFERENCE = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "2"
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("reference")
-    _trainer_checkpoint(tmp_path / "run" / "checkpoint-1")
+    trainer_checkpoint(tmp_path / "run" / "checkpoint-1")
     _train(tmp_path, "--output-dir", str(tmp_path / "run"), *_REFERENCE)
     return tmp_path / "run"
 
@@ -265,7 +265,7 @@ def test_two_rank_runs_leave_trainer_checkpoint_alone(reference_run, tmp_path):
     """The loop and the HF Trainer share the default output folder: under torchrun the loop prunes only its own
     checkpoints (--save-total-limit 2 kept 6 and 8 of 2, 4, 6, 8) and leaves the Trainer's checkpoint-1 as it was;
     ``--resume`` pointed at one is refused before training, naming it (``test_bad_input``)."""
-    assert {p.name: p.read_bytes() for p in (reference_run / "checkpoint-1").iterdir()} == _trainer_checkpoint(
+    assert {p.name: p.read_bytes() for p in (reference_run / "checkpoint-1").iterdir()} == trainer_checkpoint(
         tmp_path / "pristine" / "checkpoint-1"
     )
     assert sorted(p.name for p in reference_run.glob("*checkpoint-*")) == [

@@ -101,3 +101,33 @@ def record_collectives(log: list[str]) -> None:
             return _original(*args, **kwargs)
 
         setattr(dist, name, recorded)
+
+
+class CausalTokens(nn.Module):
+    """What the Trainer treats as a causal LM: labels, loss kwargs (so it counts the step's answer tokens and passes
+    ``num_items_in_batch``) and a loss type that shifts the labels. Records, per micro-step, its batch's own answer
+    tokens, the count it was given and the loss it returned."""
+
+    loss_type = "ForCausalLM"
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+        self.seen: list[tuple[int, float, float]] = []
+
+    def forward(self, input_ids, attention_mask, labels, x, y, num_items_in_batch=None, **kwargs):
+        answers = labels[..., 1:].ne(-100).sum()
+        loss = ((self.net(x) - y) ** 2).sum() * answers / num_items_in_batch
+        self.seen.append((int(answers), float(num_items_in_batch), float(loss)))
+        return {"loss": loss}
+
+
+def labelled_rows():
+    """The padded rows with causal-LM labels: the first 2 tokens a prompt (-100), padding -100."""
+    rows = padded_rows()
+    for row in rows:
+        labels = row["input_ids"].clone()
+        labels[:2] = -100
+        labels[row["attention_mask"] == 0] = -100
+        row["labels"] = labels
+    return rows

@@ -7,45 +7,19 @@ import tempfile
 
 import pytest
 import torch
-from torch import nn
 
 from ..helpers.dist_harness import run_distributed
-from ..helpers.models import Net
-from ..helpers.trainers import as_accelerate_rank, gloo_trainer_args, padded_rows, record_collectives
+from ..helpers.trainers import (
+    CausalTokens,
+    as_accelerate_rank,
+    gloo_trainer_args,
+    labelled_rows,
+    record_collectives,
+)
 
 pytestmark = pytest.mark.distributed
 
 STEPS, ACCUMULATION = 3, 2
-
-
-class _CausalTokens(nn.Module):
-    """What the Trainer treats as a causal LM: labels, loss kwargs (so it counts the step's answer tokens and passes
-    ``num_items_in_batch``) and a loss type that shifts the labels. Records, per micro-step, its batch's own answer
-    tokens, the count it was given and the loss it returned."""
-
-    loss_type = "ForCausalLM"
-
-    def __init__(self):
-        super().__init__()
-        self.net = Net()
-        self.seen: list[tuple[int, float, float]] = []
-
-    def forward(self, input_ids, attention_mask, labels, x, y, num_items_in_batch=None, **kwargs):
-        answers = labels[..., 1:].ne(-100).sum()
-        loss = ((self.net(x) - y) ** 2).sum() * answers / num_items_in_batch
-        self.seen.append((int(answers), float(num_items_in_batch), float(loss)))
-        return {"loss": loss}
-
-
-def _labelled_rows():
-    """The padded rows with causal-LM labels: the first 2 tokens a prompt (-100), padding -100."""
-    rows = padded_rows()
-    for row in rows:
-        labels = row["input_ids"].clone()
-        labels[:2] = -100
-        labels[row["attention_mask"] == 0] = -100
-        row["labels"] = labels
-    return rows
 
 
 def _train(rank, world_size, rewrite_labels):
@@ -68,7 +42,7 @@ def _train(rank, world_size, rewrite_labels):
         return batch
 
     torch.manual_seed(0)
-    model = _CausalTokens()
+    model = CausalTokens()
     before = [p.detach().clone() for p in model.parameters()]
     with tempfile.TemporaryDirectory() as out:
         args = gloo_trainer_args(
@@ -82,7 +56,7 @@ def _train(rank, world_size, rewrite_labels):
         trainer = BucketedTrainer(
             model=model,
             args=args,
-            train_dataset=_labelled_rows(),
+            train_dataset=labelled_rows(),
             data_collator=collate,
             balance_ranks=True,
             callbacks=[Marker()],

@@ -9,7 +9,7 @@ import wandb
 from ddp_ft.report.comparison import RunSummary, load_run
 from ddp_ft.report.records import RunIdentity, of_type, run_identity
 
-from ..commands.test_side_services import _run, run_env  # noqa: F401  (run_env is a fixture)
+from ..helpers.runs import short_run
 
 
 def test_run_identity_names_group_and_job_type():
@@ -45,7 +45,7 @@ def test_loop_and_trainer_write_alike_readable_records(tmp_path, monkeypatch):
     seen = _identity_seen_by_wandb(monkeypatch)
     summaries, trains = {}, {}
     for entry in ("loop", "trainer"):
-        assert _run(entry, tmp_path / entry, eval_every=1) == 2
+        assert short_run(entry, tmp_path / entry, eval_every=1) == 2
         summaries[entry], records = load_run(tmp_path / entry, skip_first=0)
         own = {"backward"} if entry == "loop" else set()  # the plain loop also says when its buckets were ready
         assert {r["type"] for r in records} == {"config", "train", "eval", *own}, entry

@@ -8,35 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ddp_ft.distributed import DistInfo
 from ddp_ft.training import checkpoint as ckpt
 from ddp_ft.training.checkpoint import TrainState, resolve_checkpoint, save_checkpoint
 from ddp_ft.training.data import DataLayout
 
-
-class _Adapter(torch.nn.Module):
-    """Stands in for a peft model: save_pretrained writes the weights into a folder, as safetensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(4))
-
-    def save_pretrained(self, path):
-        path.mkdir(parents=True)
-        save_file(self.state_dict(), path / "adapter_model.safetensors")
-
-
-def _parts():
-    model = _Adapter()
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return model, optimizer, scheduler
+from ..helpers.checkpoints import trainer_checkpoint, training_parts
 
 
 def test_save_is_complete_and_latest_points_at_it(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     assert path == tmp_path / "ddp_ft-checkpoint-3"
     assert resolve_checkpoint("latest", tmp_path) == path
@@ -47,7 +30,7 @@ def test_save_is_complete_and_latest_points_at_it(tmp_path):
 
 
 def test_failed_save_leaves_previous_and_latest_intact(tmp_path, monkeypatch):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     before = (good / "optimizer.pt").read_bytes()
 
@@ -64,7 +47,7 @@ def test_failed_save_leaves_previous_and_latest_intact(tmp_path, monkeypatch):
 
 
 def test_save_total_limit_keeps_the_newest(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     for step in (2, 4, 6):
         save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(step), DistInfo(), save_total_limit=2)
     assert sorted(p.name for p in tmp_path.glob("*checkpoint-*")) == ["ddp_ft-checkpoint-4", "ddp_ft-checkpoint-6"]
@@ -77,27 +60,9 @@ def test_resume_from_a_non_checkpoint_is_a_clear_error(tmp_path):
         resolve_checkpoint("latest", tmp_path / "nowhere")
 
 
-def _trainer_checkpoint(folder):
-    """A checkpoint as transformers.Trainer writes it: adapter files at the top, its own trainer_state.json."""
-    folder.mkdir(parents=True)
-    state = {
-        "global_step": 3,
-        "epoch": 0.5,
-        "log_history": [{"loss": 7.4, "step": 1}],
-        "best_metric": None,
-        "max_steps": 16,
-        "trial_params": None,
-        "is_world_process_zero": True,
-    }
-    (folder / "trainer_state.json").write_text(json.dumps(state))
-    for name in ("adapter_model.safetensors", "adapter_config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth"):
-        (folder / name).write_bytes(b"trainer " + name.encode())
-    return {p.name: p.read_bytes() for p in folder.iterdir()}
-
-
 def test_trainer_checkpoint_neither_resumed_nor_pruned(tmp_path):
-    trainer_files = _trainer_checkpoint(tmp_path / "checkpoint-3")
-    model, optimizer, scheduler = _parts()
+    trainer_files = trainer_checkpoint(tmp_path / "checkpoint-3")
+    model, optimizer, scheduler = training_parts()
     saved = [
         save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(step), DistInfo(), save_total_limit=1)
         for step in (3, 4, 6)
@@ -108,7 +73,7 @@ def test_trainer_checkpoint_neither_resumed_nor_pruned(tmp_path):
 
 
 def test_resume_refuses_trainer_checkpoint_naming_it(tmp_path):
-    _trainer_checkpoint(tmp_path / "checkpoint-3")
+    trainer_checkpoint(tmp_path / "checkpoint-3")
     with pytest.raises(ValueError) as error:
         resolve_checkpoint(str(tmp_path / "checkpoint-3"), tmp_path)
     message = str(error.value)
@@ -119,7 +84,7 @@ def test_resume_refuses_trainer_checkpoint_naming_it(tmp_path):
 def test_recipe_logs_the_resumed_step_once_on_rank_0(tmp_path, caplog):
     from ddp_ft.integrations.recipe import log_resume
 
-    _trainer_checkpoint(tmp_path / "checkpoint-3")
+    trainer_checkpoint(tmp_path / "checkpoint-3")
     with caplog.at_level("INFO", logger="ddp_ft.integrations.recipe"):
         for checkpoint, rank in ((tmp_path / "checkpoint-3", 1), (None, 0), (tmp_path / "checkpoint-3", 0)):
             log_resume(checkpoint, DistInfo(rank=rank, world_size=2))
@@ -128,7 +93,7 @@ def test_recipe_logs_the_resumed_step_once_on_rank_0(tmp_path, caplog):
 
 
 def test_resume_refuses_a_newer_format_version(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     state_file = path / ckpt.STATE_FILE
     state = json.loads(state_file.read_text())
@@ -140,7 +105,7 @@ def test_resume_refuses_a_newer_format_version(tmp_path):
 def test_failed_same_step_resave_keeps_latest_complete(tmp_path, monkeypatch):
     """Saving step 3 again (a resumed run, a re-run in the same folder) swaps folders: if the swap dies after the old
     one moved away, latest must still name a complete checkpoint holding the previous contents."""
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 24), DistInfo())
     before = {p.relative_to(good): p.read_bytes() for p in good.rglob("*") if p.is_file()}
     real_replace = os.replace
@@ -180,7 +145,7 @@ def test_all_fsynced_before_the_rename_publishing_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     monkeypatch.undo()
     published = {dst: unsynced for _, dst, unsynced in events}
@@ -231,7 +196,7 @@ def _plain(value) -> bool:
 
 
 def test_rng_states_are_plain_data_and_restore_exactly(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     _seed_with_cached_gaussians(7)
     before = _snapshot()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
@@ -325,7 +290,7 @@ class _Payload:
     ],
 )
 def test_verify_refuses_pickles_unrun_naming_the_file(tmp_path, name, content, found):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     torch.save(content(), path / name)
     with pytest.raises(ValueError) as error:
@@ -337,7 +302,7 @@ def test_verify_refuses_pickles_unrun_naming_the_file(tmp_path, name, content, f
 
 
 def test_verify_refuses_adapter_bin_for_safetensors(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     adapter = path / ckpt.ADAPTER_DIR
     torch.save(model.state_dict(), adapter / "adapter_model.bin")
@@ -350,7 +315,7 @@ def test_verify_refuses_adapter_bin_for_safetensors(tmp_path):
 
 
 def test_verify_refuses_a_truncated_file_naming_it(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     data = (path / "optimizer.pt").read_bytes()
     (path / "optimizer.pt").write_bytes(data[: len(data) // 2])
@@ -362,7 +327,7 @@ def test_loop_refuses_pickles_before_the_model_loads(tmp_path):
     from ddp_ft.training.checkpoint import check_resume_position
 
     layout = DataLayout(train_samples=16, seed=0, effective_batch=2, world_size=1, micro_batch=1)
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3, 0, 6, 6), DistInfo(), layout=layout)
     check_resume_position(path, layout)  # a checkpoint this version wrote passes
     torch.save([{"numpy": np.random.get_state()}], path / "rng_states.pt")
@@ -372,7 +337,7 @@ def test_loop_refuses_pickles_before_the_model_loads(tmp_path):
 
 def test_resume_refuses_format_1_of_older_ddp_ft(tmp_path):
     """Format 1 stored numpy's RNG state as pickled numpy objects, which this version does not load."""
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
     state_file = path / ckpt.STATE_FILE
     state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "format_version": 1}))

@@ -160,22 +160,20 @@ def _record(trainer, seen: _Seen, model=None) -> dict:
         "steps": trainer.state.global_step,
         "learning_rates": [entry["learning_rate"] for entry in logs],
         "epochs": seen.epochs,
-        # _CausalTokens': (answer tokens, num_items_in_batch, loss) per micro-step
+        # CausalTokens': (answer tokens, num_items_in_batch, loss) per micro-step
         "given": getattr(model, "seen", None),
     }
 
 
 def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
-    """A 2-rank run of the Trainer test model that counts each micro-batch's answer tokens (``_CausalTokens``)."""
+    """A 2-rank run of the Trainer test model that counts each micro-batch's answer tokens (``CausalTokens``)."""
     import tempfile
 
     from transformers import default_data_collator
 
-    from tests.integrations.test_trainer_step_sync import _CausalTokens, _labelled_rows
+    from ..helpers.trainers import CausalTokens, gloo_trainer_args, labelled_rows
 
-    from ..helpers.trainers import gloo_trainer_args
-
-    rows = _labelled_rows()[:ROWS]
+    rows = labelled_rows()[:ROWS]
     for index, row in enumerate(rows):
         row["index"] = index
     seen = _Seen(
@@ -183,7 +181,7 @@ def _hf_run(trainer_cls, drop_last: bool, **kw) -> dict:
         key=lambda row: row["index"],
     )
     torch.manual_seed(0)
-    model = _CausalTokens()
+    model = CausalTokens()
     with tempfile.TemporaryDirectory() as out:
         schedule = {**SCHEDULE, "gradient_accumulation_steps": 3} if drop_last else SCHEDULE
         args = gloo_trainer_args(out, dataloader_drop_last=drop_last, **schedule)

@@ -22,9 +22,9 @@ from ddp_ft.training.checkpoint import (
 )
 from ddp_ft.training.preemption import StopSignal
 
+from ..helpers.checkpoints import training_parts
 from ..helpers.dist_harness import PYTHONPATH, run_distributed
 from ..helpers.faults import ENV, Fault, FaultInjector, injected, parse_faults
-from .test_checkpoint import _parts
 
 pytestmark = pytest.mark.faults
 
@@ -127,7 +127,7 @@ def test_signal_to_1_rank_reaches_all_in_1_collective():
 
 
 def test_second_signal_does_not_interrupt_a_save(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     with StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -146,7 +146,7 @@ def test_second_signal_does_not_interrupt_a_save(tmp_path):
 
 
 def test_partial_saves_removed_previous_one_resumes(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     good = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(2, 0, 4, 16), DistInfo())
     (tmp_path / ".tmp-ddp_ft-checkpoint-4" / "adapter").mkdir(parents=True)  # the loop's save, killed mid-write
     (tmp_path / ".staging" / "checkpoint-4").mkdir(parents=True)  # BucketedTrainer's, killed mid-write
@@ -156,7 +156,7 @@ def test_partial_saves_removed_previous_one_resumes(tmp_path):
 
 
 def test_elastic_restart_resumes_newest_checkpoint(tmp_path):
-    model, optimizer, scheduler = _parts()
+    model, optimizer, scheduler = training_parts()
     assert checkpoint_to_resume("", tmp_path, restart_count=1) is None  # crashed before the first save: start over
     first = save_checkpoint(tmp_path / "a", model, optimizer, scheduler, TrainState(2, 0, 4, 16), DistInfo())
     newest = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(4, 0, 8, 32), DistInfo())
