@@ -3,10 +3,7 @@
 each module imports only from the layers below its own. The library never imports the measurement tools
 (``ddp_ft.tools``), and a room's index (``ddp_ft.training``, ``ddp_ft.report``) imports nothing."""
 
-import ast
-from pathlib import Path
-
-PACKAGE = Path(__file__).resolve().parents[2] / "ddp_ft"
+from ..helpers.imports import import_graph
 
 # The rooms, lowest first: what docs/design.md draws. A module may import from its own room and any room below it.
 ROOMS = ["ddp", "distributed", "report", "training", "integrations", "embedded", "tools", "commands", "__main__"]
@@ -107,40 +104,12 @@ def _layer(unit: str) -> int:
     return next(i for i, layer in enumerate(LAYERS) if unit in layer)
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-                names = [f"{target}.{a.name}" for a in node.names]
-            else:
-                target, names = node.module or "", [f"{node.module}.{a.name}" for a in node.names]
-            # `from . import x` and `from ..pkg import module` name modules; else the target module itself
-            found.update(n for n in names if (PACKAGE.parent / (n.replace(".", "/") + ".py")).exists())
-            found.add(target)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return {m for m in found if m.startswith("ddp_ft")}
-
-
-def _graph() -> dict[str, set[str]]:
-    """Each module (a package's ``__init__`` under the package's name) and the ddp_ft modules it imports."""
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return {m: {t for t in _imports(p, m) if t in modules and t != m} for m, p in modules.items()}
-
-
 def _room(module: str) -> str:
     return module.split(".")[1]
 
 
 def test_rooms_import_only_themselves_and_rooms_below():
-    graph = _graph()
+    graph = import_graph()
     top = {m.split(".")[1] for m in graph if m != "ddp_ft"}
     assert top == set(ROOMS), f"top-level names not in ROOMS (and docs/design.md), or gone: {top ^ set(ROOMS)}"
     upward = [
@@ -154,14 +123,14 @@ def test_rooms_import_only_themselves_and_rooms_below():
 
 
 def test_a_rooms_index_imports_nothing():
-    graph = _graph()
+    graph = import_graph()
     assert INDEXES <= graph.keys(), f"indexes gone: {INDEXES - graph.keys()}"
     loaded = {index: graph[index] for index in INDEXES if graph[index]}
     assert not loaded, f"a room's index imports its modules, so one piece of the room loads them all: {loaded}"
 
 
 def test_modules_import_only_from_own_or_lower_layers():
-    graph = _graph()
+    graph = import_graph()
     unplaced = [m for m in graph if m != "ddp_ft" and m not in INDEXES and _unit(m) is None]
     assert not unplaced, f"modules missing from LAYERS (and the layout table of docs/design.md): {unplaced}"
     upward = [
@@ -176,7 +145,7 @@ def test_modules_import_only_from_own_or_lower_layers():
 
 def test_library_never_imports_the_measurement_tools():
     """Imports inside functions count too: a tool imported lazily is still imported."""
-    graph = _graph()
+    graph = import_graph()
     assert any(_within(m, (TOOLS,)) for m in graph), f"{TOOLS} not found: the test would pass on nothing"
     library = [
         f"{module} -> {target}"
@@ -190,7 +159,7 @@ def test_library_never_imports_the_measurement_tools():
 
 def test_no_import_cycle_between_modules():
     """A package's ``__init__`` re-exporting its modules is not a cycle: its modules import each other, not it."""
-    graph = _graph()
+    graph = import_graph()
     state: dict[str, int] = {}
     cycles = []
 

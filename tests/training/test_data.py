@@ -516,9 +516,9 @@ def test_check_resume_takes_same_effective_batch_only():
 def test_tokenizer_builds_without_the_data_pipeline():
     """The tokenizer is the pipeline's lowest stage: of ddp_ft it imports the synthetic generator and nothing else
     (no source, formatting or loader), so every stage may use it."""
-    from ..repo.test_layering import _graph
+    from ..helpers.imports import import_graph
 
-    assert _graph()["ddp_ft.training.data.tokenizer"] == {"ddp_ft.training.data.synthetic"}
+    assert import_graph()["ddp_ft.training.data.tokenizer"] == {"ddp_ft.training.data.synthetic"}
 
 
 def test_a_cut_names_longest_sample_and_setting(tiny_tokenizer):
