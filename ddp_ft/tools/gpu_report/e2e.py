@@ -115,13 +115,7 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
     base = ["--preset", "qwen3-4b-ami", "--model-name-or-path", str(model), "--source", str(ami)]
     base += ["--report-to", "none"]
     root = scripts.parent
-    launch = [
-        python,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(root / "accelerate_configs" / "single.yaml"),
-    ]
+    launch = [python, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs/single.yaml")]
     train, recipe = [python, str(scripts / "train.py")], [*launch, str(root / "recipes" / "qwen_ami.py")]
 
     def run(name: str, title: str, command: list[str], expected_s: float, cuda_only: bool = True) -> Step:
@@ -133,20 +127,11 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
         )
 
     build = [python, str(scripts / "random_model.py"), "--tokenizer", str(tokenizer), "--out", str(model)]
-    steps = (
-        []
-        if not cuda
-        else [Step("random_model", "a random-weight Qwen3-4B (no download)", build, None, 45, 300, skip=no_data)]
-    )
-    pieces = [
-        python,
-        "-m",
-        "ddp_ft.tools.gpu_report.pieces",
-        "--source",
-        str(ami),
-        "--out",
-        str(results / "pieces.jsonl"),
-    ]
+    steps = [Step("random_model", "a random-weight Qwen3-4B (no download)", build, None, 45, 300, skip=no_data)]
+    steps = steps if cuda else []
+    texts = results / "pieces.jsonl"
+    pieces = [python, "-m", "ddp_ft.tools.gpu_report.pieces", "--source", str(ami), "--out", str(texts)]
+    short = [*train, *base, *SHORT, "--source", str(texts), "--max-steps", "5"]
     only_cuda = no_data if cuda else "CUDA only: the CPU smoke test runs loop_defaults"
     loop_defaults = [*train, *base, "--max-steps", "16"] if cuda else [*train, *CPU_SMOKE]
     return steps + [
@@ -168,23 +153,13 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
         run(
             "packed_2048_short",
             "the loop at sequence 2,048, five short texts packed per row (against packed_2048's one), at the defaults",
-            [*train, *base, *SHORT, "--source", str(results / "pieces.jsonl"), "--max-steps", "5"],
+            short,
             100,
         ),
         run(
             "packed_2048_short_sdpa",
             "the same through sdpa, which computes the blocks the mask hides (attention auto: flex there)",
-            [
-                *train,
-                *base,
-                *SHORT,
-                "--source",
-                str(results / "pieces.jsonl"),
-                "--max-steps",
-                "5",
-                "--attention",
-                "sdpa",
-            ],
+            [*short, "--attention", "sdpa"],
             100,
         ),
         run(
