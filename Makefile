@@ -17,9 +17,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
+# The real test data (AMI, Qwen2's tokenizer) beside the checkout, when there: the tests that need it skip without it.
+TEST_DATA ?= $(wildcard $(CURDIR)/../shared/data)
+
 test: install
 	$(PY) -m ruff check ddp_ft scripts tests
-	$(PY) -m pytest
+	DDP_FT_TEST_DATA=$(TEST_DATA) $(PY) -m pytest
 
 lint: install
 	$(PY) -m ruff check ddp_ft scripts tests

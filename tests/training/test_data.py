@@ -29,9 +29,8 @@ from ddp_ft.training.data.formatting import _id_lists
 from ddp_ft.training.data.synthetic import generate_synthetic_meetings
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, load_tokenizer
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-AMI = SHARED_DATA / "ami" / "ami_abstractive.jsonl"
-QWEN2_TOKENIZER = SHARED_DATA / "qwen2-tokenizer"
+from ..helpers.data import AMI, QWEN2_TOKENIZER
+
 needs_shared_data = pytest.mark.skipif(
     not (AMI.is_file() and QWEN2_TOKENIZER.is_dir()), reason="shared test data (AMI, qwen2-tokenizer) not present"
 )

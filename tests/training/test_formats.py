@@ -12,7 +12,7 @@ from ddp_ft.training.data.formats import resolve_format
 from ddp_ft.training.data.prompts import chat_prompt, prompt_of
 from ddp_ft.training.data.tokenizer import build_tiny_tokenizer, ensure_chat_format, load_tokenizer
 
-QWEN2_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "data" / "qwen2-tokenizer"
+from ..helpers.data import QWEN2_TOKENIZER
 
 # ChatML with {% generation %} markers: transformers' assistant mask is the reference for ours.
 CHATML_MARKED = (

@@ -19,8 +19,7 @@ from ddp_ft.training.data.tokenizer import (
     load_tokenizer,
 )
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-QWEN2_TOKENIZER = SHARED_DATA / "qwen2-tokenizer"
+from ..helpers.data import QWEN2_TOKENIZER
 
 CONVERSATION = [{"role": "user", "content": "Summarize: we chose yellow."}, {"role": "assistant", "content": "Yellow."}]
 CHATML_TEXT = "<|im_start|>user\nSummarize: we chose yellow.<|im_end|>\n<|im_start|>assistant\nYellow.<|im_end|>\n"
