@@ -10,12 +10,14 @@ import logging
 import os
 import random
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from ..ddp.autotune import AUTO
 from ..distributed import DistInfo
 from .config import RunSettings
 from .data import (
@@ -24,6 +26,7 @@ from .data import (
     check_packed_model,
     load_source,
     make_collator,
+    sample_lengths,
     tokenize_dataset,
 )
 from .data.tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
@@ -135,7 +138,7 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
         )
     resolved = resolve_run_packing(resolved, settings, info, model_path)
     packed = resolved.packing
-    lengths = [len(ids) for ids in train_set["input_ids"]]
+    lengths = partial(sample_lengths, train_set)  # read only where auto needs them
     attention, why = resolve_attention(
         settings.model.attention, info.device.type, packed, lengths, settings.data.max_seq_len
     )
@@ -163,7 +166,7 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
     resolved = {
         "model_name_or_path": parts.model_path,
         "gradient_checkpointing": parts.resolved.checkpointing,
-        "attention": parts.resolved.attention or "auto",
+        "attention": parts.resolved.attention or AUTO,
     }
     model_settings = type(settings.model)(**{**asdict(settings.model), **resolved})
     model = load_qlora_model(model_settings, settings.lora, parts.resolved.device_map, info.world_size)

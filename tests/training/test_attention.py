@@ -12,7 +12,7 @@ TRITON = lambda name: object()  # noqa: E731  (a host where Triton is installed)
 
 
 def test_auto_picks_flex_for_rows_of_short_samples():
-    impl, why = resolve_attention("auto", "cuda", True, [370] * 50, 2048, find_spec=TRITON)
+    impl, why = resolve_attention("auto", "cuda", True, lambda: [370] * 50, 2048, find_spec=TRITON)
     assert impl == FLEX and "5.5 average samples" in why
 
 
@@ -26,14 +26,14 @@ def test_auto_picks_flex_for_rows_of_short_samples():
     ],
 )
 def test_auto_keeps_sdpa_where_flex_gains_nothing(device, packing, lengths, spec, said):
-    impl, why = resolve_attention("auto", device, packing, lengths, 512, find_spec=spec)
+    impl, why = resolve_attention("auto", device, packing, lambda: lengths, 512, find_spec=spec)
     assert impl is None and said in why
 
 
 def test_named_kernel_kept_flex_on_cpu_refused():
-    assert resolve_attention("eager", "cpu", True, [10], 512) == ("eager", "--attention eager")
+    assert resolve_attention("eager", "cpu", True, lambda: [10], 512) == ("eager", "--attention eager")
     with pytest.raises(ValueError, match="--attention flex_attention: torch has no flex attention backward"):
-        resolve_attention(FLEX, "cpu", True, [10], 512)
+        resolve_attention(FLEX, "cpu", True, lambda: [10], 512)
 
 
 def test_samples_per_row_counts_cut_ones_as_full():

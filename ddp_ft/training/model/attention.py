@@ -30,7 +30,7 @@ def resolve_attention(
     setting: str,
     device_type: str,
     packing: bool,
-    lengths: Sequence[int],
+    lengths: Callable[[], Sequence[int]],
     row_tokens: int,
     find_spec: Callable[[str], object] = importlib.util.find_spec,
 ) -> tuple[str | None, str]:
@@ -40,7 +40,7 @@ def resolve_attention(
         setting (str): ``auto`` or an implementation transformers knows.
         device_type (str): this rank's device type.
         packing (bool): the run packs its micro-batches into rows.
-        lengths (Sequence[int]): the training samples' token counts.
+        lengths (Callable): the training samples' token counts, read only where the choice needs them.
         row_tokens (int): tokens per packed row, ``max_seq_len``.
         find_spec (Callable): whether a module is installed; injectable for tests.
 
@@ -59,9 +59,9 @@ def resolve_attention(
         return setting, f"--attention {setting}"
     if not packing:
         return None, "auto: transformers' default (sdpa), rows are not packed"
-    per_row = sequences_per_row(lengths, row_tokens)
     if device_type != "cuda":
         return None, f"auto on {device_type}: transformers' default (sdpa), flex attention has no backward here"
+    per_row = sequences_per_row(lengths(), row_tokens)
     if per_row < FLEX_FROM_SEQUENCES:
         return None, f"auto: sdpa, a packed row holds {per_row:.1f} average samples, so its mask hides nothing"
     if find_spec("triton") is None:
