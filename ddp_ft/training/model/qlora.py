@@ -332,4 +332,5 @@ def set_checkpointing(model: torch.nn.Module, on: bool, use_reentrant: bool = Fa
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
     else:
         base.activation_checkpointing_disable()
-    base.enable_input_require_grads()  # idempotent
+    base.disable_input_require_grads()  # the hooks transformers tracks: one stays, not one more per call
+    base.enable_input_require_grads()
