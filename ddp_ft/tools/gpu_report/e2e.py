@@ -94,7 +94,7 @@ if __name__ == "__main__":
 
 DATA_FILES = ("qwen2-tokenizer", "ami/ami_abstractive.jsonl")  # what the end-to-end steps read from ``--data``
 CPU_SMOKE = ["--preset", "tiny", "--max-steps", "2", "--report-to", "none"]
-# Packing's cost: 40 texts of about 370 tokens are 8 rows of 2,048, as packed_2048's micro-batch of 8 full rows.
+# Packing's cost: 40 short texts fill about 8 rows of 2,048, as packed_2048's micro-batch of 8 full rows.
 SHORT = ["--format", "text", "--max-seq-len", "2048", "--packing", "true"]  # fmt: skip
 SHORT += ["--micro-batch", "40", "--effective-batch", "80"]
 OLD_DEFAULTS = ["--micro-batch", "1", "--no-compile", "--packing", "false"]  # the seed's: micro-batch 1, eager, padded

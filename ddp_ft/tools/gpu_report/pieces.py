@@ -2,8 +2,8 @@
 hundred words, written as the ``text`` format (``{"text": ...}`` per line).
 
 At sequence 2,048 every AMI sample is cut to one full row, so ``packed_2048`` packs nothing: its rows are the
-fixed-length reference. Pieces of 280 words (about 370 tokens) pack five to a row of 2,048, each sequence masked off
-from its neighbours; the two runs' non-padding tokens/s give what packing costs.
+fixed-length reference. Pieces of 280 words pack several to a row, each sequence masked off from its neighbours;
+the two runs' non-padding tokens/s give what packing costs.
 
     python -m ddp_ft.tools.gpu_report.pieces --source ami_abstractive.jsonl --out pieces.jsonl
 """

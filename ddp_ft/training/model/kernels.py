@@ -2,7 +2,7 @@
 
 The settings are checked before anything loads (``ddp_ft.training.resolve.resolve_run``).
 The plain loop patches Qwen3 itself; the recipe sets the Trainer's ``use_liger_kernel``.
-Not a default: it trained slower on one H100 at micro-batch 1 (``docs/performance.md``).
+Not a default: it trained slower on a GPU (``docs/performance.md``).
 """
 
 from __future__ import annotations
