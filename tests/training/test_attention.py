@@ -36,6 +36,13 @@ def test_named_kernel_kept_flex_on_cpu_refused():
         resolve_attention(FLEX, "cpu", True, lambda: [10], 512)
 
 
+def test_unknown_kernel_refused_naming_the_choices():
+    from ddp_ft.training.model.qlora import ModelSettings
+
+    with pytest.raises(ValueError, match=r"attention='foo': .*choose auto, .*flex_attention.*sdpa"):
+        ModelSettings(attention="foo")
+
+
 def test_samples_per_row_counts_cut_ones_as_full():
     assert sequences_per_row([4096, 4096], 2048) == 1.0 and sequences_per_row([], 2048) == 1.0
     assert sequences_per_row([256, 768], 2048) == 4.0

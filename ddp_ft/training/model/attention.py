@@ -67,3 +67,21 @@ def resolve_attention(
     if find_spec("triton") is None:
         return None, "auto: sdpa, flex attention needs Triton, which is not installed"
     return FLEX, f"auto: flex attention, a packed row holds {per_row:.1f} average samples, whose masked blocks it skips"
+
+
+def check_attention(setting: str) -> None:
+    """Refuse an attention transformers does not know; ``org/kernel`` names a hub kernel it loads itself."""
+    if setting == AUTO:  # the default: transformers not imported for it
+        return
+    known = known_attention()
+    if setting not in known and "/" not in setting:
+        raise ValueError(
+            f"ModelSettings.attention={setting!r}: transformers knows no such attention; choose {', '.join(known)}."
+        )
+
+
+def known_attention() -> list[str]:
+    """``auto`` and the attention implementations this transformers registers, ``eager`` first."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return [AUTO, "eager", *sorted(k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if k != "paged|eager")]

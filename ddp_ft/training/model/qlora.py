@@ -18,6 +18,7 @@ import torch
 
 from ...ddp.ranges import check_ranges
 from ..ranges import LORA_RANGES
+from .attention import check_attention
 from .precision import DTYPES, Precision, precision_for
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ class ModelSettings:
     )
 
     def __post_init__(self) -> None:
-        if self.compile not in (True, False, "auto"):
-            raise ValueError(f"ModelSettings.compile={self.compile!r}: choose true, false or auto.")
+        for name in ("compile", "gradient_checkpointing"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"ModelSettings.{name}={getattr(self, name)!r}: choose true, false or auto.")
+        check_attention(self.attention)
         if self.compute_dtype != "auto" and self.compute_dtype not in DTYPES:
             raise ValueError(
                 f"ModelSettings.compute_dtype={self.compute_dtype!r}: choose auto or one of {sorted(DTYPES)}."
