@@ -33,6 +33,7 @@ from .model.memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model.precision import Precision
 from .model.probe import MicroBatchProbe, probe_micro_batch
 from .model.qlora import EMBEDDED_MODEL, check_device_map, set_checkpointing
+from .perf_traps import sized_by_probe
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +309,7 @@ def probe_run_micro_batch(
         ValueError: micro-batch 1 does not fit on some rank.
     """
     probe = _probe(model, settings, info, resolved, overrides)
+    sized_by_probe(model)  # the idle check's profiled step would advise nothing
     if info.is_main_process and probe.micro_batch != resolved.micro_batch:
         logger.info(
             "--micro-batch auto: the probe's %d replaces the first guess %d", probe.micro_batch, resolved.micro_batch

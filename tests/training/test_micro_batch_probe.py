@@ -213,3 +213,52 @@ def test_trainer_takes_probed_size_and_logs_peak(tmp_path, monkeypatch):
     logs = {"loss": 1.0}
     first.on_log(trainer.args, trainer.state, trainer.control, logs=logs)
     assert logs["expected_peak_gb"] == first.expected_peak_gb
+
+
+class _CountingProfiler:
+    """An idle device (busy 20%) that counts the steps it was asked to measure."""
+
+    def __init__(self):
+        self.starts = 0
+
+    def start(self):
+        self.starts += 1
+
+    def stop(self):
+        from ddp_ft.training.perf_traps.idle import StepUsage
+
+        return StepUsage(0.2, 2 * GB, 3 * GB, 80 * GB)
+
+
+def _profiled(monkeypatch) -> _CountingProfiler:
+    import ddp_ft.training.perf_traps.idle as idle
+
+    profiler = _CountingProfiler()
+    monkeypatch.setattr(idle, "step_profiler", lambda device: profiler)
+    return profiler
+
+
+def test_loop_profiles_no_step_probe_sized(tmp_path, monkeypatch):
+    """The probe already sized the micro-batch, so the idle check's profiled step would only slow the run.
+    A fixed micro-batch is profiled (tests/integrations/test_perf_traps.py)."""
+    from ddp_ft.training.loop import train
+
+    _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)
+    profiler = _profiled(monkeypatch)
+    settings = settings_from_preset("tiny", micro_batch="auto", output_dir=str(tmp_path), max_steps=4)
+    train(settings, DistInfo())
+    assert profiler.starts == 0
+
+
+def test_trainer_profiles_no_step_probe_sized(tmp_path, monkeypatch):
+    from ddp_ft.integrations.recipe import build_trainer
+    from ddp_ft.training.resolve import resolve_run
+
+    _fake_cuda(monkeypatch, 4 * GB, GB, 10 * GB)
+    profiler = _profiled(monkeypatch)
+    settings = settings_from_preset(
+        "tiny", micro_batch="auto", output_dir=str(tmp_path), report_to="none", max_steps=4, save_every=0
+    )
+    trainer = build_trainer(settings, DistInfo(), resolved=resolve_run(settings, DistInfo()))
+    trainer.train()
+    assert trainer.state.global_step == 4 and profiler.starts == 0

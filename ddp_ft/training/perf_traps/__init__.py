@@ -3,7 +3,8 @@
 Each is warned once, on rank 0, with the fix; nothing is refused:
 
 - **4-bit layers computing in float32** (``dtype``), checked when a model is prepared.
-- **An idle device with memory to spare** (``idle``), one step measured, on CUDA only.
+- **An idle device with memory to spare** (``idle``), one step measured, on CUDA only, unless the micro-batch
+  probe sized the run.
 """
 
 from .dtype import bnb_config_fix, check_4bit_compute_dtype, command_line_fix
@@ -19,6 +20,7 @@ from .idle import (
     busy_ns,
     larger_micro_batch,
     loop_fix,
+    sized_by_probe,
     trainer_fix,
     watch_idle_device,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "command_line_fix",
     "larger_micro_batch",
     "loop_fix",
+    "sized_by_probe",
     "trainer_fix",
     "watch_idle_device",
 ]

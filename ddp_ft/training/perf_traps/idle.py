@@ -287,6 +287,16 @@ class IdleDeviceCheck:
 
 # Each model's check, while the model lives.
 _CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, IdleDeviceCheck] = weakref.WeakKeyDictionary()
+# Models whose micro-batch the probe measured: nothing to advise.
+_SIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def sized_by_probe(model: torch.nn.Module) -> None:
+    """Exempt ``model`` from the check: ``--micro-batch auto``'s probe already chose the largest that fits.
+
+    The check profiles one step, which costs that step about half its time.
+    """
+    _SIZED.add(model)
 
 
 def watch_idle_device(
@@ -301,9 +311,10 @@ def watch_idle_device(
         fix (Callable[[MicroBatchAdvice], str]): how this entry point sets the micro-batch.
 
     Returns:
-        IdleDeviceCheck | None: the check, or None where nothing is measured.
+        IdleDeviceCheck | None: the check, or None where nothing is measured (off CUDA, off rank 0, or
+        :func:`sized_by_probe`).
     """
-    if not is_main_process:
+    if not is_main_process or model in _SIZED:
         return None
     if model in _CHECKS:
         return _CHECKS[model]
