@@ -13,6 +13,7 @@ import pytest
 
 from ddp_ft.tools.gpu_report import FAILED, Step, report_failed, run_report, summaries, write_report
 from ddp_ft.tools.gpu_report.plan import plan_steps
+from ddp_ft.tools.gpu_report.runner import choose_steps
 
 from ..helpers.dist_harness import PYTHONPATH
 
@@ -210,6 +211,23 @@ def test_plan_skips_what_host_cannot_run_with_reason(tmp_path):
     first = [s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)]
     valuable = {"random_model", *E2E[:5], *CELLS["auto"]}
     assert sum(s.expected_s for s in first if s.name in valuable) <= 600
+
+
+def test_chosen_steps_run_with_what_they_read(tmp_path):
+    (tmp_path / "qwen2-tokenizer").mkdir()
+    (tmp_path / "ami").mkdir()
+    (tmp_path / "ami" / "ami_abstractive.jsonl").touch()
+    plan = plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)
+    chosen = choose_steps(plan, ["packed_2048_short", "gpu_check"])
+    assert [s.name for s in chosen] == [s.name for s in plan]  # the rest reported, skipped
+    run = {s.name for s in chosen if s.skip is None}
+    assert run == {"random_model", "pieces", "packed_2048_short", "gpu_check"}
+    skips = {s.name: s.skip for s in chosen}
+    assert skips["loop_defaults"] == skips["decomp_eager_ckpt_auto"] == "not chosen (--steps packed_2048_short gpu_check)"
+    assert "needs 2 or more" in skips["ladder"]  # a plan's own reason stays
+    assert choose_steps(plan, None) == plan
+    with pytest.raises(ValueError, match="--steps recipe: no such step; choose from random_model loop_defaults"):
+        choose_steps(plan, ["recipe"])
 
 
 def test_e2e_step_reads_metrics_peak_within_10_percent(tmp_path):

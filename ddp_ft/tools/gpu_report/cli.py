@@ -23,7 +23,7 @@ from ...distributed import DEVICE_CHOICES, device_and_backend
 from ..bench import cpu_name
 from .plan import plan_steps
 from .render import format_table, write_markdown
-from .runner import report_failed, run_report
+from .runner import choose_steps, report_failed, run_report
 
 DEFAULT_BUDGET_S = 600.0
 
@@ -46,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="folder with qwen2-tokenizer/ and ami/ami_abstractive.jsonl for the end-to-end steps (skipped without; "
         "make gpu-report passes the project's data folder)",
+    )
+    p.add_argument(
+        "--steps",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help="run only these steps and those they read from (the rest are skipped, saying so). Default: all",
     )
     args = p.parse_args(argv)
     if args.budget_s <= 0:
@@ -96,6 +103,11 @@ def main(argv: list[str] | None = None, scripts: Path | None = None) -> int:
     scripts = scripts or Path(__file__).resolve().parents[3] / "scripts"
     header = host_header(device)
     steps = plan_steps(device, len(header["gpus"]), args.out.with_suffix(""), scripts, data=args.data)
+    try:
+        steps = choose_steps(steps, args.steps)
+    except ValueError as error:
+        print(f"gpu_report: {error}", file=sys.stderr)
+        return 2
     report = run_report(
         steps,
         args.out,

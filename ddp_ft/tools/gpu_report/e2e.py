@@ -122,8 +122,17 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
         out = results / f"{name}.json"
         wrapped = [python, "-m", "ddp_ft.tools.gpu_report.e2e", "--out", str(out), "--output-dir", str(results / name)]
         skip = no_data if cuda else ("CUDA only: the CPU smoke test runs loop_defaults" if cuda_only else None)
+        needs = ("random_model", "pieces") if name.startswith("packed_2048_short") else ("random_model",)
         return Step(
-            name, title, [*wrapped, "--", *command], out, expected_s, 3 * expected_s, skip=skip, summarize=e2e_summary
+            name,
+            title,
+            [*wrapped, "--", *command],
+            out,
+            expected_s,
+            3 * expected_s,
+            skip=skip,
+            summarize=e2e_summary,
+            needs=needs if cuda else (),
         )
 
     build = [python, str(scripts / "random_model.py"), "--tokenizer", str(tokenizer), "--out", str(model)]

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -42,6 +42,7 @@ class Step:
         skip (str | None): why planning skipped it.
         env (dict[str, str]): variables added to the environment.
         summarize (Summarize | None): headline numbers and problems from the result.
+        needs (tuple[str, ...]): the steps whose output it reads.
     """
 
     name: str
@@ -53,6 +54,7 @@ class Step:
     skip: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     summarize: Summarize | None = None
+    needs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -62,6 +64,28 @@ class Step:
                 f"Step {self.name!r}: expected_s={self.expected_s} must be positive and at most "
                 f"timeout_s={self.timeout_s}."
             )
+
+
+def choose_steps(steps: list[Step], names: list[str] | None) -> list[Step]:
+    """``steps`` with those outside ``names`` and their needs skipped, saying so; all of them for None.
+
+    Raises:
+        ValueError: a name that is no step, listing the steps.
+    """
+    if names is None:
+        return steps
+    known = {s.name: s for s in steps}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--steps {' '.join(unknown)}: no such step; choose from {' '.join(known)}")
+    chosen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in chosen:
+            chosen.add(name)
+            todo.extend(known[name].needs)
+    unchosen = f"not chosen (--steps {' '.join(names)})"
+    return [s if s.name in chosen or s.skip else replace(s, skip=unchosen) for s in steps]
 
 
 def write_report(report: dict, path: Path) -> None:
