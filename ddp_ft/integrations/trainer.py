@@ -102,6 +102,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         self._answer_counts = None
         # (step, planned answer tokens, this rank's count)
         self._planned_answers: tuple[int, int, torch.Tensor] | None = None
+        self._parameter_count: tuple[int, int] | None = None  # (id of the model, its count) for the flops
         self._step_flos: tuple[int, float] | None = None
         self._step_loss: tuple[int, float] | None = None
         self._stop = StopSignal()
@@ -158,6 +159,18 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
             self._local_tokens = count if self._local_tokens is None else self._local_tokens + count
         if self.accelerator.sync_gradients:
             self._gather_step()
+
+    def floating_point_ops(self, inputs) -> int:
+        """The Trainer's flops estimate, counting the model's parameters once.
+
+        The stock count walks every parameter on every micro-step, while the device waits for the next step.
+        """
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        if self._parameter_count is None or self._parameter_count[0] != id(self.model):
+            self._parameter_count = (id(self.model), self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main_input].numel() * self._parameter_count[1]
 
     def _gather_step(self) -> None:
         """Runs the optimizer step's one all-gather, after its last backward.

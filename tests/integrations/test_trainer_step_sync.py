@@ -106,3 +106,24 @@ def test_label_rewriting_collator_stops_first_step():
     for message, unchanged in run_distributed(_train, True, timeout=180):
         assert "answer tokens" in message and "balance_ranks=False" in message, message
         assert unchanged
+
+
+def test_flops_count_parameters_once_per_model(tmp_path, monkeypatch):
+    """The Trainer counts every parameter on each micro-step for its flops, on the host between backward and optimizer
+    step; the count is fixed, so it is read once. The estimate is the stock Trainer's."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+
+    from ddp_ft.integrations import BucketedTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=8))
+    counted = []
+    count = model.num_parameters
+    monkeypatch.setattr(model, "num_parameters", lambda **kw: counted.append(kw) or count(**kw))
+    trainer = BucketedTrainer(model=model, args=gloo_trainer_args(str(tmp_path), ddp_backend=None))
+    inputs = {"input_ids": torch.ones(2, 5, dtype=torch.long)}
+    stock = Trainer.floating_point_ops(trainer, inputs)
+    assert stock > 0 and len(counted) == 1
+    assert [trainer.floating_point_ops(inputs) for _ in range(3)] == [stock] * 3
+    assert len(counted) == 2
+    assert trainer.floating_point_ops({"input_ids": torch.ones(4, 5, dtype=torch.long)}) == 2 * stock
+    assert trainer.floating_point_ops({"inputs_embeds": torch.ones(2, 5, 16)}) == 0  # no main input: the stock rule
