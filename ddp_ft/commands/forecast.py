@@ -1,5 +1,7 @@
 """``ddp-ft forecast``: what BucketedDDP would do on N processes, from a finished one-process run.
 
+The run is ``ddp-ft train``'s or the Trainer's (``ddp-ft recipe``, BucketedTrainer and its subclasses).
+
     ddp-ft train --preset tiny --output-dir runs/single                # one process: records when buckets are ready
     ddp-ft forecast runs/single --nproc 2 --link nvlink
     ddp-ft doctor --nproc 2 --out runs/probe                           # this machine's link, measured
@@ -37,7 +39,7 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, parents=list(parents)
     )
-    p.add_argument("run", metavar="RUN", help="output_dir of a finished one-process run of ddp-ft train")
+    p.add_argument("run", metavar="RUN", help="output_dir of a finished one-process run: ddp-ft train or recipe")
     p.add_argument("--nproc", type=int, required=True, metavar="N", help="processes per machine to forecast")
     p.add_argument(
         "--link",
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None, prog: str = "ddp-ft forecast") -> None:
         links = [_link(name, args) for name in (args.link, args.node_link)]
         path = Path(args.run) / "metrics.jsonl"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: pass the output_dir of a ddp-ft train run")
+            raise FileNotFoundError(f"{path} not found: pass the output_dir of a ddp-ft train or recipe run")
         forecast = forecast_run(timeline(read_jsonl(path)), args.nproc, *links, args.skip_first, Path(args.run).name)
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"{prog}: {error}") from error

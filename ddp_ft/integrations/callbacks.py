@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -14,8 +15,10 @@ from transformers.integrations import WandbCallback
 from transformers.trainer_callback import ProgressCallback
 
 from ..ddp import BucketedDDP, CommStats
+from ..ddp.timeline import BackwardRecorder
 from ..report.metrics import JsonlLogger, ThroughputMeter, WandbSwitch
 from ..report.records import (
+    backward_record,
     bucket_choice_record,
     config_record,
     define_step_metrics,
@@ -36,6 +39,7 @@ class ThroughputCallback(TrainerCallback):
     Values average the steps since the previous log.
     Register it before the reporting callbacks so wandb and the console see the values.
     On rank 0 it also writes ``metrics.jsonl`` in the plain loop's format.
+    That includes a ``backward`` record per step, for ``ddp-ft forecast``, as the plain loop writes them.
     ``elapsed_s`` is wall time since train begin, so time between steps counts there, not in ``step_time_s``.
 
     Args:
@@ -43,6 +47,8 @@ class ThroughputCallback(TrainerCallback):
         ddp_config (dict | None): BucketedDDP settings for the run config. Default: None.
         wandb_switch (WandbSwitch | None): shared with the reporting callback. Default: its own.
         step_balance (Callable[[], dict[str, float] | None] | None): returns the step's rank balance. Default: None.
+        record_backward (Callable[[torch.nn.Module], BackwardRecorder] | None): builds the one-process run's
+            recorder of bucket readiness, removed at train end. Default: None, records nothing.
     """
 
     def __init__(
@@ -51,8 +57,11 @@ class ThroughputCallback(TrainerCallback):
         ddp_config: dict | None = None,
         wandb_switch: WandbSwitch | None = None,
         step_balance: Callable[[], dict[str, float] | None] | None = None,
+        record_backward: Callable[[torch.nn.Module], BackwardRecorder] | None = None,
     ) -> None:
         self._wrapped_model = wrapped_model
+        self._record_backward = record_backward
+        self._recorder: BackwardRecorder | None = None
         self._step_balance = step_balance
         self._ddp_config = ddp_config or {}
         self._wandb_switch = wandb_switch
@@ -92,9 +101,25 @@ class ThroughputCallback(TrainerCallback):
         )
         self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
         self._sink.log(config)
+        self._start_recording(args, kwargs.get("model"))
         self._wandb_config = {k: v for k, v in config.items() if k != "type"}
         if self._wandb_switch is None:
             self._wandb_switch = WandbSwitch(self._sink.path)
+
+    def _start_recording(self, args, model: torch.nn.Module | None) -> None:
+        """Records bucket readiness on one process; several have BucketedDDP's own timeline."""
+        self._stop_recording()  # a failed train() left its recorder
+        one_device = args.world_size <= 1 and args.n_gpu <= 1  # DataParallel replicates the hooks
+        if self._record_backward is not None and model is not None and one_device:
+            self._recorder = self._record_backward(model)
+
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.remove_hooks()
+            self._recorder = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._stop_recording()
 
     def _setup_wandb(self) -> None:
         """Configures wandb once the reporting callback has started its run."""
@@ -143,6 +168,10 @@ class ThroughputCallback(TrainerCallback):
         balance = self._step_balance() if self._step_balance else None
         if balance is not None:
             self._balances.append(balance)
+        source = model if isinstance(model, BucketedDDP) else self._recorder
+        timeline = source.last_backward_timeline() if source is not None and self._sink is not None else None
+        if timeline is not None:  # the step's last backward
+            self._sink.log(backward_record(step=state.global_step, **asdict(timeline)))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self._setup_wandb()
@@ -176,6 +205,7 @@ class ThroughputCallback(TrainerCallback):
             logs.update({k: sum(b[k] for b in self._balances) / len(self._balances) for k in self._balances[0]})
         if self._compile_watch:
             logs.update(self._compile_watch.snapshot())
+        steps = self._steps
         self._reset()
         if self._sink is not None:
             named = ("loss", "learning_rate", "grad_norm", "samples_seen")
@@ -187,6 +217,7 @@ class ThroughputCallback(TrainerCallback):
                     lr=logs.get("learning_rate"),
                     grad_norm=logs.get("grad_norm"),
                     **{k: v for k, v in logs.items() if k not in named},
+                    logged_steps=steps,  # the steps averaged; tokens sums them
                 )
             )
 

@@ -125,10 +125,15 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         wandb_switch = WandbSwitch(Path(self.args.output_dir) / "metrics.jsonl")
         callbacks = self.callback_handler.callbacks
         callbacks[:] = [GuardedWandbCallback(wandb_switch) if type(c) is WandbCallback else c for c in callbacks]
-        # First, so the reporting callbacks log what it adds.
-        callbacks.insert(
-            0, ThroughputCallback(lambda: self.model_wrapped, ddp_config, wandb_switch, self.pop_step_balance)
+        # First, so the reporting callbacks log what it adds; the recorder's buckets are BucketedDDP's.
+        throughput = ThroughputCallback(
+            lambda: self.model_wrapped,
+            ddp_config,
+            wandb_switch,
+            self.pop_step_balance,
+            record_backward=lambda model: self.ddp_settings.record_backward(model),
         )
+        callbacks.insert(0, throughput)
         self.add_callback(_StopCallback(self))
         self.add_callback(_StepClockCallback(self))
         if balance_ranks:

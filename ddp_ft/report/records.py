@@ -3,7 +3,7 @@
 A record is a flat dict whose ``type`` is one of:
 
 * ``config``: once per launch and again after a resume.
-* ``train``: one per logged optimizer step.
+* ``train``: one per logged optimizer step; a Trainer's averages its ``logged_steps``.
 * ``eval``: step, samples seen and ``eval_loss``.
 * ``stop``: the plain loop, when a signal stopped the run.
 * ``bucket_choice``: once, when ``bucket_cap_mb="auto"`` has decided.

@@ -1,6 +1,6 @@
 """``ddp-ft forecast``: the simulated schedule against hand-computed ones, the ring's cost, the link fitted from the
-doctor's probe, the table from known records, and the command end to end on a tiny one-process run beside a DDP run
-in ``ddp-ft compare``."""
+doctor's probe, the table from known records, and the command end to end on a tiny one-process run of the plain loop
+and of the Trainer recipe, beside a DDP run in ``ddp-ft compare``."""
 
 import json
 import math
@@ -9,6 +9,7 @@ import pytest
 
 from ddp_ft.commands import cli, doctor
 from ddp_ft.distributed import DistInfo
+from ddp_ft.integrations.recipe import build_trainer
 from ddp_ft.report.comparison import write_report
 from ddp_ft.report.forecast import (
     PRESETS,
@@ -192,8 +193,16 @@ def test_unreadable_run_refused_saying_what_to_run():
     with pytest.raises(ValueError, match="ran on 2 processes: ddp-ft forecast reads a one-process run"):
         forecast_run(ddp, 2, PRESETS["pcie4"], PRESETS["infiniband"])
     older = [r for r in _one_process_run() if r["type"] != "backward"]
-    with pytest.raises(ValueError, match=r"no backward records.*ddp-ft train, one process"):
+    with pytest.raises(ValueError, match=r"no backward records: a Trainer without BucketedTrainer, or an older ddp_ft"):
         forecast_run(older, 2, PRESETS["pcie4"], PRESETS["infiniband"])
+
+
+def test_record_of_2_logged_steps_counts_per_step():
+    """A Trainer logging every 2 steps: its record's tokens sum both, its step time is their mean."""
+    links = (PRESETS["pcie4"], PRESETS["infiniband"])
+    every_step = [r for r in _one_process_run(steps=6) if r["type"] != "train" or r["step"] % 2 == 0]
+    every_2 = [r | {"tokens": 8000, "logged_steps": 2} if r["type"] == "train" else r for r in every_step]
+    assert forecast_run(every_2, 2, *links).rows == forecast_run(every_step, 2, *links).rows
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +216,17 @@ def tiny_run(tmp_path_factory):
     return root / "single"
 
 
+@pytest.fixture(scope="module")
+def tiny_recipe_run(tmp_path_factory):
+    """The same run through the Trainer recipe (BucketedTrainer, one process)."""
+    root = tmp_path_factory.mktemp("forecast-recipe")
+    settings = settings_from_preset(
+        "tiny", output_dir=str(root / "recipe"), max_steps=4, save_every=0, report_to="none", eval_every=0
+    )
+    build_trainer(settings, DistInfo()).train()
+    return root / "recipe"
+
+
 def test_one_process_run_records_buckets_per_step(tiny_run):
     records = read_jsonl(tiny_run / "metrics.jsonl")
     trains = [r for r in records if r["type"] == "train"]
@@ -218,6 +238,24 @@ def test_one_process_run_records_buckets_per_step(tiny_run):
         assert record["forward_ms"] > 0
     assert not any("bucket" in key or key.startswith("comm/") for r in trains for key in r)
     assert next(r for r in records if r["type"] == "config")["buckets"] == 0
+
+
+def test_recipe_records_the_loop_s_buckets(tiny_run, tiny_recipe_run):
+    loop, recipe = (read_jsonl(run / "metrics.jsonl") for run in (tiny_run, tiny_recipe_run))
+    backward = [r for r in recipe if r["type"] == "backward"]
+    assert [r["step"] for r in backward] == [r["step"] for r in recipe if r["type"] == "train"] == [1, 2, 3, 4]
+    assert [r["bucket_bytes"] for r in backward] == [r["bucket_bytes"] for r in loop if r["type"] == "backward"]
+    for record in backward:
+        assert 0 < record["bucket_ready_ms"][0] <= record["bucket_ready_ms"][1] <= record["backward_ms"]
+        assert record["forward_ms"] > 0
+
+
+def test_command_forecasts_a_recipe_run(tiny_recipe_run, tmp_path, capsys):
+    assert cli.main(["forecast", str(tiny_recipe_run), "--nproc", "2", "--link", "nvlink", "--out", str(tmp_path)]) == 0
+    assert "| **2 processes** | 2 | NVLink 4 (H100 SXM) | 2 |" in capsys.readouterr().out
+    forecast = load_forecast(tmp_path)
+    assert forecast.run_name == "tiny-single-1" and forecast.bucket_bytes == [1_048_576, 196_608]
+    assert forecast.timed_steps == 3 and forecast.row(2).scaling_efficiency > 0
 
 
 def test_command_prints_table_sources_writes_json(tiny_run, tmp_path, capsys):

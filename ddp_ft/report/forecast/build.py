@@ -119,21 +119,24 @@ def measured_steps(records: list[dict], skip_first: int = 1) -> tuple[dict, list
     steps = [_step(r, backward[r["step"]], config["accumulation"]) for r in timed if r["step"] in backward]
     if not steps:
         raise ValueError(
-            f"{name} has no backward records: it was written by the Trainer recipe or by an older ddp_ft. Rerun it "
-            "with the plain loop (ddp-ft train, one process)"
+            f"{name} has no backward records: a Trainer without BucketedTrainer, or an older ddp_ft, wrote it. Rerun "
+            "it on one process with ddp-ft train, ddp-ft recipe or a BucketedTrainer"
         )
     return config, steps
 
 
 def _step(train: dict, backward: dict, accumulation: int) -> MeasuredStep:
-    """A :class:`MeasuredStep`; a micro-step costs the last forward and backward, else its share of compute."""
+    """A :class:`MeasuredStep`; a micro-step costs the last forward and backward, else its share of compute.
+
+    A Trainer's record averages its ``logged_steps`` (``logging_steps``), and its ``tokens`` sums them.
+    """
     forward = backward.get("forward_ms")
     micro = forward + backward["backward_ms"] if forward is not None else train["compute_max_ms"] / accumulation
     return MeasuredStep(
         step_ms=train["step_time_s"] * 1e3,
         micro_ms=micro,
         accumulation=accumulation,
-        tokens=train["tokens"],
+        tokens=train["tokens"] / train.get("logged_steps", 1),
         bucket_bytes=tuple(backward["bucket_bytes"]),
         ready_ms=tuple(backward["bucket_ready_ms"]),
         backward_ms=backward["backward_ms"],
