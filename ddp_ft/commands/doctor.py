@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..ddp.placement import device_identity, shared_device
-from ..distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, device_and_backend, init_distributed
+from ..distributed import DistInfo, destroy_distributed, init_distributed
+from ..distributed.devices import DEVICE_CHOICES, device_and_backend
 from ..distributed.launch import check_world_seen
 from ..report.forecast import PROBE_FILE
 from ..tools.ladder.bench_comm import CommRow, format_size, measure_all_reduce, parse_size
