@@ -47,7 +47,7 @@ def test_help_lists_every_subcommand_with_its_line(tmp_path):
 @pytest.mark.parametrize(
     "name,flags",
     [
-        ("train", ["--nproc", "--config", "--preset", "--micro_batch", "--bucket_cap_mb"]),
+        ("train", ["--nproc", "--config", "--preset", "--micro_batch", "--bucket_cap_mb", "--backend"]),
         (
             "recipe",
             ["--nproc", "--trainer {hf,trl,stock-hf,stock-trl}", "--stock-find-unused", "--config", "--micro_batch"],
@@ -92,6 +92,8 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
+        (["train", "--backend", "nccl", "--nproc", "2"], "--backend nccl but torch.cuda.is_available() is False"),
+        (["recipe", "--preset", "tiny", "--backend", "mpi", "--nproc", "2"], "backend='mpi': choose one of auto"),
         (["merge", "run", "--out", "o", "--device", "tpu"], "MergeSettings.device='tpu' (--device): choose auto"),
         (["forecast", "run", "--nproc", "0"], "--nproc 0: give the processes per machine, 1 or more"),
         (["forecast", "run", "--nproc", "2", "--probe", "p"], "--probe is read by --link measured"),
@@ -104,6 +106,21 @@ def test_wrong_input_names_setting_before_workers(argv, needle, capsys, monkeypa
         cli.main(argv)
     assert error.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_one_gpu_takes_two_ranks_over_gloo_only(capsys, monkeypatch):
+    """On one GPU (mocked) two NCCL ranks are refused before launch, naming --backend gloo; gloo launches."""
+    launched = []
+    monkeypatch.setattr(cli, "launch", lambda *args: launched.append(args[-2]) or 0)
+    monkeypatch.setattr(cli, "same_threads_for_any_nproc", lambda prog: None)  # this process's threads kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as error:
+        cli.main(["train", "--preset", "tiny", "--nproc", "2"])
+    assert error.value.code == 2 and "1 GPU(s) visible: NCCL" in capsys.readouterr().err
+    assert cli.main(["train", "--preset", "tiny", "--nproc", "2", "--backend", "gloo"]) == 0
+    assert launched == [["--preset", "tiny", "--backend", "gloo"]]
 
 
 def test_no_tokenizer_or_unwritable_output_fails_first(tmp_path, capsys, monkeypatch):
@@ -192,12 +209,12 @@ def test_nproc_off_worker_argv_and_sigusr1_forwarded():
 @pytest.mark.slow
 def test_train_from_config_writes_a_rerunnable_config(tmp_path):
     flags = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--max-steps", "2", "--save-every", "0"]
-    flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4"]
+    flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4", "--backend", "gloo"]
     run = _run([sys.executable, "-m", "ddp_ft.commands.cli", "train", "--nproc", "2", *flags], tmp_path)
     assert run.returncode == 0, run.stderr[-6000:]
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     config = [r for r in records if r["type"] == "config"]
-    assert len(config) == 1 and config[0]["world_size"] == 2
+    assert len(config) == 1 and config[0]["world_size"] == 2 and config[0]["backend"] == "gloo"
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
     written = tmp_path / "run" / RUN_CONFIG
     # what ran: the device's defaults resolved (on the CPU compile and packing off, checkpointing on): a rerun runs the same

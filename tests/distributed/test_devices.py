@@ -140,8 +140,8 @@ def test_gloo_ranks_share_the_one_gpu_unbound(two_ranks_on_one_visible_gpu):
     [("scripts/train.py", "ddp_ft.commands.train"), ("recipes/qwen_ami.py", "ddp_ft.commands.recipe")],
 )
 def test_entry_points_start_group_with_ddp_timeout(entry_point, body, monkeypatch):
-    """``--ddp-timeout`` reaches init_process_group on both entry points (the recipe starts the group itself,
-    before Accelerate, which then adopts it)."""
+    """``--ddp-timeout`` and ``--backend`` reach init_process_group on both entry points (the recipe starts the group
+    itself, before Accelerate, which then adopts it)."""
     import importlib
     import importlib.util
     from pathlib import Path
@@ -151,14 +151,14 @@ def test_entry_points_start_group_with_ddp_timeout(entry_point, body, monkeypatc
     spec.loader.exec_module(module)
     seen = []
 
-    def init_distributed(timeout_s):
-        seen.append(timeout_s)
+    def init_distributed(backend, timeout_s):
+        seen.append((backend, timeout_s))
         raise KeyboardInterrupt  # stop there: nothing else is under test
 
     monkeypatch.setattr(importlib.import_module(body), "init_distributed", init_distributed)  # the script's main
     with pytest.raises(KeyboardInterrupt):
-        module.main(["--preset", "tiny", "--ddp-timeout", "77"])
-    assert seen == [77]
+        module.main(["--preset", "tiny", "--ddp-timeout", "77", "--backend", "gloo"])
+    assert seen == [("gloo", 77)]
 
 
 def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):
