@@ -54,7 +54,7 @@ def test_help_lists_every_subcommand_with_its_line(tmp_path):
         ),
         ("compare", ["baseline_dir", "--out", "--independent", "--forecast"]),
         ("forecast", ["RUN", "--nproc N", "--link {pcie4,pcie5,nvlink,infiniband,measured}", "--probe", "--out"]),
-        ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes", "--out"]),
+        ("doctor", ["--nproc", "--expect-world-size", "--backend {auto,nccl,gloo}", "--sizes", "--out"]),
         ("ladder", ["--nproc", "--rungs", "--workloads"]),
         ("bucket-sweep", ["--nproc", "--caps", "--no-auto"]),
         ("bench-comm", ["--nproc", "--sizes", "--byte-budget"]),
@@ -92,6 +92,7 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
+        (["doctor", "--backend", "nccl", "--nproc", "2"], "--backend nccl but torch.cuda.is_available() is False"),
         (["train", "--backend", "nccl", "--nproc", "2"], "--backend nccl but torch.cuda.is_available() is False"),
         (["recipe", "--preset", "tiny", "--backend", "mpi", "--nproc", "2"], "backend='mpi': choose one of auto"),
         (["merge", "run", "--out", "o", "--device", "tpu"], "MergeSettings.device='tpu' (--device): choose auto"),
@@ -249,6 +250,8 @@ def test_doctor_on_two_cpu_ranks_prints_one_table(tmp_path):
         "-m",
         "ddp_ft.commands.cli",
         "doctor",
+        "--backend",
+        "gloo",
         "--sizes",
         "4K",
         "64K",
@@ -283,8 +286,11 @@ def test_doctor_names_fix_for_lone_process_shared_gpu():
     other = doctor.check_accelerate(4, 2, environ={"WORLD_SIZE": "4"})
     assert not other.ok and "the launcher started 4" in other.detail
     assert doctor.check_accelerate(2, 2, environ={"WORLD_SIZE": "2"}).ok
-    shared = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0))
+    shared = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0), "nccl")
     assert not shared.ok and "ranks 0 and 1 both on cuda:0 of host" in shared.detail and "one GPU" in shared.fix
+    assert "--backend gloo" in shared.fix
+    chosen = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0), "gloo")
+    assert chosen.ok and chosen.detail == "ranks 0 and 1 share cuda:0 of host over gloo (by choice: --backend gloo)"
     old_gpu = doctor.check_precision("bfloat16", torch.device("cpu"))
     assert old_gpu.ok and old_gpu.detail.startswith("bfloat16")
     merged = doctor.merge([[doctor.Check("devices", True, "fine")], [doctor.Check("devices", False, "bad", "fix it")]])
