@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=2 scripts/train.py --preset tiny          # two processes (GPUs, or CPUs over gloo)
     torchrun --nproc_per_node=2 scripts/train.py --preset qwen3-4b-ami  # the reference run (needs GPUs + hub access)
     torchrun --nproc_per_node=2 scripts/train.py --config configs/tiny.yaml --max-steps 4
+    CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=2 scripts/train.py --preset tiny --backend gloo   # sharing a GPU
 
 Every setting has a flag (--help); precedence, lowest first: defaults, --preset, --config, flags. The resolved
 settings are written to <output_dir>/run_config.yaml (--config on it reruns them).

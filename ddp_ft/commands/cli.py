@@ -170,6 +170,7 @@ def _validate(
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
             _check_kernels(settings.model.liger, settings.model.compile)
+            _check_backend(settings.ddp.backend, nproc)
             if name == "recipe":
                 from ..integrations.stock import check_stock_settings
 
@@ -201,6 +202,17 @@ def _check_kernels(liger: bool, compile: bool | str) -> None:
         from ..training.model.kernels import check_kernel_settings
 
         check_kernel_settings(liger, compile is True, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _check_backend(backend: str, nproc: int) -> None:
+    """Check ``--backend`` against the GPUs here, which every worker will see, before any starts."""
+    import torch
+
+    from ..distributed.devices import check_local_gpus, device_and_backend
+
+    device_type, backend = device_and_backend("auto", torch.cuda.is_available(), backend)
+    if device_type == "cuda":
+        check_local_gpus(nproc, torch.cuda.device_count(), backend)
 
 
 def same_threads_for_any_nproc(prog: str, environ: MutableMapping[str, str] = os.environ) -> int | None:

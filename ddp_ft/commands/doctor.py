@@ -7,13 +7,13 @@
 Every rank runs every check; rank 0 prints one table (a check fails if it fails on any rank, and that rank's detail
 is shown) with the fix of each failure. Exit status 1 on any failure, on every rank. The checks: the world size the
 launcher set against the one expected (``--expect-world-size``, set by ``--nproc``) and against what Accelerate sees
-(the recipe's Trainer trains on what Accelerate sees); one device per process (two ranks on one GPU compete for it);
-the backend for the device (NCCL on CUDA, gloo on the CPU); the precision ``--compute-dtype`` resolves to (bf16
-needs compute capability 8.0); the installed torch, transformers, accelerate, peft, bitsandbytes and trl against
-ddp_ft's bounds; an all-reduce that sums correctly and its bus bandwidth at a few sizes
-(``ddp_ft.tools.ladder.bench_comm.measure_all_reduce``, few repeats: a smoke test, not ``ddp-ft bench-comm``).
-``--out DIR`` also writes the checks and the timings to ``DIR/doctor.json``: the link ``ddp-ft forecast --link
-measured`` fits.
+(the recipe's Trainer trains on what Accelerate sees); one device per process (two ranks on one GPU compete for it,
+which ``--backend gloo`` allows by choice); the backend for the device (NCCL on CUDA, gloo on the CPU) or the one
+``--backend`` names; the precision ``--compute-dtype`` resolves to (bf16 needs compute capability 8.0); the installed
+torch, transformers, accelerate, peft, bitsandbytes and trl against ddp_ft's bounds; an all-reduce that sums
+correctly and its bus bandwidth at a few sizes (``ddp_ft.tools.ladder.bench_comm.measure_all_reduce``, few repeats: a
+smoke test, not ``ddp-ft bench-comm``). ``--out DIR`` also writes the checks and the timings to ``DIR/doctor.json``:
+the link ``ddp-ft forecast --link measured`` fits.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..ddp.placement import device_identity, shared_device
-from ..distributed import DEVICE_CHOICES, DistInfo, destroy_distributed, device_and_backend, init_distributed
+from ..distributed import DistInfo, destroy_distributed, init_distributed
+from ..distributed.devices import BACKEND_CHOICES, DEVICE_CHOICES, device_and_backend
 from ..distributed.launch import check_world_seen
 from ..report.forecast import PROBE_FILE
 from ..tools.ladder.bench_comm import CommRow, format_size, measure_all_reduce, parse_size
@@ -73,6 +74,13 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     )
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="as the training's --device. Default: auto")
     p.add_argument(
+        "--backend",
+        choices=BACKEND_CHOICES,
+        default="auto",
+        help="as the training's --backend: auto (NCCL on CUDA, gloo on the CPU), nccl, or gloo (on one visible GPU "
+        "the processes share it). Default: auto",
+    )
+    p.add_argument(
         "--compute-dtype",
         choices=["auto", *DTYPES],
         default="auto",
@@ -107,6 +115,10 @@ def parse_args(
         p.error("--expect-world-size must be at least 1")
     if args.repeats < 1 or args.timeout <= 0:
         p.error("--repeats must be at least 1 and --timeout positive")
+    try:
+        device_and_backend(args.device, torch.cuda.is_available(), args.backend)
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 
@@ -142,9 +154,12 @@ def check_accelerate(world_size: int, seen: int, environ: Mapping[str, str] | No
     return Check("accelerate world", True, detail)
 
 
-def check_devices(identities: list[tuple[str, str] | None], device: torch.device) -> Check:
-    """One device per process: no two ranks on one GPU."""
+def check_devices(identities: list[tuple[str, str] | None], device: torch.device, backend: str | None = None) -> Check:
+    """One device per process: no two ranks on one GPU, unless gloo shares it by choice (``--backend gloo``)."""
     shared = shared_device(identities)
+    if shared is not None and backend == "gloo":
+        first, second, where = shared
+        return Check("devices", True, f"ranks {first} and {second} share {where} over gloo (by choice: --backend gloo)")
     if shared is not None:
         first, second, where = shared
         return Check(
@@ -152,16 +167,17 @@ def check_devices(identities: list[tuple[str, str] | None], device: torch.device
             False,
             f"ranks {first} and {second} both on {where}",
             f"one GPU per process: launch at most torch.cuda.device_count() = {torch.cuda.device_count()} "
-            "processes per machine, and do not narrow CUDA_VISIBLE_DEVICES to one GPU for all of them.",
+            "processes per machine, and do not narrow CUDA_VISIBLE_DEVICES to one GPU for all of them; or "
+            "--backend gloo with one GPU visible, to share it on purpose (NCCL refuses).",
         )
     if device.type == "cpu":
         return Check("devices", True, f"cpu, {len(identities)} process(es) sharing the host (by design)")
     return Check("devices", True, f"one GPU per process ({device} on rank 0)")
 
 
-def check_backend(info: DistInfo, requested: str) -> Check:
-    """NCCL for CUDA tensors, gloo for CPU ones."""
-    device_type, expected = device_and_backend(requested, torch.cuda.is_available())
+def check_backend(info: DistInfo, requested: str, backend: str = "auto") -> Check:
+    """The backend ``--device`` and ``--backend`` ask for: by default NCCL for CUDA tensors, gloo for CPU ones."""
+    device_type, expected = device_and_backend(requested, torch.cuda.is_available(), backend)
     if not dist.is_initialized():
         return Check("backend", True, f"one process, no process group ({device_type})")
     actual = dist.get_backend()
@@ -169,7 +185,7 @@ def check_backend(info: DistInfo, requested: str) -> Check:
         return Check(
             "backend",
             False,
-            f"{actual} on {device_type}",
+            f"{actual} on {device_type}, {expected} asked for (--backend {backend})",
             f"use {expected} on {device_type} (ddp_ft.distributed.init_distributed chooses it).",
         )
     return Check("backend", True, f"{actual} on {device_type}")
@@ -267,8 +283,8 @@ def run_checks(args: argparse.Namespace, info: DistInfo) -> tuple[list[Check], l
     checks = [
         check_world_size(info.world_size, args.expect_world_size),
         check_accelerate(info.world_size, seen),
-        check_devices(identities, info.device),
-        check_backend(info, args.device),
+        check_devices(identities, info.device, info.backend),
+        check_backend(info, args.device, args.backend),
         check_precision(args.compute_dtype, info.device),
         *check_versions(),
         comm,
@@ -323,7 +339,7 @@ def main(
     """Run the checks on every rank; rank 0 prints the table. Returns 1 on any failure (on every rank), else 0."""
     quiet_upstream_notices()
     args = parse_args(argv, parents, prog)
-    info = init_distributed(timeout_s=args.timeout, device_type=None if args.device == "auto" else args.device)
+    info = init_distributed(args.backend, args.timeout, None if args.device == "auto" else args.device)
     try:
         checks, rows = run_checks(args, info)
         by_rank = [checks]

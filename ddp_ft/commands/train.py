@@ -41,7 +41,7 @@ def main(
         choice = choose_default(argv)
         settings = parse_settings(argv, parents, choice.preset, prog)
         with console_or_log(Path(settings.train.output_dir) / "logs"):  # survive a lost console
-            info = init_distributed(timeout_s=settings.ddp.ddp_timeout)
+            info = init_distributed(settings.ddp.backend, settings.ddp.ddp_timeout)
             setup_logging(info)
             log_choice(settings, choice, info.world_size)
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .autotune import AUTO, TORCH_DEFAULT_CAP_MB
 from .comm_hooks import COMM_HOOKS, allreduce_hook, check_powersgd_buckets
@@ -18,6 +19,8 @@ from .wrapper import BucketedDDP
 
 COMM_HOOK_CHOICES = (*COMM_HOOKS, "powersgd")
 """``DDPSettings.comm_hook`` values: the built-in hooks by name, and torch's PowerSGD."""
+BACKEND_CHOICES = ("auto", "nccl", "gloo")
+"""``DDPSettings.backend`` values, as ``ddp_ft.distributed.devices`` takes them (this room imports nothing of it)."""
 
 
 @dataclass
@@ -45,6 +48,14 @@ class DDPSettings:
     powersgd_start_iter: int = field(
         default=10, metadata={"help": "PowerSGD: plain all-reduce for this many synced steps first (torch: >= 2)."}
     )
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Process-group backend (TrainingArguments' ddp_backend): auto (NCCL on CUDA, gloo on the CPU), "
+            "nccl, or gloo, which also reduces CUDA tensors and lets the processes share one GPU when exactly one is "
+            "visible (slower; for checks on a one-GPU host)."
+        },
+    )
     ddp_timeout: int = field(
         default=600,
         metadata={"help": "Process-group timeout in seconds: a dead or stuck rank fails the others after this long."},
@@ -54,6 +65,8 @@ class DDPSettings:
         check_ranges(self, DDP_RANGES)  # each number's own range (NaN too: it would put every gradient in one bucket)
         if self.comm_hook not in COMM_HOOK_CHOICES:
             raise ValueError(f"comm_hook={self.comm_hook!r}: choose one of {', '.join(COMM_HOOK_CHOICES)}.")
+        if self.backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={self.backend!r}: choose one of {', '.join(BACKEND_CHOICES)}.")
         if self.bucket_cap_mb == AUTO and self.comm_hook == "powersgd":
             raise ValueError(
                 "bucket_cap_mb='auto' with comm_hook='powersgd': PowerSGD keeps its state per bucket index, which "
@@ -70,7 +83,18 @@ class DDPSettings:
         return BackwardRecorder(module, cap, self.first_bucket_cap_mb, hook)
 
     def wrap(self, module: torch.nn.Module) -> BucketedDDP:
-        """``module`` in a BucketedDDP configured by these settings (comm hook registered)."""
+        """``module`` in a BucketedDDP configured by these settings (comm hook registered).
+
+        Raises:
+            ValueError: ``backend`` names another backend than the process group's, which started before the wrap.
+        """
+        running = dist.get_backend() if dist.is_initialized() else None
+        if self.backend != "auto" and running not in (None, self.backend):
+            raise ValueError(
+                f"backend={self.backend!r} but the process group runs {running}: it starts before the wrap. Start it "
+                "with the same backend: ddp_ft.distributed.init_distributed(backend=...), TrainingArguments("
+                "ddp_backend=...) or Accelerator's, or leave backend at 'auto'."
+            )
         wrapped = BucketedDDP(
             module,
             bucket_cap_mb=self.bucket_cap_mb,

@@ -33,7 +33,7 @@ def verify_across_ranks(
         buckets (list[BucketSpec]): the layout.
         world_size (int): ranks in the group.
         process_group (ProcessGroup | None): the group. Default: the default group.
-        device (tuple[str, str] | None): this rank's ``(host, GPU)``; shared GPUs only warn under gloo, for tests.
+        device (tuple[str, str] | None): this rank's ``(host, GPU)``; shared GPUs only warn under gloo.
 
     Raises:
         RuntimeError: naming the first difference, or two ranks sharing one GPU under NCCL.
@@ -54,8 +54,8 @@ def verify_across_ranks(
         )
         if dist.get_backend(process_group) == "nccl":
             raise RuntimeError(message + ".")
-        if dist.get_rank(process_group) == 0:
-            logger.warning("%s; allowed on gloo, for tests.", message)
+        if dist.get_rank(process_group) == 0:  # gloo shares one GPU by choice (backend="gloo")
+            logger.warning("%s; allowed on gloo, where they share it at the cost of speed.", message)
 
 
 def describe_rank(module: nn.Module, params: list[ParamSpec], buckets: list[BucketSpec]) -> dict:

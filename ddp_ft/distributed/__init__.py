@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .devices import choose_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -59,66 +61,24 @@ def restart_count() -> int:
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
-def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
-    """This process's CUDA device among the ``visible`` ones.
-
-    One visible device is this process's own; otherwise ``cuda:<local_rank>``.
-
-    Raises:
-        RuntimeError: if several devices are visible but fewer than the processes on the node.
-    """
-    if visible == 1:
-        return 0
-    if local_rank < visible and local_world_size <= visible:
-        return local_rank
-    raise RuntimeError(
-        f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world_size} but {visible} CUDA devices are visible to this "
-        "process: give each process one GPU (CUDA_VISIBLE_DEVICES per process, SLURM --gpus-per-task=1) or all of "
-        "them, and launch at most one process per GPU (--nproc_per_node)."
-    )
-
-
-DEVICE_CHOICES = ("auto", "cuda", "cpu")
-
-
-def device_and_backend(requested: str, cuda_available: bool) -> tuple[str, str]:
-    """The device type and process-group backend for ``--device requested``, chosen together.
-
-    NCCL cannot reduce CPU tensors, so CUDA goes with NCCL and the CPU with gloo.
-
-    Args:
-        requested (str): ``auto``, ``cuda`` or ``cpu``.
-        cuda_available (bool): ``torch.cuda.is_available()``.
-
-    Returns:
-        tuple[str, str]: (``cuda`` or ``cpu``, ``nccl`` or ``gloo``).
-
-    Raises:
-        ValueError: for an unknown device, or ``cuda`` without CUDA.
-    """
-    if requested not in DEVICE_CHOICES:
-        raise ValueError(f"--device {requested!r}: choose one of {', '.join(DEVICE_CHOICES)}.")
-    if requested == "cuda" and not cuda_available:
-        raise ValueError(
-            "--device cuda but torch.cuda.is_available() is False: use --device cpu (gloo), or check "
-            "the driver, the torch build (torch.version.cuda) and CUDA_VISIBLE_DEVICES."
-        )
-    use_cuda = requested == "cuda" or (requested == "auto" and cuda_available)
-    return ("cuda", "nccl") if use_cuda else ("cpu", "gloo")
-
-
 def init_distributed(backend: str | None = None, timeout_s: float = 600.0, device_type: str | None = None) -> DistInfo:
     """Join the process group that torchrun or accelerate launch describe in the environment.
 
     A single process gets no group. NCCL binds to this rank's device, so barriers know it.
+    The device and backend follow :func:`choose_device`.
 
     Args:
-        backend (str | None): "nccl" or "gloo". Default: chosen by device.
+        backend (str | None): ``auto``, ``nccl`` or ``gloo``; None is auto: NCCL on CUDA, gloo on the CPU.
+            Default: None.
         timeout_s (float): collective timeout, after which a dead rank fails the others. Default: 600.
         device_type (str | None): ``cpu``, ``cuda``, or None for CUDA when available. Default: None.
 
     Returns:
         DistInfo: this process's rank facts.
+
+    Raises:
+        ValueError: a device or backend this host cannot run, e.g. ``nccl`` without CUDA.
+        RuntimeError: more processes than visible GPUs, where they cannot share one.
 
     Example:
         >>> info = init_distributed()
@@ -128,16 +88,18 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0, devic
     local_rank = _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    device_type, _ = device_and_backend(device_type or "auto", torch.cuda.is_available())
-    if device_type == "cuda":
-        index = cuda_device_index(local_rank, local_world_size, torch.cuda.device_count())
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-    else:
-        device = torch.device("cpu")
+    device, backend = choose_device(
+        device_type or "auto",
+        backend or "auto",
+        torch.cuda.is_available(),
+        torch.cuda.device_count(),
+        local_rank,
+        local_world_size,
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index)
     if world_size == 1:
         return DistInfo(0, 0, 1, 1, device, None)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         store = _restart_safe_store(rank, world_size, timeout_s)
         kwargs = {"store": store, "rank": rank, "world_size": world_size} if store is not None else {}

@@ -207,7 +207,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         average_tokens_across_devices=True,
         # Training only: the recipe's trainers evaluate every row (recipe_eval).
         dataloader_drop_last=True,
-        ddp_backend=("nccl" if cuda else "gloo") if info.is_distributed else None,
+        ddp_backend=info.backend,  # the group init_distributed started (None for one process)
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
         use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train()

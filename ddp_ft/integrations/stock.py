@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 STOCK_TRAINERS = ("stock-hf", "stock-trl")
 FIND_UNUSED = ("trainer", "true", "false")  # the Trainer's default, or forced
 # passed on to torch DDP as TrainingArguments' ddp_*
-_PASSED_ON = ("bucket_cap_mb", "broadcast_buffers", "ddp_timeout")
+_PASSED_ON = ("bucket_cap_mb", "broadcast_buffers", "ddp_timeout", "backend")
 
 
 def check_stock_settings(settings: RunSettings, trainer: str, find_unused: str) -> None:
@@ -104,6 +104,7 @@ def build_stock_trainer(trainer: str, arguments: dict, settings: RunSettings, fi
     used = getattr(handler, "find_unused_parameters", arguments["ddp_find_unused_parameters"])
     record = {"trainer": trainer, "ddp": "torch", "find_unused_parameters": used}
     record["bucket_cap_mb"] = arguments["ddp_bucket_cap_mb"]
+    record["backend"] = arguments.get("ddp_backend")
     stock.callback_handler.callbacks.insert(0, ThroughputCallback(ddp_config=record))
     logger.info(
         "%s: torch DDP through the stock Trainer (find_unused_parameters=%s, bucket_cap_mb=%s), no ddp_ft class",

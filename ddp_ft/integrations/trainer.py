@@ -121,6 +121,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
             self.args.include_num_input_tokens_seen = "non_padding"
         self.ddp_settings = self.accelerator.ddp_settings
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
+        ddp_config["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         # A wandb failure must not stop training.
         wandb_switch = WandbSwitch(Path(self.args.output_dir) / "metrics.jsonl")
         callbacks = self.callback_handler.callbacks

@@ -17,7 +17,8 @@ from typing import NoReturn
 
 import torch
 
-from ..distributed import DistInfo, destroy_distributed, device_and_backend, init_distributed
+from ..distributed import DistInfo, destroy_distributed, init_distributed
+from ..distributed.devices import device_and_backend
 from ..training.model.memory import QWEN3_4B, Qwen3Shape, lora_parameters
 from ..training.model.precision import Precision, precision_for
 from ..training.model.qlora import tiny_qwen3_config
@@ -79,8 +80,7 @@ def compute_setup(
     """
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"--backend {backend!r}: choose one of {', '.join(BACKEND_CHOICES)}.")
-    device_type, default_backend = device_and_backend(device, torch.cuda.is_available())
-    backend = default_backend if backend == "auto" else backend
+    device_type, backend = device_and_backend(device, torch.cuda.is_available(), backend)
     info = init_distributed(backend=backend, timeout_s=timeout_s, device_type=device_type)
     try:
         return ComputeSetup(info, backend, precision_for(compute_dtype, info.device))

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..ddp import BucketedDDP
-from ..distributed import DEVICE_CHOICES, destroy_distributed, keep_upstream_notices_to_rank_zero
+from ..distributed import destroy_distributed, keep_upstream_notices_to_rank_zero
+from ..distributed.devices import DEVICE_CHOICES
 from ..training.model.precision import DTYPES, Precision
 from ..training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 from .bench import ComputeSetup, ExposedWaitProbe, compute_setup, cpu_name, synchronize

@@ -261,8 +261,13 @@ def settings_as_config(
 def write_run_config(
     settings: RunSettings, info: DistInfo, resolved: Mapping[str, Mapping[str, object]] | None = None
 ) -> Path:
-    """Write the settings and ``resolved`` to ``run_config.yaml`` on rank 0, atomically; return its path."""
+    """Write the settings and ``resolved`` to ``run_config.yaml`` on rank 0, atomically; return its path.
+
+    A process group's backend is recorded as the one that ran.
+    """
     path = Path(settings.train.output_dir) / RUN_CONFIG
+    if info.backend is not None:
+        resolved = {"ddp": {"backend": info.backend}, **(resolved or {})}
     if info.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
         header = "# Resolved settings of this run; rerun them with --config THIS_FILE (ddp-ft train or recipe, or their scripts)\n"

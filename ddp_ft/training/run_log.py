@@ -141,6 +141,7 @@ def _config_record(run: Run, name: str) -> dict:
         resumed_from_step=run.state.global_step,
         bucket_cap_mb=settings.ddp.bucket_cap_mb,
         comm_hook=settings.ddp.comm_hook,
+        backend=info.backend,
         buckets=len(run.wrapped.bucket_sizes) if isinstance(run.wrapped, BucketedDDP) else 0,
         train_samples=len(run.parts.train_set),
         eval_samples=len(run.parts.eval_set),

@@ -47,14 +47,14 @@ def test_help_lists_every_subcommand_with_its_line(tmp_path):
 @pytest.mark.parametrize(
     "name,flags",
     [
-        ("train", ["--nproc", "--config", "--preset", "--micro_batch", "--bucket_cap_mb"]),
+        ("train", ["--nproc", "--config", "--preset", "--micro_batch", "--bucket_cap_mb", "--backend"]),
         (
             "recipe",
             ["--nproc", "--trainer {hf,trl,stock-hf,stock-trl}", "--stock-find-unused", "--config", "--micro_batch"],
         ),
         ("compare", ["baseline_dir", "--out", "--independent", "--forecast"]),
         ("forecast", ["RUN", "--nproc N", "--link {pcie4,pcie5,nvlink,infiniband,measured}", "--probe", "--out"]),
-        ("doctor", ["--nproc", "--expect-world-size", "--compute-dtype", "--sizes", "--out"]),
+        ("doctor", ["--nproc", "--expect-world-size", "--backend {auto,nccl,gloo}", "--sizes", "--out"]),
         ("ladder", ["--nproc", "--rungs", "--workloads"]),
         ("bucket-sweep", ["--nproc", "--caps", "--no-auto"]),
         ("bench-comm", ["--nproc", "--sizes", "--byte-budget"]),
@@ -92,6 +92,9 @@ def test_every_subcommand_documents_its_settings(name, flags, capsys):
         (["ladder", "--nproc", "1"], "--nproc 1: ladder needs at least 2"),
         (["bench-comm", "--repeats", "0"], "--repeats must be at least 1"),
         (["doctor", "--expect-world-size", "0", "--nproc", "2"], "--expect-world-size must be at least 1"),
+        (["doctor", "--backend", "nccl", "--nproc", "2"], "--backend nccl but torch.cuda.is_available() is False"),
+        (["train", "--backend", "nccl", "--nproc", "2"], "--backend nccl but torch.cuda.is_available() is False"),
+        (["recipe", "--preset", "tiny", "--backend", "mpi", "--nproc", "2"], "backend='mpi': choose one of auto"),
         (["merge", "run", "--out", "o", "--device", "tpu"], "MergeSettings.device='tpu' (--device): choose auto"),
         (["forecast", "run", "--nproc", "0"], "--nproc 0: give the processes per machine, 1 or more"),
         (["forecast", "run", "--nproc", "2", "--probe", "p"], "--probe is read by --link measured"),
@@ -104,6 +107,21 @@ def test_wrong_input_names_setting_before_workers(argv, needle, capsys, monkeypa
         cli.main(argv)
     assert error.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_one_gpu_takes_two_ranks_over_gloo_only(capsys, monkeypatch):
+    """On one GPU (mocked) two NCCL ranks are refused before launch, naming --backend gloo; gloo launches."""
+    launched = []
+    monkeypatch.setattr(cli, "launch", lambda *args: launched.append(args[-2]) or 0)
+    monkeypatch.setattr(cli, "same_threads_for_any_nproc", lambda prog: None)  # this process's threads kept
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as error:
+        cli.main(["train", "--preset", "tiny", "--nproc", "2"])
+    assert error.value.code == 2 and "1 GPU(s) visible: NCCL" in capsys.readouterr().err
+    assert cli.main(["train", "--preset", "tiny", "--nproc", "2", "--backend", "gloo"]) == 0
+    assert launched == [["--preset", "tiny", "--backend", "gloo"]]
 
 
 def test_no_tokenizer_or_unwritable_output_fails_first(tmp_path, capsys, monkeypatch):
@@ -192,12 +210,12 @@ def test_nproc_off_worker_argv_and_sigusr1_forwarded():
 @pytest.mark.slow
 def test_train_from_config_writes_a_rerunnable_config(tmp_path):
     flags = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--max-steps", "2", "--save-every", "0"]
-    flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4"]
+    flags += ["--report-to", "none", "--output-dir", str(tmp_path / "run"), "--lora-r", "4", "--backend", "gloo"]
     run = _run([sys.executable, "-m", "ddp_ft.commands.cli", "train", "--nproc", "2", *flags], tmp_path)
     assert run.returncode == 0, run.stderr[-6000:]
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     config = [r for r in records if r["type"] == "config"]
-    assert len(config) == 1 and config[0]["world_size"] == 2
+    assert len(config) == 1 and config[0]["world_size"] == 2 and config[0]["backend"] == "gloo"
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2]
     written = tmp_path / "run" / RUN_CONFIG
     # what ran: the device's defaults resolved (on the CPU compile and packing off, checkpointing on): a rerun runs the same
@@ -232,6 +250,8 @@ def test_doctor_on_two_cpu_ranks_prints_one_table(tmp_path):
         "-m",
         "ddp_ft.commands.cli",
         "doctor",
+        "--backend",
+        "gloo",
         "--sizes",
         "4K",
         "64K",
@@ -266,8 +286,11 @@ def test_doctor_names_fix_for_lone_process_shared_gpu():
     other = doctor.check_accelerate(4, 2, environ={"WORLD_SIZE": "4"})
     assert not other.ok and "the launcher started 4" in other.detail
     assert doctor.check_accelerate(2, 2, environ={"WORLD_SIZE": "2"}).ok
-    shared = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0))
+    shared = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0), "nccl")
     assert not shared.ok and "ranks 0 and 1 both on cuda:0 of host" in shared.detail and "one GPU" in shared.fix
+    assert "--backend gloo" in shared.fix
+    chosen = doctor.check_devices([("host", "cuda:0"), ("host", "cuda:0")], torch.device("cuda", 0), "gloo")
+    assert chosen.ok and chosen.detail == "ranks 0 and 1 share cuda:0 of host over gloo (by choice: --backend gloo)"
     old_gpu = doctor.check_precision("bfloat16", torch.device("cpu"))
     assert old_gpu.ok and old_gpu.detail.startswith("bfloat16")
     merged = doctor.merge([[doctor.Check("devices", True, "fine")], [doctor.Check("devices", False, "bad", "fix it")]])

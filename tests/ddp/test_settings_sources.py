@@ -26,6 +26,19 @@ def test_training_arguments_mapped_naming_the_source(tmp_path):
     assert "gradient_as_bucket_view=True (default)" in line
 
 
+def test_backend_unlike_the_group_refused_at_wrap():
+    """The group starts before the wrap, so a backend it does not run is refused there, not dropped."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"backend='nccl' but the process group runs gloo: .*ddp_backend"):
+            DDPSettings(backend="nccl").wrap(torch.nn.Linear(2, 2))
+        assert DDPSettings(backend="gloo").wrap(torch.nn.Linear(2, 2)).world_size == 1
+    finally:
+        dist.destroy_process_group()
+
+
 def test_accelerate_kwargs_mapped_with_comm_hooks():
     kwargs = DistributedDataParallelKwargs(bucket_cap_mb=10, gradient_as_bucket_view=True, comm_hook="bf16")
     settings, sources = resolve_ddp_settings(None, None, kwargs)

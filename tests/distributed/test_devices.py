@@ -1,10 +1,11 @@
-"""Which CUDA device each process takes: a pure rule, and init_distributed following it, checked
+"""Which CUDA device and backend each process takes: pure rules, and init_distributed following them, checked
 on CPU with torch.cuda's queries monkeypatched."""
 
 import pytest
 import torch
 
-from ddp_ft.distributed import cuda_device_index, init_distributed
+from ddp_ft.distributed import init_distributed
+from ddp_ft.distributed.devices import check_local_gpus, choose_device, cuda_device_index
 
 
 @pytest.mark.parametrize(
@@ -29,6 +30,59 @@ def test_some_but_too_few_gpus_raise_naming_variables(local_rank, local_world_si
         rf"{visible} CUDA devices .*--gpus-per-task=1",
     ):
         cuda_device_index(local_rank, local_world_size, visible)
+
+
+def test_gloo_on_too_few_gpus_names_one_visible_gpu():
+    with pytest.raises(RuntimeError, match=r"LOCAL_WORLD_SIZE=3 but 2 CUDA .*only when exactly one.*=0.*at most 2"):
+        cuda_device_index(2, 3, 2, backend="gloo")
+
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "cuda", "visible", "local_rank", "local_world_size", "expected"),
+    [
+        ("auto", "auto", False, 0, 1, 2, (torch.device("cpu"), "gloo")),  # today's default, on the CPU
+        ("auto", "auto", True, 2, 1, 2, (torch.device("cuda", 1), "nccl")),  # and on CUDA
+        ("auto", "gloo", False, 0, 1, 2, (torch.device("cpu"), "gloo")),
+        ("auto", "gloo", True, 2, 1, 2, (torch.device("cuda", 1), "gloo")),  # enough GPUs: one each
+        ("auto", "gloo", True, 1, 1, 2, (CUDA, "gloo")),  # one visible: the ranks share cuda:0
+        ("auto", "gloo", True, 1, 3, 4, (CUDA, "gloo")),
+        ("cpu", "gloo", True, 1, 1, 2, (torch.device("cpu"), "gloo")),  # CUDA there but not asked for
+        ("auto", "nccl", True, 2, 0, 2, (CUDA, "nccl")),
+        ("cuda", "auto", True, 1, 1, 2, (CUDA, "nccl")),  # SLURM --gpus-per-task=1: its own GPU
+    ],
+)
+def test_device_and_backend_follow_request_and_gpus(
+    device, backend, cuda, visible, local_rank, local_world_size, expected
+):
+    assert choose_device(device, backend, cuda, visible, local_rank, local_world_size) == expected
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "cuda", "visible", "error", "match"),
+    [
+        ("auto", "nccl", False, 0, ValueError, r"--backend nccl but torch.cuda.is_available\(\) .*--backend gloo"),
+        ("cpu", "nccl", True, 1, ValueError, r"--backend nccl but --device cpu: NCCL reduces CUDA tensors only"),
+        ("auto", "mpi", True, 1, ValueError, r"--backend 'mpi': choose one of auto, nccl, gloo"),
+        ("auto", "gloo", True, 2, RuntimeError, r"over gloo .* exactly one is visible"),  # 3 ranks, 2 GPUs
+    ],
+)
+def test_impossible_backend_refused_naming_the_fix(device, backend, cuda, visible, error, match):
+    with pytest.raises(error, match=match):
+        choose_device(device, backend, cuda, visible, local_rank=2, local_world_size=3)
+
+
+def test_launcher_refuses_ranks_nccl_cannot_place():
+    """Every process of ``ddp-ft --nproc N`` sees the launcher's GPUs, so N above them means sharing."""
+    check_local_gpus(2, 2, "nccl")
+    check_local_gpus(2, 1, "gloo")  # both on cuda:0, by choice
+    check_local_gpus(1, 1, "nccl")
+    with pytest.raises(ValueError, match=r"2 processes but 1 GPU\(s\) visible: NCCL .*--backend gloo with one GPU"):
+        check_local_gpus(2, 1, "nccl")
+    with pytest.raises(ValueError, match=r"3 processes sharing a GPU over gloo, but 2 .*CUDA_VISIBLE_DEVICES=0"):
+        check_local_gpus(3, 2, "gloo")
 
 
 def test_rank_1_seeing_one_gpu_takes_cuda_0(monkeypatch):
@@ -73,13 +127,21 @@ def test_nccl_group_bound_to_device_with_timeout(two_ranks_on_one_visible_gpu):
     assert call["device_id"] == torch.device("cuda", 0) == info.device
 
 
+def test_gloo_ranks_share_the_one_gpu_unbound(two_ranks_on_one_visible_gpu):
+    """``backend="gloo"``: rank 1 takes cuda:0 beside rank 0, and gloo's group is not bound to it."""
+    info = init_distributed("gloo")
+    (call,) = two_ranks_on_one_visible_gpu
+    assert call["backend"] == "gloo" == info.backend and "device_id" not in call
+    assert info.device == torch.device("cuda", 0)
+
+
 @pytest.mark.parametrize(
     "entry_point,body",
     [("scripts/train.py", "ddp_ft.commands.train"), ("recipes/qwen_ami.py", "ddp_ft.commands.recipe")],
 )
 def test_entry_points_start_group_with_ddp_timeout(entry_point, body, monkeypatch):
-    """``--ddp-timeout`` reaches init_process_group on both entry points (the recipe starts the group itself,
-    before Accelerate, which then adopts it)."""
+    """``--ddp-timeout`` and ``--backend`` reach init_process_group on both entry points (the recipe starts the group
+    itself, before Accelerate, which then adopts it)."""
     import importlib
     import importlib.util
     from pathlib import Path
@@ -89,14 +151,14 @@ def test_entry_points_start_group_with_ddp_timeout(entry_point, body, monkeypatc
     spec.loader.exec_module(module)
     seen = []
 
-    def init_distributed(timeout_s):
-        seen.append(timeout_s)
+    def init_distributed(backend, timeout_s):
+        seen.append((backend, timeout_s))
         raise KeyboardInterrupt  # stop there: nothing else is under test
 
     monkeypatch.setattr(importlib.import_module(body), "init_distributed", init_distributed)  # the script's main
     with pytest.raises(KeyboardInterrupt):
-        module.main(["--preset", "tiny", "--ddp-timeout", "77"])
-    assert seen == [77]
+        module.main(["--preset", "tiny", "--ddp-timeout", "77", "--backend", "gloo"])
+    assert seen == [("gloo", 77)]
 
 
 def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):

@@ -52,6 +52,24 @@ def test_ddp_settings_reach_torch_ddp_via_trainer_args():
     assert stock_ddp_arguments(settings, "true")["ddp_find_unused_parameters"] is True
 
 
+def test_recipe_gives_trainers_the_group_s_backend():
+    """The group init_distributed started is the Trainer's ddp_backend: gloo on a GPU too, never nccl for cuda."""
+    import torch
+
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.integrations.recipe import training_arguments
+    from ddp_ft.training.model.precision import choose_precision
+    from ddp_ft.training.resolve import Resolved
+
+    settings = settings_from_preset("tiny", backend="gloo", report_to="none", **STRIDED)
+    check_stock_settings(settings, "stock-hf", "trainer")  # passed on, so not refused
+    precision = choose_precision("float32", "cpu", None)
+    resolved = Resolved(1, 4, False, precision, {"": 0}, "a test's", "off")
+    shared = DistInfo(1, 1, 2, 2, torch.device("cuda", 0), "gloo")
+    assert training_arguments(settings, shared, precision, resolved)["ddp_backend"] == "gloo"
+    assert training_arguments(settings, DistInfo(), precision, resolved)["ddp_backend"] is None  # one process
+
+
 def test_recipe_refuses_balanced_plan_before_launch(tmp_path):
     import subprocess
     import sys

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_ft.distributed import device_and_backend
+from ddp_ft.distributed.devices import device_and_backend
 from ddp_ft.tools.bench import compute_setup
 
 

@@ -1,5 +1,5 @@
-"""The forecast check (``python -m ddp_ft.tools.forecast_check``): its verdicts on hand-made numbers, the refusal
-on CUDA, and one quick real run of the whole command on the CPU."""
+"""The forecast check (``python -m ddp_ft.tools.forecast_check``): its verdicts on hand-made numbers, its commands
+on CUDA (2 processes sharing one GPU over gloo), and one quick real run of the whole command on the CPU."""
 
 import json
 import os
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from ddp_ft.tools.forecast_check import (
-    CUDA_REFUSAL,
     QUANTITIES,
     compare,
     judge,
@@ -19,6 +18,8 @@ from ddp_ft.tools.forecast_check import (
     passed,
     run_medians,
 )
+from ddp_ft.tools.forecast_check import cli as check_cli
+from ddp_ft.tools.forecast_check.stages import QUICK, doctor_command, environment, train_command
 from ddp_ft.tools.gpu_report import summaries
 from ddp_ft.tools.gpu_report.plan import plan_steps
 
@@ -103,13 +104,24 @@ def test_markdown_shows_numbers_and_verdicts():
     assert "one process 0.5; the pair ?, ?; the runs ?, ?" in table
 
 
-def test_cuda_refuses_naming_the_missing_backend(tmp_path):
-    with pytest.raises(SystemExit, match="gloo") as refused:
-        main(["--out", str(tmp_path / "out"), "--device", "cuda"])
-    assert CUDA_REFUSAL in str(refused.value) and not (tmp_path / "out").exists()
+def test_cuda_runs_train_and_doctor_over_gloo(tmp_path, monkeypatch):
+    """``--device cuda`` runs: every command over gloo, on the one GPU the environment shows."""
+    ran = []
+    monkeypatch.setattr(check_cli, "run_check", lambda out, device, *rest: ran.append(device) or {"wall_s": 0.0})
+    monkeypatch.setattr(check_cli, "markdown", lambda result: "")
+    main(["--out", str(tmp_path / "out"), "--device", "cuda", "--quick"])
+    assert ran == ["cuda"] and (tmp_path / "out" / "forecast_check.json").exists()
+    pair = train_command(tmp_path / "ddp0", 3, "tiny", 2)
+    assert pair[3:6] == ["train", "--nproc", "2"] and pair[-4:-2] == ["--backend", "gloo"]
+    probe = doctor_command(tmp_path / "probe", "cuda", QUICK, 2)
+    assert probe[probe.index("--device") : probe.index("--device") + 4] == ["--device", "cuda", "--backend", "gloo"]
+    assert environment("cuda", {"CUDA_VISIBLE_DEVICES": "3,5"})["CUDA_VISIBLE_DEVICES"] == "3"  # the ranks share it
+    assert environment("cuda", {})["CUDA_VISIBLE_DEVICES"] == "0"
+    assert environment("cpu", {"CUDA_VISIBLE_DEVICES": "3"})["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_gpu_report_plans_it_after_shared_gpu_gloo(tmp_path):
+def test_gpu_report_plans_it_after_shared_gpu_gloo(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     skips = {}
     for device in ("cpu", "cuda"):
         steps = plan_steps(device, 1, tmp_path, ROOT / "scripts", "python")
@@ -118,7 +130,8 @@ def test_gpu_report_plans_it_after_shared_gpu_gloo(tmp_path):
         assert names[at - 1 : at + 2] == ["shared_gpu_gloo", "forecast_check", "gpu_check"]
         assert steps[at].command[-4:-2] == ["--device", "cuda"]
         skips[device] = steps[at].skip
-    assert "make forecast-check" in skips["cpu"] and skips["cuda"] == CUDA_REFUSAL
+    assert "make forecast-check" in skips["cpu"] and skips["cuda"] is None  # it ran skipped before gloo on CUDA
+    assert steps[at].env == {"CUDA_VISIBLE_DEVICES": "2"}
 
 
 def test_gpu_report_summary_gives_the_headline():

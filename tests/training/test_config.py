@@ -1,7 +1,9 @@
 """Settings: batch arithmetic, presets, command line, validation errors that name the setting and the fix."""
 
 import pytest
+import torch
 
+from ddp_ft.ddp import settings as ddp_settings
 from ddp_ft.training.batch import gradient_accumulation_steps
 from ddp_ft.training.config import PRESETS, build_parser, parse_settings, settings_from_preset
 from ddp_ft.training.model.qlora import check_device_map
@@ -72,6 +74,7 @@ def test_help_documents_every_setting():
         "--max_steps",
         "--bucket_cap_mb",
         "--comm_hook",
+        "--backend",
         "--lora_r",
         "--model_name_or_path",
         "--upcast_frozen_weights",
@@ -92,6 +95,7 @@ def test_help_documents_every_setting():
         ({"micro_batch": 0}, "micro_batch=0"),
         ({"min_learning_rate": 1.0}, "min_learning_rate=1.0"),
         ({"comm_hook": "int8"}, "comm_hook='int8'"),
+        ({"backend": "mpi"}, "backend='mpi': choose one of auto, nccl, gloo."),
         ({"lora_dropout": 1.5}, "lora_dropout=1.5"),
         ({"compute_dtype": "fp8"}, "compute_dtype='fp8'"),
         ({"bucket_cap_mb": "fast"}, "bucket_cap_mb='fast'"),
@@ -224,6 +228,20 @@ def test_run_config_records_resolved_over_parsed(tmp_path):
     rerun = parse_settings(["--config", str(write_run_config(settings, DistInfo(), resolved))])
     assert (rerun.train.micro_batch, rerun.model.compile, rerun.data.packing) == (4, False, False)
     assert (settings.train.micro_batch, settings.model.compile, settings.data.packing) == ("auto", "auto", "auto")
+
+
+def test_run_config_records_the_backend_that_ran(tmp_path):
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.distributed.devices import BACKEND_CHOICES
+    from ddp_ft.training.config import write_run_config
+
+    assert BACKEND_CHOICES == ddp_settings.BACKEND_CHOICES  # one list: DDPSettings and the device rule
+    settings = parse_settings(["--preset", "tiny", "--output-dir", str(tmp_path)])
+    ran = DistInfo(world_size=2, local_world_size=2, device=torch.device("cuda", 0), backend="gloo")
+    rerun = parse_settings(["--config", str(write_run_config(settings, ran))])
+    assert (settings.ddp.backend, rerun.ddp.backend) == ("auto", "gloo")
+    one = parse_settings(["--config", str(write_run_config(settings, DistInfo()))])
+    assert one.ddp.backend == "auto"  # one process: no group, nothing ran
 
 
 def test_generation_settings_without_run_are_refused():

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ...ddp.autotune import AUTO
-from ...distributed import DEVICE_CHOICES, destroy_distributed, keep_upstream_notices_to_rank_zero
+from ...distributed import destroy_distributed, keep_upstream_notices_to_rank_zero
+from ...distributed.devices import DEVICE_CHOICES
 from ...training.model.kernels import check_kernel_settings
 from ...training.model.memory import Qwen3Shape
 from ...training.model.precision import DTYPES

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +39,26 @@ PROBE_REPEATS = 10
 QUICK = Sizes(steps=3, runs=1, probe_sizes=FULL_PROBE, probe_repeats=PROBE_REPEATS)
 
 
+BACKEND = "gloo"  # the CPU's, and on CUDA the one that lets the 2 processes share one GPU
+
+
+def one_visible_gpu(environ: Mapping[str, str] | None = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` naming one GPU: the first of those visible (``0`` when unset).
+
+    Args:
+        environ (Mapping[str, str] | None): the environment to read. Default: this process's.
+    """
+    environ = os.environ if environ is None else environ
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if d.strip()]
+    return visible[0] if visible else "0"
+
+
 def environment(device: str, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The subprocesses' environment: one thread per process, no wandb, this checkout first on the path.
 
     Args:
-        device (str): ``cpu`` hides every GPU (``CUDA_VISIBLE_DEVICES`` empty).
+        device (str): ``cpu`` hides every GPU (``CUDA_VISIBLE_DEVICES`` empty); ``cuda`` shows one, which the
+            processes share.
         environ (dict[str, str] | None): the environment to start from. Default: this process's.
     """
     env = dict(os.environ if environ is None else environ)
@@ -55,8 +70,7 @@ def environment(device: str, environ: dict[str, str] | None = None) -> dict[str,
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p),
     }
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["CUDA_VISIBLE_DEVICES"] = "" if device == "cpu" else one_visible_gpu(env)
     return env
 
 
@@ -66,16 +80,20 @@ def ddp_ft(*args: str) -> list[str]:
 
 
 def train_command(out: Path, steps: int, preset: str, nproc: int = 1) -> list[str]:
-    """``ddp-ft train`` on ``preset`` for ``steps`` steps into ``out``: no wandb, no checkpoint before the end."""
+    """``ddp-ft train`` on ``preset`` for ``steps`` steps into ``out`` over gloo: no wandb, no checkpoint before the end.
+
+    Without a GPU visible it trains on the CPU; with one, on it.
+    """
     flags = ["--preset", preset, "--max-steps", str(steps), "--report-to", "none", "--save-every", "0"]
+    flags += ["--backend", BACKEND]
     return ddp_ft("train", *(["--nproc", str(nproc)] if nproc > 1 else []), *flags, "--output-dir", str(out))
 
 
 def doctor_command(out: Path, device: str, sizes: Sizes, nproc: int) -> list[str]:
-    """``ddp-ft doctor`` on ``nproc`` processes, writing the probe ``--link measured`` reads into ``out``."""
+    """``ddp-ft doctor`` on ``nproc`` processes over gloo, writing the probe ``--link measured`` reads into ``out``."""
     return ddp_ft(
         "doctor",
-        *("--nproc", str(nproc), "--device", device, "--sizes", *sizes.probe_sizes),
+        *("--nproc", str(nproc), "--device", device, "--backend", BACKEND, "--sizes", *sizes.probe_sizes),
         *("--repeats", str(sizes.probe_repeats), "--out", str(out)),
     )
 

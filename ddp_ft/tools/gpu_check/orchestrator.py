@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ...distributed import device_and_backend
+from ...distributed.devices import check_local_gpus, device_and_backend
 from .settings import GpuCheckSettings
 from .worker import run_worker
 
@@ -25,25 +25,14 @@ def plan_world_sizes(device_type: str, gpu_count: int, requested: list[int], bac
 
     Under NCCL each process needs its own GPU (NCCL refuses two ranks on one device). Under ``backend="gloo"`` on CUDA
     the processes may share one GPU, but only when exactly one is visible, so that every rank takes ``cuda:0``
-    (``ddp_ft.distributed.cuda_device_index``); BucketedDDP then warns that the ranks share it, as it does under gloo.
+    (``ddp_ft.distributed.devices.check_local_gpus``); BucketedDDP then warns that the ranks share it.
 
     Raises:
         ValueError: more processes than GPUs under NCCL, or under gloo with several GPUs visible, naming the fix.
     """
     sizes = requested or ([1, 2] if device_type == "cpu" or gpu_count >= 2 else [1])
-    if device_type == "cuda" and max(sizes) > gpu_count:
-        if backend == "gloo" and gpu_count == 1:
-            return sizes
-        if backend == "gloo":
-            raise ValueError(
-                f"{max(sizes)} processes sharing a GPU over gloo, but {gpu_count} GPUs are visible: make one visible "
-                "(CUDA_VISIBLE_DEVICES=0) so that every process takes it, or run at most one process per GPU."
-            )
-        raise ValueError(
-            f"{max(sizes)} processes but {gpu_count} GPU(s) visible: one process per GPU under NCCL; pass "
-            f"--world-sizes with at most {gpu_count}, --backend gloo with one GPU visible (the ranks share it), or "
-            "--device cpu."
-        )
+    if device_type == "cuda":
+        check_local_gpus(max(sizes), gpu_count, "gloo" if backend == "gloo" else "nccl")
     return sizes
 
 
@@ -96,8 +85,7 @@ def run_phase(world_size: int, settings: GpuCheckSettings) -> dict:
 
 def run_gpu_check(settings: GpuCheckSettings) -> dict:
     """Every phase, in order; the report that the table and the JSON show. ``report["passed"]`` is the verdict."""
-    device_type, backend = device_and_backend(settings.device, torch.cuda.is_available())
-    backend = backend if settings.backend == "auto" else settings.backend
+    device_type, backend = device_and_backend(settings.device, torch.cuda.is_available(), settings.backend)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if device_type == "cuda" else []
     sizes = plan_world_sizes(device_type, len(gpus), settings.world_sizes, settings.backend)
     started = time.monotonic()

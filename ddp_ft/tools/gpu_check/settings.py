@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...distributed import DEVICE_CHOICES
+from ...distributed.devices import DEVICE_CHOICES
 from ...training.model.precision import DTYPES
 from ..bench import BACKEND_CHOICES
 

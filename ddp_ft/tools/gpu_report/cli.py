@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ...distributed import DEVICE_CHOICES, device_and_backend
+from ...distributed.devices import DEVICE_CHOICES, device_and_backend
 from ..bench import cpu_name
 from .plan import plan_steps
 from .render import format_table, write_markdown

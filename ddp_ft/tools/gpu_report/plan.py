@@ -19,8 +19,8 @@ On CUDA (each step's expected seconds from the H100 runs in ``docs/performance.m
    (``--backend gloo``, one GPU visible): BucketedDDP against torch DDP and ``no_sync`` with real asynchronous
    communication, which one process cannot give; NCCL refuses two ranks on one GPU.
 7. ``forecast_check``: ``ddp-ft forecast`` from a 1-process run against 2 processes sharing the GPU over gloo
-   (``python -m ddp_ft.tools.forecast_check --device cuda``). It refuses while ``ddp-ft train`` cannot choose gloo
-   on CUDA, and is skipped with that reason; the CPU runs it as its own command (``make forecast-check``).
+   (``python -m ddp_ft.tools.forecast_check --device cuda``: ``ddp-ft train`` and ``ddp-ft doctor`` with
+   ``--backend gloo``, one GPU visible); the CPU runs it as its own command (``make forecast-check``).
 8. ``gpu_check``: ``scripts/gpu_check.py`` as ``make gpu-check`` runs it.
 9. ``ladder``: ``scripts/ladder.py`` on 2 GPUs (NCCL). With one GPU it is skipped: its CUDA split reads NCCL's kernels
    from the profiler's trace, and over gloo the communication leaves none to read.
@@ -35,14 +35,14 @@ ladder run; what needs CUDA is skipped with the reason.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from ...training.model.kernels import check_kernel_settings
-from ..forecast_check import RESULT_JSON, cuda_refusal
+from ..forecast_check import RESULT_JSON
+from ..forecast_check.stages import one_visible_gpu
 from . import summaries
 from .e2e import e2e_steps
 from .runner import Step
@@ -65,12 +65,6 @@ def kernel_refusal(liger: bool, compile: bool, device: str) -> str | None:
     except ValueError as error:
         return f"refused on this host: {error}"
     return None
-
-
-def one_visible_gpu() -> str:
-    """``CUDA_VISIBLE_DEVICES`` naming one GPU: the first of those visible now (``0`` when unset)."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if d.strip()]
-    return visible[0] if visible else "0"
 
 
 def plan_steps(
@@ -211,7 +205,7 @@ def _check_steps(device: str, gpu_count: int, results: Path, scripts: Path, pyth
 def _forecast_check(cuda: bool, results: Path, python: str) -> Step:
     """``ddp-ft forecast`` against 2 processes sharing one GPU over gloo; on the CPU, skipped for its own command."""
     out = results / "forecast_check"
-    skip = cuda_refusal("cuda") if cuda else "the CPU runs it as its own command (make forecast-check)"
+    skip = None if cuda else "the CPU runs it as its own command (make forecast-check)"
     return Step(
         "forecast_check",
         "ddp-ft forecast against 2 processes sharing one GPU over gloo",

@@ -22,7 +22,8 @@ from typing import NoReturn
 
 import torch
 
-from ...distributed import DEVICE_CHOICES, destroy_distributed, keep_upstream_notices_to_rank_zero
+from ...distributed import destroy_distributed, keep_upstream_notices_to_rank_zero
+from ...distributed.devices import DEVICE_CHOICES
 from ..bench import compute_setup, cpu_name, exit_without_finalization
 from .bench_comm import (
     FAVOURED_FRACTION,

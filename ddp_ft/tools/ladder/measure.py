@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed import DEVICE_CHOICES, destroy_distributed, setup_logging
+from ...distributed import destroy_distributed, setup_logging
+from ...distributed.devices import DEVICE_CHOICES
 from ...training.model.precision import DTYPES
 from ...training.model.qlora import LoraSettings, ModelSettings, build_tiny_qwen3, load_qlora_model
 from ..bench import ComputeSetup, compute_setup, synchronize
