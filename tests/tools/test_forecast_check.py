@@ -112,7 +112,8 @@ def test_cuda_runs_train_and_doctor_over_gloo(tmp_path, monkeypatch):
     main(["--out", str(tmp_path / "out"), "--device", "cuda", "--quick"])
     assert ran == ["cuda"] and (tmp_path / "out" / "forecast_check.json").exists()
     pair = train_command(tmp_path / "ddp0", 3, "tiny", 2)
-    assert pair[3:6] == ["train", "--nproc", "2"] and pair[-4:-2] == ["--backend", "gloo"]
+    assert pair[3:6] == ["train", "--nproc", "2"] and pair[pair.index("--backend") + 1] == "gloo"
+    assert "--no-compile" in pair and pair[pair.index("--packing") + 1] == "false"  # eager and padded, as on the CPU
     probe = doctor_command(tmp_path / "probe", "cuda", QUICK, 2)
     assert probe[probe.index("--device") : probe.index("--device") + 4] == ["--device", "cuda", "--backend", "gloo"]
     assert environment("cuda", {"CUDA_VISIBLE_DEVICES": "3,5"})["CUDA_VISIBLE_DEVICES"] == "3"  # the ranks share it

@@ -85,7 +85,7 @@ def train_command(out: Path, steps: int, preset: str, nproc: int = 1) -> list[st
     Without a GPU visible it trains on the CPU; with one, on it.
     """
     flags = ["--preset", preset, "--max-steps", str(steps), "--report-to", "none", "--save-every", "0"]
-    flags += ["--backend", BACKEND]
+    flags += ["--backend", BACKEND, "--no-compile", "--packing", "false"]  # the CPU's defaults: no run compiles
     return ddp_ft("train", *(["--nproc", str(nproc)] if nproc > 1 else []), *flags, "--output-dir", str(out))
 
 
