@@ -6,6 +6,7 @@ Ranks that all default to ``cuda:0`` would compete for one GPU.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -45,11 +46,26 @@ def model_device(module: nn.Module) -> torch.device:
 
 
 def device_identity(device: torch.device) -> tuple[str, str] | None:
-    """``(host, device)`` of a CUDA device, to compare across ranks; None on CPU, which ranks may share."""
+    """``(host, GPU)`` of a CUDA device, to compare across ranks; None on CPU, which ranks may share.
+
+    The GPU is the physical one: ranks that each see only their own GPU (SLURM's ``--gpus-per-task=1``) all call
+    it ``cuda:0``. Its UUID names it where torch reads one, else its entry in ``CUDA_VISIBLE_DEVICES``.
+    """
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return socket.gethostname(), f"cuda:{index}"
+    return socket.gethostname(), _physical_gpu(index)
+
+
+def _physical_gpu(index: int) -> str:
+    try:
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    except (AssertionError, RuntimeError):  # torch without CUDA
+        uuid = None
+    if uuid:
+        return f"GPU-{uuid}"
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return f"GPU {visible[index]}" if index < len(visible) else f"cuda:{index}"
 
 
 def shared_device(identities: list[tuple[str, str] | None]) -> tuple[int, int, str] | None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ddp_ft.ddp import BucketedDDP
-from ddp_ft.ddp.placement import model_device, shared_device
+from ddp_ft.ddp.placement import device_identity, model_device, shared_device
 
 from ..helpers.dist_harness import gather_tensors, run_distributed
 from ..helpers.models import Net, local_slice, make_batch
@@ -57,6 +57,20 @@ def test_other_ranks_gpu_refused_naming_set_device(monkeypatch):
     assert model_device(_FakeParams("cuda:1")) == torch.device("cuda:1")
     with pytest.raises(RuntimeError, match=r"spread over 2 devices: cuda:0 .*cuda:1"):
         model_device(_FakeParams("cuda:0", "cuda:1"))  # device_map="auto" over two GPUs
+
+
+def test_ranks_seeing_own_gpu_as_cuda0_not_shared(monkeypatch):
+    """Under SLURM's --gpus-per-task=1 every rank calls its own GPU cuda:0: the physical GPU decides."""
+    from types import SimpleNamespace
+
+    uuids = iter(["aaaa", "bbbb", "aaaa"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=next(uuids)))
+    ranks = [device_identity(torch.device("cuda", 0)) for _ in range(2)]
+    assert shared_device(ranks) is None
+    assert shared_device([*ranks, device_identity(torch.device("cuda", 0))]) == (0, 2, f"GPU-aaaa of {ranks[0][0]}")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace())  # no UUID read
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert device_identity(torch.device("cuda", 1))[1] == "GPU 5"
 
 
 def test_2_ranks_on_1_gpu_found_cpu_ranks_not():
