@@ -261,10 +261,7 @@ def settings_as_config(
 def write_run_config(
     settings: RunSettings, info: DistInfo, resolved: Mapping[str, Mapping[str, object]] | None = None
 ) -> Path:
-    """Write the settings and ``resolved`` to ``run_config.yaml`` on rank 0, atomically; return its path.
-
-    A process group's backend is recorded as the one that ran.
-    """
+    """Write the settings, ``resolved`` and the group's backend to ``run_config.yaml`` on rank 0, atomically."""
     path = Path(settings.train.output_dir) / RUN_CONFIG
     if info.backend is not None:
         resolved = {"ddp": {"backend": info.backend}, **(resolved or {})}
