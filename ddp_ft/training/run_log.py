@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 
 import torch.distributed as dist
@@ -52,6 +53,7 @@ class RunLog:
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.choice_logged = False  # bucket_cap_mb=auto's choice, written once
+        self.started = time.perf_counter()  # elapsed_s: wall time, the gaps between steps included
         logger.info(
             "%s: %d steps of %d samples (%d ranks x micro-batch %d x accumulation %d); %s",
             identity.name,
@@ -77,6 +79,7 @@ class RunLog:
             **self.meter.stop(result.input_tokens),
             **rank_balance(result.compute_ms, run.info.rank),
             **({"expected_peak_gb": probe.expected_peak / 1e9} if probe else {}),  # beside peak_mem_gb
+            elapsed_s=time.perf_counter() - self.started,
         )
         if run.resolved.precision.loss_scaling:
             record.update({"loss_scale": result.loss_scale, "skipped": int(result.skipped)})

@@ -62,4 +62,6 @@ def test_loop_and_trainer_write_alike_readable_records(tmp_path, monkeypatch):
         for record in records:
             assert record["compute_max_ms"] == record["compute_min_ms"] > 0, (entry, record)
             assert (record["imbalance"], record["wait_for_slowest_ms"]) == (1.0, 0.0), (entry, record)
+        elapsed = [r["elapsed_s"] for r in records]  # the wall clock, for tokens/s with the gaps between steps
+        assert 0 < elapsed[0] < elapsed[1], (entry, elapsed)
     assert summaries["loop"].effective_batch == summaries["trainer"].effective_batch == 1

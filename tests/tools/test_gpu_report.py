@@ -236,17 +236,18 @@ def test_e2e_step_reads_metrics_peak_within_10_percent(tmp_path):
     rows = [{"type": "config", "micro_batch": 16, "accumulation": 1}]
     rows += [
         {"type": "train", "tokens_per_s": rate, "peak_mem_gb": 20.0, "expected_peak_gb": 19.0, "step_time_s": 9.0}
-        | {"loss": 2.0, "compile/time_s": 14.0, "compile/graphs": 2}
-        for rate in (900.0, 20000.0, 21000.0, 19000.0)
+        | {"loss": 2.0, "compile/time_s": 14.0, "compile/graphs": 2, "tokens": 8000, "elapsed_s": elapsed}
+        for rate, elapsed in ((900.0, 9.0), (20000.0, 9.5), (21000.0, 10.0), (19000.0, 10.5))
     ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = read_run(metrics)
     assert (result["tokens_per_s"], result["tokens_per_s_range"]) == (20000.0, [19000.0, 21000.0])  # step 1 left out
+    assert result["wall_tokens_per_s"] == 16000.0  # 3 steps of 8,000 tokens in 1.5 s, the gaps between them included
     summary, problems = e2e_summary(result, {})
     assert (
         problems == []
-        and "20,000 non-padding tokens/s" in summary["headline"]
+        and "20,000 non-padding tokens/s, 16,000 by the wall clock" in summary["headline"]
         and "compile 14 s" in summary["headline"]
     )
     _, problems = e2e_summary({**result, "peak_allocated_gb": 22.0}, {})

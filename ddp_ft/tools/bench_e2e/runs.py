@@ -219,8 +219,8 @@ def step_parts(records: list[dict]) -> dict[str, float | None]:
 
 def wall_tokens_per_s(records: list[dict]) -> float | None:
     """Tokens of the steps after the first over the wall seconds from the first step's end to the last's
-    (``elapsed_s``, written by the Trainer path): everything between steps counts, the Trainer's own collectives
-    before a step and data loading included. None without ``elapsed_s`` (the plain loop) or with under 2 steps."""
+    (``elapsed_s``): everything between steps counts, the Trainer's own collectives before a step, logging and data
+    loading included. None without ``elapsed_s`` (an older run) or with under 2 steps."""
     trains = [r for r in records if r.get("type") == "train"]
     if len(trains) < 2 or any(r.get("elapsed_s") is None for r in trains):
         return None

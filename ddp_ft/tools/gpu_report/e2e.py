@@ -5,7 +5,8 @@ compile and checkpointing at micro-batch 1 and ``auto``.
 Each end-to-end step is ``python -m ddp_ft.tools.gpu_report.e2e --out RESULT.json -- COMMAND...``: the training command
 runs as a user would start it (``--output-dir`` pointing into the report's folder), then its ``metrics.jsonl`` is
 read into the result JSON: non-padding tokens/s per optimizer step (the median of the steps after the first, which
-carries compilation and the micro-batch probe), the measured peak and the probe's expected peak, the compile
+carries compilation and the micro-batch probe), the same by the wall clock (the gaps between steps included), the
+measured peak and the probe's expected peak, the compile
 counters and time, the micro-batch and accumulation that ran. The model is a random-weight Qwen3-4B built by
 ``scripts/random_model.py`` with the tokenizer in ``--data``, the data the AMI meetings there; without them the
 end-to-end steps are skipped with the reason.
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..bench_e2e.runs import wall_tokens_per_s
 from .runner import write_report
 
 
@@ -39,6 +41,7 @@ def read_run(metrics: Path) -> dict:
         "gradient_checkpointing": config.get("gradient_checkpointing"),
         "tokens_per_s": statistics.median(rates) if rates else None,
         "tokens_per_s_range": [min(rates), max(rates)] if rates else None,
+        "wall_tokens_per_s": wall_tokens_per_s(rows),  # the gaps between steps included
         "first_step_s": steps[0].get("step_time_s") if steps else None,
         "peak_allocated_gb": peak,
         "expected_peak_gb": last.get("expected_peak_gb"),
@@ -50,7 +53,9 @@ def read_run(metrics: Path) -> dict:
 def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
     """Headline of one end-to-end step; expected against measured peak beyond 10% is a problem."""
     rate, peak, expected = result.get("tokens_per_s"), result.get("peak_allocated_gb"), result.get("expected_peak_gb")
+    wall = result.get("wall_tokens_per_s")
     parts = [f"{rate:,.0f} non-padding tokens/s" if rate else "no step timed"]
+    parts += [f"{wall:,.0f} by the wall clock"] if wall else []
     parts.append(f"micro-batch {result.get('micro_batch')} x {result.get('accumulation')}")
     if result.get("gradient_checkpointing") is not None:
         parts.append(f"checkpointing {'on' if result['gradient_checkpointing'] else 'off'}")
