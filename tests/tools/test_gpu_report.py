@@ -250,6 +250,7 @@ def test_e2e_step_reads_metrics_peak_within_10_percent(tmp_path):
         and "20,000 non-padding tokens/s, 16,000 by the wall clock" in summary["headline"]
         and "compile 14 s" in summary["headline"]
     )
+    assert "MFU 44.2%" in e2e_summary({**result, "mfu": 0.442}, {})[0]["headline"]
     _, problems = e2e_summary({**result, "peak_allocated_gb": 22.0}, {})
     assert problems and "beyond" not in problems[0] and "116%" in problems[0]
 
@@ -288,3 +289,25 @@ def test_runs_end_to_end_on_cpu_recording_every_step(tmp_path):
     assert "# GPU report" in markdown and "the smoke test" in markdown
     assert f"| {len(CPU_STEPS)} | scaling_2gpu | skipped |" in markdown
     assert "scaling_2gpu | skipped" in run.stdout
+
+
+def test_e2e_mfu_from_run_config_and_gpu(tmp_path):
+    """MFU = tokens/s x the Qwen3's model FLOPs per token at the run's sequence and LoRA rank / the GPU's bf16 peak."""
+    import yaml
+    from transformers import Qwen3Config
+
+    from ddp_ft.tools.bench import qlora_training_flops
+    from ddp_ft.tools.gpu_report.e2e import run_mfu
+    from ddp_ft.training.model.memory import Qwen3Shape
+
+    model = tmp_path / "model"
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16,
+                num_key_value_heads=2, vocab_size=100).save_pretrained(model)  # fmt: skip
+    config = {"model": {"model_name_or_path": str(model), "compute_dtype": "auto"}, "data": {"max_seq_len": 512}}
+    (tmp_path / "run_config.yaml").write_text(yaml.safe_dump(config | {"lora": {"lora_r": 8}}))
+    flops = qlora_training_flops(Qwen3Shape.from_config(Qwen3Config.from_pretrained(model)), 512, 8)
+    assert run_mfu(tmp_path, 1e6, "NVIDIA H200") == pytest.approx(1e6 * flops.per_token / 989e12)
+    assert run_mfu(tmp_path, 1e6, "NVIDIA GeForce GTX 1080") is None  # no known peak
+    config["model"]["compute_dtype"] = "float32"
+    (tmp_path / "run_config.yaml").write_text(yaml.safe_dump(config | {"lora": {"lora_r": 8}}))
+    assert run_mfu(tmp_path, 1e6, "NVIDIA H200") is None  # the peak is bf16's

@@ -6,7 +6,7 @@ Each end-to-end step is ``python -m ddp_ft.tools.gpu_report.e2e --out RESULT.jso
 runs as a user would start it (``--output-dir`` pointing into the report's folder), then its ``metrics.jsonl`` is
 read into the result JSON: non-padding tokens/s per optimizer step (the median of the steps after the first, which
 carries compilation and the micro-batch probe), the same by the wall clock (the gaps between steps included), the
-measured peak and the probe's expected peak, the compile
+MFU of a Qwen3 model on a GPU of known peak, the measured peak and the probe's expected peak, the compile
 counters and time, the micro-batch and accumulation that ran. The model is a random-weight Qwen3-4B built by
 ``scripts/random_model.py`` with the tokenizer in ``--data``, the data the AMI meetings there; without them the
 end-to-end steps are skipped with the reason.
@@ -56,6 +56,7 @@ def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
     wall = result.get("wall_tokens_per_s")
     parts = [f"{rate:,.0f} non-padding tokens/s" if rate else "no step timed"]
     parts += [f"{wall:,.0f} by the wall clock"] if wall else []
+    parts += [f"MFU {result['mfu']:.1%}"] if result.get("mfu") else []
     parts.append(f"micro-batch {result.get('micro_batch')} x {result.get('accumulation')}")
     if result.get("gradient_checkpointing") is not None:
         parts.append(f"checkpointing {'on' if result['gradient_checkpointing'] else 'off'}")
@@ -69,12 +70,42 @@ def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
     return {**result, "headline": ", ".join(parts)}, problems
 
 
+def run_mfu(output_dir: Path, tokens_per_s: float | None, device_name: str) -> float | None:
+    """The run's MFU on ``device_name`` (``ddp_ft.tools.bench.MFU_FORMULA``), from its ``run_config.yaml``.
+
+    None for a model that is no Qwen3 shape, a float32 run, or a GPU without a known peak.
+    """
+    import torch
+    import yaml
+    from transformers import AutoConfig
+
+    from ...training.model.memory import Qwen3Shape
+    from ..bench import peak_tflops, qlora_training_flops
+
+    config = yaml.safe_load((output_dir / "run_config.yaml").read_text())
+    dtype = torch.float32 if config["model"]["compute_dtype"] == "float32" else torch.bfloat16
+    peak = peak_tflops(device_name, dtype)
+    if not tokens_per_s or peak is None:
+        return None
+    try:
+        shape = Qwen3Shape.from_config(AutoConfig.from_pretrained(config["model"]["model_name_or_path"]))
+    except (OSError, ValueError, AttributeError):  # an embedded or hub model, or another architecture
+        return None
+    flops = qlora_training_flops(shape, config["data"]["max_seq_len"], config["lora"]["lora_r"])
+    return tokens_per_s * flops.per_token / (peak * 1e12)
+
+
 def run_and_read(command: list[str], output_dir: Path, out: Path) -> int:
     """Run ``command`` (its ``--output-dir`` is ``output_dir``), then write the run's result to ``out``."""
+    import torch
+
     status = subprocess.run(command, check=False).returncode
     metrics = output_dir / "metrics.jsonl"
     if status == 0 and metrics.exists():
-        write_report({"command": command, **read_run(metrics)}, out)
+        result = read_run(metrics)
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        result["mfu"] = run_mfu(output_dir, result["tokens_per_s"], name)
+        write_report({"command": command, **result}, out)
     return status
 
 
