@@ -110,7 +110,10 @@ def test_split_keeps_effective_batch_or_says_why_not():
     assert split_batch(8, 2, 2) == (2, None)
     accumulation, note = split_batch(8, 2, 8)
     assert accumulation == 1 and "effective batch 8 does not split into micro-batch 2 x 8" in note
-    assert "(effective batch 16)" in note
+    assert "(effective batch 16)" in note and note.endswith("--micro-batch 1")
+    _, note = split_batch(16, 16, 2)  # --micro-batch auto took the whole batch on one GPU
+    assert note.endswith("To keep 16, each rank runs micro-batch 8: forecast a one-process run with --micro-batch 8")
+    assert "To keep" not in split_batch(6, 2, 4)[1]  # 6 samples do not split over 4 ranks at all
 
 
 def _ring_rows(bandwidth_gbps, latency_us, world=2, sizes=(64 * 2**10, 2**20, 16 * 2**20)):

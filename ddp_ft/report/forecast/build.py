@@ -144,15 +144,22 @@ def _step(train: dict, backward: dict, accumulation: int) -> MeasuredStep:
 
 
 def split_batch(effective_batch: int, micro_batch: int, ranks: int) -> tuple[int, str | None]:
-    """Micro-steps per rank that keep ``effective_batch``, else 1 and a note."""
+    """Micro-steps per rank that keep ``effective_batch``, else 1 and a note naming the run that would keep it."""
     per_step = micro_batch * ranks
     if effective_batch % per_step == 0:
         return effective_batch // per_step, None
     accumulation = max(1, effective_batch // per_step)
-    return accumulation, (
+    note = (
         f"{ranks} ranks: effective batch {effective_batch} does not split into micro-batch {micro_batch} x {ranks} "
         f"ranks; forecast at accumulation {accumulation} (effective batch {micro_batch * accumulation * ranks})"
     )
+    smaller = effective_batch // ranks if effective_batch % ranks == 0 else 0
+    if smaller:  # its micro-step is not this run's to measure
+        note += (
+            f". To keep {effective_batch}, each rank runs micro-batch {smaller}: forecast a one-process run with "
+            f"--micro-batch {smaller}"
+        )
+    return accumulation, note
 
 
 def forecast_run(
