@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 HEADER = {"device": "cpu", "gpus": [], "versions": {"torch": "x", "cuda": None}}
 E2E = ["loop_defaults", "recipe_defaults", "packed_2048", "pieces", "packed_2048_short", "packed_2048_short_sdpa"]
-E2E += ["loop_old_defaults", "stock_reference"]
+E2E += ["loop_old_defaults", "stock_reference", "loop_half_micro_batch"]
 CELLS = {
     mb: [f"decomp_{c}_{k}_{mb}" for k in ("ckpt", "nockpt") for c in ("eager", "compiled")] for mb in ("auto", "mb1")
 }
@@ -218,12 +218,13 @@ def test_chosen_steps_run_with_what_they_read(tmp_path):
     (tmp_path / "ami").mkdir()
     (tmp_path / "ami" / "ami_abstractive.jsonl").touch()
     plan = plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)
-    chosen = choose_steps(plan, ["packed_2048_short", "gpu_check"])
-    assert [s.name for s in chosen] == [s.name for s in plan]  # the rest reported, skipped
-    run = {s.name for s in chosen if s.skip is None}
-    assert run == {"random_model", "pieces", "packed_2048_short", "gpu_check"}
+    chosen = choose_steps(plan, ["gpu_check", "packed_2048_short", "recipe_defaults"])
+    assert sorted(s.name for s in chosen) == sorted(s.name for s in plan)  # the rest reported, skipped
+    run = [s.name for s in chosen if s.skip is None]
+    assert run == ["gpu_check", "random_model", "pieces", "packed_2048_short", "recipe_defaults"]  # in the order asked
     skips = {s.name: s.skip for s in chosen}
-    assert skips["loop_defaults"] == skips["decomp_eager_ckpt_auto"] == "not chosen (--steps packed_2048_short gpu_check)"
+    unchosen = "not chosen (--steps gpu_check packed_2048_short recipe_defaults)"
+    assert skips["loop_defaults"] == skips["decomp_eager_ckpt_auto"] == unchosen
     assert "needs 2 or more" in skips["ladder"]  # a plan's own reason stays
     assert choose_steps(plan, None) == plan
     with pytest.raises(ValueError, match="--steps recipe: no such step; choose from random_model loop_defaults"):

@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         metavar="NAME",
         default=None,
-        help="run only these steps and those they read from (the rest are skipped, saying so). Default: all",
+        help="run only these steps, in this order, each after those it reads from (the rest are skipped, saying so). "
+        "Default: all, most valuable first",
     )
     args = p.parse_args(argv)
     if args.budget_s <= 0:

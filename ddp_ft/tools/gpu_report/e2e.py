@@ -219,4 +219,10 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
             [*recipe, *base, *OLD_DEFAULTS, "--trainer", "stock-hf", "--max-steps", "3"],
             50,
         ),
+        run(
+            "loop_half_micro_batch",
+            "the loop at micro-batch 8 x 2: the micro-step of 2 GPUs at effective batch 16, for ddp-ft forecast",
+            [*train, *base, "--micro-batch", "8", "--max-steps", "16"],
+            110,
+        ),
     ]

@@ -13,7 +13,8 @@ On CUDA (each step's expected seconds from the H100 runs in ``docs/performance.m
    dropout; each compiled cell's losses against its eager twin's (the compute dtype's tolerance), the expected
    against the measured peak (the 10% gate).
 4. ``loop_old_defaults``: the loop at the seed's settings (micro-batch 1, eager, padded); ``stock_reference``: the
-   stock Trainer at the reference write-up's (micro-batch 1, eager).
+   stock Trainer at the reference write-up's (micro-batch 1, eager); ``loop_half_micro_batch``: micro-batch 8, the
+   micro-step of two GPUs at effective batch 16, for ``ddp-ft forecast``.
 5. The decomposition at micro-batch 1.
 6. ``shared_gpu_gloo``: ``scripts/gpu_check.py`` on 2 processes sharing one GPU over gloo with CUDA tensors
    (``--backend gloo``, one GPU visible): BucketedDDP against torch DDP and ``no_sync`` with real asynchronous

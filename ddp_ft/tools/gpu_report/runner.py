@@ -67,7 +67,9 @@ class Step:
 
 
 def choose_steps(steps: list[Step], names: list[str] | None) -> list[Step]:
-    """``steps`` with those outside ``names`` and their needs skipped, saying so; all of them for None.
+    """The steps ``names`` asks for, in its order, each after the steps it reads from; then the rest, skipped.
+
+    None keeps every step in the plan's order.
 
     Raises:
         ValueError: a name that is no step, listing the steps.
@@ -78,14 +80,19 @@ def choose_steps(steps: list[Step], names: list[str] | None) -> list[Step]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"--steps {' '.join(unknown)}: no such step; choose from {' '.join(known)}")
-    chosen, todo = set(), list(names)
-    while todo:
-        name = todo.pop()
-        if name not in chosen:
-            chosen.add(name)
-            todo.extend(known[name].needs)
+    order: list[str] = []
+
+    def add(name: str) -> None:
+        for need in known[name].needs:
+            add(need)
+        if name not in order:
+            order.append(name)
+
+    for name in names:
+        add(name)
     unchosen = f"not chosen (--steps {' '.join(names)})"
-    return [s if s.name in chosen or s.skip else replace(s, skip=unchosen) for s in steps]
+    rest = [s if s.skip else replace(s, skip=unchosen) for s in steps if s.name not in order]
+    return [known[name] for name in order] + rest
 
 
 def write_report(report: dict, path: Path) -> None:
