@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from ..bench_e2e.runs import wall_tokens_per_s
-from .runner import write_report
+from .runner import Step, write_report
 
 
 def read_run(metrics: Path) -> dict:
@@ -134,6 +134,27 @@ CPU_SMOKE = ["--preset", "tiny", "--max-steps", "2", "--report-to", "none"]
 SHORT = ["--format", "text", "--max-seq-len", "2048", "--packing", "true"]  # fmt: skip
 SHORT += ["--micro-batch", "40", "--effective-batch", "80"]
 OLD_DEFAULTS = ["--micro-batch", "1", "--no-compile", "--packing", "false"]  # the seed's: micro-batch 1, eager, padded
+CPU_SKIP = "CUDA only: the CPU smoke test runs loop_defaults"
+MODEL = ("random_model",)  # what every end-to-end step on CUDA trains
+
+
+def _measured(
+    python: str, results: Path, name: str, title: str, command: list[str], expected_s: float, skip, needs
+) -> Step:
+    """One end-to-end step: ``command`` run by this module's wrapper, which reads its metrics into ``name.json``."""
+    out = results / f"{name}.json"
+    wrapped = [python, "-m", "ddp_ft.tools.gpu_report.e2e", "--out", str(out), "--output-dir", str(results / name)]
+    return Step(
+        name,
+        title,
+        [*wrapped, "--", *command],
+        out,
+        expected_s,
+        3 * expected_s,
+        skip,
+        summarize=e2e_summary,
+        needs=needs,
+    )
 
 
 def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path | None = None) -> list:
@@ -141,8 +162,6 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
     old defaults, the stock Trainer at the reference write-up's settings. On the CPU only the loop's defaults
     run, on the tiny preset (the smoke test of the mechanism); the rest needs CUDA and is skipped there. Without
     ``data`` (a folder holding ``DATA_FILES``) the CUDA steps are skipped too, saying so."""
-    from .runner import Step
-
     cuda = device == "cuda"
     tokenizer, ami = ((data or Path("DATA")) / name for name in DATA_FILES)
     model = results / "qwen3-4b-random"
@@ -153,23 +172,11 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
     root = scripts.parent
     launch = [python, "-m", "accelerate.commands.launch", "--config_file", str(root / "accelerate_configs/single.yaml")]
     train, recipe = [python, str(scripts / "train.py")], [*launch, str(root / "recipes" / "qwen_ami.py")]
+    cuda_skip = no_data if cuda else CPU_SKIP
 
-    def run(name: str, title: str, command: list[str], expected_s: float, cuda_only: bool = True) -> Step:
-        out = results / f"{name}.json"
-        wrapped = [python, "-m", "ddp_ft.tools.gpu_report.e2e", "--out", str(out), "--output-dir", str(results / name)]
-        skip = no_data if cuda else ("CUDA only: the CPU smoke test runs loop_defaults" if cuda_only else None)
-        needs = ("random_model", "pieces") if name.startswith("packed_2048_short") else ("random_model",)
-        return Step(
-            name,
-            title,
-            [*wrapped, "--", *command],
-            out,
-            expected_s,
-            3 * expected_s,
-            skip=skip,
-            summarize=e2e_summary,
-            needs=needs if cuda else (),
-        )
+    def run(name: str, title: str, command: list[str], expected_s: float, cuda_only: bool = True, needs=MODEL) -> Step:
+        skip = cuda_skip if cuda_only else no_data
+        return _measured(python, results, name, title, command, expected_s, skip, needs if cuda else ())
 
     build = [python, str(scripts / "random_model.py"), "--tokenizer", str(tokenizer), "--out", str(model)]
     steps = [Step("random_model", "a random-weight Qwen3-4B (no download)", build, None, 45, 300, skip=no_data)]
@@ -177,7 +184,6 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
     texts = results / "pieces.jsonl"
     pieces = [python, "-m", "ddp_ft.tools.gpu_report.pieces", "--source", str(ami), "--out", str(texts)]
     short = [*train, *base, *SHORT, "--source", str(texts), "--max-steps", "5"]
-    only_cuda = no_data if cuda else "CUDA only: the CPU smoke test runs loop_defaults"
     loop_defaults = [*train, *base, "--max-steps", "16"] if cuda else [*train, *CPU_SMOKE]
     return steps + [
         run(
@@ -194,18 +200,20 @@ def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path
             [*train, *base, "--max-seq-len", "2048", "--packing", "true", "--max-steps", "6"],
             90,
         ),
-        Step("pieces", "AMI cut into 280-word texts (packing's cost)", pieces, None, 5, 60, skip=only_cuda),
+        Step("pieces", "AMI cut into 280-word texts (packing's cost)", pieces, None, 5, 60, skip=cuda_skip),
         run(
             "packed_2048_short",
             "the loop at sequence 2,048, five short texts packed per row (against packed_2048's one), at the defaults",
             short,
             100,
+            needs=(*MODEL, "pieces"),
         ),
         run(
             "packed_2048_short_sdpa",
             "the same through sdpa, which computes the blocks the mask hides (attention auto: flex there)",
             [*short, "--attention", "sdpa"],
             100,
+            needs=(*MODEL, "pieces"),
         ),
         run(
             "loop_old_defaults",
