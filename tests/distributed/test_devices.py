@@ -117,7 +117,7 @@ def two_ranks_on_one_visible_gpu(monkeypatch):
 
 
 def test_nccl_group_bound_to_device_with_timeout(two_ranks_on_one_visible_gpu):
-    """Item 5: ``device_id`` makes NCCL create its communicator at once and gives barriers this device; before, the
+    """``device_id`` makes NCCL create its communicator at once and gives barriers this device; before, the
     group was unbound and a barrier guessed ``cuda:<rank % device count>``."""
     from datetime import timedelta
 
@@ -178,7 +178,7 @@ def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):
 
 
 def test_suite_hides_cuda_from_its_processes():
-    """Item 2: on a GPU host the CPU suite's launches inherited CUDA (2 processes on 1 GPU failed with 'LOCAL_RANK=1
+    """On a GPU host the CPU suite's launches inherited CUDA (2 processes on 1 GPU failed with 'LOCAL_RANK=1
     but only 1 CUDA devices'; on 2 GPUs they took NCCL and CUDA metrics). ``cuda`` tests get it back explicitly."""
     import os
     import subprocess

@@ -88,7 +88,7 @@ def _fp16_steps_with_one_rank_overflowing(rank, world_size, steps=3, overflow_st
 
 @pytest.mark.distributed
 def test_fp16_overflow_on_one_rank_skips_on_all_as_ddp():
-    """Item 3's loss scaling under BucketedDDP: the scaled gradients are averaged before ``unscale_``, so the inf of
+    """Loss scaling under BucketedDDP: the scaled gradients are averaged before ``unscale_``, so the inf of
     one rank reaches every rank; all skip the step and halve the scale together, weights equal to torch DDP's with the
     same scaler bit for bit and the same on both ranks."""
     from torch.testing import assert_close

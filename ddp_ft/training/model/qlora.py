@@ -277,7 +277,7 @@ def load_qlora_model(
 def _frozen_weights_kept(base: torch.nn.Module) -> Iterator[None]:
     """Hides the frozen fp16/bf16 weights from peft's float32 upcast within the block.
 
-    On Qwen3-4B the upcast costs 0.78 GB resident, plus a bf16 re-cast on every forward.
+    The upcast costs resident memory (docs/performance.md has the numbers), plus a bf16 re-cast on every forward.
     Qwen3's RMSNorm normalises in fp32 anyway, so the norms can stay in the compute dtype too.
     Empty fp32 placeholders stand in, so no fp32 copy ever exists.
     """

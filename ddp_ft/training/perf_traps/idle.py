@@ -294,7 +294,7 @@ _SIZED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 def sized_by_probe(model: torch.nn.Module) -> None:
     """Exempt ``model`` from the check: ``--micro-batch auto``'s probe already chose the largest that fits.
 
-    The check profiles one step, which costs that step about half its time.
+    The check profiles one step, which slows that step.
     """
     _SIZED.add(model)
 
