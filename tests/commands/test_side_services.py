@@ -4,6 +4,7 @@ failure never stops training, only rank 0 talks to wandb, and no secret reaches 
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,18 @@ def test_only_rank_0_starts_wandb_in_both_entry_points(tmp_path, run_env, monkey
     assert os.environ["WANDB_JOB_TYPE"] == "ddp-2"
 
 
+def _written_once_wandb_flushed(folder, timeout_s: float = 30.0) -> dict:
+    """Every file's bytes under ``folder``, read once the offline run holds our metrics: wandb's service writes its
+    file after ``finish()`` returns, later on a loaded host."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        written = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+        runs = [data for p, data in written.items() if p.suffix == ".wandb"]
+        if any(b"samples_seen" in data for data in runs) or time.monotonic() > deadline:
+            return written
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("entry", ["loop", "trainer"])
 def test_no_secret_reaches_logs_metrics_or_checkpoints(entry, tmp_path, run_env, monkeypatch, caplog, capfd):
     """Secret-named variables set (fake values), wandb offline: two steps with a checkpoint each, then every byte
@@ -171,8 +184,7 @@ def test_no_secret_reaches_logs_metrics_or_checkpoints(entry, tmp_path, run_env,
     caplog.set_level(logging.DEBUG)
     assert short_run(entry, tmp_path / "run", save_every=1) == STEPS
     wandb.finish()  # the Trainer leaves its run open; finishing writes everything the run has
-
-    written = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    written = _written_once_wandb_flushed(tmp_path)
     leaks = [(str(p), n) for p, data in written.items() for n, v in SECRETS.items() if v.encode() in data]
     out, err = capfd.readouterr()
     leaks += [
