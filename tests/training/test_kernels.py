@@ -276,6 +276,32 @@ def test_new_sequence_lengths_do_not_recompile():
     assert graphs[False] >= 4, graphs
 
 
+def test_lengths_equal_to_model_sizes_do_not_recompile():
+    """Padded lengths that happen to equal the layer's head size (64) or hidden size (256), and batch sizes that
+    change, with padding masks: still one graph. Dimensions are marked dynamic by their place in each input, not by a matching size, so
+    the hidden and head dimensions stay static (marked on a coincidence, they forced a second graph in which the
+    model's own sizes were symbolic)."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen3ForCausalLM
+
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2)).train()
+    compile_repeated_blocks(model, backend="eager")
+    try:
+        for batch, length in ((2, 11), (3, 64), (2, 256), (4, 13)):
+            ids, mask = torch.randint(0, 64, (batch, length)), torch.ones(batch, length, dtype=torch.long)
+            mask[0, -3:] = 0  # padding: the layers get a (batch, 1, length, length) mask
+            model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 1, graphs
+
+
 def test_user_model_refused_where_compile_breaks():
     """TrainingArguments(torch_compile=True) on a LoRA model with dropout in checkpointed layers, on a torch before 2.11
     (faked): refused naming the setting and the fix; with dropout 0, or on torch 2.11, allowed."""

@@ -51,19 +51,32 @@ def is_regionally_compiled(model: nn.Module) -> bool:
 
 
 def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: marks the dimensions with the hidden states' length or batch size dynamic.
+    """Forward pre-hook: marks the batch and sequence dimensions of the block's inputs dynamic.
 
+    The first input is the hidden states, (batch, sequence, features). The others are marked where they share that
+    layout: dims 0 and 1 of (batch, sequence, ...) inputs, the last two of (..., sequence, sequence) masks, a
+    1-D input of the sequence's length. A feature dimension that happens to equal the length stays static.
     Where Dynamo must specialise, ``maybe_mark_dynamic`` does not fail; the recompile counter shows it.
     """
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     tensors += [t for v in kwargs.values() if isinstance(v, tuple) for t in v if isinstance(t, torch.Tensor)]
     if not tensors or tensors[0].dim() < 2:
         return
-    sizes = {size for size in tensors[0].shape[:2] if size > 1}
+    batch, length = tensors[0].shape[:2]
     for tensor in tensors:
-        for dim, size in enumerate(tensor.shape):
-            if size in sizes:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        for dim in _batch_and_sequence_dims(tuple(tensor.shape), batch, length):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def _batch_and_sequence_dims(shape: tuple[int, ...], batch: int, length: int) -> list[int]:
+    """Where an input of ``shape`` holds the batch or the sequence, sizes of 1 left out."""
+    if len(shape) < 2:
+        dims = [0] if shape == (length,) else []
+    elif len(shape) == 4 and shape[2:] == (length, length):  # an attention mask
+        dims = [0, 2, 3] if shape[0] == batch else [2, 3]
+    else:
+        dims = [dim for dim, size in ((0, batch), (1, length)) if shape[dim] == size]
+    return [dim for dim in dims if shape[dim] > 1]
 
 
 def _training_forward(eager: Callable, compiled: Callable) -> Callable:
