@@ -213,6 +213,16 @@ def test_plan_skips_what_host_cannot_run_with_reason(tmp_path):
     assert sum(s.expected_s for s in first if s.name in valuable) <= 600
 
 
+def test_e2e_runs_log_recompile_reasons(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    plan = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)}
+    runs = [name for name in E2E if name != "pieces"]  # the training runs
+    assert all(plan[name].env == {"TORCH_LOGS": "recompiles"} for name in runs) and not plan["pieces"].env
+    monkeypatch.setenv("TORCH_LOGS", "graph_breaks")
+    plan = {s.name: s for s in plan_steps("cuda", 1, tmp_path, ROOT / "scripts", "python", data=tmp_path)}
+    assert plan["loop_defaults"].env == {"TORCH_LOGS": "graph_breaks,recompiles"}
+
+
 def test_chosen_steps_run_with_what_they_read(tmp_path):
     (tmp_path / "qwen2-tokenizer").mkdir()
     (tmp_path / "ami").mkdir()

@@ -7,7 +7,8 @@ runs as a user would start it (``--output-dir`` pointing into the report's folde
 read into the result JSON: non-padding tokens/s per optimizer step (the median of the steps after the first, which
 carries compilation and the micro-batch probe), the same by the wall clock (the gaps between steps included), the
 MFU of a Qwen3 model on a GPU of known peak, the measured peak and the probe's expected peak, the compile
-counters and time, the micro-batch and accumulation that ran. The model is a random-weight Qwen3-4B built by
+counters and time, the micro-batch and accumulation that ran. Each run logs Dynamo's reason for every
+recompilation (``TORCH_LOGS=recompiles``). The model is a random-weight Qwen3-4B built by
 ``scripts/random_model.py`` with the tokenizer in ``--data``, the data the AMI meetings there; without them the
 end-to-end steps are skipped with the reason.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -152,9 +154,16 @@ def _measured(
         expected_s,
         3 * expected_s,
         skip,
+        env={"TORCH_LOGS": recompile_logs()},
         summarize=e2e_summary,
         needs=needs,
     )
+
+
+def recompile_logs() -> str:
+    """``TORCH_LOGS`` with Dynamo's reasons for each recompilation added: the step's log says why any graph was
+    compiled again."""
+    return ",".join(name for name in (os.environ.get("TORCH_LOGS"), "recompiles") if name)
 
 
 def e2e_steps(device: str, results: Path, scripts: Path, python: str, data: Path | None = None) -> list:
