@@ -31,7 +31,7 @@ from .model.compilation import Blocker, compile_blockers, refuse_blockers
 from .model.kernels import check_kernel_settings
 from .model.memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
 from .model.precision import Precision
-from .model.probe import MicroBatchProbe, probe_micro_batch
+from .model.probe import MicroBatchProbe, device_share_bytes, probe_micro_batch
 from .model.qlora import EMBEDDED_MODEL, check_device_map, set_checkpointing
 from .perf_traps import sized_by_probe
 
@@ -217,7 +217,7 @@ def resolve_micro_batch(
         settings (RunSettings): the run's settings.
         info (DistInfo): this rank.
         shape (Qwen3Shape | None): the model's sizes. Default: from its ``config.json``
-        device_bytes (int | None): device memory. Default: the CUDA device's total
+        device_bytes (int | None): device memory. Default: this rank's share of its GPU
 
     Returns:
         MicroBatchChoice | None: the guess; None when the model is not Qwen3-shaped.
@@ -231,7 +231,7 @@ def resolve_micro_batch(
                 f"--micro-batch auto fills a GPU's memory; this run is on {info.device.type}, whose memory is the "
                 "host's: give --micro-batch a number (default 1)."
             )
-        device_bytes = torch.cuda.mem_get_info(info.device)[1]
+        device_bytes, _ = device_share_bytes(info)
         if info.is_distributed and dist.is_initialized():  # one choice for all ranks
             smallest = torch.tensor([device_bytes], dtype=torch.int64, device=info.device)
             dist.all_reduce(smallest, op=dist.ReduceOp.MIN)

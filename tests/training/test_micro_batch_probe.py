@@ -166,6 +166,28 @@ def test_two_ranks_take_smaller_device_share_failures():
     assert failed1 == "rank 1's probe broke"
 
 
+def _sharing_ranks(rank, world_size, shared: bool):
+    """Each rank on a fake 20 GB GPU, both on the same one or each on its own; the probe's budget follows."""
+    import ddp_ft.training.model.probe as probe
+
+    probe.device_total_bytes = lambda device: 20 * GB  # this forked rank's module only
+    probe.device_identity = lambda device: ("host", "GPU-0" if shared else f"GPU-{rank}")
+    info = DistInfo(rank=rank, local_rank=rank, world_size=world_size)
+    # 4 GB + 1 GB per sample, 8 per rank: 18 GB (20 less 10%) fits 8; a 9 GB half fits 4 (8 GB)
+    chosen = _probe(_causal_lm(), 16, None, _line(4 * GB, GB), info=info, optimizer_state=0)
+    return probe.device_share_bytes(info), chosen.micro_batch, chosen.budget, chosen.describe()
+
+
+def test_ranks_sharing_a_gpu_each_fill_an_equal_part():
+    """gloo lets 2 ranks train on one GPU: each budgets half of it, so together they fit; on a GPU each, all of it."""
+    for rank, (share, micro_batch, budget, said) in enumerate(run_distributed(_sharing_ranks, True)):
+        assert share == (10 * GB, 2) and (micro_batch, budget) == (4, 9 * GB), rank
+        assert "10.000 GB: this rank's 1/2 of a GPU the ranks share over gloo less 10%" in said
+    for share, micro_batch, budget, said in run_distributed(_sharing_ranks, False):
+        assert share == (20 * GB, 1) and (micro_batch, budget) == (8, 18 * GB)
+        assert "(20.000 GB device less 10%)" in said
+
+
 def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -> None:
     """The CPU run's auto as on a GPU of ``device_bytes`` whose step peaks on a line: no arithmetic first guess."""
     import ddp_ft.training.model.probe as probe

@@ -6,6 +6,7 @@ The arithmetic in ``memory`` knows one model family in one mode; the probe measu
 2. A line through the peaks, with the steepest slope seen, raised above every point.
 3. A candidate's expected peak: the line, plus AdamW's two moments the probe cannot see.
 4. The choice: the largest divisor of the per-rank batch that fits ``device_bytes x (1 - margin)``.
+   Ranks sharing one GPU over gloo each fill an equal part of it.
    One MIN all-reduce makes the smallest choice everyone's; a failed rank sends -1.
 
 The training sees nothing of the probe: gradients and random generators are restored.
@@ -25,6 +26,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
+from ...ddp.placement import device_identity
 from ...distributed import DistInfo
 from ..batch import gradient_accumulation_steps
 from .precision import Precision
@@ -81,6 +83,24 @@ def device_total_bytes(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[1]
 
 
+def device_share_bytes(info: DistInfo) -> tuple[int, int]:
+    """The memory this rank may fill, and how many ranks train on its GPU.
+
+    gloo lets ranks share one GPU. Each then fills an equal part, so that together they fit.
+    Every rank of the group must call it.
+
+    Raises:
+        ValueError: off CUDA, as :func:`device_total_bytes`.
+    """
+    total = device_total_bytes(info.device)
+    if not (info.is_distributed and dist.is_initialized()):
+        return total, 1
+    identities: list[tuple[str, str] | None] = [None] * info.world_size
+    dist.all_gather_object(identities, device_identity(info.device))
+    sharing = identities.count(identities[info.rank])
+    return total // sharing, sharing
+
+
 @dataclass(frozen=True)
 class MicroBatchProbe:
     """What the probe measured on this rank and what every rank chose.
@@ -101,6 +121,7 @@ class MicroBatchProbe:
     device_bytes: int
     margin: float
     nonlinearity: float
+    sharing: int = 1  # ranks training on this GPU
 
     def predict(self, micro_batch: int) -> int:
         """Expected peak bytes at ``micro_batch``."""
@@ -115,8 +136,14 @@ class MicroBatchProbe:
             f"at {self.seq_len} tokens; measured peaks by micro-batch {points}; line {self.resident / 1e9:.3f} GB + "
             f"{self.per_sample / 1e9:.3f} GB/sample (off by {self.nonlinearity:.1%} at most) + "
             f"{self.optimizer_state / 1e9:.3f} GB optimizer state; expected peak {self.expected_peak / 1e9:.3f} GB of "
-            f"a {self.budget / 1e9:.3f} GB budget ({self.device_bytes / 1e9:.3f} GB device less {self.margin:.0%})"
+            f"a {self.budget / 1e9:.3f} GB budget ({self.device_text()} less {self.margin:.0%})"
         )
+
+    def device_text(self) -> str:
+        """The memory the budget comes from."""
+        if self.sharing == 1:
+            return f"{self.device_bytes / 1e9:.3f} GB device"
+        return f"{self.device_bytes / 1e9:.3f} GB: this rank's 1/{self.sharing} of a GPU the ranks share over gloo"
 
     def as_record(self) -> dict:
         """The choice, points and expected peak in GB, for the run's config record."""
@@ -131,6 +158,7 @@ class MicroBatchProbe:
             "device_gb": self.device_bytes / 1e9,
             "margin": self.margin,
             "nonlinearity": self.nonlinearity,
+            "sharing": self.sharing,
         }
 
 
@@ -181,7 +209,7 @@ def _measure_and_fit(
     optimizer_state: int | None,
 ) -> MicroBatchProbe:
     """This rank's points and line, before the ranks agree."""
-    device_bytes = device_total_bytes(info.device) if device_bytes is None else device_bytes
+    device_bytes, sharing = device_share_bytes(info) if device_bytes is None else (device_bytes, 1)
     measure = cuda_peak_bytes(info.device) if measure is None else measure
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = sum(2 * p.numel() * p.element_size() for p in trainable) if optimizer_state is None else optimizer_state
@@ -202,6 +230,7 @@ def _measure_and_fit(
         device_bytes=device_bytes,
         margin=margin,
         nonlinearity=nonlinearity,
+        sharing=sharing,
     )
 
 
@@ -228,7 +257,7 @@ def probe_micro_batch(
         effective_batch (int): samples per optimizer step over all ranks.
         info (DistInfo): this rank, its device and the world size.
         precision (Precision | None): the run's autocast. Default: None.
-        device_bytes (int | None): the memory to fill. Default: :func:`device_total_bytes`.
+        device_bytes (int | None): the memory to fill. Default: :func:`device_share_bytes`.
         measure (Measure | None): runs a step, returns its peak bytes. Default: :func:`cuda_peak_bytes`.
         margin (float): share of ``device_bytes`` left free. Default: :data:`PROBE_MARGIN`.
         points (Sequence[int]): micro-batches to measure, ascending. Default: :data:`PROBE_POINTS`.
@@ -288,7 +317,7 @@ def _none_fits(probe: MicroBatchProbe | None, mine: int, info: DistInfo) -> str:
     return (
         f"--micro-batch auto: even micro-batch 1 does not fit on rank {info.rank}: measured peaks {measured} at "
         f"{probe.seq_len} tokens, plus {probe.optimizer_state / 1e9:.3f} GB optimizer state, against a "
-        f"{probe.budget / 1e9:.3f} GB budget ({probe.device_bytes / 1e9:.3f} GB device less {probe.margin:.0%}). "
+        f"{probe.budget / 1e9:.3f} GB budget ({probe.device_text()} less {probe.margin:.0%}). "
         "Lower --max-seq-len, keep gradient checkpointing on, use a larger device, or give --micro-batch 1 to "
         "train without the margin."
     )
