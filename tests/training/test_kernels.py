@@ -302,6 +302,26 @@ def test_lengths_equal_to_model_sizes_do_not_recompile():
     assert graphs == 1, graphs
 
 
+@pytest.mark.parametrize(
+    ("shape", "dims"),
+    [
+        ((3, 64, 256), [0, 1]),  # hidden states
+        ((3, 64, 64), [0, 1]),  # rotary cos or sin: the head size equals the length
+        ((1, 64, 64), [1]),  # the same, batch broadcast
+        ((3, 1, 64, 64), [0, 2, 3]),  # a mask
+        ((1, 1, 64, 64), [2, 3]),
+        ((64,), [0]),  # cache positions
+        ((64, 64), [0]),  # (sequence, head size): a layout without batch
+        ((), []),  # a scalar
+        ((256,), []),
+    ],
+)
+def test_dynamic_dims_follow_layout_not_size(shape, dims):
+    from ddp_ft.training.model.compilation import _batch_and_sequence_dims
+
+    assert _batch_and_sequence_dims(shape, batch=3, length=64) == dims
+
+
 def test_user_model_refused_where_compile_breaks():
     """TrainingArguments(torch_compile=True) on a LoRA model with dropout in checkpointed layers, on a torch before 2.11
     (faked): refused naming the setting and the fix; with dropout 0, or on torch 2.11, allowed."""

@@ -54,8 +54,8 @@ def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None
     """Forward pre-hook: marks the batch and sequence dimensions of the block's inputs dynamic.
 
     The first input is the hidden states, (batch, sequence, features). The others are marked where they share that
-    layout: dims 0 and 1 of (batch, sequence, ...) inputs, the last two of (..., sequence, sequence) masks, a
-    1-D input of the sequence's length. A feature dimension that happens to equal the length stays static.
+    layout: dims 0 and 1 of (batch, sequence, ...) inputs, the last two of (..., sequence, sequence) masks, dim 0
+    of (sequence, ...) inputs. A feature dimension that happens to equal the length stays static.
     Where Dynamo must specialise, ``maybe_mark_dynamic`` does not fail; the recompile counter shows it.
     """
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
@@ -70,12 +70,14 @@ def _mark_sequence_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None
 
 def _batch_and_sequence_dims(shape: tuple[int, ...], batch: int, length: int) -> list[int]:
     """Where an input of ``shape`` holds the batch or the sequence, sizes of 1 left out."""
-    if len(shape) < 2:
-        dims = [0] if shape == (length,) else []
-    elif len(shape) == 4 and shape[2:] == (length, length):  # an attention mask
+    if len(shape) == 4 and shape[2:] == (length, length):  # an attention mask
         dims = [0, 2, 3] if shape[0] == batch else [2, 3]
-    else:
+    elif shape[:1] == (length,) and length != batch:  # (sequence, ...), such as cache positions
+        dims = [0]
+    elif len(shape) > 1:  # (batch, sequence, ...), the batch maybe broadcast
         dims = [dim for dim, size in ((0, batch), (1, length)) if shape[dim] == size]
+    else:
+        dims = []
     return [dim for dim in dims if shape[dim] > 1]
 
 
