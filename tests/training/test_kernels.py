@@ -276,24 +276,39 @@ def test_new_sequence_lengths_do_not_recompile():
     assert graphs[False] >= 4, graphs
 
 
-def test_lengths_equal_to_model_sizes_do_not_recompile():
-    """Padded lengths that happen to equal the layer's head size (64) or hidden size (256), and batch sizes that
-    change, with padding masks: still one graph. Dimensions are marked dynamic by their place in each input, not by a matching size, so
-    the hidden and head dimensions stay static (marked on a coincidence, they forced a second graph in which the
-    model's own sizes were symbolic)."""
-    from torch._dynamo.utils import counters
-    from transformers import Qwen3ForCausalLM
+def _small_config(architecture: str):
+    """A two-layer model of ``architecture``: hidden size 64, head size 16."""
+    import transformers
 
     from ddp_ft.training.model.qlora import tiny_qwen3_config
+
+    if architecture == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, eos_token_id=0, bos_token_id=0)
+    if architecture == "qwen3":
+        return tiny_qwen3_config(100, num_hidden_layers=2, hidden_size=64, head_dim=16)
+    config = getattr(transformers, f"{architecture}Config")
+    return config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=100, pad_token_id=0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "Llama", "Mistral", "Qwen2", "Phi3", "Gemma2", "gpt2"])
+def test_lengths_equal_to_model_sizes_do_not_recompile(architecture):
+    """Padded lengths that happen to equal the layers' head size (16) or hidden size (64), and batch sizes that
+    change, with padding masks: one graph. Dimensions are marked dynamic by their place in each input, not by a
+    matching size, so the model's own sizes stay static (marked on a coincidence, they forced more graphs)."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
 
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2)).train()
+    model = AutoModelForCausalLM.from_config(_small_config(architecture)).train()
     compile_repeated_blocks(model, backend="eager")
     try:
-        for batch, length in ((2, 11), (3, 64), (2, 256), (4, 13)):
-            ids, mask = torch.randint(0, 64, (batch, length)), torch.ones(batch, length, dtype=torch.long)
+        for batch, length in ((2, 11), (3, 16), (2, 64), (4, 13)):
+            ids, mask = torch.randint(1, 100, (batch, length)), torch.ones(batch, length, dtype=torch.long)
             mask[0, -3:] = 0  # padding: the layers get a (batch, 1, length, length) mask
             model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
         graphs = counters["stats"]["unique_graphs"]
