@@ -175,7 +175,12 @@ def _sharing_ranks(rank, world_size, shared: bool):
     info = DistInfo(rank=rank, local_rank=rank, world_size=world_size)
     # 4 GB + 1 GB per sample, 8 per rank: 18 GB (20 less 10%) fits 8; a 9 GB half fits 4 (8 GB)
     chosen = _probe(_causal_lm(), 16, None, _line(4 * GB, GB), info=info, optimizer_state=0)
-    return probe.device_share_bytes(info), chosen.micro_batch, chosen.budget, chosen.describe()
+    try:  # 9 GB + 1 GB per sample: micro-batch 1 fits a GPU of its own only
+        _probe(_causal_lm(), 16, None, _line(9 * GB, GB), info=info, optimizer_state=0)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return probe.device_share_bytes(info), chosen.micro_batch, chosen.budget, chosen.describe() + f" | {refused}"
 
 
 def test_ranks_sharing_a_gpu_each_fill_an_equal_part():
@@ -183,9 +188,10 @@ def test_ranks_sharing_a_gpu_each_fill_an_equal_part():
     for rank, (share, micro_batch, budget, said) in enumerate(run_distributed(_sharing_ranks, True)):
         assert share == (10 * GB, 2) and (micro_batch, budget) == (4, 9 * GB), rank
         assert "10.000 GB: this rank's 1/2 of a GPU the ranks share over gloo less 10%" in said
+        assert "use a larger device, run fewer processes on the shared GPU, or give --micro-batch 1" in said
     for share, micro_batch, budget, said in run_distributed(_sharing_ranks, False):
         assert share == (20 * GB, 1) and (micro_batch, budget) == (8, 18 * GB)
-        assert "(20.000 GB device less 10%)" in said
+        assert "(20.000 GB device less 10%)" in said and said.endswith("| None")
 
 
 def _fake_cuda(monkeypatch, resident: int, per_sample: int, device_bytes: int) -> None:

@@ -318,8 +318,9 @@ def _none_fits(probe: MicroBatchProbe | None, mine: int, info: DistInfo) -> str:
         f"--micro-batch auto: even micro-batch 1 does not fit on rank {info.rank}: measured peaks {measured} at "
         f"{probe.seq_len} tokens, plus {probe.optimizer_state / 1e9:.3f} GB optimizer state, against a "
         f"{probe.budget / 1e9:.3f} GB budget ({probe.device_text()} less {probe.margin:.0%}). "
-        "Lower --max-seq-len, keep gradient checkpointing on, use a larger device, or give --micro-batch 1 to "
-        "train without the margin."
+        "Lower --max-seq-len, keep gradient checkpointing on, use a larger device"
+        + (", run fewer processes on the shared GPU" if probe.sharing > 1 else "")
+        + ", or give --micro-batch 1 to train without the margin."
     )
 
 
