@@ -33,6 +33,7 @@ LAYERS = [
         "ddp_ft.training.model.compilation",
         "ddp_ft.training.model.memory",
         "ddp_ft.training.model.probe",
+        "ddp_ft.training.model.probe_step",
         "ddp_ft.training.data",
         "ddp_ft.report.metrics",
         "ddp_ft.training.hooks",

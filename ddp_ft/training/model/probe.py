@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -30,6 +29,7 @@ from ...ddp.placement import device_identity
 from ...distributed import DistInfo
 from ..batch import gradient_accumulation_steps
 from .precision import Precision
+from .probe_step import ProbeStep
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def _measure_and_fit(
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = sum(2 * p.numel() * p.element_size() for p in trainable) if optimizer_state is None else optimizer_state
     budget = int(device_bytes * (1.0 - margin))
-    measured = _measure_points(_ProbeStep(model, trainable, seq_len, info, precision), measure, points, budget - state)
+    measured = _measure_points(ProbeStep(model, trainable, seq_len, info, precision), measure, points, budget - state)
     resident, per_sample, nonlinearity = fit_peak_line(measured) if measured else (0, 0, 0.0)
     return MicroBatchProbe(
         micro_batch=0,
@@ -332,7 +332,7 @@ def _smallest_over_ranks(value: int, info: DistInfo) -> int:
     return int(tensor.item())
 
 
-def _measure_points(step: _ProbeStep, measure: Measure, points: list[int], budget: int) -> list[tuple[int, int]]:
+def _measure_points(step: ProbeStep, measure: Measure, points: list[int], budget: int) -> list[tuple[int, int]]:
     """Measures peaks at each point, stopping where the line predicts no fit."""
     measured: list[tuple[int, int]] = []
     with step:
@@ -355,51 +355,3 @@ def _measure_points(step: _ProbeStep, measure: Measure, points: list[int], budge
             if peak > budget:
                 break
     return measured
-
-
-class _ProbeStep:
-    """Forward and backward of full-length random sequences, as a loop micro-step runs them.
-
-    As a context, it restores the gradients, random generators and train mode.
-    """
-
-    def __init__(self, model, trainable, seq_len: int, info: DistInfo, precision: Precision | None) -> None:
-        self.model, self.trainable, self.seq_len, self.info, self.precision = model, trainable, seq_len, info, precision
-        self.vocab = model.get_input_embeddings().num_embeddings
-
-    def __enter__(self) -> _ProbeStep:
-        self.saved_grads = [p.grad for p in self.trainable]
-        self.was_training = self.model.training
-        cuda = [self.info.device] if self.info.device.type == "cuda" else []
-        self.rng = torch.random.fork_rng(devices=cuda)
-        self.rng.__enter__()
-        self.model.train()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p, grad in zip(self.trainable, self.saved_grads, strict=True):
-            p.grad = grad
-        self.model.train(self.was_training)
-        self.rng.__exit__(*exc)
-        if self.info.device.type == "cuda":  # peaks restart at training
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.info.device)
-
-    def release(self) -> None:
-        for p in self.trainable:
-            p.grad = None
-
-    def run(self, micro_batch: int) -> None:
-        # Zero gradients in place, as in accumulation, so the peak counts them.
-        for p in self.trainable:
-            p.grad = torch.zeros_like(p)
-        device = self.info.device
-        generator = torch.Generator().manual_seed(micro_batch)  # the global generators stay untouched
-        ids = torch.randint(0, self.vocab, (micro_batch, self.seq_len), generator=generator).to(device)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-        items = torch.tensor(float(micro_batch * (self.seq_len - 1)), device=device)
-        autocast = self.precision.autocast_context() if self.precision is not None else nullcontext()
-        with autocast:
-            loss = self.model(**batch, num_items_in_batch=items).loss
-            (loss * self.info.world_size).backward()
-        self.release()
