@@ -234,6 +234,26 @@ class BucketedAccelerator(Accelerator):
         else:
             super().wait_for_everyone()
 
+    @contextmanager
+    def main_process_first(self):
+        """Accelerate's, waiting at :meth:`wait_for_everyone`: the main process runs the block first."""
+        with self._goes_first(self.is_main_process):
+            yield
+
+    @contextmanager
+    def local_main_process_first(self):
+        """Accelerate's, waiting at :meth:`wait_for_everyone`: each node's main process runs the block first."""
+        with self._goes_first(self.is_local_main_process):
+            yield
+
+    @contextmanager
+    def _goes_first(self, first: bool):
+        if not first:
+            self.wait_for_everyone()
+        yield
+        if first:
+            self.wait_for_everyone()
+
     @staticmethod
     @contextmanager
     def trigger_sync_in_backward(model):

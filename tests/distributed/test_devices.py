@@ -177,6 +177,27 @@ def test_the_trainer_s_barrier_names_no_device_index(monkeypatch):
     assert barriers == [((), {})]
 
 
+def test_going_first_waits_at_the_same_barrier(monkeypatch):
+    """``main_process_first`` and ``local_main_process_first`` wait at that barrier too, not Accelerate's: a rank
+    that does not go first waits before the block, one that does waits after it."""
+    import torch.distributed as dist
+
+    from ddp_ft.integrations.accelerate import BucketedAccelerator
+
+    barriers, seen = [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: barriers.append((args, kwargs)))
+    monkeypatch.setattr(BucketedAccelerator, "num_processes", property(lambda self: 2))
+    monkeypatch.setattr(BucketedAccelerator, "is_main_process", property(lambda self: False))
+    monkeypatch.setattr(BucketedAccelerator, "is_local_main_process", property(lambda self: True))
+    accelerator = BucketedAccelerator.__new__(BucketedAccelerator)
+    with accelerator.main_process_first():
+        seen.append(len(barriers))
+    with accelerator.local_main_process_first():
+        seen.append(len(barriers))
+    assert seen == [1, 1] and barriers == [((), {})] * 2
+
+
 def test_suite_hides_cuda_from_its_processes():
     """On a GPU host the CPU suite's launches inherited CUDA (2 processes on 1 GPU failed with 'LOCAL_RANK=1
     but only 1 CUDA devices'; on 2 GPUs they took NCCL and CUDA metrics). ``cuda`` tests get it back explicitly."""
