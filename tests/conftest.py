@@ -113,3 +113,17 @@ def run_env(tmp_path, monkeypatch, tiny_cache):
     yield
     wandb.finish()
     wandb.teardown()
+
+
+@pytest.fixture
+def rank_1_of_2(monkeypatch):
+    """Rank 1 of 2 with init_process_group recorded instead of run; CUDA absent unless a test mocks it."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return calls

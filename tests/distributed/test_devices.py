@@ -67,9 +67,11 @@ def test_device_and_backend_follow_request_and_gpus(
         ("cpu", "nccl", True, 1, ValueError, r"--backend nccl but --device cpu: NCCL reduces CUDA tensors only"),
         ("auto", "mpi", True, 1, ValueError, r"--backend 'mpi': choose one of auto, nccl, gloo"),
         ("auto", "gloo", True, 2, RuntimeError, r"over gloo .* exactly one is visible"),  # 3 ranks, 2 GPUs
+        ("cuda", "auto", False, 0, ValueError, r"--device cuda but torch.cuda.is_available\(\) is False"),
+        ("gpu", "auto", True, 1, ValueError, r"--device 'gpu': choose one of auto, cuda, cpu"),
     ],
 )
-def test_impossible_backend_refused_naming_the_fix(device, backend, cuda, visible, error, match):
+def test_impossible_device_or_backend_refused(device, backend, cuda, visible, error, match):
     with pytest.raises(error, match=match):
         choose_device(device, backend, cuda, visible, local_rank=2, local_world_size=3)
 
@@ -100,20 +102,12 @@ def test_rank_1_seeing_one_gpu_takes_cuda_0(monkeypatch):
 
 
 @pytest.fixture
-def two_ranks_on_one_visible_gpu(monkeypatch):
+def two_ranks_on_one_visible_gpu(rank_1_of_2, monkeypatch):
     """Rank 1 of 2 on a host (mocked) where the launcher gave each process one GPU; init_process_group recorded."""
-    import torch.distributed as dist
-
-    calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
-    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    return calls
+    return rank_1_of_2
 
 
 def test_nccl_group_bound_to_device_with_timeout(two_ranks_on_one_visible_gpu):

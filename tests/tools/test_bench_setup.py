@@ -6,43 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_ft.distributed.devices import device_and_backend
 from ddp_ft.tools.bench import compute_setup
-
-
-@pytest.mark.parametrize(
-    ("requested", "cuda_available", "expected"),
-    [
-        ("auto", True, ("cuda", "nccl")),
-        ("auto", False, ("cpu", "gloo")),
-        ("cuda", True, ("cuda", "nccl")),
-        ("cpu", True, ("cpu", "gloo")),  # CUDA visible but ignored
-        ("cpu", False, ("cpu", "gloo")),
-    ],
-)
-def test_device_and_backend_go_together(requested, cuda_available, expected):
-    assert device_and_backend(requested, cuda_available) == expected
-
-
-@pytest.mark.parametrize(
-    ("requested", "match"),
-    [("cuda", "--device cuda but torch.cuda.is_available"), ("gpu", "--device 'gpu': choose one of auto, cuda, cpu")],
-)
-def test_impossible_device_is_an_error_naming_the_flag(requested, match):
-    with pytest.raises(ValueError, match=match):
-        device_and_backend(requested, cuda_available=False)
-
-
-@pytest.fixture
-def rank_1_of_2(monkeypatch):
-    """Rank 1 of 2 with init_process_group recorded instead of run; CUDA absent unless a test mocks it."""
-    calls = []
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
-    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    return calls
 
 
 def _mock_cuda(monkeypatch, capability, set_device=None):
