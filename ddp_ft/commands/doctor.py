@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..ddp.placement import device_identity, shared_device
+from ..ddp.placement import every_rank_identity, shared_device
 from ..distributed import DistInfo, destroy_distributed, init_distributed
 from ..distributed.devices import BACKEND_CHOICES, DEVICE_CHOICES, device_and_backend
 from ..distributed.launch import check_world_seen
@@ -274,10 +274,7 @@ def run_checks(args: argparse.Namespace, info: DistInfo) -> tuple[list[Check], l
     """This rank's checks, in table order, and the all-reduce timings."""
     from accelerate import PartialState
 
-    identities = [device_identity(info.device)]
-    if dist.is_initialized():
-        identities = [None] * info.world_size
-        dist.all_gather_object(identities, device_identity(info.device))
+    identities = every_rank_identity(info.device)
     seen = PartialState(cpu=info.device.type == "cpu").num_processes
     comm, rows = check_all_reduce(info, args.sizes, args.repeats)
     checks = [

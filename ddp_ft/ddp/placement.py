@@ -10,6 +10,7 @@ import os
 import socket
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 _FIX = (
@@ -55,6 +56,16 @@ def device_identity(device: torch.device) -> tuple[str, str] | None:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     return socket.gethostname(), _physical_gpu(index)
+
+
+def every_rank_identity(device: torch.device) -> list[tuple[str, str] | None]:
+    """Every rank's :func:`device_identity`, by rank; this process's alone without a process group."""
+    mine = device_identity(device)
+    if not dist.is_initialized():
+        return [mine]
+    identities: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(identities, mine)
+    return identities
 
 
 def _physical_gpu(index: int) -> str:

@@ -168,10 +168,11 @@ def test_two_ranks_take_smaller_device_share_failures():
 
 def _sharing_ranks(rank, world_size, shared: bool):
     """Each rank on a fake 20 GB GPU, both on the same one or each on its own; the probe's budget follows."""
+    import ddp_ft.ddp.placement as placement
     import ddp_ft.training.model.probe as probe
 
-    probe.device_total_bytes = lambda device: 20 * GB  # this forked rank's module only
-    probe.device_identity = lambda device: ("host", "GPU-0" if shared else f"GPU-{rank}")
+    probe.device_total_bytes = lambda device: 20 * GB  # this forked rank's modules only
+    placement.device_identity = lambda device: ("host", "GPU-0" if shared else f"GPU-{rank}")
     info = DistInfo(rank=rank, local_rank=rank, world_size=world_size)
     # 4 GB + 1 GB per sample, 8 per rank: 18 GB (20 less 10%) fits 8; a 9 GB half fits 4 (8 GB)
     chosen = _probe(_causal_lm(), 16, None, _line(4 * GB, GB), info=info, optimizer_state=0)

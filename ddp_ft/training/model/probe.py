@@ -25,7 +25,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from ...ddp.placement import device_identity
+from ...ddp.placement import every_rank_identity
 from ...distributed import DistInfo
 from ..batch import gradient_accumulation_steps
 from .precision import Precision
@@ -93,11 +93,8 @@ def device_share_bytes(info: DistInfo) -> tuple[int, int]:
         ValueError: off CUDA, as :func:`device_total_bytes`.
     """
     total = device_total_bytes(info.device)
-    if not (info.is_distributed and dist.is_initialized()):
-        return total, 1
-    identities: list[tuple[str, str] | None] = [None] * info.world_size
-    dist.all_gather_object(identities, device_identity(info.device))
-    sharing = identities.count(identities[info.rank])
+    identities = every_rank_identity(info.device)
+    sharing = identities.count(identities[info.rank]) if len(identities) > 1 else 1
     return total // sharing, sharing
 
 
