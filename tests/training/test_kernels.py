@@ -317,6 +317,42 @@ def test_lengths_equal_to_model_sizes_do_not_recompile(architecture):
     assert graphs == 1, graphs
 
 
+@torch.compiler.config.patch(dynamic_sources="L['x']")  # the user's, restored after
+def test_flex_new_widths_and_row_counts_reuse_graphs():
+    """Packed batches of new widths and row counts through compiled flex-attention layers: the layers and
+    transformers' compiled block-mask builder compile once each, and compute what sdpa does. Unmarked, each
+    recompiles at the first new width and again at the first new row count. The user's own dynamic sources are
+    kept. On the CPU flex attention has no backward, so the compiled forward runs without gradients."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from ddp_ft.training.data.packing import PackedCollator
+
+    torch._dynamo.reset()
+    counters.clear()
+    models = {}
+    for attention in ("sdpa", "flex_attention"):
+        torch.manual_seed(0)
+        models[attention] = AutoModelForCausalLM.from_config(_small_config("qwen3"), attn_implementation=attention)
+    compile_repeated_blocks(models["flex_attention"], backend="eager")
+    for block in models["flex_attention"].model.layers:
+        block.forward = block.forward.compiled  # what training runs, here without gradients
+    collate, graphs = PackedCollator(pad_token_id=0, row_tokens=64), []
+    try:
+        for lengths in ((30, 20, 25, 6), (30, 20, 10, 12, 25), (17, 9, 30, 33, 12, 40), (40, 30, 20, 25)):
+            batch = collate([{"input_ids": torch.randint(1, 100, (n,)).tolist()} for n in lengths])
+            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+            with torch.no_grad():
+                flex, sdpa = (models[a](**inputs).logits for a in ("flex_attention", "sdpa"))
+            torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)
+            graphs.append((tuple(batch["input_ids"].shape), counters["stats"]["unique_graphs"]))
+    finally:
+        torch._dynamo.reset()
+    assert [shape for shape, _ in graphs] == [(2, 61), (2, 55), (3, 63), (2, 60)]  # (rows, width)
+    assert [count for _, count in graphs] == [2, 2, 2, 2], graphs
+    assert torch.compiler.config.dynamic_sources.split(",")[0] == "L['x']"
+
+
 @pytest.mark.parametrize(
     ("shape", "dims"),
     [

@@ -8,6 +8,7 @@ The layers share code, so one compilation serves them all.
 
 In place, parameter names, ``state_dict`` keys and checkpoints stay those of the eager model.
 A pre-hook marks the sequence dimension dynamic, so a new padded length reuses the graph.
+Flex attention's block mask is marked dynamic by name, so new widths and row counts also reuse it.
 Gradient checkpointing still wraps each compiled layer.
 """
 
@@ -29,6 +30,13 @@ logger = logging.getLogger(__name__)
 COMPILED_FLAG = "_ddp_ft_compiled"  # a second call leaves a compiled block
 MIN_BITSANDBYTES = (0, 50)  # earlier Params4bit graph-breaks in every layer
 RECOMPILES_WARNED = 4  # half of Dynamo's default recompile limit
+# Flex attention's block mask holds the row count and width as ints and closure tensors, which Dynamo would specialise
+# on and recompile at the first new value. Marked dynamic from the first compile by their names; block sizes stay static.
+FLEX_DYNAMIC_SOURCES = (
+    r"L\[.*'attention_mask'\]\.(?!BLOCK_SIZE)",  # the BlockMask the decoder layers get
+    r"L\['(B|Q_LEN|KV_LEN)'\]$",  # create_block_mask's sizes, which transformers compiles
+    r"L\['mask_mod'\]",  # and the tensors its mask function holds
+)
 DROPOUT_CHECKPOINT_FIXED_TORCH = (2, 11)  # compiled dropout in a checkpoint crashed before
 # On CUDA it still crashes (docs/performance.md), so the blocker holds there.
 
@@ -81,6 +89,17 @@ def _batch_and_sequence_dims(shape: tuple[int, ...], batch: int, length: int) ->
     return [dim for dim in dims if shape[dim] > 1]
 
 
+def _mark_flex_masks_dynamic() -> None:
+    """Add :data:`FLEX_DYNAMIC_SOURCES` to ``torch.compiler.config.dynamic_sources``, keeping what is there.
+
+    A torch without that setting recompiles once at the first new width and at the first new row count.
+    """
+    if not hasattr(torch.compiler.config, "dynamic_sources"):
+        return
+    present = [source for source in torch.compiler.config.dynamic_sources.split(",") if source]
+    torch.compiler.config.dynamic_sources = ",".join(present + [s for s in FLEX_DYNAMIC_SOURCES if s not in present])
+
+
 def _training_forward(eager: Callable, compiled: Callable) -> Callable:
     """The compiled forward where gradients are recorded, the eager one without.
 
@@ -116,6 +135,8 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs) -> int:
         )
     todo = [block for block in blocks if not getattr(block, COMPILED_FLAG, False)]
     mark = compile_kwargs.get("dynamic") is None
+    if mark and todo and getattr(getattr(model, "config", None), "_attn_implementation", None) == "flex_attention":
+        _mark_flex_masks_dynamic()
     for block in todo:
         if mark:
             block.register_forward_pre_hook(_mark_sequence_dynamic, with_kwargs=True)
