@@ -241,7 +241,7 @@ def test_chosen_steps_run_with_what_they_read(tmp_path):
         choose_steps(plan, ["recipe"])
 
 
-def test_e2e_step_reads_metrics_peak_within_10_percent(tmp_path):
+def test_e2e_step_flags_peak_off_10pc_or_recompiles(tmp_path):
     from ddp_ft.tools.gpu_report.e2e import e2e_summary, read_run
 
     rows = [{"type": "config", "micro_batch": 16, "accumulation": 1}]
@@ -264,6 +264,8 @@ def test_e2e_step_reads_metrics_peak_within_10_percent(tmp_path):
     assert "MFU 44.2%" in e2e_summary({**result, "mfu": 0.442}, {})[0]["headline"]
     _, problems = e2e_summary({**result, "peak_allocated_gb": 22.0}, {})
     assert problems and "beyond" not in problems[0] and "116%" in problems[0]
+    _, problems = e2e_summary({**result, "compile": {"time_s": 14.0, "graphs": 3, "recompiles": 1}}, {})
+    assert problems == ["1 graph compiled after step 1; the step's log names why"]
 
 
 @pytest.mark.distributed

@@ -330,9 +330,30 @@ def test_watch_quiet_in_warm_up_warns_from_4_graphs(caplog):
     finally:
         watch.close()
         torch._dynamo.reset()
-    assert warm["compile/graphs"] == 5 and not quiet
-    assert snapshot["compile/graphs"] == 9 and snapshot["compile/recompiles"] == 8
+    assert warm["compile/graphs"] == 5 and warm["compile/recompiles"] == 0 and not quiet
+    assert snapshot["compile/graphs"] == 9 and snapshot["compile/recompiles"] == 4
     assert snapshot["compile/time_s"] > 0 and snapshot["compile/limit_hits"] == 0
     warnings = [r.getMessage() for r in caplog.records if "recompile" in r.getMessage()]
     assert len(warnings) == 1 and "4 graphs compiled since warm-up" in warnings[0], warnings
     assert 'TORCH_LOGS="recompiles"' in warnings[0]
+
+
+def test_graphs_of_several_functions_not_recompiles():
+    """Two compiled functions, each compiled once in the first step (the layers and flex attention's mask builder),
+    then called again with the same shapes: two graphs, no recompilation."""
+    from ddp_ft.training.model.compilation import CompileWatch
+
+    torch._dynamo.reset()
+    watch = CompileWatch()
+    square = torch.compile(lambda x: x * x, backend="eager")
+    cube = torch.compile(lambda x: x * x * x, backend="eager")
+    try:
+        snapshots = []
+        for _ in range(2):
+            square(torch.ones(3)), cube(torch.ones(3))
+            snapshots.append(watch.snapshot())
+    finally:
+        watch.close()
+        torch._dynamo.reset()
+    assert [s["compile/graphs"] for s in snapshots] == [2, 2]
+    assert [s["compile/recompiles"] for s in snapshots] == [0, 0], snapshots

@@ -53,7 +53,8 @@ def read_run(metrics: Path) -> dict:
 
 
 def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
-    """Headline of one end-to-end step; expected against measured peak beyond 10% is a problem."""
+    """Headline of one end-to-end step; expected against measured peak beyond 10%, or a graph compiled after
+    step 1, is a problem."""
     rate, peak, expected = result.get("tokens_per_s"), result.get("peak_allocated_gb"), result.get("expected_peak_gb")
     wall = result.get("wall_tokens_per_s")
     parts = [f"{rate:,.0f} non-padding tokens/s" if rate else "no step timed"]
@@ -64,9 +65,12 @@ def e2e_summary(result: dict, done: dict[str, dict]) -> tuple[dict, list[str]]:
         parts.append(f"checkpointing {'on' if result['gradient_checkpointing'] else 'off'}")
     if peak:
         parts.append(f"peak {peak:.2f} GB" + (f" (expected {expected:.2f}: {peak / expected:.0%})" if expected else ""))
-    if result.get("compile", {}).get("time_s"):
-        parts.append(f"compile {result['compile']['time_s']:.0f} s, {result['compile'].get('graphs')} graphs")
+    compiled = result.get("compile", {})
+    if compiled.get("time_s"):
+        parts.append(f"compile {compiled['time_s']:.0f} s, {compiled.get('graphs')} graphs")
     problems = []
+    if late := compiled.get("recompiles"):
+        problems.append(f"{late} graph{'s' if late > 1 else ''} compiled after step 1; the step's log names why")
     if peak and expected and abs(peak / expected - 1) > 0.10:
         problems.append(f"measured peak {peak:.2f} GB is {peak / expected:.0%} of the expected {expected:.2f} GB")
     return {**result, "headline": ", ".join(parts)}, problems

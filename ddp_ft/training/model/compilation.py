@@ -288,8 +288,9 @@ def check_compile_mode(mode: str | None, world_size: int, setting: str) -> None:
 class CompileWatch:
     """Counts this process's Dynamo graphs, recompilations, limit hits and compile seconds.
 
-    Graphs before the first snapshot are warm-up.
-    It warns after :data:`RECOMPILES_WARNED` later graphs, or when Dynamo hits its limit and runs eagerly.
+    Graphs before the first snapshot are warm-up: the probe's, each compiled function's first.
+    Recompilations are the graphs compiled after it.
+    It warns after :data:`RECOMPILES_WARNED` of them, or when Dynamo hits its limit and runs eagerly.
     """
 
     LIMIT_LOGGER = "torch._dynamo.convert_frame"
@@ -319,15 +320,14 @@ class CompileWatch:
     def snapshot(self) -> dict[str, float]:
         """The counts since the watch was made; a new recompilation is warned once."""
         graphs, seconds = (now - base for now, base in zip(self._now(), self._base, strict=True))
-        recompiles = max(0, graphs - 1)
         self._warm = graphs if self._warm is None else self._warm
-        late = graphs - self._warm
-        if (recompiles, self.limit_hits) != self._reported and (late >= RECOMPILES_WARNED or self.limit_hits):
+        recompiles = graphs - self._warm
+        if (recompiles, self.limit_hits) != self._reported and (recompiles >= RECOMPILES_WARNED or self.limit_hits):
             logger.warning(
                 "compile: %d graphs compiled since warm-up (%d in all, %d recompile-limit hits, after which Dynamo "
                 "runs the layer eagerly): shapes or values the layers branch on keep changing. "
                 'TORCH_LOGS="recompiles" names the reason.',
-                late,
+                recompiles,
                 graphs,
                 self.limit_hits,
             )
