@@ -317,40 +317,72 @@ def test_lengths_equal_to_model_sizes_do_not_recompile(architecture):
     assert graphs == 1, graphs
 
 
-@torch.compiler.config.patch(dynamic_sources="L['x']")  # the user's, restored after
-def test_flex_new_widths_and_row_counts_reuse_graphs():
-    """Packed batches of new widths and row counts through compiled flex-attention layers: the layers and
-    transformers' compiled block-mask builder compile once each, and compute what sdpa does. Unmarked, each
-    recompiles at the first new width and again at the first new row count. The user's own dynamic sources are
-    kept. On the CPU flex attention has no backward, so the compiled forward runs without gradients."""
+FLEX_BATCHES = ((30, 20, 25, 6), (30, 20, 10, 12, 25), (17, 9, 30, 33, 12, 40), (40, 30, 20, 25))  # sample lengths
+
+
+def flex_graphs_per_batch(device: str, backend: str) -> list[tuple[tuple[int, int], int]]:
+    """Each of :data:`FLEX_BATCHES`, packed into rows of 64, through compiled flex-attention layers: its (rows,
+    width) and the graphs compiled so far. Each batch's loss is checked against sdpa's. On CUDA it trains; on the
+    CPU, where flex attention has no backward, the compiled forward runs without gradients."""
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
     from ddp_ft.training.data.packing import PackedCollator
 
+    train = device != "cpu"
     torch._dynamo.reset()
     counters.clear()
     models = {}
-    for attention in ("sdpa", "flex_attention"):
+    for attention in ("flex_attention", "sdpa"):
         torch.manual_seed(0)
-        models[attention] = AutoModelForCausalLM.from_config(_small_config("qwen3"), attn_implementation=attention)
-    compile_repeated_blocks(models["flex_attention"], backend="eager")
-    for block in models["flex_attention"].model.layers:
-        block.forward = block.forward.compiled  # what training runs, here without gradients
-    collate, graphs = PackedCollator(pad_token_id=0, row_tokens=64), []
+        model = AutoModelForCausalLM.from_config(_small_config("qwen3"), attn_implementation=attention)
+        models[attention] = model.to(device).train(train)
+    compile_repeated_blocks(models["flex_attention"], backend=backend)
+    for block in models["flex_attention"].model.layers if not train else ():
+        block.forward = block.forward.compiled  # what training runs
+    collate, seen = PackedCollator(pad_token_id=0, row_tokens=64), []
+    generator = torch.Generator().manual_seed(0)
     try:
-        for lengths in ((30, 20, 25, 6), (30, 20, 10, 12, 25), (17, 9, 30, 33, 12, 40), (40, 30, 20, 25)):
-            batch = collate([{"input_ids": torch.randint(1, 100, (n,)).tolist()} for n in lengths])
-            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-            with torch.no_grad():
-                flex, sdpa = (models[a](**inputs).logits for a in ("flex_attention", "sdpa"))
-            torch.testing.assert_close(flex, sdpa, rtol=1e-4, atol=1e-4)
-            graphs.append((tuple(batch["input_ids"].shape), counters["stats"]["unique_graphs"]))
+        for lengths in FLEX_BATCHES:
+            batch = collate([{"input_ids": torch.randint(1, 100, (n,), generator=generator).tolist()} for n in lengths])
+            inputs = {name: tensor.to(device) for name, tensor in batch.items()} | {"use_cache": False}
+            with torch.set_grad_enabled(train):
+                flex, sdpa = (models[attention](**inputs).loss for attention in models)
+                if train:
+                    flex.backward()
+            torch.testing.assert_close(flex, sdpa, rtol=1e-4 if device == "cpu" else 1e-3, atol=1e-4)
+            seen.append((tuple(batch["input_ids"].shape), counters["stats"]["unique_graphs"]))
     finally:
         torch._dynamo.reset()
-    assert [shape for shape, _ in graphs] == [(2, 61), (2, 55), (3, 63), (2, 60)]  # (rows, width)
-    assert [count for _, count in graphs] == [2, 2, 2, 2], graphs
+    return seen
+
+
+@torch.compiler.config.patch(dynamic_sources="L['x']")  # the user's, restored after
+def test_flex_new_widths_and_row_counts_reuse_graphs():
+    """Packed batches of new widths and row counts through compiled flex attention: the layers and transformers'
+    compiled block-mask builder compile once each. Unmarked, each recompiles at the first new width and again at
+    the first new row count. The user's own dynamic sources are kept."""
+    seen = flex_graphs_per_batch("cpu", backend="eager")
+    assert [shape for shape, _ in seen] == [(2, 61), (2, 55), (3, 63), (2, 60)]  # (rows, width)
+    assert [graphs for _, graphs in seen] == [2, 2, 2, 2], seen
     assert torch.compiler.config.dynamic_sources.split(",")[0] == "L['x']"
+
+
+@pytest.mark.cuda
+def test_compiled_flex_trains_without_recompiling(gpu_environment):
+    """The same, training, through TorchInductor's flex attention kernels, in a process that sees the GPU."""
+    import subprocess
+    import sys
+
+    from ..helpers.dist_harness import PYTHONPATH
+
+    code = (
+        "from tests.training.test_kernels import flex_graphs_per_batch\n"
+        "seen = flex_graphs_per_batch('cuda', backend='inductor')\n"
+        "assert [graphs for _, graphs in seen] == [2, 2, 2, 2], seen"
+    )
+    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
 @pytest.mark.parametrize(
