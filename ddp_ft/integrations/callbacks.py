@@ -143,12 +143,16 @@ class ThroughputCallback(TrainerCallback):
             model = self._wrapped_model() if self._wrapped_model else None
             compiled = model is not None and is_regionally_compiled(getattr(model, "module", model))
             self._compile_watch = CompileWatch() if compiled else False
+        if self._compile_watch:
+            self._compile_watch.resume()
         if self._meter is None:
             self._meter = ThroughputMeter(max(1, args.world_size), torch.device(args.device))
         self._meter.start()
         self._tokens_at_step = state.num_input_tokens_seen
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self._compile_watch:
+            self._compile_watch.pause()  # until the next step: an evaluation's graphs are not recompilations
         if self._meter is None:
             return
         step = self._meter.stop(state.num_input_tokens_seen - self._tokens_at_step)

@@ -112,7 +112,11 @@ class _Loop:
                 # Every rank read the same flags, so all stop after this step.
                 self.stopped_by = self.stop.received or "a stop signal on another rank"
                 return
+            if run.compile_watch:
+                run.compile_watch.pause()  # evaluation's graphs are not recompilations
             self._between_steps()
+            if run.compile_watch:
+                run.compile_watch.resume()
 
     def _step(self, group: list, step_samples) -> StepResult:
         """One optimizer step; advances the schedule and the data position."""

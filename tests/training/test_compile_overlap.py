@@ -357,3 +357,110 @@ def test_graphs_of_several_functions_not_recompiles():
         torch._dynamo.reset()
     assert [s["compile/graphs"] for s in snapshots] == [2, 2]
     assert [s["compile/recompiles"] for s in snapshots] == [0, 0], snapshots
+
+
+def test_graphs_between_steps_are_not_recompiles():
+    """Evaluation between steps compiles what training does not (transformers' own flex attention, the mask
+    builder without gradients): those graphs are no recompilation. A graph in a training step after it is."""
+    from ddp_ft.training.model.compilation import CompileWatch
+
+    torch._dynamo.reset()
+    watch = CompileWatch()
+    train = torch.compile(lambda x: x * x, backend="eager")
+    evaluate = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+    try:
+        train(torch.ones(3))
+        first = watch.snapshot()
+        watch.pause()
+        for size in (3, 4, 5):  # the evaluation's first graphs and its new shapes
+            evaluate(torch.ones(size))
+        watch.resume()
+        train(torch.ones(3))
+        after_evaluation = watch.snapshot()
+        train(torch.ones(2, 2))  # a new rank: a recompilation in training
+        after_new_shape = watch.snapshot()
+    finally:
+        watch.close()
+        torch._dynamo.reset()
+    assert (first["compile/graphs"], first["compile/recompiles"]) == (1, 0)
+    assert (after_evaluation["compile/graphs"], after_evaluation["compile/recompiles"]) == (4, 0)
+    assert (after_new_shape["compile/graphs"], after_new_shape["compile/recompiles"]) == (5, 1)
+
+
+def test_loop_evaluation_graphs_not_recompiles(tmp_path, monkeypatch):
+    """The plain loop with --compile and an evaluation after every step, which compiles three graphs of its own:
+    metrics.jsonl counts them as graphs, never as recompilations. Not 4-bit: on CPUs with AVX-512 bf16,
+    bitsandbytes repacks 4-bit weights at the first evaluation, and the layers recompile for their new shape."""
+    import functools
+
+    import ddp_ft.training.loop as loop
+    import ddp_ft.training.setup as setup
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.training.config import settings_from_preset
+
+    evaluate = loop.evaluate
+    extra = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+
+    def compiling_evaluate(*args, **kwargs):
+        for size in (2, 3, 4):
+            extra(torch.ones(size))
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(
+        setup, "compile_repeated_blocks", functools.partial(setup.compile_repeated_blocks, backend="eager")
+    )
+    monkeypatch.setattr(loop, "evaluate", compiling_evaluate)
+    monkeypatch.setenv("DDP_FT_CACHE", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    try:
+        settings = settings_from_preset(
+            "tiny",
+            output_dir=str(tmp_path / "run"),
+            compile=True,
+            load_in_4bit=False,
+            eval_every=1,
+            max_steps=3,
+            report_to="none",
+        )
+        loop.train(settings, DistInfo())
+    finally:
+        torch._dynamo.reset()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [row for row in rows if row.get("type") == "train"]
+    assert [row["compile/recompiles"] for row in steps] == [0, 0, 0], steps
+    assert steps[-1]["compile/graphs"] > steps[0]["compile/graphs"]  # the evaluations' graphs, counted
+
+
+def _trainer_evaluating(rank, world_size, out):
+    as_accelerate_rank(rank, world_size)
+    from transformers import Qwen3ForCausalLM, TrainerCallback
+
+    from ddp_ft.integrations import BucketedTrainer
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
+
+    extra = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+
+    class CompilingEvaluation(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kwargs):
+            for size in (2, 3, 4):
+                extra(torch.ones(size))
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(64, num_hidden_layers=2))
+    args = gloo_trainer_args(out, max_steps=3, per_device_train_batch_size=2, eval_strategy="steps", eval_steps=1)
+    args.torch_compile, args.torch_compile_backend = True, "aot_eager"
+    trainer = BucketedTrainer(
+        model=model, args=args, train_dataset=_rows(), eval_dataset=_rows(4), data_collator=_collate
+    )
+    trainer.add_callback(CompilingEvaluation())
+    trainer.train()
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    return [row for row in rows if row.get("type") == "train"]
+
+
+def test_trainer_evaluation_graphs_not_recompiles(tmp_path):
+    """A BucketedTrainer with torch_compile=True, evaluating after every step, where a callback compiles three
+    graphs: metrics.jsonl counts them as graphs, never as recompilations (one process)."""
+    (steps,) = run_distributed(_trainer_evaluating, str(tmp_path), world_size=1, timeout=240)
+    assert [row["compile/recompiles"] for row in steps] == [0, 0, 0], steps
+    assert steps[-1]["compile/graphs"] > steps[0]["compile/graphs"]  # the evaluations' graphs, counted

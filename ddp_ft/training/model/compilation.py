@@ -289,7 +289,8 @@ class CompileWatch:
     """Counts this process's Dynamo graphs, recompilations, limit hits and compile seconds.
 
     Graphs before the first snapshot are warm-up: the probe's, each compiled function's first.
-    Recompilations are the graphs compiled after it.
+    Recompilations are the graphs compiled after it in training steps.
+    Between :meth:`pause` and :meth:`resume`, as in an evaluation, graphs are not recompilations.
     It warns after :data:`RECOMPILES_WARNED` of them, or when Dynamo hits its limit and runs eagerly.
     """
 
@@ -299,7 +300,8 @@ class CompileWatch:
         self._base = self._now()
         self.limit_hits = 0
         self._reported = (0, 0)
-        self._warm: int | None = None  # graphs at the first snapshot
+        self._warm: int | None = None  # graphs at the first snapshot, and those compiled while paused
+        self._paused_at: int | None = None
         watch = self
 
         class _Counter(logging.Filter):
@@ -316,6 +318,16 @@ class CompileWatch:
         from torch._dynamo.utils import compilation_time_metrics, counters
 
         return counters["stats"]["unique_graphs"], sum(compilation_time_metrics.get("_compile.compile_inner", []))
+
+    def pause(self) -> None:
+        """Training stops, for an evaluation or a save: what compiles until :meth:`resume` is no recompilation."""
+        self._paused_at = self._now()[0]
+
+    def resume(self) -> None:
+        """Training goes on; graphs compiled since :meth:`pause` count as warm-up."""
+        if self._paused_at is not None and self._warm is not None:
+            self._warm += self._now()[0] - self._paused_at
+        self._paused_at = None
 
     def snapshot(self) -> dict[str, float]:
         """The counts since the watch was made; a new recompilation is warned once."""
