@@ -30,6 +30,7 @@ from ..training.model.compilation import (
     is_regionally_compiled,
     repeated_blocks,
 )
+from ..training.model.four_bit import keep_4bit_training_layout
 from ..training.perf_traps import accelerate_fix, bnb_config_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
 from .comm_hook_kwargs import accelerate_comm_hook
@@ -158,6 +159,7 @@ class BucketedAccelerator(Accelerator):
             return model
         if not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             check_checkpointed_adapters(model)  # before the first step, on one process too
+            keep_4bit_training_layout(model)
             check_4bit_compute_dtype(
                 model, self.mixed_precision, self.device, self.is_main_process, fix=self.compute_dtype_fix
             )

@@ -131,3 +131,38 @@ def labelled_rows():
         labels[row["attention_mask"] == 0] = -100
         row["labels"] = labels
     return rows
+
+
+def token_rows(n: int = 16):
+    """Token rows of mixed lengths (8 to 20), labels = inputs: padding varies per batch, as with real data."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(3, 60, (8 + (i * 5) % 13,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def collate_tokens(rows):
+    width = max(len(r["input_ids"]) for r in rows)
+    pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
+    return {
+        "input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
+        "labels": torch.tensor([pad(r["labels"], -100) for r in rows]),
+        "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
+    }
+
+
+def user_qlora_model(model_dir: str):
+    """What a QLoRA user's script builds: NF4 base, peft's k-bit preparation, LoRA. Without checkpointing: a whole
+    compiled model would then capture the layers too (torch.utils.checkpoint is never compiled, so a checkpointed
+    layer breaks the graph and runs eager), which is the case where whole-model compilation loses the overlap."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, device_map={"": "cpu"})
+    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    base.enable_input_require_grads()
+    torch.manual_seed(0)
+    return get_peft_model(base, LoraConfig(r=8, lora_dropout=0.0, target_modules="all-linear"))

@@ -264,3 +264,42 @@ def test_stale_sampler_epoch_and_data_wait_warned_once():
     assert "set_epoch(epoch)" in forgot[0] and "its epoch still 0" in forgot[0] and "more than its 8" in forgot[0]
     assert len(slow) == 1 and "passes between optimizer.step() and the next forward" in slow[0], slow
     assert "num_workers in this process: [0]" in slow[0], slow
+
+
+# ---------------------------------------------------------------- 4-bit weights and evaluation
+
+
+def _trainer_steps(rank, world_size, out, evaluate: bool):
+    as_accelerate_rank(rank, world_size)
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.integrations import BucketedTrainer
+    from ddp_ft.training.model.qlora import EMBEDDED_MODEL
+    from ddp_ft.training.setup import resolve_model_and_tokenizer
+
+    from ..helpers.trainers import collate_tokens, gloo_trainer_args, token_rows, user_qlora_model
+
+    model_dir, _ = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
+    evaluating = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 2} if evaluate else {}
+    args = gloo_trainer_args(out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3, **evaluating)
+    trainer = BucketedTrainer(
+        model=user_qlora_model(model_dir),
+        args=args,
+        train_dataset=token_rows(),
+        eval_dataset=token_rows(4),
+        data_collator=collate_tokens,
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e], sum("eval_loss" in e for e in history)
+
+
+def test_trainer_eval_leaves_4bit_training_unchanged(tmp_path):
+    """A user's 4-bit model in a BucketedTrainer that evaluates after every step: each step's loss and gradient
+    norm equal those of the run that never evaluates (one process). bitsandbytes repacks 4-bit weights for CPU
+    inference at the first evaluation on CPUs with AVX-512 bf16, and training on them went wrong."""
+    (plain, _), (evaluated, evaluations) = (
+        run_distributed(_trainer_steps, str(tmp_path / str(flag)), flag, world_size=1, timeout=240)[0]
+        for flag in (False, True)
+    )
+    assert evaluations >= 2 and len(plain) == 3, (evaluations, plain, evaluated)
+    torch.testing.assert_close(torch.tensor(evaluated), torch.tensor(plain), rtol=1e-6, atol=0.0)

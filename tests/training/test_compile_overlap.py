@@ -21,7 +21,7 @@ from ddp_ft.ddp.comm_hooks import allreduce_hook
 from ddp_ft.training.model.compilation import is_regionally_compiled, repeated_blocks
 
 from ..helpers.dist_harness import run_distributed
-from ..helpers.trainers import as_accelerate_rank, gloo_trainer_args
+from ..helpers.trainers import as_accelerate_rank, collate_tokens, gloo_trainer_args, token_rows, user_qlora_model
 
 SMALL_BUCKETS = DDPSettings(bucket_cap_mb=0.02, first_bucket_cap_mb=0.02)  # about a layer's LoRA per bucket
 
@@ -75,41 +75,6 @@ class OverlapProbe:
 # ---------------------------------------------------------------- a user's BucketedTrainer script
 
 
-def _rows(n: int = 16):
-    """Token rows of mixed lengths (8 to 20), labels = inputs: padding varies per batch, as with real data."""
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(n):
-        ids = torch.randint(3, 60, (8 + (i * 5) % 13,), generator=g).tolist()
-        rows.append({"input_ids": ids, "labels": ids})
-    return rows
-
-
-def _collate(rows):
-    width = max(len(r["input_ids"]) for r in rows)
-    pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
-    return {
-        "input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
-        "labels": torch.tensor([pad(r["labels"], -100) for r in rows]),
-        "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
-    }
-
-
-def _user_qlora_model(model_dir: str):
-    """What a QLoRA user's script builds: NF4 base, peft's k-bit preparation, LoRA. Without checkpointing: a whole
-    compiled model would then capture the layers too (torch.utils.checkpoint is never compiled, so a checkpointed
-    layer breaks the graph and runs eager), which is the case where whole-model compilation loses the overlap."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
-    base = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, device_map={"": "cpu"})
-    base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-    base.enable_input_require_grads()
-    torch.manual_seed(0)
-    return get_peft_model(base, LoraConfig(r=8, lora_dropout=0.0, target_modules="all-linear"))
-
-
 class _ProbeCallback:
     """Attaches the probe once the Trainer has prepared (and compiled) the model, before the first step."""
 
@@ -132,7 +97,7 @@ def _trainer_run(rank, world_size, compile: bool):
     from ddp_ft.training.setup import resolve_model_and_tokenizer
 
     model_dir, _ = resolve_model_and_tokenizer(EMBEDDED_MODEL, DistInfo())
-    model = _user_qlora_model(model_dir)
+    model = user_qlora_model(model_dir)
     probe = OverlapProbe()
     with tempfile.TemporaryDirectory() as out:
         args = gloo_trainer_args(
@@ -145,7 +110,7 @@ def _trainer_run(rank, world_size, compile: bool):
             torch_compile_backend="aot_eager" if compile else None,  # AOTAutograd's one backward node per graph
         )
         trainer = BucketedTrainer(
-            model=model, args=args, train_dataset=_rows(), data_collator=_collate, ddp_settings=SMALL_BUCKETS
+            model=model, args=args, train_dataset=token_rows(), data_collator=collate_tokens, ddp_settings=SMALL_BUCKETS
         )
         callback = _ProbeCallback(probe, trainer)
         trainer.add_callback(type("Probe", (TrainerCallback,), {"on_step_begin": callback.on_step_begin})())
@@ -450,7 +415,7 @@ def _trainer_evaluating(rank, world_size, out):
     args = gloo_trainer_args(out, max_steps=3, per_device_train_batch_size=2, eval_strategy="steps", eval_steps=1)
     args.torch_compile, args.torch_compile_backend = True, "aot_eager"
     trainer = BucketedTrainer(
-        model=model, args=args, train_dataset=_rows(), eval_dataset=_rows(4), data_collator=_collate
+        model=model, args=args, train_dataset=token_rows(), eval_dataset=token_rows(4), data_collator=collate_tokens
     )
     trainer.add_callback(CompilingEvaluation())
     trainer.train()

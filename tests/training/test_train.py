@@ -186,6 +186,21 @@ def test_resume_with_another_batch_fails_early(tmp_path, monkeypatch):
     assert not (again / "metrics.jsonl").exists()
 
 
+def test_evaluation_leaves_4bit_training_unchanged(tmp_path, monkeypatch):
+    """4-bit training with an evaluation after every step: each step's loss and gradient norm equal those of the
+    run that never evaluates. On CPUs with AVX-512 bf16 bitsandbytes repacks 4-bit weights for inference at the
+    first evaluation, and training on the repacked weights computed gradients a third of the right size."""
+    runs = {}
+    for every in (0, 1):
+        runs[every] = _train_tiny(tmp_path / str(every), monkeypatch, eval_every=every, max_steps=3, report_to="none")
+    rows = {
+        every: [json.loads(line) for line in (tmp_path / str(every) / "run" / "metrics.jsonl").open()] for every in runs
+    }
+    steps = {every: [(r["loss"], r["grad_norm"]) for r in rows[every] if r["type"] == "train"] for every in rows}
+    assert len([r for r in rows[1] if r["type"] == "eval"]) >= 2  # between steps, before steps 2 and 3
+    assert_close(torch.tensor(steps[1]), torch.tensor(steps[0]), rtol=1e-6, atol=0.0)
+
+
 def test_eval_without_autograd_restores_train_mode():
     """The loop's evaluate records no graph (no activations kept for a backward that never comes: on a GPU that is
     the eval's memory several times over); c7075c5 dropped its ``torch.no_grad()`` and eval losses moved by 6e-5."""

@@ -19,6 +19,7 @@ import torch
 from ...ddp.ranges import check_ranges
 from ..ranges import LORA_RANGES
 from .attention import check_attention
+from .four_bit import keep_4bit_training_layout
 from .precision import DTYPES, Precision, precision_for
 
 logger = logging.getLogger(__name__)
@@ -266,6 +267,7 @@ def load_qlora_model(
     with warnings.catch_warnings():  # peft reads a deprecated attribute
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(base, config)
+    keep_4bit_training_layout(peft_model)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     logger.info(
         "loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable
