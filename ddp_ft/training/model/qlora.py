@@ -267,7 +267,6 @@ def load_qlora_model(
     with warnings.catch_warnings():  # peft reads a deprecated attribute
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(base, config)
-    keep_4bit_training_layout(peft_model)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     logger.info(
         "loaded %s (4-bit=%s), %d trainable LoRA parameters", model.model_name_or_path, model.load_in_4bit, trainable
@@ -309,7 +308,10 @@ def load_trained_adapter(model: ModelSettings, adapter_path: str, device_map: di
 
 
 def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.Module:
-    """``from_pretrained`` with NF4 4-bit weights, unless disabled, on ``device_map``."""
+    """``from_pretrained`` with NF4 4-bit weights, unless disabled, on ``device_map``.
+
+    Its 4-bit weights keep one layout, so evaluation and inference compute as training does.
+    """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = model.precision(map_device(device_map)).dtype
@@ -323,7 +325,9 @@ def _load_base(model: ModelSettings, device_map: dict[str, object]) -> torch.nn.
             bnb_4bit_use_double_quant=model.double_quant,
             bnb_4bit_compute_dtype=dtype,
         )
-    return AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)
+    base = AutoModelForCausalLM.from_pretrained(model.model_name_or_path, **kwargs)
+    keep_4bit_training_layout(base)
+    return base
 
 
 def set_checkpointing(model: torch.nn.Module, on: bool, use_reentrant: bool = False) -> None:
