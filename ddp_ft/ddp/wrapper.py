@@ -14,6 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .autotune import AUTO, BucketAutotuner, BucketChoice, check_comm_hook
 from .buckets import ParamSpec, compute_bucket_assignment
 from .comm_hooks import CommHook
+from .four_bit import keep_4bit_training_layout
 from .join import JoinableDDP
 from .placement import device_identity, model_device
 from .reducer import Reducer
@@ -110,6 +111,7 @@ class BucketedDDP(nn.Module, JoinableDDP):
         else:
             layout = compute_bucket_assignment(specs, bucket_cap_mb, first_bucket_cap_mb)
         device = model_device(module)  # one whole replica on this rank's device
+        keep_4bit_training_layout(module)  # before the checksums: an evaluation may have repacked the weights
         verify_across_ranks(module, specs, layout, self.world_size, process_group, device_identity(device))
         # Fixed at construction, as torch DDP's modules_buffers.
         self._module_buffers = list(module.named_buffers())

@@ -22,6 +22,7 @@ from accelerate.utils.other import is_compiled_module
 from torch.distributed.algorithms.join import Join
 
 from ..ddp import BucketedDDP, DDPSettings
+from ..ddp.four_bit import keep_4bit_training_layout
 from ..distributed.launch import TRAINER_CPU_FIX, check_world_seen, launched_alone
 from ..training.model.compilation import (
     check_compile_mode,
@@ -30,7 +31,6 @@ from ..training.model.compilation import (
     is_regionally_compiled,
     repeated_blocks,
 )
-from ..training.model.four_bit import keep_4bit_training_layout
 from ..training.perf_traps import accelerate_fix, bnb_config_fix, check_4bit_compute_dtype, watch_idle_device
 from .checkpointing import check_checkpointed_adapters
 from .comm_hook_kwargs import accelerate_comm_hook

@@ -170,3 +170,38 @@ def test_differing_4bit_base_raises_naming_the_weight(tiny_qwen3, what):
         assert list(errors) == expected
         for part, message in errors.items():
             assert message is not None and f"{name!r}" in message, (part, name, message)
+
+
+def _user_loop_steps(rank, world_size, path):
+    """A user's 4-bit model, loaded without ddp_ft, in BucketedDDP: 3 SGD steps, without and with an evaluation
+    (eval mode, no gradients) after each; every step's loss and gradient norm."""
+    from ..helpers.trainers import user_qlora_model
+
+    local = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    runs = []
+    for evaluate in (False, True):
+        model = BucketedDDP(user_qlora_model(path))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trained, lr=0.1)
+        steps = []
+        for step in range(3):
+            ids = _batch(step, world_size)[local]
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            steps.append((loss.item(), torch.nn.utils.get_total_norm([p.grad for p in trained]).item()))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if evaluate:
+                model.eval()
+                with torch.no_grad():
+                    model(input_ids=ids)
+                model.train()
+        runs.append(steps)
+    return runs
+
+
+def test_user_loop_eval_leaves_4bit_training_alone(tiny_qwen3):
+    """Evaluating between steps leaves a user's 4-bit training as it was: BucketedDDP keeps bitsandbytes from
+    repacking the weights for CPU inference (on CPUs with AVX-512 bf16), which made training's gradients wrong."""
+    for plain, evaluated in run_distributed(_user_loop_steps, tiny_qwen3, timeout=240):
+        assert_close(torch.tensor(evaluated), torch.tensor(plain), rtol=1e-6, atol=0.0)

@@ -19,7 +19,6 @@ LAYERS = [
         "ddp_ft.ddp",
         "ddp_ft.distributed",
         "ddp_ft.training.model.precision",
-        "ddp_ft.training.model.four_bit",
         "ddp_ft.training.preemption",
         "ddp_ft.report.records",
         "ddp_ft.training.data.synthetic",

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ...ddp.four_bit import keep_4bit_training_layout
 from ...ddp.ranges import check_ranges
 from ..ranges import LORA_RANGES
 from .attention import check_attention
-from .four_bit import keep_4bit_training_layout
 from .precision import DTYPES, Precision, precision_for
 
 logger = logging.getLogger(__name__)

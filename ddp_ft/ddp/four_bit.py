@@ -1,4 +1,4 @@
-"""bitsandbytes 4-bit layers kept in the layout training needs.
+"""bitsandbytes 4-bit weights kept in the layout training needs.
 
 On CPUs with AVX-512 bf16 a ``Linear4bit`` repacks its weight for fast inference at its first forward in eval mode
 without gradients, as in an evaluation, and keeps it so. Training on the repacked weight computes wrong gradients.

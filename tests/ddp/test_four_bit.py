@@ -1,10 +1,10 @@
-"""4-bit layers kept in the layout training needs (``ddp_ft.training.model.four_bit``)."""
+"""4-bit layers kept in the layout training needs (``ddp_ft.ddp.four_bit``)."""
 
 import pytest
 import torch
 
+from ddp_ft.ddp.four_bit import keep_4bit_training_layout
 from ddp_ft.distributed import DistInfo
-from ddp_ft.training.model.four_bit import keep_4bit_training_layout
 
 
 def test_weights_repacked_by_an_evaluation_unpacked():
