@@ -189,7 +189,7 @@ def test_resume_with_another_batch_fails_early(tmp_path, monkeypatch):
 def test_evaluation_leaves_4bit_training_unchanged(tmp_path, monkeypatch):
     """4-bit training with an evaluation after every step: each step's loss and gradient norm equal those of the
     run that never evaluates. On CPUs with AVX-512 bf16 bitsandbytes repacks 4-bit weights for inference at the
-    first evaluation, and training on the repacked weights computed gradients a third of the right size."""
+    first evaluation, and training on the repacked weights computed wrong gradients."""
     runs = {}
     for every in (0, 1):
         runs[every] = _train_tiny(tmp_path / str(every), monkeypatch, eval_every=every, max_steps=3, report_to="none")
