@@ -69,6 +69,42 @@ def test_pack_rows_places_each_sample_once_in_a_row():
     assert pack_rows([300, 5], 128) == [[0], [1]]  # longer than a row: a row of its own
 
 
+def test_samples_fitting_one_row_fill_two():
+    """A micro-batch of two or more samples always packs into two rows or more, the longest first to the shorter
+    row: a compiled layer that saw a batch of several rows would compile again for a batch of one."""
+    assert pack_rows([10, 20, 5], 128) == [[1], [0, 2]]  # 35 tokens: fits one row, spread over two
+    assert pack_rows([9, 9, 9, 9], 128) == [[0, 2], [1, 3]]
+    assert pack_rows([7], 128) == [[0]]  # one sample: one row
+    assert packed_cost([10, 20, 5], 128) == 2 * 20 < 35 * 35  # tokens (and sdpa's squared row) drop
+
+
+def test_one_row_micro_batch_reuses_compiled_layers():
+    """Packed micro-batches through regionally compiled sdpa layers, training, one of them short enough for one row:
+    one graph. A batch of one row would compile a second (Dynamo specialises sizes of 1)."""
+    from torch._dynamo.utils import counters
+    from transformers import Qwen3ForCausalLM
+
+    from ddp_ft.training.model.compilation import compile_repeated_blocks
+    from ddp_ft.training.model.qlora import tiny_qwen3_config
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_qwen3_config(500, num_hidden_layers=2)).train()
+    compile_repeated_blocks(model, backend="eager")  # Dynamo's guards and graphs, no codegen
+    collate, shapes = PackedCollator(PAD, 64), []
+    try:
+        for lengths in ([40, 30, 20], [12, 9], [25, 30, 50, 7]):
+            batch = collate(_samples(lengths))
+            model(**batch, use_cache=False).loss.backward()
+            shapes.append(tuple(batch["input_ids"].shape))
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 1, shapes
+    assert shapes == [(2, 60), (2, 12), (2, 57)]  # (rows, width)
+
+
 def test_packed_collator_restarts_positions_and_labels():
     samples = _samples([40, 7, 25, 12])
     packed, padded = PackedCollator(PAD, 64)(samples), _padded(samples)

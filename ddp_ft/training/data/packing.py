@@ -24,6 +24,8 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
     """Group the positions of ``lengths`` into rows of at most ``row_tokens``, first-fit decreasing.
 
     Ties break by position, so the result is deterministic. A sample longer than ``row_tokens`` gets its own row.
+    Two samples or more fill two rows at least: compiled layers specialise a batch of one row, so a single row
+    after several would compile them again. Two half rows compute the same tokens, and attention less.
 
     Args:
         lengths (Sequence[int]): token lengths of the micro-batch's samples.
@@ -53,7 +55,18 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
         else:
             rows[row].append(position)
             room[row] -= lengths[position]
-    return rows
+    return rows if len(rows) > 1 else _two_rows(lengths)
+
+
+def _two_rows(lengths: Sequence[int]) -> list[list[int]]:
+    """Positions of samples that fit one row, in two rows: longest first, each to the shorter row."""
+    rows: list[list[int]] = [[], []]
+    filled = [0, 0]
+    for position in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
+        row = filled.index(min(filled))
+        rows[row].append(position)
+        filled[row] += lengths[position]
+    return [row for row in rows if row]
 
 
 def packed_cost(lengths: Sequence[int], row_tokens: int) -> int:
