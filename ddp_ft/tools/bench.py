@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from ..distributed import DistInfo, destroy_distributed, init_distributed
 from ..distributed.devices import device_and_backend
 from ..training.model.memory import QWEN3_4B, Qwen3Shape, lora_parameters
 from ..training.model.precision import Precision, precision_for
-from ..training.model.qlora import tiny_qwen3_config
+from ..training.model.qlora import save_whole, tiny_qwen3_config
 
 
 @dataclass(frozen=True)
@@ -201,15 +200,7 @@ def build_random_qwen3(path: str | Path, shape: Qwen3Shape, dtype: torch.dtype, 
     with torch.no_grad():
         for param in model.parameters():
             param.uniform_(-0.05, 0.05, generator=generator)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    try:
-        tmp.rename(path)
-    except OSError:  # another process finished first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "config.json").exists():
-            raise
-    return path
+    return save_whole(model, path)
 
 
 def random_qwen3_name(shape: Qwen3Shape, dtype: torch.dtype) -> str:

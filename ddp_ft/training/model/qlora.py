@@ -187,11 +187,19 @@ def build_tiny_qwen3(
     for name, value in (token_ids or {}).items():
         setattr(model.config, name, value)
         setattr(model.generation_config, name, value)
+    return save_whole(model, path)
+
+
+def save_whole(model, path: Path) -> Path:
+    """``save_pretrained`` into a temporary folder renamed to ``path``: readers see the model whole or not at all.
+
+    Where another process renamed its copy first, that copy is kept.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     try:
         tmp.rename(path)
-    except OSError:  # another process finished first: keep its copy
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (path / "config.json").exists():
             raise
