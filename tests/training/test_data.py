@@ -356,7 +356,9 @@ def test_template_list_or_batch_encoding_same_ids():
 # Collation and the epoch loader
 
 
-def test_collator_right_pads_and_counts_skip_padding(tiny_tokenizer):
+def test_collator_right_pads_to_eight_counts_real(tiny_tokenizer):
+    """Right padding to a multiple of 8 tokens, the alignment sdpa's mask needs on a GPU (test_packing.py's
+    cuda test); padding carries no loss and is not counted."""
     collate = make_collator(tiny_tokenizer)
     batch = collate(
         [
@@ -365,9 +367,9 @@ def test_collator_right_pads_and_counts_skip_padding(tiny_tokenizer):
         ]
     )
     pad = tiny_tokenizer.pad_token_id
-    assert batch["input_ids"].tolist() == [[5, 6, 7, pad, pad], [8, 9, 10, 11, 12]]
-    assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100], [-100, -100, 10, 11, 12]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["input_ids"].tolist() == [[5, 6, 7] + [pad] * 5, [8, 9, 10, 11, 12] + [pad] * 3]
+    assert batch["labels"].tolist() == [[-100, 6, 7] + [-100] * 5, [-100, -100, 10, 11, 12] + [-100] * 3]
+    assert batch["attention_mask"].tolist() == [[1] * 3 + [0] * 5, [1] * 5 + [0] * 3]
     assert count_tokens(batch) == 8
 
 

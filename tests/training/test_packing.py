@@ -75,12 +75,15 @@ def test_samples_fitting_one_row_fill_two():
     assert pack_rows([10, 20, 5], 128) == [[1], [0, 2]]  # 35 tokens: fits one row, spread over two
     assert pack_rows([9, 9, 9, 9], 128) == [[0, 2], [1, 3]]
     assert pack_rows([7], 128) == [[0]]  # one sample: one row
-    assert packed_cost([10, 20, 5], 128) == 2 * 20 < 35 * 35  # tokens (and sdpa's squared row) drop
+    assert packed_cost([10, 20, 5], 128) == 2 * 24  # widths a multiple of 8: two rows of 24, not one of 40
 
 
-def test_one_row_micro_batch_reuses_compiled_layers():
-    """Packed micro-batches through regionally compiled sdpa layers, training, one of them short enough for one row:
-    one graph. A batch of one row would compile a second (Dynamo specialises sizes of 1)."""
+PACKED_BATCHES = ([40, 30, 20], [12, 9], [40, 24, 10], [25, 30, 50, 7])  # sample lengths, rows of 64
+
+
+def packed_graphs(device: str, backend: str) -> tuple[list[tuple[int, int]], int]:
+    """Each of :data:`PACKED_BATCHES` packed, training through regionally compiled sdpa layers: the (rows, width)
+    of each, and the graphs compiled. The second fits one row; the longest rows are 60, 12, 64 and 57 tokens."""
     from torch._dynamo.utils import counters
     from transformers import Qwen3ForCausalLM
 
@@ -90,32 +93,57 @@ def test_one_row_micro_batch_reuses_compiled_layers():
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(tiny_qwen3_config(500, num_hidden_layers=2)).train()
-    compile_repeated_blocks(model, backend="eager")  # Dynamo's guards and graphs, no codegen
+    model = Qwen3ForCausalLM(tiny_qwen3_config(500, num_hidden_layers=2)).to(device).train()
+    compile_repeated_blocks(model, backend=backend)
     collate, shapes = PackedCollator(PAD, 64), []
     try:
-        for lengths in ([40, 30, 20], [12, 9], [25, 30, 50, 7]):
-            batch = collate(_samples(lengths))
+        for lengths in PACKED_BATCHES:
+            batch = {name: tensor.to(device) for name, tensor in collate(_samples(lengths)).items()}
             model(**batch, use_cache=False).loss.backward()
             shapes.append(tuple(batch["input_ids"].shape))
-        graphs = counters["stats"]["unique_graphs"]
+        return shapes, counters["stats"]["unique_graphs"]
     finally:
         torch._dynamo.reset()
+
+
+def test_one_row_micro_batch_reuses_compiled_layers():
+    """One graph for every packed micro-batch, one short enough for a single row among them: a batch of one row
+    would compile a second (Dynamo specialises sizes of 1). Dynamo's guards and graphs, no codegen."""
+    shapes, graphs = packed_graphs("cpu", backend="eager")
     assert graphs == 1, shapes
-    assert shapes == [(2, 60), (2, 12), (2, 57)]  # (rows, width)
+    assert shapes == [(2, 64), (2, 16), (2, 64), (2, 64)]  # (rows, width), widths a multiple of 8
+
+
+@pytest.mark.cuda
+def test_compiled_sdpa_packed_rows_compile_once(gpu_environment):
+    """The same through TorchInductor on a GPU, where sdpa's mask must be aligned to 8 elements and Inductor
+    guards on it: widths off that multiple would compile the layers again (pytorch#163083)."""
+    import subprocess
+    import sys
+
+    from ..helpers.dist_harness import PYTHONPATH
+
+    code = (
+        "from tests.training.test_packing import packed_graphs\n"
+        "shapes, graphs = packed_graphs('cuda', backend='inductor')\n"
+        "assert graphs == 1, (graphs, shapes)"
+    )
+    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
 def test_packed_collator_restarts_positions_and_labels():
     samples = _samples([40, 7, 25, 12])
     packed, padded = PackedCollator(PAD, 64)(samples), _padded(samples)
     assert "attention_mask" not in packed, "a mask would turn transformers' packed-sequence detection off"
-    assert packed["input_ids"].shape == (2, 59)  # first fit: rows [40, 7, 12] and [25], in batch order
+    assert packed["input_ids"].shape == (2, 64)  # first fit: rows [40, 7, 12] and [25]; widths a multiple of 8
     positions, labels = packed["position_ids"][0].tolist(), packed["labels"][0].tolist()
-    assert positions == list(range(40)) + list(range(7)) + list(range(12))
+    assert positions == list(range(40)) + list(range(7)) + list(range(12)) + list(range(5))
     assert labels[0] == labels[40] == labels[47] == IGNORE_INDEX, "no token predicts the next sequence's first"
-    assert labels[48:] == samples[3]["labels"][1:]
+    assert labels[48:59] == samples[3]["labels"][1:]
     assert packed["labels"][1, 25:].eq(IGNORE_INDEX).all() and packed["input_ids"][1, 25:].eq(PAD).all()
-    assert packed["position_ids"][1, 25:].tolist() == list(range(34))  # the padding: a block of its own, last
+    assert packed["position_ids"][1, 25:].tolist() == list(range(39))  # the padding: a block of its own, last
+    assert packed["input_ids"][0, 59:].eq(PAD).all() and packed["labels"][0, 59:].eq(IGNORE_INDEX).all()
     assert answer_tokens(packed) == answer_tokens(padded)
     assert count_tokens(packed, PAD) == count_tokens(padded) == 84 < packed["input_ids"].numel()
 

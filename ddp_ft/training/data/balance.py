@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 Plan = list[list[list[int]]]  # plan[rank][micro_step] -> sample indices
+# Batch widths round up to this: on a GPU sdpa's mask must be aligned to 8 elements, and TorchInductor guards on it,
+# so widths off it would compile the layers again (pytorch#163083).
+WIDTH_MULTIPLE = 8
 
 
 def _check(indices: Sequence[int], world_size: int, micro_batch: int, accumulation: int) -> None:
@@ -31,9 +34,14 @@ def strided_plan(indices: Sequence[int], world_size: int, micro_batch: int, accu
     return [[shard[k * micro_batch : (k + 1) * micro_batch] for k in range(accumulation)] for shard in shards]
 
 
+def batch_width(longest: int) -> int:
+    """The width of a micro-batch whose longest row holds ``longest`` tokens: the next multiple of 8."""
+    return -(-longest // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+
+
 def micro_batch_cost(lengths: Sequence[int]) -> int:
-    """Padded tokens of a right-padded micro-batch: size times longest sample."""
-    return len(lengths) * max(lengths)
+    """Padded tokens of a right-padded micro-batch: size times its width."""
+    return len(lengths) * batch_width(max(lengths))
 
 
 def rank_costs(

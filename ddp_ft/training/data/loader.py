@@ -6,17 +6,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..batch import gradient_accumulation_steps
-from .balance import Plan, balanced_plan, micro_batch_cost, strided_plan
+from .balance import WIDTH_MULTIPLE, Plan, balanced_plan, micro_batch_cost, strided_plan
 from .epoch_steps import EpochSteps
 from .settings import IGNORE_INDEX
 from .step_tokens import global_order
 
 
 def make_collator(tokenizer):
-    """Right-padding collator: pad token in ``input_ids``, -100 in ``labels``."""
+    """Right-padding collator: pad token in ``input_ids``, -100 in ``labels``, widths a multiple of 8."""
     from transformers import DataCollatorForSeq2Seq
 
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=None)
+    return DataCollatorForSeq2Seq(
+        tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, pad_to_multiple_of=WIDTH_MULTIPLE
+    )
 
 
 def count_tokens(batch: dict, pad_token_id: int | None = None) -> int:

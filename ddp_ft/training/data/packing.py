@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from .balance import batch_width
 from .settings import IGNORE_INDEX
 
 # Attention that honours a packed row's position_ids through transformers' masks.
@@ -70,16 +71,16 @@ def _two_rows(lengths: Sequence[int]) -> list[list[int]]:
 
 
 def packed_cost(lengths: Sequence[int], row_tokens: int) -> int:
-    """Tokens a packed micro-batch computes: rows times the longest row."""
+    """Tokens a packed micro-batch computes: rows times its width."""
     rows = pack_rows(lengths, row_tokens)
-    return len(rows) * max(sum(lengths[p] for p in row) for row in rows)
+    return len(rows) * batch_width(max(sum(lengths[p] for p in row) for row in rows))
 
 
 class PackedCollator:
     """Collate samples into packed rows with ``position_ids`` and no ``attention_mask``.
 
-    Pad tokens sit after every real token, so causal attention never lets a real token see them. A drop-in for
-    ``make_collator``'s collator with the same loss.
+    Pad tokens sit after every real token, so causal attention never lets a real token see them. Widths are a
+    multiple of 8, as ``make_collator``'s, for which it is a drop-in with the same loss.
 
     Args:
         pad_token_id (int): the tokenizer's pad token.
@@ -101,7 +102,7 @@ class PackedCollator:
         ids = [list(f["input_ids"]) for f in features]
         labels = [list(f["labels"]) if "labels" in f else list(f["input_ids"]) for f in features]
         rows = pack_rows([len(i) for i in ids], self.row_tokens)
-        width = max(sum(len(ids[p]) for p in row) for row in rows)
+        width = batch_width(max(sum(len(ids[p]) for p in row) for row in rows))
         out = {name: torch.empty(len(rows), width, dtype=torch.int64) for name in ("input_ids", "labels")}
         out["position_ids"] = torch.empty(len(rows), width, dtype=torch.int64)
         for r, row in enumerate(rows):
