@@ -363,7 +363,7 @@ def test_flex_new_widths_and_row_counts_reuse_graphs():
     compiled block-mask builder compile once each. Unmarked, each recompiles at the first new width and again at
     the first new row count. The user's own dynamic sources are kept."""
     seen = flex_graphs_per_batch("cpu", backend="eager")
-    assert [shape for shape, _ in seen] == [(2, 61), (2, 55), (3, 63), (2, 60)]  # (rows, width)
+    assert [shape for shape, _ in seen] == [(2, 64), (2, 56), (3, 64), (2, 64)]  # (rows, width)
     assert [graphs for _, graphs in seen] == [2, 2, 2, 2], seen
     assert torch.compiler.config.dynamic_sources.split(",")[0] == "L['x']"
 
