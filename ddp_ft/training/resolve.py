@@ -26,7 +26,7 @@ from ..distributed import DistInfo
 from ..distributed.launch import check_accelerate_launch
 from .batch import gradient_accumulation_steps
 from .config import RunSettings
-from .data import packing_problem, resolve_packing
+from .data import batch_width, packing_problem, resolve_packing
 from .model.compilation import Blocker, compile_blockers, refuse_blockers
 from .model.kernels import check_kernel_settings
 from .model.memory import MicroBatchChoice, Qwen3Shape, auto_micro_batch
@@ -249,7 +249,7 @@ def resolve_micro_batch(
     precision = settings.model.precision(info.device)
     choice = auto_micro_batch(
         shape,
-        settings.data.max_seq_len,
+        batch_width(settings.data.max_seq_len),  # the widest micro-batch
         settings.train.effective_batch,
         info.world_size,
         device_bytes,
@@ -334,7 +334,7 @@ def probe_run_micro_batch(
 def _probe(model, settings: RunSettings, info: DistInfo, resolved: Resolved, overrides: dict) -> MicroBatchProbe:
     return probe_micro_batch(
         model,
-        seq_len=settings.data.max_seq_len,
+        seq_len=batch_width(settings.data.max_seq_len),  # the widest micro-batch
         effective_batch=settings.train.effective_batch,
         info=info,
         precision=resolved.precision,

@@ -75,6 +75,13 @@ def test_off_when_the_whole_batch_fits_without_it(monkeypatch):
     assert calls[0] and not calls[-1]  # measured with it first, then without
 
 
+def test_probe_measures_the_widest_micro_batch(monkeypatch):
+    """Micro-batches are a multiple of 8 tokens wide, so at --max-seq-len 100 the widest is 104: the probe measures
+    that, not 100."""
+    _, resolved, _ = _probed(monkeypatch, 50, max_seq_len=100)
+    assert resolved.probe.seq_len == 104
+
+
 def test_kept_and_restored_when_only_it_lets_batch_fit(monkeypatch):
     # budget 18 GB: 8 samples fit checkpointed (12 GB), not without (28 GB)
     model, resolved, calls = _probed(monkeypatch, 20)

@@ -167,6 +167,16 @@ def test_resolution_reads_model_config_logs_choice(tmp_path, caplog):
     assert "--micro-batch auto" not in caplog.text  # rank 0 only
 
 
+def test_guess_reads_the_widest_micro_batch():
+    """The arithmetic guess sizes micro-batches 104 tokens wide at --max-seq-len 100: widths are a multiple of 8."""
+    from ddp_ft.training.resolve import resolve_micro_batch
+
+    settings = settings_from_preset("tiny", micro_batch="auto", max_seq_len=100, effective_batch=16)
+    choice = resolve_micro_batch(settings, DistInfo(), shape=QWEN3_4B, device_bytes=80 * GB)
+    dtype = settings.model.precision(DistInfo().device).name
+    assert choice.expected_peak == estimate(QWEN3_4B, 104, choice.micro_batch, compute_dtype=dtype).peak
+
+
 def test_resolve_run_makes_an_int_settings_untouched(monkeypatch):
     import ddp_ft.training.resolve as resolve
 

@@ -12,7 +12,7 @@ One module per stage:
 * ``settings``: ``DataSettings`` and shared constants.
 """
 
-from .balance import balanced_plan, micro_batch_cost, rank_costs, strided_plan
+from .balance import balanced_plan, batch_width, micro_batch_cost, rank_costs, strided_plan
 from .epoch_steps import EpochSteps
 from .formatting import (
     TruncatedExample,
@@ -58,6 +58,7 @@ __all__ = [
     "TruncationReport",
     "answer_tokens",
     "balanced_plan",
+    "batch_width",
     "micro_batch_cost",
     "check_packed_model",
     "check_resume",
