@@ -26,7 +26,7 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
 
     Ties break by position, so the result is deterministic. A sample longer than ``row_tokens`` gets its own row.
     Two samples or more fill two rows at least: compiled layers specialise a batch of one row, so a single row
-    after several would compile them again. Two half rows compute the same tokens, and attention less.
+    after several would compile them again. Two half rows compute about the same tokens, and sdpa less.
 
     Args:
         lengths (Sequence[int]): token lengths of the micro-batch's samples.
