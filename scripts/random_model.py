@@ -7,7 +7,7 @@ learning.
         --source DATA/ami/ami_abstractive.jsonl --max-steps 4
 
 The weights come from ``ddp_ft.tools.bench.build_random_qwen3`` (bf16, as the hub's checkpoint; the same shapes as
-``scripts/bench_gpu.py --shape``; drawn on the GPU where there is one, not on the CPU), the tokenizer from ``ddp_ft.training.data.tokenizer.load_tokenizer`` (chat template,
+``scripts/bench_gpu.py --shape``; drawn on the GPU where it has room, not on the CPU), the tokenizer from ``ddp_ft.training.data.tokenizer.load_tokenizer`` (chat template,
 pad token), saved beside them. Refused: a tokenizer with more tokens than the model's vocabulary, and a folder that
 already holds a model of another shape (one of this shape is kept, not rebuilt).
 """
@@ -55,7 +55,7 @@ def main() -> None:
                 f"--out {args.out} already holds a model of another shape ({found}), not {args.shape}'s ({shape}). "
                 "Choose another --out or remove that folder."
             )
-    build_random_qwen3(args.out, shape, torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    build_random_qwen3(args.out, shape, torch.bfloat16, device="auto")
     tokenizer.save_pretrained(args.out)
     print(f"wrote {args.out}: {args.shape} shape, vocabulary {shape.vocab_size:,}, tokenizer {args.tokenizer}")
 

@@ -183,7 +183,7 @@ def build_random_qwen3(
         dtype (torch.dtype): the weights' dtype.
         seed (int): the random seed. Default: 0.
         device (str | torch.device): where the weights are drawn (the CPU took 26 s for Qwen3-4B's on a 2-core
-            host); the weights differ by device. Default: ``"cpu"``
+            host); the weights differ by device. ``"auto"``: the GPU if it has room for them twice. Default: ``"cpu"``
 
     Returns:
         Path: the folder, loadable with ``from_pretrained``.
@@ -198,6 +198,9 @@ def build_random_qwen3(
         return path
     with torch.device("meta"):
         model = Qwen3ForCausalLM._from_config(tiny_qwen3_config(**vars(shape)), dtype=dtype)
+    if device == "auto":
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.mem_get_info()[0] > 2 * weights else "cpu"
     model = model.to_empty(device=device)
     model.tie_weights()
     generator = torch.Generator(device=device).manual_seed(seed)

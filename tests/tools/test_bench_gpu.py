@@ -69,6 +69,17 @@ def test_random_qwen3_has_the_shape_and_is_built_once(tmp_path):
     assert random_qwen3_name(TINY, torch.bfloat16) != random_qwen3_name(QWEN3_4B, torch.bfloat16)
 
 
+def test_random_weights_auto_drawn_on_cpu_without_gpu(tmp_path):
+    """``device="auto"`` draws on a GPU with room for the weights twice; without one, on the CPU, as the default."""
+    from safetensors.torch import load_file
+
+    auto = build_random_qwen3(tmp_path / "auto", TINY, torch.bfloat16, device="auto")
+    cpu = build_random_qwen3(tmp_path / "cpu", TINY, torch.bfloat16)
+    drawn = [load_file(folder / "model.safetensors") for folder in (auto, cpu)]
+    assert drawn[0].keys() == drawn[1].keys()
+    assert all(torch.equal(drawn[0][name], drawn[1][name]) for name in drawn[0])
+
+
 def test_runs_on_cpu_tiny_shape_writes_table_and_json(tmp_path):
     out = tmp_path / "bench_gpu.json"
     command = [
