@@ -182,8 +182,8 @@ def build_random_qwen3(
         shape (Qwen3Shape): the model's sizes.
         dtype (torch.dtype): the weights' dtype.
         seed (int): the random seed. Default: 0.
-        device (str | torch.device): where the weights are drawn (the CPU took 26 s for Qwen3-4B's on a 2-core
-            host); the weights differ by device. ``"auto"``: the GPU if it has room for them twice. Default: ``"cpu"``
+        device (str | torch.device): where the weights are drawn, which changes them. ``"auto"``: the GPU if it
+            has room for them twice, else the CPU. Default: ``"cpu"``
 
     Returns:
         Path: the folder, loadable with ``from_pretrained``.

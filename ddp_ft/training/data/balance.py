@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 Plan = list[list[list[int]]]  # plan[rank][micro_step] -> sample indices
 # Batch widths round up to this: on a GPU sdpa's mask must be aligned to 8 elements, and TorchInductor guards on it,
-# so widths off it would compile the layers again (pytorch#163083).
+# so widths off it would compile the layers again (docs/own_data.md).
 WIDTH_MULTIPLE = 8
 
 
