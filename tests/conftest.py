@@ -56,6 +56,22 @@ def gpu_environment() -> dict[str, str]:
     return _gpu_environment()
 
 
+@pytest.fixture
+def run_on_gpu():
+    """For ``cuda`` tests: runs Python source in a process that sees the GPU and imports the repository; fails on a
+    non-zero exit."""
+    import subprocess
+    import sys
+
+    from .helpers.dist_harness import PYTHONPATH
+
+    def run(code: str) -> None:
+        env = {**_gpu_environment(), "PYTHONPATH": PYTHONPATH}
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> str:
     """A ``DDP_FT_CACHE`` folder holding the embedded tiny tokenizer and model, built once per session (~4 s)."""

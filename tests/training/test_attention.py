@@ -99,16 +99,9 @@ def test_packed_flex_equals_padded_sdpa_forward():
 
 
 @pytest.mark.cuda
-def test_packed_flex_grads_equal_padded_on_cuda(gpu_environment):
+def test_packed_flex_grads_equal_padded_on_cuda(run_on_gpu):
     """The backward half, which torch runs on CUDA only, in a process that sees the GPU."""
-    import subprocess
-    import sys
-
-    from ..helpers.dist_harness import PYTHONPATH
-
-    code = "from tests.training.test_attention import cuda_gradients_match; cuda_gradients_match()"
-    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    run_on_gpu("from tests.training.test_attention import cuda_gradients_match; cuda_gradients_match()")
 
 
 def cuda_gradients_match() -> None:

@@ -369,20 +369,13 @@ def test_flex_new_widths_and_row_counts_reuse_graphs():
 
 
 @pytest.mark.cuda
-def test_compiled_flex_trains_without_recompiling(gpu_environment):
+def test_compiled_flex_trains_without_recompiling(run_on_gpu):
     """The same, training, through TorchInductor's flex attention kernels, in a process that sees the GPU."""
-    import subprocess
-    import sys
-
-    from ..helpers.dist_harness import PYTHONPATH
-
-    code = (
+    run_on_gpu(
         "from tests.training.test_kernels import flex_graphs_per_batch\n"
         "seen = flex_graphs_per_batch('cuda', backend='inductor')\n"
         "assert [graphs for _, graphs in seen] == [2, 2, 2, 2], seen"
     )
-    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
 @pytest.mark.parametrize(

@@ -115,21 +115,14 @@ def test_one_row_micro_batch_reuses_compiled_layers():
 
 
 @pytest.mark.cuda
-def test_compiled_sdpa_packed_rows_compile_once(gpu_environment):
+def test_compiled_sdpa_packed_rows_compile_once(run_on_gpu):
     """The same through TorchInductor on a GPU, where sdpa's mask must be aligned to 8 elements and Inductor
-    guards on it: widths off that multiple would compile the layers again (pytorch#163083)."""
-    import subprocess
-    import sys
-
-    from ..helpers.dist_harness import PYTHONPATH
-
-    code = (
+    guards on it: widths off that multiple would compile the layers again."""
+    run_on_gpu(
         "from tests.training.test_packing import packed_graphs\n"
         "shapes, graphs = packed_graphs('cuda', backend='inductor')\n"
         "assert graphs == 1, (graphs, shapes)"
     )
-    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
 
 
 def test_packed_collator_restarts_positions_and_labels():

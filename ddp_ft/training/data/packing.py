@@ -46,9 +46,10 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
         raise ValueError(f"row_tokens={row_tokens}: must be >= 1.")
     if any(length < 1 for length in lengths):
         raise ValueError(f"lengths {list(lengths)}: every sample needs at least one token.")
+    longest_first = sorted(range(len(lengths)), key=lambda p: (-lengths[p], p))
     rows: list[list[int]] = []
     room: list[int] = []
-    for position in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
+    for position in longest_first:
         row = next((r for r, free in enumerate(room) if free >= lengths[position]), None)
         if row is None:
             rows.append([position])
@@ -56,14 +57,14 @@ def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
         else:
             rows[row].append(position)
             room[row] -= lengths[position]
-    return rows if len(rows) > 1 else _two_rows(lengths)
+    return rows if len(rows) > 1 else _two_rows(lengths, longest_first)
 
 
-def _two_rows(lengths: Sequence[int]) -> list[list[int]]:
-    """Positions of samples that fit one row, in two rows: longest first, each to the shorter row."""
+def _two_rows(lengths: Sequence[int], longest_first: list[int]) -> list[list[int]]:
+    """Positions of samples that fit one row, in two rows: each in turn to the shorter row."""
     rows: list[list[int]] = [[], []]
     filled = [0, 0]
-    for position in sorted(range(len(lengths)), key=lambda p: (-lengths[p], p)):
+    for position in longest_first:
         row = filled.index(min(filled))
         rows[row].append(position)
         filled[row] += lengths[position]
@@ -73,7 +74,12 @@ def _two_rows(lengths: Sequence[int]) -> list[list[int]]:
 def packed_cost(lengths: Sequence[int], row_tokens: int) -> int:
     """Tokens a packed micro-batch computes: rows times its width."""
     rows = pack_rows(lengths, row_tokens)
-    return len(rows) * batch_width(max(sum(lengths[p] for p in row) for row in rows))
+    return len(rows) * _width(rows, lengths)
+
+
+def _width(rows: list[list[int]], lengths: Sequence[int]) -> int:
+    """The width of packed ``rows``: their longest, rounded up to a multiple of 8."""
+    return batch_width(max(sum(lengths[p] for p in row) for row in rows))
 
 
 class PackedCollator:
@@ -101,8 +107,9 @@ class PackedCollator:
 
         ids = [list(f["input_ids"]) for f in features]
         labels = [list(f["labels"]) if "labels" in f else list(f["input_ids"]) for f in features]
-        rows = pack_rows([len(i) for i in ids], self.row_tokens)
-        width = batch_width(max(sum(len(ids[p]) for p in row) for row in rows))
+        lengths = [len(i) for i in ids]
+        rows = pack_rows(lengths, self.row_tokens)
+        width = _width(rows, lengths)
         out = {name: torch.empty(len(rows), width, dtype=torch.int64) for name in ("input_ids", "labels")}
         out["position_ids"] = torch.empty(len(rows), width, dtype=torch.int64)
         for r, row in enumerate(rows):
