@@ -119,13 +119,13 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
         )
         return
     metrics = trainer.evaluate()
-    if settings.train.predict:
-        predict_at_end(trainer, parts, settings, info)
     # the unwrapped adapter, its tokenizer and data settings, on rank 0, as the plain loop's final folder
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     save_final(output_dir, model, trainer.processing_class, parts.data_record, info)
     trainer.save_state()
     logger.info("eval: %s", metrics)
+    if settings.train.predict:  # after the last collective, as the loop's
+        predict_at_end(trainer, parts, settings, info)
 
 
 if __name__ == "__main__":

@@ -224,14 +224,18 @@ class _Loop:
         logger.info("predicted %d eval samples (%s): %s", len(predictions), shown, path)
 
     def _finish(self) -> Path | None:
-        """The final evaluation and checkpoint, and ``output_dir/final``."""
+        """The final evaluation and checkpoint, ``output_dir/final``, then ``--predict``.
+
+        Predictions come after the saves, the run's last collectives: a failed generation keeps the adapter, and no
+        rank waits in a collective, under its timeout, while rank 0 generates.
+        """
         if self.has_eval:
             self._evaluate()
-        if self.t.predict:
-            self._predict()
         checkpoint = self._save()
         run = self.run
         save_final(run.output_dir, run.model, run.parts.tokenizer, run.parts.data_record, run.info)
+        if self.t.predict:
+            self._predict()
         logger.info(
             "done: %d steps, loss %s -> %s, eval loss %s",
             self.state.global_step,

@@ -17,6 +17,7 @@ from ddp_ft.integrations.callbacks import GuardedWandbCallback, ThroughputCallba
 from ddp_ft.integrations.recipe import build_trainer, predict_at_end, wandb_report_to
 from ddp_ft.report.metrics import NullLogger, WandbLogger, WandbSwitch, open_metric_sink, read_jsonl
 from ddp_ft.report.records import run_identity
+from ddp_ft.training.checkpoint import FINAL_DIR
 from ddp_ft.training.loop import train
 from ddp_ft.training.setup import prepare_run
 
@@ -237,3 +238,28 @@ def test_predict_writes_and_logs_predictions_to_wandb(entry, tmp_path, run_env, 
     (table,) = [payload["eval/predictions"] for payload in logged if "eval/predictions" in payload]
     assert table.columns == ["prompt", "prediction", "reference"] and len(table.data) == 2
     assert [p["eval/rouge_l"] for p in logged if "eval/rouge_l" in p] == [record["rouge_l"]]
+
+
+@pytest.mark.parametrize("entry", ["train", "recipe"])
+def test_failed_predict_keeps_the_final_adapter(entry, tmp_path, run_env, monkeypatch):
+    """``--predict`` generates after ``final/`` is saved: a generation that fails (out of memory, say) costs the
+    predictions, never the trained adapter."""
+    from ddp_ft.commands import recipe as recipe_command
+    from ddp_ft.commands import train as train_command
+    from ddp_ft.integrations import recipe
+    from ddp_ft.training import loop
+
+    final = tmp_path / "run" / FINAL_DIR
+    seen = []
+
+    def failing(*args, **kwargs):
+        seen.append((final / "adapter_config.json").exists())
+        raise RuntimeError("generation failed (test)")
+
+    monkeypatch.setattr(loop if entry == "train" else recipe, "predict_rows", failing)
+    command = train_command if entry == "train" else recipe_command
+    flags = ["--preset", "tiny", "--max-steps", "2", "--effective-batch", "1", "--micro-batch", "1"]
+    flags += ["--num-synthetic", "16", "--max-seq-len", "128", "--report-to", "none", "--eval-fraction", "0.125"]
+    with pytest.raises(RuntimeError, match="generation failed"):
+        command.main([*flags, "--predict", "1", "--output-dir", str(tmp_path / "run")])
+    assert seen == [True] and (final / "adapter_config.json").exists()

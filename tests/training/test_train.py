@@ -110,6 +110,45 @@ def test_2_ranks_x_k_steps_equal_1_rank_x_2k(tmp_path):
     assert losses[0] == losses[1]
 
 
+def _predict_as_peers_leave(rank, world_size, out, cache):
+    """Train 2 ranks with ``--predict``; rank 0 generates only once rank 1 has finished ``train``."""
+    import os
+    import time
+    from pathlib import Path
+
+    from ddp_ft.training import loop
+
+    os.environ["DDP_FT_CACHE"] = cache
+    left = Path(out) / "rank-1-left"
+    if rank == 0:
+        generate = loop.predict_rows
+
+        def after_rank_1(*args, **kwargs):
+            deadline = time.monotonic() + 60
+            while not left.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 1 still waits in a collective while rank 0 predicts")
+                time.sleep(0.1)
+            return generate(*args, **kwargs)
+
+        loop.predict_rows = after_rank_1
+    values = {"max_steps": 2, "effective_batch": 2, "micro_batch": 1, "num_synthetic": 16, "max_seq_len": 128}
+    values |= {"save_every": 0, "report_to": "none", "eval_fraction": 0.125, "predict": 1, "max_new_tokens": 2}
+    settings = settings_from_preset("tiny", output_dir=str(Path(out) / "run"), **values)
+    steps = train(settings, DistInfo(rank=rank, local_rank=rank, world_size=world_size, backend="gloo")).steps
+    if rank == 1:
+        left.touch()
+    return steps
+
+
+@pytest.mark.distributed
+def test_rank_0_predicts_after_the_others_are_done(tmp_path, tiny_cache):
+    """``--predict`` runs on rank 0 after the last collective: the other ranks never wait for generation, which
+    would outlast the process group's timeout on a long ``--predict``."""
+    steps = run_distributed(_predict_as_peers_leave, str(tmp_path), tiny_cache, timeout=240)
+    assert steps == [2, 2] and (tmp_path / "run" / "predictions.jsonl").exists()
+
+
 def _write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
