@@ -13,7 +13,6 @@ records what ran.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -264,11 +263,10 @@ def resolve_micro_batch(
     return choice
 
 
-def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInfo, config) -> Resolved:
+def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInfo, model_path: str) -> Resolved:
     """``--packing`` resolved for this device and model.
 
-    Reads the model's config (``PretrainedConfig``) only, to refuse attention that would mix packed sequences before
-    anything loads.
+    Reads the model's config only, to refuse attention that would mix packed sequences before anything loads.
 
     Returns:
         Resolved: ``resolved`` with ``packing`` and ``packing_why``.
@@ -279,7 +277,9 @@ def resolve_run_packing(resolved: Resolved, settings: RunSettings, info: DistInf
     packing = settings.data.packing
     problem = None
     if packing is True or (packing == AUTO and info.device.type == "cuda"):
-        config = copy.copy(config)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
         config.use_cache = False  # as load_qlora_model sets it
         problem = packing_problem(config)
     chosen, reason = resolve_packing(packing, info.device.type, problem)

@@ -23,20 +23,17 @@ from .config import RunSettings
 from .data import (
     PackedCollator,
     TruncationReport,
-    batch_width,
     check_packed_model,
     load_source,
     make_collator,
     sample_lengths,
     tokenize_dataset,
 )
-from .data.prompts import prompt_of
 from .data.tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
 from .hooks import RunHooks, run_hooks
 from .model.attention import resolve_attention
 from .model.compilation import compile_repeated_blocks
 from .model.kernels import apply_liger_to_qwen3
-from .model.positions import check_generation, check_positions
 from .model.qlora import EMBEDDED_MODEL, build_tiny_qwen3, load_qlora_model
 from .model.source import check_model_source
 from .resolve import Resolved, probe_run_micro_batch, resolve_run, resolve_run_packing
@@ -139,11 +136,7 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
             f"--predict {t.predict} generates for eval samples, and this run holds none out: give --eval-source, "
             "an --eval-fraction above 0, or a source with a validation split; or drop --predict."
         )
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    check_lengths(config, settings, tokenizer, raw.splits["eval"], info)
-    resolved = resolve_run_packing(resolved, settings, info, config)
+    resolved = resolve_run_packing(resolved, settings, info, model_path)
     packed = resolved.packing
     lengths = partial(sample_lengths, train_set)  # read only where auto needs them
     attention, why = resolve_attention(
@@ -165,29 +158,6 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
         data_record=raw.record(settings.data) | {"packing": packed},  # what ran
         eval_rows=raw.splits["eval"],
     )
-
-
-def check_lengths(config, settings: RunSettings, tokenizer, eval_rows, info: DistInfo) -> None:
-    """Refuse sequences past the model's learned positions, and warn past the rotary ones it was trained on.
-
-    Training pads past ``--max-seq-len`` to a multiple of 8; ``--predict`` writes after its eval prompts.
-
-    Raises:
-        ValueError: a training or prediction sequence past learned position embeddings, naming the fix.
-    """
-    longest, t = settings.data.max_seq_len, settings.train
-
-    def fix(limit: int) -> str:
-        return f"Set --max-seq-len {limit // 8 * 8} or less"  # a multiple of 8 leaves no padding past it
-
-    said = [check_positions(config, longest, f"--max-seq-len {longest}", fix, padded=batch_width(longest))]
-    if t.predict:
-        rows = (eval_rows[i] for i in range(min(t.predict, len(eval_rows))))  # as predict_rows reads them
-        prompt = max(len(prompt_of(row, tokenizer, settings.data).input_ids) for row in rows)
-        said.append(check_generation(config, prompt, t.max_new_tokens, f"--predict {t.predict}"))
-    for warning in filter(None, said):
-        if info.is_main_process:
-            logger.warning("%s", warning)
 
 
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
