@@ -6,10 +6,11 @@ learning.
     python scripts/train.py --preset qwen3-4b-ami --model-name-or-path /tmp/qwen3-4b-random \\
         --source DATA/ami/ami_abstractive.jsonl --max-steps 4
 
-The weights come from ``ddp_ft.tools.bench.build_random_qwen3`` (bf16, as the hub's checkpoint; the same shapes as
-``scripts/bench_gpu.py --shape``; drawn on the GPU where it has room, not on the CPU), the tokenizer from ``ddp_ft.training.data.tokenizer.load_tokenizer`` (chat template,
-pad token), saved beside them. Refused: a tokenizer with more tokens than the model's vocabulary, and a folder that
-already holds a model of another shape (one of this shape is kept, not rebuilt).
+The weights come from ``ddp_ft.tools.bench.build_random_qwen3``: bf16, as the hub's checkpoint, with the same shapes
+as ``scripts/bench_gpu.py --shape``. They are drawn on the GPU where it has room, else on the CPU. The tokenizer comes
+from ``ddp_ft.training.data.tokenizer.load_tokenizer`` (chat template, pad token) and is saved beside them.
+Refused: a tokenizer with more tokens than the model's vocabulary, and a folder that already holds a model of another
+shape (one of this shape is kept, not rebuilt).
 """
 
 from __future__ import annotations
