@@ -19,6 +19,7 @@ from pathlib import Path
 from ..training.data.prompts import prompt_of, user_prompt
 from ..training.data.sources import load_prompt_rows
 from ..training.model.merge import MergeSettings
+from ..training.model.positions import check_generation
 from ..training.model.precision import DTYPES
 from ..training.predict import generate, load_trained, rouge_l, write_predictions
 from . import quiet_upstream_notices
@@ -77,8 +78,13 @@ def main(
         trained = load_trained(args.model, settings)
         rows = _rows(args, trained)
         prompts = [prompt_of(row, trained.tokenizer, trained.data) for row in rows]
+        longest = max((len(prompt.input_ids) for prompt in prompts), default=0)
+        given = "--prompt" if args.prompt else "--source"
+        warning = check_generation(trained.model, longest, args.max_new_tokens, given)
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         raise SystemExit(f"{prog or 'generate'}: {error}") from None
+    if warning:
+        logger.warning("%s", warning)
     predictions = generate(trained.model, trained.tokenizer, prompts, args.max_new_tokens)
     for prediction in predictions:
         print(prediction.prediction, flush=True)

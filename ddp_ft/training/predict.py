@@ -16,7 +16,7 @@ import torch
 
 from .checkpoint import DATA_FILE
 from .data import DataSettings, settings_from_record
-from .data.prompts import Prompt, prompt_of
+from .data.prompts import Prompt, first_prompts
 from .model.merge import MergeSettings, load_adapter_tokenizer, load_base_to_merge, plan_merge
 
 logger = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ def write_predictions(path: str | Path, predictions: Sequence[Prediction]) -> Pa
 
 def predict_rows(model, tokenizer, rows, data_settings, n: int, max_new_tokens: int) -> list[Prediction]:
     """Predictions for the first ``n`` standard rows."""
-    prompts = [prompt_of(rows[i], tokenizer, data_settings) for i in range(min(n, len(rows)))]
-    return generate(model, tokenizer, prompts, max_new_tokens)
+    return generate(model, tokenizer, first_prompts(rows, tokenizer, data_settings, n), max_new_tokens)
 
 
 def prediction_table(predictions: Sequence[Prediction]) -> tuple[list[str], list[list[str]]]:

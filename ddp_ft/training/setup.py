@@ -23,17 +23,20 @@ from .config import RunSettings
 from .data import (
     PackedCollator,
     TruncationReport,
+    batch_width,
     check_packed_model,
     load_source,
     make_collator,
     sample_lengths,
     tokenize_dataset,
 )
+from .data.prompts import first_prompts
 from .data.tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
 from .hooks import RunHooks, run_hooks
 from .model.attention import resolve_attention
 from .model.compilation import compile_repeated_blocks
 from .model.kernels import apply_liger_to_qwen3
+from .model.positions import check_generation, check_positions
 from .model.qlora import EMBEDDED_MODEL, build_tiny_qwen3, load_qlora_model
 from .model.source import check_model_source
 from .resolve import Resolved, probe_run_micro_batch, resolve_run, resolve_run_packing
@@ -161,7 +164,7 @@ def prepare_run(settings: RunSettings, info: DistInfo, resolved: Resolved | None
 
 
 def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch.nn.Module:
-    """The QLoRA model on this rank's device, seeded and checked against the tokenizer."""
+    """The QLoRA model on this rank's device, seeded, and checked against the tokenizer and the run's lengths."""
     seed_everything(settings.train.seed)
     resolved = {
         "model_name_or_path": parts.model_path,
@@ -171,10 +174,35 @@ def build_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> torch
     model_settings = type(settings.model)(**{**asdict(settings.model), **resolved})
     model = load_qlora_model(model_settings, settings.lora, parts.resolved.device_map, info.world_size)
     check_vocabulary(parts.tokenizer, model.get_input_embeddings().num_embeddings)
+    check_lengths(model, settings, parts, info)
     if parts.resolved.packing:  # refuse attention that would mix packed sequences
         check_packed_model(model)
     parts.hooks.attach(model)
     return model
+
+
+def check_lengths(model: torch.nn.Module, settings: RunSettings, parts: RunParts, info: DistInfo) -> None:
+    """Refuse sequences past the model's table of positions, and warn past the rotary ones it was trained on.
+
+    A micro-batch, packed or not, is padded to a multiple of 8 past ``--max-seq-len``; ``--predict`` writes after
+    its eval prompts.
+
+    Raises:
+        ValueError: a training or prediction sequence past the table, naming the fix.
+    """
+    longest, t = settings.data.max_seq_len, settings.train
+
+    def fix(limit: int) -> str:
+        return f"Set --max-seq-len {limit // 8 * 8} or less"  # a multiple of 8 pads no further
+
+    said = [check_positions(model, longest, f"--max-seq-len {longest}", fix, padded=batch_width(longest))]
+    if t.predict:
+        prompts = first_prompts(parts.eval_rows, parts.tokenizer, settings.data, t.predict)
+        prompt = max(len(p.input_ids) for p in prompts)
+        said.append(check_generation(model, prompt, t.max_new_tokens, f"--predict {t.predict}"))
+    for warning in filter(None, said):
+        if info.is_main_process:
+            logger.warning("%s", warning)
 
 
 def build_training_model(settings: RunSettings, info: DistInfo, parts: RunParts) -> tuple[torch.nn.Module, Resolved]:

@@ -28,6 +28,7 @@ LAYERS = [
     },
     {
         "ddp_ft.training.model.qlora",
+        "ddp_ft.training.model.positions",
         "ddp_ft.training.model.kernels",
         "ddp_ft.training.model.attention",
         "ddp_ft.training.model.compilation",

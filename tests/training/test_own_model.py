@@ -1,7 +1,8 @@
 """A user's own model: a tiny Llama saved with its own tokenizer, which has no chat template, trains with
 ``ddp-ft train --model-name-or-path DIR --source my.jsonl --nproc 2`` and nothing else, on the plain template and
 without a token added; ``train`` and ``recipe`` start from the same default when no model is named; a hub id that
-cannot be reached fails in seconds, naming the fixes."""
+cannot be reached fails in seconds, naming the fixes; sequences past a model's learned positions are refused before
+training or generating, and those past its rotary trained ones warned."""
 
 import json
 import logging
@@ -77,6 +78,19 @@ def own(tmp_path_factory) -> tuple[Path, Path]:
     data = root / "my.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root / "llama", data
+
+
+def _gpt2_beside(llama: Path, folder: Path, positions: int) -> Path:
+    """A random tiny GPT-2 with learned position embeddings for ``positions`` tokens, and the Llama's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=positions)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -184,3 +198,65 @@ def test_unreachable_hub_id_fails_fast_naming_fixes(offline, tmp_path):
     assert "--model-name-or-path a local folder" in run.stderr and "--preset tiny" in run.stderr
     assert "torch.distributed.run" not in run.stderr and "[rank" not in run.stderr  # no worker started
     assert elapsed < 20, elapsed  # the hub's own retries took about 28 s per file
+
+
+def _short_rows(data: Path, folder: Path) -> Path:
+    """``data`` cut to 16 words a field: prompts of about 40 tokens, which leave room for generated ones."""
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    short = folder / "short.jsonl"
+    short.write_text("".join(json.dumps({k: " ".join(v.split()[:16]) for k, v in r.items()}) + "\n" for r in rows))
+    return short
+
+
+def _own_run(model: Path, data: Path, out: Path, *flags: str):
+    from ddp_ft.distributed import DistInfo
+    from ddp_ft.training.loop import train
+
+    argv = ["--model-name-or-path", str(model), "--source", str(data), "--output-dir", str(out), "--max-steps", "1"]
+    return train(parse_settings([*argv, *flags]), DistInfo())
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (
+            ["--max-seq-len", "100"],
+            r"--max-seq-len 100: sequences up to 104 positions wide, padding included.* Set --max-seq-len 96",
+        ),
+        (["--max-seq-len", "96", "--predict", "1", "--max-new-tokens", "40"], r"Set --max-new-tokens \d+ or less"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["train", "recipe"])
+def test_learned_positions_past_the_model_refused(entry, flags, refusal, own, tmp_path, monkeypatch):
+    """GPT-2 has a position embedding row per position: a longer sequence, a micro-batch padded to a multiple of 8
+    or a prediction, would be an index error mid-run (on a GPU, a device-side assert). Refused before training."""
+    from ddp_ft.commands import recipe, train
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = _gpt2_beside(own[0], tmp_path / "gpt2", positions=100)
+    argv = ["--model-name-or-path", str(model), "--source", str(_short_rows(own[1], tmp_path)), "--max-steps", "1"]
+    with pytest.raises(ValueError, match=refusal):
+        (train if entry == "train" else recipe).main([*argv, "--output-dir", str(tmp_path / "run"), *flags])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_rotary_past_trained_positions_warns(own, tmp_path, caplog):
+    """The tiny Llama was trained on 512 positions: at --max-seq-len 600 its rotary positions extrapolate, which the
+    run says once, and trains as asked."""
+    with caplog.at_level(logging.WARNING, logger="ddp_ft.training.setup"):
+        result = _own_run(own[0], own[1], tmp_path / "run", "--max-seq-len", "600")
+    warned = [r.getMessage() for r in caplog.records if "positions" in r.getMessage()]
+    assert len(warned) == 1 and "600 tokens long, past the 512 positions llama was trained on" in warned[0], warned
+    assert result.steps == 1
+
+
+def test_generate_past_learned_positions_refused(own, tmp_path):
+    """``ddp-ft generate`` checks its prompts and ``--max-new-tokens`` against GPT-2's positions before writing."""
+    from ddp_ft.commands import generate
+
+    model = _gpt2_beside(own[0], tmp_path / "gpt2", positions=100)
+    _own_run(model, _short_rows(own[1], tmp_path), tmp_path / "run", "--max-seq-len", "96")
+    argv = [str(tmp_path / "run"), "--prompt", "A: the budget? B: twelve euros.", "--out", str(tmp_path / "p.jsonl")]
+    with pytest.raises(SystemExit, match=r"--prompt with --max-new-tokens 99, after a prompt of \d+ tokens: .* Set --"):
+        generate.main([*argv, "--max-new-tokens", "99"])
+    assert not (tmp_path / "p.jsonl").exists()

@@ -43,6 +43,11 @@ def prompt_of(row: dict, tokenizer, settings: DataSettings) -> Prompt:
     return chat_prompt(row["messages"], tokenizer, row.get("loss_from", 0))
 
 
+def first_prompts(rows, tokenizer, settings: DataSettings, n: int) -> list[Prompt]:
+    """The prompts of the first ``n`` standard rows, which ``--predict`` writes after."""
+    return [prompt_of(rows[i], tokenizer, settings) for i in range(min(n, len(rows)))]
+
+
 def chat_prompt(messages: list[dict], tokenizer, loss_from: int = 0) -> Prompt:
     """The tokens before the last answer, from the row's training encoding."""
     reference = None
