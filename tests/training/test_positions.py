@@ -1,6 +1,6 @@
 """A model's table of positions is found in its modules, whatever its config calls it: GPT-2's and OPT's learned
-embeddings (OPT's with two rows more), GPT-J's and CodeGen's sine buffers. Rotary models (Llama) and models without
-positions (Jamba) hold none, so nothing is refused for them; a sequence past a table is, naming the fix."""
+embeddings (OPT's with two rows more), GPT-J's and CodeGen's sine buffers. Rotary models (Llama, Gemma 3) and models
+without positions (Jamba) hold none, so nothing is refused for them; a sequence past a table is, naming the fix."""
 
 import pytest
 import torch
@@ -24,6 +24,9 @@ def _tiny(architecture: str) -> torch.nn.Module:
             hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=POSITIONS
         ),
         "llama": lambda: transformers.LlamaConfig(**llama, num_key_value_heads=2, max_position_embeddings=POSITIONS),
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(
+            **llama, num_key_value_heads=2, head_dim=8, max_position_embeddings=POSITIONS
+        ),
         "jamba": lambda: transformers.JambaConfig(
             **llama, num_key_value_heads=2, max_position_embeddings=POSITIONS, use_mamba_kernels=False
         ),
@@ -43,6 +46,7 @@ def _tiny(architecture: str) -> torch.nn.Module:
         ("gptj", POSITIONS, False),
         ("codegen", POSITIONS, False),
         ("llama", None, True),
+        ("gemma3_text", None, True),  # a rotation per layer type: two buffers
         ("jamba", None, False),
     ],
 )

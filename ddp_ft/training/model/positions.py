@@ -34,8 +34,9 @@ def position_rows(model: torch.nn.Module) -> int | None:
 
 
 def is_rotary(model: torch.nn.Module) -> bool:
-    """Whether the model computes rotary positions: transformers keeps their frequencies in an ``inv_freq`` buffer."""
-    return any(name.rsplit(".", 1)[-1] == "inv_freq" for name, _ in model.named_buffers())
+    """Whether the model computes rotary positions: transformers keeps their frequencies in buffers named ``inv_freq``,
+    or ``<layer type>_inv_freq`` where layer types rotate differently (Gemma 3)."""
+    return any(name.endswith("inv_freq") for name, _ in model.named_buffers())
 
 
 def check_positions(
@@ -77,6 +78,8 @@ def check_generation(model: torch.nn.Module, prompt_tokens: int, max_new_tokens:
 
     def fix(limit: int) -> str:
         room = limit - prompt_tokens
-        return f"Set --max-new-tokens {room} or less" if room > 0 else "The prompt alone fills them: give shorter inputs"
+        if room > 0:
+            return f"Set --max-new-tokens {room} or less"
+        return "The prompt alone fills them: give shorter inputs"
 
     return check_positions(model, prompt_tokens + max_new_tokens, writing, fix)
