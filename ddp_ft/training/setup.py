@@ -30,6 +30,7 @@ from .data import (
     sample_lengths,
     tokenize_dataset,
 )
+from .data.balance import WIDTH_MULTIPLE
 from .data.prompts import first_prompts
 from .data.tokenizer import build_tiny_tokenizer, check_vocabulary, load_tokenizer
 from .hooks import RunHooks, run_hooks
@@ -193,7 +194,7 @@ def check_lengths(model: torch.nn.Module, settings: RunSettings, parts: RunParts
     longest, t = settings.data.max_seq_len, settings.train
 
     def fix(limit: int) -> str:
-        return f"Set --max-seq-len {limit // 8 * 8} or less"  # a multiple of 8 pads no further
+        return f"Set --max-seq-len {limit // WIDTH_MULTIPLE * WIDTH_MULTIPLE} or less"  # pads no further
 
     said = [check_positions(model, longest, f"--max-seq-len {longest}", fix, padded=batch_width(longest))]
     if t.predict:

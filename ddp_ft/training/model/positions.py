@@ -57,12 +57,12 @@ def check_positions(
     Raises:
         ValueError: the sequence, padding included, past the model's table of positions.
     """
-    name = model.config.get_text_config().model_type
+    config = model.config.get_text_config()
+    name, limit = config.model_type, getattr(config, "max_position_embeddings", None)
     rows, width = position_rows(model), max(tokens, padded or 0)
     if rows is not None and width > rows:
         shown = f"{width} positions wide, padding included" if width > tokens else f"{width} tokens long"
         raise ValueError(f"{setting}: sequences up to {shown}, but {name} has positions for {rows} only. {fix(rows)}.")
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if rows is None and isinstance(limit, int) and tokens > limit and is_rotary(model):
         return (
             f"{setting}: sequences up to {tokens} tokens long, past the {limit} positions {name} was trained on. Its "
