@@ -5,8 +5,8 @@
     ddp-ft generate models/tiny-merged --prompt "..."                     # a model ddp-ft merge wrote
 
 A prompt is written with the run's tokenizer, chat template, format and instruction (its ``ddp_ft_data.json``). Each
-prediction goes to --out as a JSON line (prompt, prediction, reference) and to the terminal. Rows of --source that
-hold an answer are scored: ROUGE-L against it.
+prediction is printed, and with --out also written to a new file as a JSON line (prompt, prediction, reference).
+Rows of --source that hold an answer are scored: ROUGE-L against it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | No
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--prompt", action="append", help="a prompt, as the user turn (repeat for several)")
     given.add_argument("--source", metavar="FILE", help="a .jsonl/.json/.csv/.parquet file in the run's data format")
-    p.add_argument("--out", default="predictions.jsonl", metavar="FILE", help="a new JSON-lines file of predictions")
+    p.add_argument("--out", metavar="FILE", help="a new JSON-lines file of predictions (default: printed only)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens written per prompt")
     p.add_argument("--limit", type=int, default=0, help="--source: the first N rows only (0: all)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="the dtype the model computes in")
@@ -72,7 +72,7 @@ def main(
     args = parse_args(argv, parents, prog)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
-        if Path(args.out).exists():
+        if args.out and Path(args.out).exists():
             raise FileExistsError(f"--out {args.out} exists; generate never replaces a file. Give a new one.")
         settings = MergeSettings(dtype=args.dtype, base_model=args.base_model, device=args.device)
         trained = load_trained(args.model, settings)
@@ -88,10 +88,11 @@ def main(
     predictions = generate(trained.model, trained.tokenizer, prompts, args.max_new_tokens)
     for prediction in predictions:
         print(prediction.prediction, flush=True)
-    write_predictions(args.out, predictions)
+    if args.out:
+        write_predictions(args.out, predictions)
     score = rouge_l(predictions)
     scored = "" if score is None else f"; ROUGE-L {score:.4f} against the rows' answers"
-    logger.info("%d predictions written to %s%s", len(predictions), args.out, scored)
+    logger.info("%d predictions%s%s", len(predictions), f" written to {args.out}" if args.out else "", scored)
 
 
 def _rows(args: argparse.Namespace, trained) -> list[dict]:

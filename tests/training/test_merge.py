@@ -198,3 +198,13 @@ def test_generate_writes_what_the_nf4_adapter_writes(run_dir, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[0] == written["prediction"]
     with pytest.raises(SystemExit, match=r"--out .* exists; generate never replaces a file"):
         cli.main(["generate", str(run_dir), "--prompt", text, "--out", str(out)])
+
+
+def test_generate_without_out_prints_writes_nothing(run_dir, tmp_path, monkeypatch, capsys):
+    """Without ``--out`` the predictions are printed only: no file appears, so the same command runs again."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["generate", str(run_dir), "--prompt", "A: the budget? B: fifty.", "--max-new-tokens", "4"]
+    cli.main(argv)
+    cli.main(argv)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 2 and printed[0] == printed[1] and list(tmp_path.iterdir()) == []
