@@ -152,6 +152,7 @@ def _validate(
     failure_dir = None
     if name in ("train", "recipe"):
         from ..training.batch import gradient_accumulation_steps
+        from ..training.checkpoint import refuse_earlier_run
         from ..training.checkpoint.shared_fs import check_output_dir
         from ..training.config import parse_settings
         from ..training.data.sources import check_local_file
@@ -167,6 +168,8 @@ def _validate(
             check_model_source(settings.model.model_name_or_path)  # an unreachable hub id: seconds, not a minute
             check_local_file(settings.data)  # a wrong --source path: here, not once per worker
             check_output_dir(settings.train.output_dir)  # a file, or not writable: before the workers' start-up
+            if not settings.train.resume:
+                refuse_earlier_run(settings.train.output_dir)
             micro = settings.train.micro_batch  # "auto" is resolved on the device; it always divides
             gradient_accumulation_steps(settings.train.effective_batch, 1 if micro == "auto" else micro, nproc)
             _check_kernels(settings.model.liger, settings.model.compile)

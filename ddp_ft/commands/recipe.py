@@ -21,7 +21,7 @@ from ..distributed import (
     setup_logging,
 )
 from ..distributed.console import console_or_log
-from ..training.checkpoint import save_final
+from ..training.checkpoint import refuse_earlier_run, save_final
 from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from ..training.config import RunSettings, parse_settings, write_run_config
 from ..training.model.source import choose_default, log_choice
@@ -101,6 +101,8 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     checkpoint = check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
     parts = prepare_run(settings, info, resolved)
+    if checkpoint is None and restart_count() == 0:  # a new run: what an earlier one left is not replaced
+        refuse_earlier_run(output_dir)
     trainer = build_trainer(settings, info, trainer_name, stock_find_unused, resolved, parts=parts)
     write_run_config(
         settings, info, trainer.resolved.as_config()

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+METRICS_FILE = "metrics.jsonl"  # a run's records, a JSON object a line, in its --output-dir
+
 CONFIG = "config"
 TRAIN = "train"
 EVAL = "eval"

@@ -4,7 +4,7 @@ The order refuses bad settings before anything is touched or loaded:
 
 1. checks needing only settings and world size (``resolve.resolve_run``);
 2. the shared output folder and the checkpoint to resume;
-3. tokenizer, data, and a resume position this layout can continue;
+3. tokenizer, data, and a resume position this layout can continue (a new run: a folder no earlier run filled);
 4. the model as it trains, the loader, the DDP wrap, optimizer, schedule and scaler;
 5. the resumed state, then ``run_config.yaml``, written after every refusal.
 """
@@ -20,7 +20,7 @@ import torch
 
 from ..ddp.timeline import BackwardRecorder
 from ..distributed import DistInfo, restart_count
-from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint
+from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint, refuse_earlier_run
 from .checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from .config import RunSettings, write_run_config
 from .data import DataLayout, EpochLoader, describe_epoch
@@ -69,6 +69,8 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     prepare_output_dir(output_dir, info)  # also removes partial saves
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info, resolved)  # packing resolved here
+    if resume_from is None and restart_count() == 0:  # a new run: what an earlier one left is not replaced
+        refuse_earlier_run(output_dir)
     # The micro-batch only splits a step; the layout fixes the order.
     layout = DataLayout(len(parts.train_set), t.seed, t.effective_batch, info.world_size, parts.resolved.micro_batch)
     logger.info("%s", describe_epoch(layout))

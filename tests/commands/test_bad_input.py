@@ -357,6 +357,52 @@ def test_named_refusal_before_load_keeps_checkpoint(row, run_dir, tmp_path, monk
     assert _snapshot(run_dir) == before, "the checkpoint in --output-dir changed"
 
 
+# What an earlier run leaves in its --output-dir, each enough to refuse a new run there (None: run_dir's checkpoint).
+EARLIER = {
+    "the loop's checkpoint": None,
+    "a Trainer checkpoint": "checkpoint-3/trainer_state.json",
+    "final/": "final/adapter_model.safetensors",
+    "metrics.jsonl": "metrics.jsonl",
+}
+
+
+def _used_folder(run_dir: Path, held: str | None, name: str = "used") -> Path:
+    if held is None:
+        return run_dir
+    folder = run_dir.parent / name
+    (folder / held).parent.mkdir(parents=True, exist_ok=True)
+    (folder / held).write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("held", list(EARLIER))
+@pytest.mark.parametrize("entry", ["train", "recipe"])
+def test_new_run_in_a_used_folder_refused_kept(entry, held, run_dir):
+    """A new run (no --resume) where an earlier one saved is refused before the model loads, naming --resume latest;
+    the earlier run's files stay as they were (a run would replace final/, rotate checkpoints, mix metrics)."""
+    from ddp_ft.commands.recipe import _train
+
+    folder = _used_folder(run_dir, EARLIER[held])
+    before = _snapshot(folder)
+    settings = parse_settings([*BASE, "--output-dir", str(folder)])
+    with pytest.raises(ValueError, match=r"holds an earlier run \(.*\).*Continue that run with --resume latest"):
+        loop.train(settings, DistInfo()) if entry == "train" else _train(settings, DistInfo(), "hf")
+    assert _snapshot(folder) == before
+
+
+def test_elastic_restart_reuses_its_folder(run_dir, monkeypatch):
+    """torchrun's restart of a run that saved no checkpoint yet (only its metrics.jsonl) goes on in its folder, and
+    so does a new run beside its logs/: both reach the model (armed to fail here)."""
+    folder = _used_folder(run_dir, "metrics.jsonl")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ModelLoaded):
+        loop.train(parse_settings([*BASE, "--output-dir", str(folder)]), DistInfo())
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    logs_only = _used_folder(run_dir, "logs/console.log", "refused")
+    with pytest.raises(ModelLoaded):
+        loop.train(parse_settings([*BASE, "--output-dir", str(logs_only)]), DistInfo())
+
+
 def test_shipped_accelerate_configs_pass_the_checks():
     configs = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
     assert len(configs) == 4

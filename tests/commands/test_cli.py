@@ -125,13 +125,16 @@ def test_one_gpu_takes_two_ranks_over_gloo_only(capsys, monkeypatch):
 
 
 def test_no_tokenizer_or_unwritable_output_fails_first(tmp_path, capsys, monkeypatch):
-    """Refused by ddp-ft itself, naming the folder and the fix, where the ranks failed after their start-up."""
+    """Refused by ddp-ft itself, naming the folder and the fix, where the ranks failed after their start-up (a new
+    run in a folder an earlier run filled among them)."""
     monkeypatch.setattr(cli, "launch", lambda *a, **k: pytest.fail(f"launched {a}"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     model, empty, taken = tmp_path / "model", tmp_path / "empty", tmp_path / "taken"
     model.mkdir()
     empty.mkdir()
     taken.write_text("a file")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("{}")
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")  # as model.save_pretrained leaves it: no tokenizer
     tiny = ["--preset", "tiny", "--output-dir"]
@@ -140,6 +143,7 @@ def test_no_tokenizer_or_unwritable_output_fails_first(tmp_path, capsys, monkeyp
         (["recipe", "--model-name-or-path", str(empty)], f"{empty} holds no config.json, so it is no saved model"),
         (["recipe", *tiny, str(taken)], f"--output-dir {taken} is a file. Give --output-dir a folder"),
         (["train", *tiny, str(taken / "run")], f"--output-dir {taken / 'run'} cannot be created: {taken} is a file"),
+        (["recipe", *tiny, str(tmp_path / "used")], f"--output-dir {tmp_path / 'used'} holds an earlier run"),
     ]:
         with pytest.raises(SystemExit) as error:
             cli.main([*argv, "--nproc", "2"])

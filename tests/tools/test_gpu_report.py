@@ -268,6 +268,27 @@ def test_e2e_step_flags_peak_off_10pc_or_recompiles(tmp_path):
     assert problems == ["1 graph compiled after step 1; the step's log names why"]
 
 
+# A fake training run: its run_config.yaml, and 3 steps appended to metrics.jsonl in the folder it is given.
+FAKE_RUN = """import json, pathlib, sys
+folder = pathlib.Path(sys.argv[1]); folder.mkdir(parents=True, exist_ok=True)
+(folder / "run_config.yaml").write_text("model: {model_name_or_path: x, compute_dtype: float32}")
+with open(folder / "metrics.jsonl", "a") as f:
+    f.writelines(json.dumps({"type": "train", "tokens_per_s": 10.0 * i, "loss": 1.0}) + "\\n" for i in (1, 2, 3))
+"""
+
+
+def test_e2e_step_run_again_measures_only_itself(tmp_path):
+    """A report run again (a rerun on a warm GPU host) reads the new run alone: its folder starts empty, so an
+    earlier run's records are not mixed in, and the entry points do not refuse a folder an earlier run filled."""
+    from ddp_ft.tools.gpu_report.e2e import run_and_read
+
+    folder, out = tmp_path / "loop_defaults", tmp_path / "loop_defaults.json"
+    for _ in range(2):
+        assert run_and_read([PY, "-c", FAKE_RUN, str(folder)], folder, out) == 0
+    result = json.loads(out.read_text())
+    assert (result["steps"], result["tokens_per_s"], result["losses"]) == (3, 25.0, [1.0, 1.0, 1.0])
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_runs_end_to_end_on_cpu_recording_every_step(tmp_path):

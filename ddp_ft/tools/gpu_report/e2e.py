@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,9 +103,11 @@ def run_mfu(output_dir: Path, tokens_per_s: float | None, device_name: str) -> f
 
 
 def run_and_read(command: list[str], output_dir: Path, out: Path) -> int:
-    """Run ``command`` (its ``--output-dir`` is ``output_dir``), then write the run's result to ``out``."""
+    """Run ``command`` (its ``--output-dir`` is ``output_dir``, emptied first: a report run again measures anew), then
+    write the run's result to ``out``."""
     import torch
 
+    shutil.rmtree(output_dir, ignore_errors=True)
     status = subprocess.run(command, check=False).returncode
     metrics = output_dir / "metrics.jsonl"
     if status == 0 and metrics.exists():

@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 
 from ...distributed import DistInfo
+from ...report.records import METRICS_FILE
 from ..data import DataLayout, check_resume
 from .publish import LATEST, latest_name
 from .state import (
     ADAPTER_DIR,
     ADAPTER_WEIGHTS,
     CHECKPOINT_PREFIX,
+    FINAL_DIR,
     FORMAT_VERSION,
     SCALER_FILE,
     STATE_FILE,
@@ -51,6 +53,26 @@ def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int
         logger.info("elastic restart %d: resuming from %s", restart_count, path)
         return path
     return resolve_checkpoint(resume, output_dir) if resume else None
+
+
+def refuse_earlier_run(output_dir: str | Path) -> None:
+    """Refuse a new run in a folder an earlier run filled: its ``final/``, checkpoints and ``metrics.jsonl`` would be
+    replaced, rotated away and mixed with the new run's.
+
+    Raises:
+        ValueError: naming what the folder holds and the fixes (``--resume latest``, another ``--output-dir``).
+    """
+    folder = Path(output_dir)
+    kept = (FINAL_DIR, METRICS_FILE)
+    prefixes = (f"{CHECKPOINT_PREFIX}-", "checkpoint-")  # the loop's and the Trainer's
+    found = sorted(p.name for p in folder.glob("*") if p.name in kept or p.name.startswith(prefixes))
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ValueError(
+            f"--output-dir {output_dir} holds an earlier run ({shown}): a new run there would replace its "
+            f"{FINAL_DIR}/ adapter, delete its oldest checkpoints and mix its {METRICS_FILE} with its own. "
+            "Continue that run with --resume latest, or give a new --output-dir (or remove that folder)."
+        )
 
 
 _OLD_FORMATS = {  # why this version cannot read a format it once wrote
