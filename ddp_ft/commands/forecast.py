@@ -32,6 +32,7 @@ from ..report.forecast import (
     write_forecast,
 )
 from ..report.metrics import read_jsonl, timeline
+from ..report.records import METRICS_FILE
 
 
 def build_parser(parents: Sequence[argparse.ArgumentParser] = (), prog: str | None = None) -> argparse.ArgumentParser:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None, prog: str = "ddp-ft forecast") -> None:
     args = parse_args(argv, prog=prog)
     try:
         links = [_link(name, args) for name in (args.link, args.node_link)]
-        path = Path(args.run) / "metrics.jsonl"
+        path = Path(args.run) / METRICS_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: pass the output_dir of a ddp-ft train or recipe run")
         forecast = forecast_run(timeline(read_jsonl(path)), args.nproc, *links, args.skip_first, Path(args.run).name)

@@ -18,6 +18,7 @@ from ..ddp import BucketedDDP, CommStats
 from ..ddp.timeline import BackwardRecorder
 from ..report.metrics import JsonlLogger, ThroughputMeter, WandbSwitch
 from ..report.records import (
+    METRICS_FILE,
     backward_record,
     bucket_choice_record,
     config_record,
@@ -99,7 +100,7 @@ class ThroughputCallback(TrainerCallback):
             **self._ddp_config,
             **host_record(torch.device(args.device).type, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
         )
-        self._sink = JsonlLogger(Path(args.output_dir) / "metrics.jsonl")
+        self._sink = JsonlLogger(Path(args.output_dir) / METRICS_FILE)
         self._sink.log(config)
         self._start_recording(args, kwargs.get("model"))
         self._wandb_config = {k: v for k, v in config.items() if k != "type"}

@@ -11,7 +11,7 @@ import torch
 
 from ..distributed import DistInfo
 from ..report.metrics import JsonlLogger, log_to_active_wandb, resolve_wandb_mode
-from ..report.records import RunIdentity, predict_record, run_identity
+from ..report.records import METRICS_FILE, RunIdentity, predict_record, run_identity
 from ..training.config import RunSettings
 from ..training.model.compilation import compile_repeated_blocks
 from ..training.model.precision import Precision
@@ -297,7 +297,7 @@ def predict_at_end(trainer, parts: RunParts, settings: RunSettings, info: DistIn
     state = trainer.state
     samples_seen = state.global_step * t.effective_batch
     record = predict_record(step=state.global_step, samples_seen=samples_seen, samples=len(predictions), rouge_l=score)
-    sink = JsonlLogger(Path(t.output_dir) / "metrics.jsonl")
+    sink = JsonlLogger(Path(t.output_dir) / METRICS_FILE)
     sink.log(record)
     sink.close()
     log_to_active_wandb(sink.path, record, prediction_table(predictions))

@@ -25,6 +25,7 @@ from transformers.integrations import WandbCallback
 from ..ddp import BucketedDDP, DDPSettings
 from ..distributed.launch import TRAINER_CPU_FIX, check_world_seen
 from ..report.metrics import WandbSwitch
+from ..report.records import METRICS_FILE
 from ..training.hooks import run_hooks
 from ..training.perf_traps import trainer_fix
 from ..training.preemption import StopSignal
@@ -123,7 +124,7 @@ class BucketedTrainer(PlannedData, AtomicCheckpoints, Trainer):
         ddp_config = {"bucket_cap_mb": self.ddp_settings.bucket_cap_mb, "comm_hook": self.ddp_settings.comm_hook}
         ddp_config["backend"] = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
         # A wandb failure must not stop training.
-        wandb_switch = WandbSwitch(Path(self.args.output_dir) / "metrics.jsonl")
+        wandb_switch = WandbSwitch(Path(self.args.output_dir) / METRICS_FILE)
         callbacks = self.callback_handler.callbacks
         callbacks[:] = [GuardedWandbCallback(wandb_switch) if type(c) is WandbCallback else c for c in callbacks]
         # First, so the reporting callbacks log what it adds; the recorder's buckets are BucketedDDP's.

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistInfo
-from .records import CONFIG, define_step_metrics, wandb_payload
+from .records import CONFIG, METRICS_FILE, define_step_metrics, wandb_payload
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class WandbLogger:
     """
 
     def __init__(self, project: str, group: str, job_type: str, name: str, config: dict, output_dir: str | Path):
-        self._switch = WandbSwitch(Path(output_dir) / "metrics.jsonl")
+        self._switch = WandbSwitch(Path(output_dir) / METRICS_FILE)
         self._run = self._switch.call(
             "wandb.init",
             self._start,
@@ -291,7 +291,7 @@ def open_metric_sink(info: DistInfo, output_dir: str | Path, wandb_run: dict | N
     """
     if not info.is_main_process:
         return NullLogger()
-    sink = JsonlLogger(Path(output_dir) / "metrics.jsonl")
+    sink = JsonlLogger(Path(output_dir) / METRICS_FILE)
     if wandb_run is None:
         return sink
     return MultiLogger(sink, WandbLogger(**wandb_run, output_dir=output_dir))

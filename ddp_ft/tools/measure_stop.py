@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..report.records import METRICS_FILE
+
 BIN = Path(sys.executable).parent
 ENTRIES = ["torchrun scripts/train.py", "accelerate launch recipes/qwen_ami.py"]
 
@@ -52,7 +54,7 @@ def _command(entry: str, out: Path, root: Path) -> list[str]:
 
 def _steps_logged(out: Path) -> int:
     """How many training steps ``out``'s metrics.jsonl holds so far."""
-    path = out / "metrics.jsonl"
+    path = out / METRICS_FILE
     if not path.exists():
         return 0
     return sum(1 for line in path.read_text().splitlines() if '"type": "train"' in line)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..forecast.render import FORECAST_FILE, load_forecast
 from ..metrics import read_jsonl, timeline
+from ..records import METRICS_FILE
 from .render import markdown_table, plot_comparison, table_rows
 from .summary import RunSummary, compare_runs, summarize_run
 from .wandb_io import WANDB_PREFIX, records_from_wandb
@@ -32,7 +33,7 @@ def load_run(run_dir: str | Path, skip_first: int = 1) -> tuple[RunSummary, list
         path = str(run_dir)[len(WANDB_PREFIX) :]
         records = records_from_wandb(path)
         return summarize_run(records, skip_first, path.rstrip("/").rpartition("/")[2]), records
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass the output_dir of a training run")
     records = timeline(read_jsonl(path))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ...report.forecast import load_forecast
 from ...report.metrics import read_jsonl, timeline
+from ...report.records import METRICS_FILE
 from .stages import (
     FULL_PROBE,
     PROBE_REPEATS,
@@ -108,7 +109,7 @@ def _probe(out: Path, device: str, sizes: Sizes) -> dict[str, list[str]]:
 
 
 def _medians(folder: Path) -> dict[str, float | None]:
-    return run_medians(timeline(read_jsonl(folder / "metrics.jsonl")), folder.name)
+    return run_medians(timeline(read_jsonl(folder / METRICS_FILE)), folder.name)
 
 
 def collect(out: Path, sources: list[str], runs: int) -> dict:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ...report.records import METRICS_FILE
 from ..bench_e2e.runs import wall_tokens_per_s
 from .runner import Step, write_report
 
@@ -109,7 +110,7 @@ def run_and_read(command: list[str], output_dir: Path, out: Path) -> int:
 
     shutil.rmtree(output_dir, ignore_errors=True)
     status = subprocess.run(command, check=False).returncode
-    metrics = output_dir / "metrics.jsonl"
+    metrics = output_dir / METRICS_FILE
     if status == 0 and metrics.exists():
         result = read_run(metrics)
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
