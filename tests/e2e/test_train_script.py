@@ -11,7 +11,6 @@ import torch
 
 from ddp_ft.report.metrics import read_jsonl, timeline
 
-from ..helpers.checkpoints import trainer_checkpoint
 from ..helpers.dist_harness import PYTHONPATH
 from ..helpers.meetings import write_chat_meetings, write_mixed_length_meetings
 
@@ -38,14 +37,13 @@ def _records(output_dir: Path, kind: str) -> list[dict]:
 
 
 # The uninterrupted 2-process run the tests below check: 8 steps, a checkpoint every 2 (the 2 newest kept), LoRA
-# dropout on. Its output folder also holds an HF Trainer checkpoint (the two entry points share a default folder).
+# dropout on.
 _REFERENCE = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "2", "--report-to", "none"]
 
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("reference")
-    trainer_checkpoint(tmp_path / "run" / "checkpoint-1")
     _train(tmp_path, "--output-dir", str(tmp_path / "run"), *_REFERENCE)
     return tmp_path / "run"
 
@@ -261,18 +259,10 @@ def test_uneven_epoch_same_steps_on_one_and_two_ranks(
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), a["step"]
 
 
-def test_two_rank_runs_leave_trainer_checkpoint_alone(reference_run, tmp_path):
-    """The loop and the HF Trainer share the default output folder: under torchrun the loop prunes only its own
-    checkpoints (--save-total-limit 2 kept 6 and 8 of 2, 4, 6, 8) and leaves the Trainer's checkpoint-1 as it was;
-    ``--resume`` pointed at one is refused before training, naming it (``test_bad_input``)."""
-    assert {p.name: p.read_bytes() for p in (reference_run / "checkpoint-1").iterdir()} == trainer_checkpoint(
-        tmp_path / "pristine" / "checkpoint-1"
-    )
-    assert sorted(p.name for p in reference_run.glob("*checkpoint-*")) == [
-        "checkpoint-1",
-        "ddp_ft-checkpoint-6",
-        "ddp_ft-checkpoint-8",
-    ]
+def test_two_rank_runs_keep_the_newest_checkpoints(reference_run):
+    """Under torchrun --save-total-limit 2 kept 6 and 8 of 2, 4, 6, 8. The loop prunes only its own checkpoints
+    (``test_checkpoint``), and a new run never starts in a folder an earlier run filled (``test_bad_input``)."""
+    assert sorted(p.name for p in reference_run.glob("*checkpoint-*")) == ["ddp_ft-checkpoint-6", "ddp_ft-checkpoint-8"]
 
 
 def _free_port() -> int:

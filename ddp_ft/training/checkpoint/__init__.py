@@ -1,7 +1,7 @@
 """Atomic checkpoints of the plain loop: adapter, optimizer, scheduler, data position and every rank's RNG state.
 
-A checkpoint is ``output_dir/ddp_ft-checkpoint-N``, named apart from the Trainer's, so both entry points can
-share a folder. Rank 0 writes into a hidden folder, fsyncs, and renames it into place. ``latest`` always names a
+A checkpoint is ``output_dir/ddp_ft-checkpoint-N``, named apart from the Trainer's, so neither is mistaken for
+the other. Rank 0 writes into a hidden folder, fsyncs, and renames it into place. ``latest`` always names a
 complete checkpoint, so a crash mid-save loses nothing saved. The data position is a sample count, so data
 resumes exactly on any world size. Loading runs no code: ``.pt`` files hold only tensors and plain data, read
 with ``weights_only=True``.
