@@ -20,7 +20,14 @@ import torch
 
 from ..ddp.timeline import BackwardRecorder
 from ..distributed import DistInfo, restart_count
-from .checkpoint import TrainState, check_resume_position, checkpoint_to_resume, load_checkpoint, refuse_earlier_run
+from .checkpoint import (
+    TrainState,
+    check_resume_position,
+    check_resume_settings,
+    checkpoint_to_resume,
+    load_checkpoint,
+    refuse_earlier_run,
+)
 from .checkpoint.shared_fs import check_shared_resume, prepare_output_dir
 from .config import RunSettings, write_run_config
 from .data import DataLayout, EpochLoader, describe_epoch
@@ -70,12 +77,13 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info, resolved)  # packing resolved here
     if resume_from is None and restart_count() == 0:  # a new run: what an earlier one left is not replaced
-        refuse_earlier_run(output_dir)
+        check_shared_resume(lambda: refuse_earlier_run(output_dir), info)  # every rank checks before any writes
     # The micro-batch only splits a step; the layout fixes the order.
     layout = DataLayout(len(parts.train_set), t.seed, t.effective_batch, info.world_size, parts.resolved.micro_batch)
     logger.info("%s", describe_epoch(layout))
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * layout.steps_per_epoch
     if resume_from is not None:  # before the model loads
+        check_resume_settings(resume_from, settings)
         check_resume_position(resume_from, layout)
 
     precision = parts.resolved.precision

@@ -403,6 +403,35 @@ def test_elastic_restart_reuses_its_folder(run_dir, monkeypatch):
         loop.train(parse_settings([*BASE, "--output-dir", str(logs_only)]), DistInfo())
 
 
+# A resume's settings changed from the run that wrote the checkpoint; then changes a resume may make.
+CHANGED = ["--lora-alpha", "64", "--max-seq-len", "128", "--learning-rate", "0.5"]
+ALLOWED = ["--max-steps", "9", "--micro-batch", "1", "--no-compile", "--save-every", "3"]
+
+
+@pytest.mark.parametrize("entry", ["train", "recipe"])
+def test_resume_with_changed_settings_refused(entry, run_dir):
+    """--resume with the LoRA alpha, sequence length and learning rate changed from the run it continues (its
+    run_config.yaml) is refused before the model loads, naming each old value: the optimizer's saved learning rate
+    would silently win, the others would change the run half-way. Steps, micro-batch, compile and saving may change."""
+    from ddp_ft.commands.recipe import _train
+    from ddp_ft.training.config import write_run_config
+
+    argv = [*BASE, "--effective-batch", "4", "--output-dir", str(run_dir)]
+    old = parse_settings(argv)
+    write_run_config(old, DistInfo())
+    if entry == "recipe":
+        trainer_checkpoint(run_dir / "checkpoint-2")
+    was = f"--lora-alpha {old.lora.lora_alpha} --max-seq-len {old.data.max_seq_len} "
+    was += f"--learning-rate {old.train.learning_rate}"
+    for flags, outcome in ((CHANGED, ValueError), (ALLOWED, ModelLoaded)):
+        settings = parse_settings([*argv, *flags, "--resume", "latest"])
+        with pytest.raises(outcome) as raised:
+            loop.train(settings, DistInfo()) if entry == "train" else _train(settings, DistInfo(), "hf")
+        if outcome is ValueError:
+            assert "--lora-alpha 64, --max-seq-len 128, --learning-rate 0.5, but" in str(raised.value)
+            assert f"trained with {was}" in str(raised.value), str(raised.value)
+
+
 def test_shipped_accelerate_configs_pass_the_checks():
     configs = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
     assert len(configs) == 4

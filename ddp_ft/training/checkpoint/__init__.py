@@ -12,6 +12,7 @@ Modules, each importing only those before it: ``state``, ``publish``, ``final``,
 from .final import save_adapter_companions, save_final
 from .load import (
     check_resume_position,
+    check_resume_settings,
     checkpoint_to_resume,
     load_checkpoint,
     refuse_earlier_run,
@@ -51,6 +52,7 @@ __all__ = [
     "TENSOR_FILES",
     "TRAINER_STATE_FILE",
     "TrainState",
+    "check_resume_settings",
     "checkpoint_to_resume",
     "clean_partial_saves",
     "load_checkpoint",

@@ -9,13 +9,16 @@ import json
 import logging
 import pickle
 import re
+import shlex
 import zipfile
 from pathlib import Path
 
 import torch
+import yaml
 
 from ...distributed import DistInfo
 from ...report.records import METRICS_FILE
+from ..config import RUN_CONFIG, RunSettings, settings_as_config
 from ..data import DataLayout, check_resume
 from .publish import LATEST, latest_name
 from .state import (
@@ -73,6 +76,51 @@ def refuse_earlier_run(output_dir: str | Path) -> None:
             f"{FINAL_DIR}/ adapter, delete its oldest checkpoints and mix its {METRICS_FILE} with its own. "
             "Continue that run with --resume latest, or give a new --output-dir (or remove that folder)."
         )
+
+
+# What a resumed run keeps from the run it continues: the model, its adapter, the data's formatting and the
+# optimizer's settings. A change would be dropped (the optimizer's saved learning rate and weight decay win) or would
+# change the run half-way. The effective batch and seed are the data layout's (check_resume_position).
+RESUME_FIXED = {
+    "model": ("model_name_or_path", "load_in_4bit", "double_quant", "compute_dtype", "upcast_frozen_weights"),
+    "lora": ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"),
+    "data": ("format", "dialogue_column", "summary_column", "max_seq_len", "data_seed", "instruction", "chat_template"),
+    "train": ("learning_rate", "min_learning_rate", "warmup_ratio", "weight_decay", "max_grad_norm"),
+}
+
+
+def check_resume_settings(path: str | Path, settings: RunSettings) -> None:
+    """Refuse resuming ``path`` with a setting of ``RESUME_FIXED`` changed from the run that wrote it.
+
+    That run's settings are its ``run_config.yaml``, beside the checkpoint; a checkpoint moved away alone is not
+    checked.
+
+    Raises:
+        ValueError: naming each changed flag, its value in that run, and the fixes.
+    """
+    written = Path(path).parent / RUN_CONFIG
+    if not written.is_file():
+        return
+    before, now = yaml.safe_load(written.read_text()) or {}, settings_as_config(settings)
+    changed = [
+        (f"--{name.replace('_', '-')}", before[section][name], now[section][name])
+        for section, names in RESUME_FIXED.items()
+        for name in names
+        if name in (before.get(section) or {}) and before[section][name] != now[section][name]
+    ]
+    if changed:
+        given = ", ".join(f"{flag} {_shown(new)}" for flag, _, new in changed)
+        was = " ".join(f"{flag} {_shown(old)}" for flag, old, _ in changed)
+        raise ValueError(
+            f"--resume {path}: {given}, but the run it continues trained with {was} ({written}). A resumed run "
+            f"continues that run exactly, so these cannot change: resume with {was}, or start a new run in another "
+            "--output-dir."
+        )
+
+
+def _shown(value: object) -> str:
+    """A setting's value as a flag takes it."""
+    return " ".join(map(str, value)) if isinstance(value, list) else shlex.quote(str(value))
 
 
 _OLD_FORMATS = {  # why this version cannot read a format it once wrote
