@@ -100,8 +100,9 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     checkpoint = check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-    if checkpoint is not None:
-        check_resume_settings(checkpoint, settings)
+    warning = check_resume_settings(checkpoint, settings) if checkpoint is not None else None
+    if warning and info.is_main_process:
+        logger.warning("%s", warning)
     parts = prepare_run(settings, info, resolved)
     if checkpoint is None and restart_count() == 0:  # a new run: what an earlier one left is not replaced
         check_shared_resume(lambda: refuse_earlier_run(output_dir), info)  # every rank checks before any writes

@@ -83,7 +83,8 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     logger.info("%s", describe_epoch(layout))
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * layout.steps_per_epoch
     if resume_from is not None:  # before the model loads
-        check_resume_settings(resume_from, settings)
+        if (warning := check_resume_settings(resume_from, settings)) and info.is_main_process:
+            logger.warning("%s", warning)
         check_resume_position(resume_from, layout)
 
     precision = parts.resolved.precision

@@ -409,10 +409,11 @@ ALLOWED = ["--max-steps", "9", "--micro-batch", "1", "--no-compile", "--save-eve
 
 
 @pytest.mark.parametrize("entry", ["train", "recipe"])
-def test_resume_with_changed_settings_refused(entry, run_dir):
+def test_resume_with_changed_settings_refused(entry, run_dir, caplog):
     """--resume with the LoRA alpha, sequence length and learning rate changed from the run it continues (its
     run_config.yaml) is refused before the model loads, naming each old value: the optimizer's saved learning rate
-    would silently win, the others would change the run half-way. Steps, micro-batch, compile and saving may change."""
+    would silently win, the others would change the run half-way. Steps, micro-batch, compile and saving may change;
+    another length is warned about once (the schedule is recomputed), the same length is not."""
     from ddp_ft.commands.recipe import _train
     from ddp_ft.training.config import write_run_config
 
@@ -423,13 +424,19 @@ def test_resume_with_changed_settings_refused(entry, run_dir):
         trainer_checkpoint(run_dir / "checkpoint-2")
     was = f"--lora-alpha {old.lora.lora_alpha} --max-seq-len {old.data.max_seq_len} "
     was += f"--learning-rate {old.train.learning_rate}"
-    for flags, outcome in ((CHANGED, ValueError), (ALLOWED, ModelLoaded)):
+    planned = f"{old.train.max_steps} optimizer steps" if old.train.max_steps else f"{old.train.epochs} epoch(s)"
+    for flags, outcome in ((CHANGED, ValueError), (ALLOWED, ModelLoaded), (ALLOWED[2:], ModelLoaded)):
         settings = parse_settings([*argv, *flags, "--resume", "latest"])
+        caplog.clear()
         with pytest.raises(outcome) as raised:
             loop.train(settings, DistInfo()) if entry == "train" else _train(settings, DistInfo(), "hf")
         if outcome is ValueError:
             assert "--lora-alpha 64, --max-seq-len 128, --learning-rate 0.5, but" in str(raised.value)
             assert f"trained with {was}" in str(raised.value), str(raised.value)
+        warned = [r.getMessage() for r in caplog.records if "the run it continues was planned for" in r.getMessage()]
+        assert len(warned) == (flags is ALLOWED), warned
+        if flags is ALLOWED:
+            assert f"planned for {planned}, this one for 9 optimizer steps" in warned[0]
 
 
 def test_shipped_accelerate_configs_pass_the_checks():

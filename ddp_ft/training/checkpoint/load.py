@@ -89,18 +89,21 @@ RESUME_FIXED = {
 }
 
 
-def check_resume_settings(path: str | Path, settings: RunSettings) -> None:
+def check_resume_settings(path: str | Path, settings: RunSettings) -> str | None:
     """Refuse resuming ``path`` with a setting of ``RESUME_FIXED`` changed from the run that wrote it.
 
     That run's settings are its ``run_config.yaml``, beside the checkpoint; a checkpoint moved away alone is not
     checked.
+
+    Returns:
+        str | None: a warning when the run's length changed (its learning-rate schedule is recomputed), else None.
 
     Raises:
         ValueError: naming each changed flag, its value in that run, and the fixes.
     """
     written = Path(path).parent / RUN_CONFIG
     if not written.is_file():
-        return
+        return None
     before, now = yaml.safe_load(written.read_text()) or {}, settings_as_config(settings)
     changed = [
         (f"--{name.replace('_', '-')}", before[section][name], now[section][name])
@@ -116,6 +119,21 @@ def check_resume_settings(path: str | Path, settings: RunSettings) -> None:
             f"continues that run exactly, so these cannot change: resume with {was}, or start a new run in another "
             "--output-dir."
         )
+    planned, asked = _length(before.get("train") or {}), _length(now["train"])
+    if planned is None or planned == asked:
+        return None
+    return (
+        f"--resume {path}: the run it continues was planned for {planned}, this one for {asked}, so its learning-rate "
+        "schedule (warmup, then the decay to --min-learning-rate) is recomputed for the new length: the resumed steps "
+        f"follow neither the curve the run was on nor that of a run planned for {asked} from its start."
+    )
+
+
+def _length(train: dict) -> str | None:
+    """A run's planned length, as its settings give it: steps, else epochs."""
+    if "max_steps" not in train:
+        return None
+    return f"{train['max_steps']} optimizer steps" if train["max_steps"] > 0 else f"{train.get('epochs')} epoch(s)"
 
 
 def _shown(value: object) -> str:
