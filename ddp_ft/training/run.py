@@ -103,7 +103,7 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     state = TrainState()
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, scheduler, info, scaler)
-        _log_resume(settings, resume_from, state)
+        _log_resume(settings, resume_from, state, info)
     write_run_config(settings, info, resolved.as_config())  # after every refusal
     return Run(
         settings=settings,
@@ -151,8 +151,8 @@ def _schedule(optimizer: torch.optim.Optimizer, settings: RunSettings, total_ste
     return get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total_steps, min_lr=t.min_learning_rate)
 
 
-def _log_resume(settings: RunSettings, resume_from: Path, state: TrainState) -> None:
-    if settings.ddp.comm_hook == "powersgd":
+def _log_resume(settings: RunSettings, resume_from: Path, state: TrainState, info: DistInfo) -> None:
+    if settings.ddp.comm_hook == "powersgd" and info.is_main_process:
         logger.warning(
             "--comm-hook powersgd: PowerSGD's state (error feedback, warm-start matrices, its step "
             "count) is not in checkpoints; the resumed run starts it afresh, so it does not continue "

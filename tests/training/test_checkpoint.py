@@ -92,6 +92,18 @@ def test_recipe_logs_the_resumed_step_once_on_rank_0(tmp_path, caplog):
     assert said == [f"resuming from {tmp_path / 'checkpoint-3'} at step 3"]
 
 
+def test_loop_warns_of_powersgd_on_resume_on_rank_0(caplog):
+    """PowerSGD's state is not checkpointed: the loop's resume says so once, on rank 0, not once per rank."""
+    from ddp_ft.training.config import parse_settings
+    from ddp_ft.training.run import _log_resume
+
+    settings = parse_settings(["--preset", "tiny", "--comm-hook", "powersgd"])
+    with caplog.at_level("WARNING", logger="ddp_ft.training.run"):
+        for rank in (1, 0):
+            _log_resume(settings, Path("run/ddp_ft-checkpoint-2"), TrainState(2), DistInfo(rank=rank, world_size=2))
+    assert ["PowerSGD's state" in r.getMessage() for r in caplog.records] == [True]
+
+
 def test_resume_refuses_a_newer_format_version(tmp_path):
     model, optimizer, scheduler = training_parts()
     path = save_checkpoint(tmp_path, model, optimizer, scheduler, TrainState(3), DistInfo())
