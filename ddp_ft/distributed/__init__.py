@@ -184,6 +184,7 @@ def destroy_distributed() -> None:
 
 
 LOG_LEVEL_ENV = "DDP_FT_LOG_LEVEL"  # rank 0's level name
+DATA_LOGGER = "ddp_ft.training.data"  # its warnings are about data every rank prepares alike
 
 
 def setup_logging(info: DistInfo, level: int | None = None) -> None:
@@ -209,6 +210,8 @@ def setup_logging(info: DistInfo, level: int | None = None) -> None:
     )
     if _held_notices and info.is_main_process:
         logger.info("bitsandbytes: %s (its own CPU 4-bit path is used instead)", _held_notices[0])
+    # Every rank prepares the same data: what happened to it (rows dropped, samples cut) is rank 0's to say.
+    logging.getLogger(DATA_LOGGER).setLevel(logging.NOTSET if info.is_main_process else logging.ERROR)
     if not info.is_main_process:  # progress bars are rank 0's
         try:
             import datasets

@@ -78,6 +78,26 @@ def test_bnb_notice_once_on_rank_0_log_level_checked(monkeypatch, caplog, capsys
     assert logging.getLogger().level == logging.WARNING
 
 
+def test_data_warnings_once_on_rank_0(monkeypatch, capsys):
+    """Every rank prepares the same data, so what happened to it (rows dropped, say) is said by rank 0 alone; any
+    other warning of ddp_ft still shows on every rank."""
+    import logging
+
+    from ddp_ft import distributed
+
+    root, data = logging.getLogger(), logging.getLogger("ddp_ft.training.data.sources")
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setattr(logging.getLogger("ddp_ft.training.data"), "level", logging.NOTSET)
+    for rank, said in ((1, False), (0, True)):
+        capsys.readouterr()
+        distributed.setup_logging(distributed.DistInfo(rank=rank, local_rank=rank, world_size=2, local_world_size=2))
+        data.warning("split 'train': dropped 2 of 30 rows with nothing to learn")
+        logging.getLogger("ddp_ft.training.setup").warning("another warning")
+        err = capsys.readouterr().err
+        assert ("dropped 2 of 30 rows" in err) is said and "another warning" in err, (rank, err)
+
+
 def test_upstream_notices_held_back_above_rank_0(monkeypatch, caplog):
     """The exact messages of ddp_ft.distributed's table, on RANK > 0 only: rank 0 and a single process keep them, and
     any other warning passes (tests/e2e/test_examples.py counts them on real 2-rank runs)."""
