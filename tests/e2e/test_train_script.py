@@ -36,8 +36,7 @@ def _records(output_dir: Path, kind: str) -> list[dict]:
     return [r for r in read_jsonl(output_dir / "metrics.jsonl") if r["type"] == kind]
 
 
-# The uninterrupted 2-process run the tests below check: 8 steps, a checkpoint every 2 (the 2 newest kept), LoRA
-# dropout on.
+# The uninterrupted 2-process run the tests below check: 8 steps, a checkpoint every 2 (the 2 newest kept), dropout on.
 _REFERENCE = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "2", "--report-to", "none"]
 
 

@@ -279,7 +279,7 @@ with open(folder / "metrics.jsonl", "a") as f:
 
 def test_e2e_step_run_again_measures_only_itself(tmp_path):
     """A report run again (a rerun on a warm GPU host) reads the new run alone: its folder starts empty, so an
-    earlier run's records are not mixed in, and the entry points do not refuse a folder an earlier run filled."""
+    earlier run's records are not mixed in (nor would an entry point find an earlier run there to refuse)."""
     from ddp_ft.tools.gpu_report.e2e import run_and_read
 
     folder, out = tmp_path / "loop_defaults", tmp_path / "loop_defaults.json"
