@@ -362,16 +362,17 @@ EARLIER = {
     "the loop's checkpoint": None,
     "a Trainer checkpoint": "checkpoint-3/trainer_state.json",
     "final/": "final/adapter_model.safetensors",
-    "metrics.jsonl": "metrics.jsonl",
+    "metrics.jsonl with a step": "metrics.jsonl",
 }
+CONFIG_ROW, TRAIN_ROW = json.dumps({"type": "config"}) + "\n", json.dumps({"type": "train", "step": 1}) + "\n"
 
 
-def _used_folder(run_dir: Path, held: str | None, name: str = "used") -> Path:
+def _used_folder(run_dir: Path, held: str | None, name: str = "used", text: str = CONFIG_ROW + TRAIN_ROW) -> Path:
     if held is None:
         return run_dir
     folder = run_dir.parent / name
     (folder / held).parent.mkdir(parents=True, exist_ok=True)
-    (folder / held).write_text("{}")
+    (folder / held).write_text(text)
     return folder
 
 
@@ -392,15 +393,18 @@ def test_new_run_in_a_used_folder_refused_kept(entry, held, run_dir):
 
 def test_elastic_restart_reuses_its_folder(run_dir, monkeypatch):
     """torchrun's restart of a run that saved no checkpoint yet (only its metrics.jsonl) goes on in its folder, and
-    so does a new run beside its logs/: both reach the model (armed to fail here)."""
+    so does a new run where one was refused (its logs/) or stopped before its first step (metrics.jsonl without a
+    step): each reaches the model (armed to fail here)."""
     folder = _used_folder(run_dir, "metrics.jsonl")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ModelLoaded):
         loop.train(parse_settings([*BASE, "--output-dir", str(folder)]), DistInfo())
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-    logs_only = _used_folder(run_dir, "logs/console.log", "refused")
-    with pytest.raises(ModelLoaded):
-        loop.train(parse_settings([*BASE, "--output-dir", str(logs_only)]), DistInfo())
+    refused = _used_folder(run_dir, "logs/console.log", "refused")
+    stopped = _used_folder(run_dir, "metrics.jsonl", "stopped", CONFIG_ROW)
+    for folder in (refused, stopped):
+        with pytest.raises(ModelLoaded):
+            loop.train(parse_settings([*BASE, "--output-dir", str(folder)]), DistInfo())
 
 
 # A resume's settings changed from the run that wrote the checkpoint; then changes a resume may make.

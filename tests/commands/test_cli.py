@@ -134,7 +134,7 @@ def test_no_tokenizer_or_unwritable_output_fails_first(tmp_path, capsys, monkeyp
     empty.mkdir()
     taken.write_text("a file")
     (tmp_path / "used").mkdir()
-    (tmp_path / "used" / "metrics.jsonl").write_text("{}")
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"type": "train", "step": 1}\n')
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")  # as model.save_pretrained leaves it: no tokenizer
     tiny = ["--preset", "tiny", "--output-dir"]

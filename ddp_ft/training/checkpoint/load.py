@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from ...distributed import DistInfo
-from ...report.records import METRICS_FILE
+from ...report.records import METRICS_FILE, TRAIN
 from ..config import RUN_CONFIG, RunSettings, settings_as_config
 from ..data import DataLayout, check_resume
 from .publish import LATEST, latest_name
@@ -60,15 +60,16 @@ def checkpoint_to_resume(resume: str, output_dir: str | Path, restart_count: int
 
 def refuse_earlier_run(output_dir: str | Path) -> None:
     """Refuse a new run in a folder an earlier run filled: its ``final/``, checkpoints and ``metrics.jsonl`` would be
-    replaced, rotated away and mixed with the new run's.
+    replaced, rotated away and mixed with the new run's. A run stopped before its first step left nothing to lose.
 
     Raises:
         ValueError: naming what the folder holds and the fixes (``--resume latest``, another ``--output-dir``).
     """
     folder = Path(output_dir)
-    kept = (FINAL_DIR, METRICS_FILE)
     prefixes = (f"{CHECKPOINT_PREFIX}-", "checkpoint-")  # the loop's and the Trainer's
-    found = sorted(p.name for p in folder.glob("*") if p.name in kept or p.name.startswith(prefixes))
+    found = sorted(p.name for p in folder.glob("*") if p.name == FINAL_DIR or p.name.startswith(prefixes))
+    if _trained(folder / METRICS_FILE):
+        found.append(METRICS_FILE)
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
         raise ValueError(
@@ -76,6 +77,14 @@ def refuse_earlier_run(output_dir: str | Path) -> None:
             f"{FINAL_DIR}/ adapter, delete its oldest checkpoints and mix its {METRICS_FILE} with its own. "
             "Continue that run with --resume latest, or give a new --output-dir (or remove that folder)."
         )
+
+
+def _trained(metrics: Path) -> bool:
+    """Whether ``metrics`` records a training step."""
+    if not metrics.is_file():
+        return False
+    with metrics.open() as lines:
+        return any(f'"type": "{TRAIN}"' in line for line in lines)
 
 
 # What a resumed run keeps from the run it continues: the model, its adapter, the data's formatting and the
