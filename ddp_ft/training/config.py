@@ -31,7 +31,7 @@ from .ranges import TRAIN_RANGES, brief_usage_error
 class TrainSettings:
     """The optimisation: batch arithmetic, schedule, checkpoints, logging."""
 
-    output_dir: str = field(default="runs/qwen3-4b-ami", metadata={"help": "Where checkpoints and metrics go."})
+    output_dir: str = field(default="runs/qwen3-4b-ami", metadata={"help": "Checkpoints, metrics (runs/<model>)."})
     effective_batch: int = field(
         default=16,
         metadata={"help": "Samples per optimizer step over all ranks; accumulation = effective / (micro x world)."},
@@ -205,12 +205,8 @@ def config_values(data: object, where: str) -> dict[str, object]:
                 f"{where}: unknown key {key!r}. Allowed: preset, the sections {', '.join(SECTIONS)}, "
                 f"or these fields: {', '.join(known)}."
             )
-    values = {}
-    for key, (_, value) in flat.items():
-        values[key] = (
-            _checked(key, "str", value, where) if key == "preset" else _checked(key, known[key][1], value, where)
-        )
-    return values
+    kinds = {key: "str" if key == "preset" else known[key][1] for key in flat}
+    return {key: _checked(key, kinds[key], value, where) for key, (_, value) in flat.items()}
 
 
 def load_config(path: str | Path) -> dict[str, object]:
@@ -377,6 +373,9 @@ def parse_settings(
             parser.error(f"unknown --preset {preset!r}; choose one of: {', '.join(PRESETS)}")
         parser.set_defaults(**PRESETS[preset], preset=preset)
     parser.set_defaults(**from_file)
+    if not preset and "output_dir" not in from_file:  # a model of your own: runs/<its name>, not a preset's folder
+        named = parser.parse_known_args(argv)[0].model_name_or_path
+        parser.set_defaults(output_dir=str(Path("runs") / (Path(named.rpartition(":")[2]).name or "run")))
     namespace = parser.parse_args(argv)
     values = vars(namespace)
     sections = {name: cls(**{f.name: values[f.name] for f in fields(cls)}) for name, cls in SECTIONS.items()}

@@ -177,6 +177,24 @@ def test_file_overrides_preset_and_flags_override_file(tmp_path):
     assert s.train.micro_batch == 1 and s.lora.lora_r == 4  # flag over file, file over preset
 
 
+def test_own_model_runs_in_a_folder_named_after_it(tmp_path):
+    """With no preset, a run's folder is named after its model (flag over file), not after a preset it did not use;
+    --output-dir and a preset's own folder still win."""
+
+    def folder(*argv: str) -> str:
+        return parse_settings(list(argv)).train.output_dir
+
+    assert folder("--model-name-or-path", "./models/my-llama/") == "runs/my-llama"
+    assert folder("--model-name-or-path", "meta-llama/Llama-3.2-1B") == "runs/Llama-3.2-1B"
+    assert folder("--model-name-or-path", "./my-llama", "--output-dir", "out") == "out"
+    assert folder("--preset", "tiny", "--model-name-or-path", "./my-llama") == PRESETS["tiny"]["output_dir"]
+    path = _yaml(tmp_path, "model_name_or_path: ./models/from-file\n")
+    assert (folder("--config", path), folder("--config", path, "--model-name-or-path", "x/flag")) == (
+        "runs/from-file",
+        "runs/flag",
+    )
+
+
 @pytest.mark.parametrize(
     "text,needles",
     [
