@@ -126,7 +126,7 @@ def test_llama_without_template_trains_with_no_flags(own, tmp_path):
     assert f"model {model_dir}, preset none (--model-name-or-path names the model" in first, first
     assert "2 process(es)" in first
     assert run.stderr.count("chat template: plain") == 1, run.stderr[-6000:]  # logged once, by rank 0
-    records = read_jsonl(tmp_path / "runs" / "qwen3-4b-ami" / "metrics.jsonl")  # the default --output-dir
+    records = read_jsonl(tmp_path / "runs" / model_dir.name / "metrics.jsonl")  # the default: named after the model
     config = next(r for r in records if r["type"] == "config")
     assert config["world_size"] == 2
     assert [r["step"] for r in records if r["type"] == "train"] == list(range(1, 7))  # 2 steps x 3 epochs
