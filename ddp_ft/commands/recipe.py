@@ -21,8 +21,8 @@ from ..distributed import (
     setup_logging,
 )
 from ..distributed.console import console_or_log
-from ..training.checkpoint import check_resume_settings, refuse_earlier_run, save_final
-from ..training.checkpoint.shared_fs import check_shared_resume, prepare_output_dir
+from ..training.checkpoint import check_resume_settings, save_final
+from ..training.checkpoint.shared_fs import check_new_run, check_shared_resume, prepare_output_dir
 from ..training.config import RunSettings, parse_settings, write_run_config
 from ..training.model.source import choose_default, log_choice
 from ..training.resolve import resolve_run
@@ -100,12 +100,10 @@ def _train(settings: RunSettings, info: DistInfo, trainer_name: str, stock_find_
     prepare_output_dir(output_dir, info)  # shared by every node; partial saves (a SIGKILL mid-write) removed
     resume = trainer_resume_target(settings.train.resume, output_dir, restart_count())
     checkpoint = check_shared_resume(lambda: trainer_checkpoint(resume, output_dir), info)
-    warning = check_resume_settings(checkpoint, settings) if checkpoint is not None else None
-    if warning and info.is_main_process:
-        logger.warning("%s", warning)
+    if checkpoint is not None:
+        check_resume_settings(checkpoint, settings, info)
     parts = prepare_run(settings, info, resolved)
-    if checkpoint is None and restart_count() == 0:  # a new run: what an earlier one left is not replaced
-        check_shared_resume(lambda: refuse_earlier_run(output_dir), info)  # every rank checks before any writes
+    check_new_run(output_dir, checkpoint, info)  # what an earlier run left is not replaced
     trainer = build_trainer(settings, info, trainer_name, stock_find_unused, resolved, parts=parts)
     write_run_config(
         settings, info, trainer.resolved.as_config()

@@ -26,9 +26,8 @@ from .checkpoint import (
     check_resume_settings,
     checkpoint_to_resume,
     load_checkpoint,
-    refuse_earlier_run,
 )
-from .checkpoint.shared_fs import check_shared_resume, prepare_output_dir
+from .checkpoint.shared_fs import check_new_run, check_shared_resume, prepare_output_dir
 from .config import RunSettings, write_run_config
 from .data import DataLayout, EpochLoader, describe_epoch
 from .model.compilation import CompileWatch
@@ -76,15 +75,13 @@ def build_run(settings: RunSettings, info: DistInfo) -> Run:
     prepare_output_dir(output_dir, info)  # also removes partial saves
     resume_from = check_shared_resume(lambda: checkpoint_to_resume(t.resume, output_dir, restart_count()), info)
     parts = prepare_run(settings, info, resolved)  # packing resolved here
-    if resume_from is None and restart_count() == 0:  # a new run: what an earlier one left is not replaced
-        check_shared_resume(lambda: refuse_earlier_run(output_dir), info)  # every rank checks before any writes
+    check_new_run(output_dir, resume_from, info)  # what an earlier run left is not replaced
     # The micro-batch only splits a step; the layout fixes the order.
     layout = DataLayout(len(parts.train_set), t.seed, t.effective_batch, info.world_size, parts.resolved.micro_batch)
     logger.info("%s", describe_epoch(layout))
     total_steps = t.max_steps if t.max_steps > 0 else t.epochs * layout.steps_per_epoch
     if resume_from is not None:  # before the model loads
-        if (warning := check_resume_settings(resume_from, settings)) and info.is_main_process:
-            logger.warning("%s", warning)
+        check_resume_settings(resume_from, settings, info)
         check_resume_position(resume_from, layout)
 
     precision = parts.resolved.precision

@@ -98,21 +98,19 @@ RESUME_FIXED = {
 }
 
 
-def check_resume_settings(path: str | Path, settings: RunSettings) -> str | None:
-    """Refuse resuming ``path`` with a setting of ``RESUME_FIXED`` changed from the run that wrote it.
+def check_resume_settings(path: str | Path, settings: RunSettings, info: DistInfo) -> None:
+    """Refuse resuming ``path`` with a setting of ``RESUME_FIXED`` changed from the run that wrote it; warn on rank 0
+    when the run's length changed (its learning-rate schedule is recomputed).
 
     That run's settings are its ``run_config.yaml``, beside the checkpoint; a checkpoint moved away alone is not
     checked.
-
-    Returns:
-        str | None: a warning when the run's length changed (its learning-rate schedule is recomputed), else None.
 
     Raises:
         ValueError: naming each changed flag, its value in that run, and the fixes.
     """
     written = Path(path).parent / RUN_CONFIG
     if not written.is_file():
-        return None
+        return
     before, now = yaml.safe_load(written.read_text()) or {}, settings_as_config(settings)
     changed = [
         (f"--{name.replace('_', '-')}", before[section][name], now[section][name])
@@ -129,13 +127,16 @@ def check_resume_settings(path: str | Path, settings: RunSettings) -> str | None
             "--output-dir."
         )
     planned, asked = _length(before.get("train") or {}), _length(now["train"])
-    if planned is None or planned == asked:
-        return None
-    return (
-        f"--resume {path}: the run it continues was planned for {planned}, this one for {asked}, so its learning-rate "
-        "schedule (warmup, then the decay to --min-learning-rate) is recomputed for the new length: the resumed steps "
-        f"follow neither the curve the run was on nor that of a run planned for {asked} from its start."
-    )
+    if info.is_main_process and planned is not None and planned != asked:
+        logger.warning(
+            "--resume %s: the run it continues was planned for %s, this one for %s, so its learning-rate schedule "
+            "(warmup, then the decay to --min-learning-rate) is recomputed for the new length: the resumed steps "
+            "follow neither the curve the run was on nor that of a run planned for %s from its start.",
+            path,
+            planned,
+            asked,
+            asked,
+        )
 
 
 def _length(train: dict) -> str | None:

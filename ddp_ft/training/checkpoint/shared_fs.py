@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ...distributed import DistInfo
+from ...distributed import DistInfo, restart_count
+from .load import refuse_earlier_run
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,13 @@ def _rebuild(error: tuple[str, str, str]) -> BaseException:
         return cls(message)
     except Exception:  # a local class, or other constructor arguments
         return RuntimeError(f"{name}: {message}")
+
+
+def check_new_run(output_dir: str | Path, resume_from: Path | str | None, info: DistInfo) -> None:
+    """A new run (nothing resumed, no torchrun restart): refuse a folder an earlier run filled, on every rank at once,
+    so that none writes before all have looked (``load.refuse_earlier_run``)."""
+    if resume_from is None and restart_count() == 0:
+        check_shared_resume(lambda: refuse_earlier_run(output_dir), info)
 
 
 def check_output_dir(output_dir: str | Path) -> None:
