@@ -273,6 +273,21 @@ def test_doctor_on_two_cpu_ranks_prints_one_table(tmp_path):
     assert timed == [(4096, 2), (65536, 2)] and probe["backend"] == "gloo"
 
 
+@pytest.mark.cuda
+def test_doctor_over_gloo_on_one_gpu_times_the_ring(tmp_path, gpu_environment):
+    """The probe ``make gpu-report``'s forecast check reads: 2 ranks sharing one GPU over gloo. gloo's send and recv
+    read host memory only, so the hand-written ring must stage CUDA tensors (a device pointer aborted a rank)."""
+    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": "0"}
+    command = [sys.executable, "-m", "ddp_ft", "doctor", "--nproc", "2", "--device", "cuda", "--backend", "gloo"]
+    command += ["--sizes", "64K", "1M", "--repeats", "2", "--out", str(tmp_path / "probe")]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    probe = json.loads((tmp_path / "probe" / PROBE_FILE).read_text())
+    timed = sorted((r["method"], r["nbytes"]) for r in probe["all_reduce"])
+    assert timed == [("backend", 65536), ("backend", 2**20), ("ring", 65536), ("ring", 2**20)]
+    assert probe["device"] == "cuda" and probe["backend"] == "gloo"
+
+
 @pytest.mark.distributed
 def test_doctor_one_of_two_processes_prints_fix_exit_1(tmp_path):
     """The common slip: ``python ...`` where ``torchrun`` was meant (one process, no launcher variables)."""

@@ -37,6 +37,13 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     world = dist.get_world_size(group)
     if world == 1:
         return 0
+    if tensor.is_cuda and dist.get_backend(group) == dist.Backend.GLOO:
+        # gloo's send and recv read host memory only (a device pointer fails in writev); its all_reduce copies CUDA
+        # tensors through the host itself, so the ring does the same
+        host = tensor.cpu()
+        sent = ring_all_reduce(host, group)
+        tensor.copy_(host)
+        return sent
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     rank = dist.get_rank(group)
     next_peer, prev_peer = _global_rank(group, (rank + 1) % world), _global_rank(group, (rank - 1) % world)
