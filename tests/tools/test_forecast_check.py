@@ -53,12 +53,26 @@ def test_judge_says_inside_below_or_above_the_range():
 def test_run_medians_leave_out_the_first_step():
     # step 1 (9 s, 900 ms) is warm-up: the medians are of steps 2..5
     medians = run_medians(_records([9.0, 0.4, 0.5, 0.6, 0.7], [900.0, 1.0, 2.0, 3.0, 4.0]))
-    assert medians == {"step_time_s": pytest.approx(0.55), "exposed_comm_ms": pytest.approx(2.5), "host_load_1m": None}
+    assert medians == {
+        "step_time_s": pytest.approx(0.55),
+        "exposed_comm_ms": pytest.approx(2.5),
+        "host_load_1m": None,
+        "micro_step_ms": None,
+    }
+
+
+def test_micro_step_is_rank_0_forward_and_backward():
+    # what the forecast assumes every rank computes at: forward + backward of steps 2..N, the warm-up left out
+    records = _records([9.0, 0.4, 0.5, 0.6], [900.0, 1.0, 2.0, 3.0])
+    for step, (forward, backward) in enumerate([(500.0, 900.0), (30.0, 60.0), (40.0, 70.0), (20.0, 50.0)], 1):
+        records.append({"type": "backward", "step": step, "forward_ms": forward, "backward_ms": backward})
+    records.append({"type": "backward", "step": 5, "backward_ms": 10.0})  # no forward time: not a micro-step
+    assert run_medians(records)["micro_step_ms"] == pytest.approx(90.0)
 
 
 def test_run_medians_of_one_process_have_no_exposed():
     medians = run_medians(_records([2.0, 1.0, 1.0], None, world_size=1))
-    assert medians == {"step_time_s": 1.0, "exposed_comm_ms": None, "host_load_1m": None}
+    assert medians == {"step_time_s": 1.0, "exposed_comm_ms": None, "host_load_1m": None, "micro_step_ms": None}
 
 
 def test_compare_judges_each_source_on_every_quantity():
@@ -91,8 +105,8 @@ def test_markdown_shows_numbers_and_verdicts():
         "preset": "tiny",
         "steps": 16,
         "runs": runs,
-        "single": {"step_time_s": 0.943, "host_load_1m": 0.5},
-        "pair": [{"step_time_s": 0.99}, {"step_time_s": 1.0}],
+        "single": {"step_time_s": 0.943, "host_load_1m": 0.5, "micro_step_ms": 97.04},
+        "pair": [{"step_time_s": 0.99, "micro_step_ms": 95.0}, {"step_time_s": 1.0}],
         "link": {"bandwidth_gbps": 1.39, "latency_us": 170.0},
         "quantities": compare(forecasts, runs),
         "passed": True,
@@ -102,6 +116,7 @@ def test_markdown_shows_numbers_and_verdicts():
     assert "| exposed communication | **4.0 ms** |" in table and "Verdict: PASS" in table
     assert "medians of steps 2..16" in table and "1.39 GB/s" in table
     assert "one process 0.5; the pair ?, ?; the runs ?, ?" in table
+    assert "as the one process did: one process 97.0 ms; the pair 95.0 ms, ?; the runs ?, ?." in table
 
 
 def test_cuda_runs_train_and_doctor_over_gloo(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ Pure: records and forecasts in, dicts and text out."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from ...report.comparison import summarize_run
@@ -29,7 +30,21 @@ def run_medians(records: list[dict], name: str = "run") -> dict[str, float | Non
     """
     summary = summarize_run(records, skip_first=SKIP_FIRST, name=name)
     values = {key: getattr(summary, field) for key, (_, _, field) in QUANTITIES.items()}
-    return values | {"host_load_1m": summary.host_load_1m}
+    return values | {"host_load_1m": summary.host_load_1m, "micro_step_ms": micro_step_ms(records)}
+
+
+def micro_step_ms(records: list[dict]) -> float | None:
+    """Rank 0's median micro-step over steps 2..N: the last forward and backward of each step, by the device's clock.
+
+    The forecast takes every rank to compute a micro-step as fast as the one process did; this shows whether the
+    runs did. None where the run recorded no forward time.
+    """
+    times = [
+        r["forward_ms"] + r["backward_ms"]
+        for r in records
+        if r.get("type") == "backward" and r.get("step", 0) > SKIP_FIRST and r.get("forward_ms") is not None
+    ]
+    return statistics.median(times) if times else None
 
 
 def forecast_values(forecast: Forecast, nproc: int) -> dict[str, float]:
@@ -101,12 +116,14 @@ def _number(value: float, unit: str) -> str:
     return f"{value:.3f} s" if unit == "s" else f"{value:.1f} ms"
 
 
-def _loads(result: dict) -> str:
-    def load(run: dict) -> str:
-        return "?" if run.get("host_load_1m") is None else f"{run['host_load_1m']:.1f}"
+def _each_run(result: dict, key: str, unit: str = "") -> str:
+    """``key`` of every run behind the check (``?`` where a run has none): the one process, the pair, the runs."""
+
+    def value(run: dict) -> str:
+        return "?" if run.get(key) is None else f"{run[key]:.1f}{unit}"
 
     groups = (("one process", [result["single"]]), ("the pair", result["pair"]), ("the runs", result["runs"]))
-    return "; ".join(f"{label} " + ", ".join(load(r) for r in runs) for label, runs in groups)
+    return "; ".join(f"{label} " + ", ".join(value(r) for r in runs) for label, runs in groups)
 
 
 def _count(n: int, noun: str) -> str:
@@ -150,7 +167,10 @@ def markdown(result: dict) -> str:
         f"One process: {_number(result['single']['step_time_s'], 's')} per step; the pair's runs: "
         + ", ".join(_number(r["step_time_s"], "s") for r in result["pair"])
         + ".",
-        f"Host load (1 min) as each run started: {_loads(result)}; on a loaded host the runs' range widens.",
+        f"Host load (1 min) as each run started: {_each_run(result, 'host_load_1m')}; on a loaded host the runs' "
+        "range widens.",
+        "Micro-step (rank 0's median forward and backward), which the forecast takes each rank to compute as fast as "
+        f"the one process did: {_each_run(result, 'micro_step_ms', ' ms')}.",
         f"Link (ddp-ft doctor, measured): {link['bandwidth_gbps']:.3g} GB/s, {link['latency_us']:.3g} us per ring "
         f"step.",
     ]
