@@ -210,6 +210,7 @@ def training_arguments(settings: RunSettings, info: DistInfo, precision: Precisi
         ddp_backend=info.backend,  # the group init_distributed started (None for one process)
         ddp_timeout=settings.ddp.ddp_timeout,
         disable_tqdm=not info.is_main_process,
+        log_level_replica="error",  # only rank 0 warns: transformers' warnings are the same on every rank
         use_liger_kernel=settings.model.liger,  # the Trainer patches the model at train()
         torch_compile=resolved.compile,
     )

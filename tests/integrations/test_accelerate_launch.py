@@ -197,7 +197,8 @@ def test_recipe_survives_kill_mid_save_and_sigterm(tmp_path):
     restarts both ranks. Attempt 1 removes the staging leftover, resumes from checkpoint-2 with no flag (the newest
     whole one), and at step 5 rank 0 sends SIGTERM to the launcher, which forwards it: the ranks agree at the next step,
     the Trainer saves its checkpoint and the recipe returns without the final eval (the launcher, signalled, exits 1).
-    ``--resume latest`` finishes: every step's loss bit for bit as the uninterrupted run's."""
+    ``--resume latest`` finishes: every step's loss bit for bit as the uninterrupted run's. It saves every 4 steps
+    now, which transformers warns of (its ``trainer_state.json`` says 2) on rank 0 only."""
     recipe = ROOT / "recipes" / "qwen_ami.py"
     full, interrupted = tmp_path / "full", tmp_path / "interrupted"
     flags = ["--max-steps", "8", "--save-every", "2", "--save-total-limit", "0", "--report-to", "none"]
@@ -237,10 +238,12 @@ def test_recipe_survives_kill_mid_save_and_sigterm(tmp_path):
     )
     assert not (interrupted / ".staging").exists() and not (interrupted / "final").exists()
 
+    flags[flags.index("--save-every") + 1] = "4"
     resumed = _accelerate(
         "2cpu_gloo.yaml", recipe, tmp_path, "--output-dir", str(interrupted), *flags, "--resume", "latest"
     )
     assert resumed.stderr.count("resuming from") == 1, resumed.stderr[-4000:]  # rank 0's line
+    assert resumed.stderr.count("save_steps: 4 (from args) != 2 (from trainer_state.json)") == 1, resumed.stderr[-4000:]
     assert f"resuming from {interrupted / f'checkpoint-{stopped[0]}'} at step {stopped[0]}" in resumed.stderr
     expected = [(r["step"], r["loss"]) for r in read_jsonl(full / "metrics.jsonl") if r["type"] == "train"]
     records = read_jsonl(interrupted / "metrics.jsonl")
