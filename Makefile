@@ -20,9 +20,11 @@ install: $(VENV)/.installed
 # The real test data (AMI, Qwen2's tokenizer) beside the checkout, when there: the tests that need it skip without it.
 TEST_DATA ?= $(wildcard $(CURDIR)/../shared/data)
 
+# Two workers (pytest-xdist): a test's processes leave a core idle while they start, import and wait, which the other
+# worker's test fills; `pytest -n 0` runs one test at a time.
 test: install
 	$(PY) -m ruff check ddp_ft scripts tests
-	DDP_FT_TEST_DATA=$(TEST_DATA) $(PY) -m pytest
+	DDP_FT_TEST_DATA=$(TEST_DATA) $(PY) -m pytest -n 2
 
 lint: install
 	$(PY) -m ruff check ddp_ft scripts tests
