@@ -13,6 +13,7 @@ import torch
 from ddp_ft.commands import cli, doctor, launcher
 from ddp_ft.report.forecast import PROBE_FILE
 from ddp_ft.report.metrics import read_jsonl
+from ddp_ft.tools.forecast_check.stages import one_visible_gpu
 from ddp_ft.training.checkpoint import DATA_FILE, FINAL_DIR
 from ddp_ft.training.config import RUN_CONFIG, parse_settings
 
@@ -277,7 +278,7 @@ def test_doctor_on_two_cpu_ranks_prints_one_table(tmp_path):
 def test_doctor_over_gloo_on_one_gpu_times_the_ring(tmp_path, gpu_environment):
     """The probe ``make gpu-report``'s forecast check reads: 2 ranks sharing one GPU over gloo. gloo's send and recv
     read host memory only, so the hand-written ring must stage CUDA tensors (a device pointer aborted a rank)."""
-    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": "0"}
+    env = {**gpu_environment, "PYTHONPATH": PYTHONPATH, "CUDA_VISIBLE_DEVICES": one_visible_gpu(gpu_environment)}
     command = [sys.executable, "-m", "ddp_ft", "doctor", "--nproc", "2", "--device", "cuda", "--backend", "gloo"]
     command += ["--sizes", "64K", "1M", "--repeats", "2", "--out", str(tmp_path / "probe")]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
