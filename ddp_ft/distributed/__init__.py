@@ -212,15 +212,16 @@ def setup_logging(info: DistInfo, level: int | None = None) -> None:
         logger.info("bitsandbytes: %s (its own CPU 4-bit path is used instead)", _held_notices[0])
     # Every rank prepares the same data: what happened to it (rows dropped, samples cut) is rank 0's to say.
     logging.getLogger(DATA_LOGGER).setLevel(logging.NOTSET if info.is_main_process else logging.ERROR)
+    try:
+        import datasets
+        import transformers
+    except ImportError:
+        return
+    # transformers prints its records itself; with CI set it also passes them on, and each would print twice.
+    transformers.utils.logging.disable_propagation()
     if not info.is_main_process:  # progress bars are rank 0's
-        try:
-            import datasets
-            import transformers
-
-            datasets.disable_progress_bars()
-            transformers.utils.logging.disable_progress_bar()
-        except ImportError:
-            pass
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
 
 
 # bitsandbytes warns at import, on every rank, that a Hub CPU kernel is missing.

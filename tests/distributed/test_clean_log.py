@@ -121,3 +121,22 @@ def test_upstream_notices_held_back_above_rank_0(monkeypatch, caplog):
         assert len(caught) == (1 if held else 3), [str(w.message) for w in caught]
         assert (distributed._HUB_KERNEL_NOTICE in caplog.text) is not held
         caplog.clear()
+
+
+@pytest.mark.parametrize("ci", ["", "1"])
+def test_transformers_warning_once_even_under_ci(ci):
+    """transformers prints its records itself and, when ``CI`` is set (as CI services do), also passes them on to the
+    root logger: after setup_logging, rank 0 prints a transformers warning once either way."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from transformers.utils import logging as hf\n"
+        "from ddp_ft import distributed\n"
+        "distributed.setup_logging(distributed.DistInfo())\n"
+        "hf.get_logger('transformers.trainer_utils').warning('save_steps differ')\n"
+    )
+    env = {**os.environ, "CI": ci}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr.count("save_steps differ") == 1, run.stderr
