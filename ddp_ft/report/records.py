@@ -192,6 +192,12 @@ def backward_record(
     }
 
 
+def micro_step_ms(backward: dict) -> float | None:
+    """A ``backward`` record's micro-step: its forward and backward, or None where the forward was not timed."""
+    forward = backward.get("forward_ms")
+    return None if forward is None else forward + backward["backward_ms"]
+
+
 def of_type(records: list[dict], kind: str) -> list[dict]:
     return [r for r in records if r.get("type") == kind]
 

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
-from ..records import BACKWARD, CONFIG, of_type, timed_train_records
+from ..records import BACKWARD, CONFIG, micro_step_ms, of_type, timed_train_records
 from .links import MEASURED, Link, ring_allreduce_ms
 from .schedule import MeasuredStep, PredictedStep, predict_step, rank_wait_ms
 
@@ -130,8 +130,9 @@ def _step(train: dict, backward: dict, accumulation: int) -> MeasuredStep:
 
     A Trainer's record averages its ``logged_steps`` (``logging_steps``), and its ``tokens`` sums them.
     """
-    forward = backward.get("forward_ms")
-    micro = forward + backward["backward_ms"] if forward is not None else train["compute_max_ms"] / accumulation
+    micro = micro_step_ms(backward)
+    if micro is None:
+        micro = train["compute_max_ms"] / accumulation
     return MeasuredStep(
         step_ms=train["step_time_s"] * 1e3,
         micro_ms=micro,

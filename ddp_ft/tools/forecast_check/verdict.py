@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from ...report.comparison import summarize_run
 from ...report.forecast import Forecast
+from ...report.records import BACKWARD, micro_step_ms, of_type
 
 # The quantities compared: the key in the check's JSON, the label, the unit, the RunSummary / ForecastRow field.
 QUANTITIES = {
@@ -30,20 +31,17 @@ def run_medians(records: list[dict], name: str = "run") -> dict[str, float | Non
     """
     summary = summarize_run(records, skip_first=SKIP_FIRST, name=name)
     values = {key: getattr(summary, field) for key, (_, _, field) in QUANTITIES.items()}
-    return values | {"host_load_1m": summary.host_load_1m, "micro_step_ms": micro_step_ms(records)}
+    return values | {"host_load_1m": summary.host_load_1m, "micro_step_ms": median_micro_step_ms(records)}
 
 
-def micro_step_ms(records: list[dict]) -> float | None:
+def median_micro_step_ms(records: list[dict]) -> float | None:
     """Rank 0's median micro-step over steps 2..N: the last forward and backward of each step, by the device's clock.
 
     The forecast takes every rank to compute a micro-step as fast as the one process did; this shows whether the
     runs did. None where the run recorded no forward time.
     """
-    times = [
-        r["forward_ms"] + r["backward_ms"]
-        for r in records
-        if r.get("type") == "backward" and r.get("step", 0) > SKIP_FIRST and r.get("forward_ms") is not None
-    ]
+    timed = [micro_step_ms(r) for r in of_type(records, BACKWARD) if r.get("step", 0) > SKIP_FIRST]
+    times = [t for t in timed if t is not None]
     return statistics.median(times) if times else None
 
 
